@@ -1,0 +1,51 @@
+"""ravnest_jax: decentralized DiLoCo training for JAX.
+
+Public names are re-exported here and loaded on first use, so that the jax-free layers
+(``ravnest_jax.swarm``, the wire format of ``ravnest_jax.compress``) can be imported without
+importing jax.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "DiLoCo": "ravnest_jax.optim",
+    "DiLoCoState": "ravnest_jax.optim",
+    "RoundSnapshot": "ravnest_jax.optim",
+    "default_outer": "ravnest_jax.optim",
+    "diloco": "ravnest_jax.optim",
+    "replicate": "ravnest_jax.optim",
+    "unreplicate": "ravnest_jax.optim",
+}
+_SUBMODULES = {"optim", "compress", "swarm", "sync", "checkpoint"}
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
+    from . import optim as optim
+    from .optim import DiLoCo as DiLoCo
+    from .optim import DiLoCoState as DiLoCoState
+    from .optim import RoundSnapshot as RoundSnapshot
+    from .optim import default_outer as default_outer
+    from .optim import diloco as diloco
+    from .optim import replicate as replicate
+    from .optim import unreplicate as unreplicate
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'ravnest_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS) | _SUBMODULES)
