@@ -17,6 +17,7 @@ _EXPORTS: dict[str, str] = {
     "DiLoCo": "ravnest_jax.optim",
     "DiLoCoState": "ravnest_jax.optim",
     "RoundSnapshot": "ravnest_jax.optim",
+    "SimulatedCodec": "ravnest_jax.optim",
     "default_outer": "ravnest_jax.optim",
     "diloco": "ravnest_jax.optim",
     "replicate": "ravnest_jax.optim",
@@ -29,6 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .optim import DiLoCo as DiLoCo
     from .optim import DiLoCoState as DiLoCoState
     from .optim import RoundSnapshot as RoundSnapshot
+    from .optim import SimulatedCodec as SimulatedCodec
     from .optim import default_outer as default_outer
     from .optim import diloco as diloco
     from .optim import replicate as replicate

@@ -12,7 +12,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -22,15 +22,36 @@ __all__ = [
     "DiLoCo",
     "DiLoCoState",
     "RoundSnapshot",
+    "SimulatedCodec",
     "diloco",
     "default_outer",
 ]
 
 PyTree = Any
-# A transform applied to the pseudo-gradient of one replica before the mean in the
-# ``axis_name`` mode (a codec round trip, for instance). It maps
-# ``(pseudo_gradient, codec_state, rng_key) -> (transformed, new_codec_state)``.
-PseudoGradientTransform = Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree]]
+
+
+@runtime_checkable
+class SimulatedCodec(Protocol):
+    """A pseudo-gradient codec as the in-process simulation (``axis_name`` mode) applies it.
+
+    The real swarm encodes each peer's pseudo-gradient, averages the decoded parts in float32 and
+    encodes the mean again for the all-gather. The simulation does the same on one machine:
+    ``compress`` before the mean (with its state, for example an error-feedback residual), then
+    ``requantize`` after it. ``ravnest_jax.compress.simulated(...)`` builds one from a codec
+    name.
+    """
+
+    def init(self, params: PyTree) -> PyTree:
+        """Codec state for params shaped like ``params`` (``optax.EmptyState()`` if none)."""
+        ...
+
+    def compress(self, delta: PyTree, state: PyTree, key: jax.Array) -> tuple[PyTree, PyTree]:
+        """Encode-then-decode of one replica's float32 pseudo-gradient; returns (decoded, state)."""
+        ...
+
+    def requantize(self, mean: PyTree, key: jax.Array) -> PyTree:
+        """Encode-then-decode of the averaged pseudo-gradient (what the all-gather carries)."""
+        ...
 
 
 class DiLoCoState(NamedTuple):
@@ -240,8 +261,7 @@ def diloco(
     *,
     sync_every: int,
     axis_name: Any = None,
-    pseudo_gradient_transform: PseudoGradientTransform | None = None,
-    codec_state_init: Callable[[optax.Params], PyTree] | None = None,
+    codec: SimulatedCodec | str | None = None,
     rng_key: jax.Array | None = None,
 ) -> DiLoCo:
     """Wraps an optax optimizer into DiLoCo (Douillard et al. 2023, arXiv 2311.08105).
@@ -267,13 +287,13 @@ def diloco(
         momentum 0.9 (the DiLoCo defaults).
       sync_every: H, inner steps per round (``>= 1``).
       axis_name: name of the replica axis for in-process rounds, or ``None``.
-      pseudo_gradient_transform: optional ``(delta, codec_state, key) -> (delta', codec_state')``
-        applied to each replica's pseudo-gradient before the mean in the ``axis_name`` mode (a
-        codec round trip, to study compression in simulation).
-      codec_state_init: ``params -> codec_state`` for ``pseudo_gradient_transform`` (for example
-        zero error-feedback residuals); default: empty state.
-      rng_key: PRNG key for stochastic transforms (folded with the round number each round);
-        default ``jax.random.key(0)``.
+      codec: in the ``axis_name`` mode only, a pseudo-gradient codec applied as the real swarm
+        does (encode, decode, mean, encode, decode), to study compression on one machine: a
+        codec name (``"int4"``, built with ``ravnest_jax.compress.simulated``) or a
+        :class:`SimulatedCodec`. Its state (for example the error-feedback residual) lives in
+        ``DiLoCoState.codec_state``. For a real swarm, give the codec to ``rj.Swarm``.
+      rng_key: PRNG key for stochastic rounding in ``codec`` (folded with the round number and
+        the replica index each round); default ``jax.random.key(0)``.
 
     Returns:
       A :class:`DiLoCo` (an ``optax.GradientTransformationExtraArgs``). Its ``update`` requires
@@ -281,7 +301,7 @@ def diloco(
 
     Raises:
       ValueError: ``sync_every`` is not an int ``>= 1``; ``inner`` or ``outer`` is not a
-        gradient transformation; a transform is given without ``axis_name``.
+        gradient transformation; ``codec`` is given without ``axis_name`` or is not a codec.
 
     References:
       Douillard et al., DiLoCo, https://arxiv.org/abs/2311.08105
@@ -293,19 +313,26 @@ def diloco(
     if outer is None:
         outer = default_outer()
     _check_transform("outer", outer)
-    if pseudo_gradient_transform is not None and axis_name is None:
+    if codec is not None and axis_name is None:
         raise ValueError(
-            "pseudo_gradient_transform applies only with axis_name set (in-process rounds); "
-            "for a real swarm pass the codec to rj.Swarm / rj.OuterSync"
+            "codec applies in diloco only with axis_name set (in-process rounds); "
+            "for a real swarm pass the codec to rj.Swarm"
         )
-    if pseudo_gradient_transform is not None and not callable(pseudo_gradient_transform):
-        raise ValueError("pseudo_gradient_transform must be callable")
+    if isinstance(codec, str):
+        from ravnest_jax.compress import simulated  # optim -> compress is a downward dependency
+
+        codec = simulated(codec)
+    if codec is not None and not isinstance(codec, SimulatedCodec):
+        raise ValueError(
+            f"codec must be a codec name or a SimulatedCodec (init/compress/requantize), got "
+            f"{type(codec).__name__}"
+        )
     inner = optax.with_extra_args_support(inner)
     outer_tx = outer
     base_key = rng_key
 
     def init_fn(params: optax.Params) -> DiLoCoState:
-        codec_state = codec_state_init(params) if codec_state_init is not None else optax.EmptyState()
+        codec_state = codec.init(params) if codec is not None else optax.EmptyState()
         return DiLoCoState(
             inner_state=inner.init(params),
             outer_state=outer_tx.init(params),
@@ -329,12 +356,15 @@ def diloco(
             local = optax.apply_updates(params, inner_updates)
             delta = _sub(state.global_params, local)
             codec_state = state.codec_state
-            if pseudo_gradient_transform is not None:
+            if codec is not None:
                 key = base_key if base_key is not None else jax.random.key(0)
                 key = jax.random.fold_in(key, state.rounds)
+                key, mean_key = jax.random.split(key)
                 key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
-                delta, codec_state = pseudo_gradient_transform(delta, codec_state, key)
-            mean = jax.lax.pmean(delta, axis_name)
+                delta, codec_state = codec.compress(delta, codec_state, key)
+                mean = codec.requantize(jax.lax.pmean(delta, axis_name), mean_key)
+            else:
+                mean = jax.lax.pmean(delta, axis_name)
             new_state = tx.outer_step(state._replace(codec_state=codec_state), mean)
             # updates that take params onto the new anchor
             jump = jax.tree.map(
