@@ -102,6 +102,7 @@ class Rendezvous:
         self.heartbeat_s = heartbeat_s
         self.eviction_s = eviction_s
         self.epoch = secrets.token_hex(8)
+        self.boot = time.monotonic()
         self.runs: dict[str, _Run] = {}
         self.nonces = _auth.NonceCache()
         self._evictor: asyncio.Task[None] | None = None
@@ -272,6 +273,12 @@ class Rendezvous:
         while True:
             rnd = run.rounds.get(run.latest) if run.latest is not None else None
             if rnd is None or (peer in rnd.attempts[0].group and after >= rnd.number):
+                # just (re)started: give every live peer one heartbeat to re-register first
+                settle = self.boot + 2 * self.heartbeat_s - time.monotonic()
+                if settle > 0:
+                    await asyncio.sleep(settle)
+                    self._touch(run, peer, p)
+                    continue
                 rnd = self._create_round(run, after, p)
                 async with run.new_round:
                     run.new_round.notify_all()

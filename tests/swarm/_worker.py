@@ -40,6 +40,8 @@ def main() -> None:
                    help="ROUND:SECONDS straggle before that round")
     p.add_argument("--start-delay", type=float, default=0.0)
     p.add_argument("--expect-peers", type=int, default=0)
+    p.add_argument("--round-sleep", type=float, default=0.0)
+    p.add_argument("--out-dir", default="")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
@@ -62,16 +64,22 @@ def main() -> None:
         for i in range(args.rounds):
             if i in straggle:
                 time.sleep(straggle[i])
+            if i and args.round_sleep:
+                time.sleep(args.round_sleep)
             tree = make_tree(args.seed, i, args.size)
             try:
                 out, rec = sw.all_reduce(tree, weight=args.weight)
                 vec = np.concatenate([out["b"]["s"].reshape(1), out["b"]["x"], out["w"]])
+                rfile = ""
+                if args.out_dir:
+                    rfile = os.path.join(args.out_dir, f"{args.peer_id}-{i}.npy")
+                    np.save(rfile, vec)
                 print(json.dumps({"event": "round", "i": i, "ok": True, "round": rec.round,
                                   "contributors": list(rec.contributors),
                                   "digest": rec.digest, "attempts": rec.attempts,
                                   "total_weight": rec.total_weight,
-                                  "seconds": rec.seconds, "result": vec.tolist()
-                                  if args.size <= 5000 else None}), flush=True)
+                                  "seconds": rec.seconds, "result_file": rfile,
+                                  "result": vec.tolist() if not rfile else None}), flush=True)
             except RoundFailed as e:
                 print(json.dumps({"event": "round", "i": i, "ok": False,
                                   "round": e.record.round, "error": e.record.error}),
