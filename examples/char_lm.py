@@ -416,52 +416,61 @@ def run_peer(args: argparse.Namespace) -> dict:
         rounds_log.append(rec)
         _emit(args, event="round", **{k: rec[k] for k in ("round", "step", "ok", "group_size", "bytes_sent", "exchange_seconds", "stall_seconds", "state_digest", "error")})
 
-    with rj.Swarm(args.rendezvous, run_id=args.run_id, token=token, codec=args.codec, listen=args.listen,
-                  advertise=args.advertise, timeouts=timeouts, peer_id=peer_id) as swarm:
+    # the swarm joins the run only once this peer is compiled and ready: a registered peer is in
+    # every round's group, and one still compiling would cost the others a timeout
+    swarm = rj.Swarm(args.rendezvous, run_id=args.run_id, token=token, codec=args.codec, listen=args.listen,
+                     advertise=args.advertise, timeouts=timeouts, peer_id=peer_id)
+    mode = "blocking" if args.overlap_steps == 0 and args.mode != "eager" else args.mode
+    sync = rj.OuterSync(tx, swarm, mode=mode, overlap_steps=args.overlap_steps, alpha=args.alpha,
+                        samples_per_step=args.batch_size, on_round=on_round)
+    state = tx.init(params)
+    tokens0 = sample_batch(train, np.random.default_rng([data_seed, 0]), args.batch_size, cfg.seq_len)
+    train_step.lower(params, state, tokens0).compile()
+    sync.warmup(params, state)
+    eval_start = evaluate(state.global_params)
+    with swarm, sync:
+        swarm.serve_state(sync.request_state)
+        joined = False
+        if any(p.last_round >= 0 for p in swarm.peers() if p.peer_id != swarm.peer_id):
+            data = swarm.fetch_state(timeout=120)
+            if data:
+                params, state = sync.load_state_bytes(data, params, state)
+                joined = True
         if args.min_peers > 1:
-            swarm.wait_for_peers(args.min_peers, timeout=120)
-        mode = "blocking" if args.overlap_steps == 0 and args.mode != "eager" else args.mode
-        with rj.OuterSync(tx, swarm, mode=mode, overlap_steps=args.overlap_steps, alpha=args.alpha,
-                          samples_per_step=args.batch_size, on_round=on_round) as sync:
-            if hasattr(swarm, "serve_state"):
-                swarm.serve_state(sync.request_state)
-            state = tx.init(params)
-            joined = False
-            if hasattr(swarm, "fetch_state") and any(p.last_round >= 0 for p in swarm.peers() if p.peer_id != swarm.peer_id):
-                data = swarm.fetch_state(timeout=60)
-                if data:
-                    params, state = sync.load_state_bytes(data, params, state)
-                    joined = True
-            start_step = int(state.count)
-            eval_start = evaluate(state.global_params)
-            _emit(args, event="start", peer=swarm.peer_id, step=start_step, eval_loss=eval_start, params=int(n_params), joined=joined)
-            bar = None
-            if not args.json_events and not args.no_progress:
-                from tqdm.auto import tqdm
+            swarm.wait_for_peers(args.min_peers, timeout=300)
+        start_step = int(state.count)
+        _emit(args, event="start", peer=swarm.peer_id, step=start_step, eval_loss=eval_start, params=int(n_params), joined=joined)
+        bar = None
+        if not args.json_events and not args.no_progress:
+            from tqdm.auto import tqdm
 
-                bar = tqdm(total=args.max_steps, initial=start_step, desc=f"peer {swarm.peer_id}", dynamic_ncols=True)
-            t0 = time.perf_counter()
-            last_loss = None
-            for t in range(start_step, args.max_steps):
-                tokens = sample_batch(train, np.random.default_rng([data_seed, t]), args.batch_size, cfg.seq_len)
-                params, state, value = train_step(params, state, tokens)
-                params, state = sync(params, state)
-                if (t + 1) % args.log_every == 0:
-                    # read the loss of the previous log point: long computed, so no stall here
-                    shown = None if last_loss is None else float(last_loss)
-                    last_loss = value
-                    _emit(args, event="progress", step=t + 1, loss=shown)
-                    if bar is not None:
-                        bar.update(args.log_every)
-                        if shown is not None:
-                            bar.set_postfix(loss=f"{shown:.3f}", rounds=len(rounds_log))
-            params, state = sync.flush(params, state)
-            wall = time.perf_counter() - t0
-            if bar is not None:
-                bar.close()
-            eval_end = evaluate(state.global_params)
-            summary = sync.summary()
-            final_digest = digest_hex(device_digest(state.global_params))
+            bar = tqdm(total=args.max_steps, initial=start_step, desc=f"peer {swarm.peer_id}", dynamic_ncols=True)
+        t0 = t_step = time.perf_counter()
+        last_loss = None
+        for t in range(start_step, args.max_steps):
+            tokens = sample_batch(train, np.random.default_rng([data_seed, t]), args.batch_size, cfg.seq_len)
+            params, state, value = train_step(params, state, tokens)
+            params, state = sync(params, state)
+            if args.min_step_seconds > 0:
+                value.block_until_ready()
+                time.sleep(max(0.0, args.min_step_seconds - (time.perf_counter() - t_step)))
+            t_step = time.perf_counter()
+            if (t + 1) % args.log_every == 0:
+                # read the loss of the previous log point: long computed, so no stall here
+                shown = None if last_loss is None else float(last_loss)
+                last_loss = value
+                _emit(args, event="progress", step=t + 1, loss=shown)
+                if bar is not None:
+                    bar.update(args.log_every)
+                    if shown is not None:
+                        bar.set_postfix(loss=f"{shown:.3f}", rounds=len(rounds_log))
+        params, state = sync.flush(params, state)
+        wall = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        eval_end = evaluate(state.global_params)
+        summary = sync.summary()
+        final_digest = digest_hex(device_digest(state.global_params))
     steps_done = args.max_steps - start_step
     return {
         "peer": peer_id,
@@ -487,7 +496,8 @@ def run_peer(args: argparse.Namespace) -> dict:
 
 # ---------------------------------------------------------------------------- swarm: a launcher
 _FORWARD = ("text", "sync_every", "max_steps", "batch_size", "seq_len", "d_model", "layers", "heads", "lr", "codec",
-            "overlap_steps", "mode", "alpha", "fragments", "eval_batches", "seed", "part_timeout", "log_every")
+            "overlap_steps", "mode", "alpha", "fragments", "eval_batches", "seed", "part_timeout", "log_every",
+            "min_step_seconds")
 
 
 def _forward_flags(args: argparse.Namespace) -> list[str]:
@@ -519,12 +529,19 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
         port_file = Path(tmp) / "port"
         run_id = f"char-lm-{secrets.token_hex(3)}"
         events: queue.Queue = queue.Queue()
+        logs: list = []
+
+        def log_file(name: str):
+            f = open(Path(tmp) / name, "w")
+            logs.append(f)
+            return f
+
         try:
             rv = subprocess.Popen(
                 [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port", "0",
                  "--port-file", str(port_file), "--token-file", str(token_file), "--quiet",
                  "--heartbeat", "1", "--eviction", "5"],
-                stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "rendezvous.log", "w"),
+                stdout=subprocess.DEVNULL, stderr=log_file("rendezvous.log"),
             )
             procs.append(rv)
             deadline = time.monotonic() + 30
@@ -544,7 +561,7 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
                        "--min-peers", str(n), "--listen", "127.0.0.1:0", "--json-events",
                        "--parent-pid", str(os.getpid()), "--summary-json", str(Path(tmp) / f"peer{i}.json"),
                        *_forward_flags(args)]
-                p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(Path(tmp) / f"peer{i}.log", "w"), text=True, env=env)
+                p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file(f"peer{i}.log"), text=True, env=env)
                 procs.append(p)
 
                 def read(p=p, i=i) -> None:
@@ -604,6 +621,11 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
                     except subprocess.TimeoutExpired:
                         p.kill()
                         p.wait()
+            for p in procs[1:]:
+                if p.stdout is not None:
+                    p.stdout.close()
+            for f in logs:
+                f.close()
     params = results[0]["params"]
     # data-parallel reference: a ring all-reduce of float32 gradients every step sends
     # 2 (N - 1) / N * 4 * params bytes per peer per step
@@ -686,6 +708,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--data-seed", type=int, default=None, help="seed of this peer's data order (default from the peer id)")
     s.add_argument("--min-peers", type=int, default=1, help="wait for this many peers before training")
     s.add_argument("--log-every", type=_positive_int, default=10, help="progress every this many steps")
+    s.add_argument("--min-step-seconds", type=float, default=0.0,
+                   help="emulate a slower accelerator: each inner step takes at least this long")
     s.add_argument("--json-events", action="store_true", help=argparse.SUPPRESS)
     s.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")

@@ -25,6 +25,7 @@ from ._allreduce import CHUNK, manifest_digest, max_message_bytes, part_bounds, 
 from ._codec import NonFiniteError, PartDecoder, WireFormatError, check_codec, decode_part, \
     encode_part
 from ._http import HTTPStatusError, json_response, signed_json
+from ._state import _StateMixin
 from ._types import PeerInfo, RoundFailed, RoundRecord, SwarmError, Timeouts, digest_of, flatten
 
 log = logging.getLogger("ravnest_jax.swarm")
@@ -59,7 +60,7 @@ class _RoundFail(Exception):
     pass
 
 
-class Swarm:
+class Swarm(_StateMixin):
     """One peer of a DiLoCo swarm: averages pytrees of float32 arrays with the other peers.
 
     Starts an aiohttp server (the part owner side) and an asyncio loop in a background thread,
@@ -183,12 +184,17 @@ class Swarm:
         return self.all_reduce_async(tree, weight=weight).result(
             timeout=self.timeouts.round + self.timeouts.connect + 30)
 
-    def all_reduce_async(self, tree: Any, *,
-                         weight: float = 1.0) -> concurrent.futures.Future[tuple[Any, RoundRecord]]:
+    def all_reduce_async(self, tree: Any, *, weight: float = 1.0,
+                         round: int | None = None) -> concurrent.futures.Future[tuple[Any, RoundRecord]]:
         """Like :meth:`all_reduce` but returns at once with a ``concurrent.futures.Future``.
 
         The future's result is ``(mean_tree, record)``; it raises :class:`RoundFailed`. Rounds
         run one at a time in call order.
+
+        ``round``: the round this contribution belongs to, when the caller keeps its own
+        schedule (``rj.OuterSync`` does). If the swarm has moved past it (this peer was too late)
+        the future fails at once with :class:`RoundFailed` instead of mixing the contribution
+        into a later round. ``None``: the next round.
         """
         if self._loop is None or self._closed:
             raise RuntimeError("Swarm is not running (use it as a context manager)")
@@ -207,7 +213,7 @@ class Swarm:
         offsets = np.cumsum([0] + sizes)
 
         out: concurrent.futures.Future[tuple[Any, RoundRecord]] = concurrent.futures.Future()
-        inner = asyncio.run_coroutine_threadsafe(self._round(vec, np.float32(w), manifest),
+        inner = asyncio.run_coroutine_threadsafe(self._round(vec, np.float32(w), manifest, round),
                                                  self._loop)
 
         def done(f: concurrent.futures.Future[tuple[np.ndarray, RoundRecord]]) -> None:
@@ -265,6 +271,7 @@ class Swarm:
         app.router.add_put(base + "/parts/{part}", self._h_put_part)
         app.router.add_get(base + "/results/{part}", self._h_get_result)
         app.router.add_get("/health", self._h_health)
+        app.router.add_get("/v1/runs/{run_id}/state", self._h_get_state)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._listen[0], self._listen[1],
@@ -558,8 +565,9 @@ class Swarm:
             except (HTTPStatusError, PermissionError) as e:
                 raise _RoundFail(f"rendezvous refused the {phase} vote: {e}") from e
 
-    async def _begin(self, deadline: float) -> dict[str, Any]:
-        payload = {**self._hello(), "after": self._last_round, "part_s": self.timeouts.part,
+    async def _begin(self, deadline: float, expected: int | None = None) -> dict[str, Any]:
+        after = self._last_round if expected is None else expected - 1
+        payload = {**self._hello(), "after": after, "part_s": self.timeouts.part,
                    "grace_s": self.timeouts.grace, "max_attempts": self.timeouts.max_attempts}
         last: Exception | None = None
         while True:
@@ -578,15 +586,17 @@ class Swarm:
                 raise _RoundFail(f"rendezvous refused the round: {e}") from e
 
     async def _round(self, vec: np.ndarray, weight: np.float32,
-                     manifest: str) -> tuple[np.ndarray, RoundRecord]:
+                     manifest: str, expected: int | None = None) -> tuple[np.ndarray, RoundRecord]:
         async with self._round_lock:
             t0 = time.monotonic()
             deadline = t0 + self.timeouts.round
             stats = {"sent": 0, "received": 0}
             r, attempts, group = -1, 0, ()
             try:
-                begin = await self._begin(deadline)
+                begin = await self._begin(deadline, expected)
                 r, epoch = int(begin["round"]), str(begin["epoch"])
+                if expected is not None and r != expected:
+                    raise _RoundFail(f"missed round {expected}: the swarm is at round {r}")
                 a, group = int(begin["attempt"]), tuple(begin["group"])
                 addresses = dict(begin.get("addresses") or {})
                 addresses[self.peer_id] = self.address or ""

@@ -165,3 +165,58 @@ def test_bad_config_raises_value_error():
         OuterSync(tx, object())
     with pytest.raises(ValueError, match="samples_per_step"):
         OuterSync(tx, Fake(), samples_per_step=0)
+
+
+@pytest.mark.timeout(240)
+def test_joining_peer_downloads_state_and_matches_from_its_first_round():
+    """Two peers train; a third joins mid-run: it downloads the global state from a live peer,
+    contributes from the next round on, and its state digest equals the others' from its first
+    round."""
+    import threading
+    import time
+
+    steps, h = 40, 4
+    results: dict[int, dict] = {}
+    with local_swarm(3) as peers:
+        started = threading.Event()
+
+        def peer(i, swarm, delay):
+            time.sleep(delay)
+            tx = rj.diloco(optax.adam(2e-2), sync_every=h)
+            step = _make_step(tx)
+            params = _init()
+            state = tx.init(params)
+            with OuterSync(tx, swarm, mode="delayed", overlap_steps=1) as sync:
+                swarm.serve_state(sync.request_state)
+                joined = False
+                if i == 2:
+                    data = swarm.fetch_state(timeout=60)
+                    assert data, "no state downloaded"
+                    params, state = sync.load_state_bytes(data, params, state)
+                    joined = True
+                start = int(state.count)
+                if i == 0:
+                    started.set()
+                for t in range(start, steps):
+                    params, state, _ = step(params, state, *_batch(i, t))
+                    params, state = sync(params, state)
+                    time.sleep(0.05)  # slow enough for the joiner to arrive mid-run
+                params, state = sync.flush(params, state)
+                results[i] = {"start": start, "joined": joined, "metrics": list(sync.metrics),
+                              "global": jax.device_get(state.global_params)}
+
+        # p2 is registered from the start (local_swarm), but only starts training later
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futs = [pool.submit(peer, 0, peers[0], 0.0), pool.submit(peer, 1, peers[1], 0.0)]
+            assert started.wait(60)
+            futs.append(pool.submit(peer, 2, peers[2], 1.0))
+            for f in futs:
+                f.result(timeout=180)
+    assert results[2]["joined"] and results[2]["start"] > 0
+    by_step = {i: {m.step: m.state_digest for m in results[i]["metrics"] if m.ok} for i in results}
+    joiner_steps = sorted(by_step[2])
+    assert joiner_steps, "the joiner took part in no round"
+    for s in joiner_steps:
+        assert by_step[2][s] == by_step[0][s] == by_step[1][s], s
+    for x, y in zip(jax.tree.leaves(results[2]["global"]), jax.tree.leaves(results[0]["global"])):
+        np.testing.assert_array_equal(x, y)
