@@ -265,7 +265,8 @@ class Swarm:
         app.router.add_put(base + "/parts/{part}", self._h_put_part)
         app.router.add_get(base + "/results/{part}", self._h_get_result)
         app.router.add_get("/health", self._h_health)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                     shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._listen[0], self._listen[1],
                            ssl_context=self._ssl, reuse_address=True)

@@ -403,7 +403,8 @@ async def serve(host: str, port: int, token: str | bytes, *, heartbeat_s: float 
     ``ready(bound_port)`` is called once the socket listens (``port=0`` picks a free port).
     """
     rv = Rendezvous(token, heartbeat_s=heartbeat_s, eviction_s=eviction_s)
-    runner = web.AppRunner(rv.make_app(), access_log=None, handle_signals=False)
+    runner = web.AppRunner(rv.make_app(), access_log=None, handle_signals=False,
+                           shutdown_timeout=1.0)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True)

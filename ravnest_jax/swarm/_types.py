@@ -137,10 +137,11 @@ def flatten(tree: Any) -> tuple[list[str], list[np.ndarray], Callable[[list[np.n
                 return cls((k, s(it)) for k, s in zip(keys, subs))
             return build
         if isinstance(node, (list, tuple)):
-            subs = [rec(v, f"{path}/{i}") for i, v in enumerate(node)]
             cls = type(node)
             if hasattr(node, "_fields"):
+                subs = [rec(v, f"{path}/{f}") for f, v in zip(node._fields, node)]
                 return lambda it: cls(*[s(it) for s in subs])
+            subs = [rec(v, f"{path}/{i}") for i, v in enumerate(node)]
             return lambda it: cls(s(it) for s in subs)
         arr = np.asarray(node)
         if arr.dtype != np.float32:

@@ -45,6 +45,9 @@ def main() -> None:
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
+    import logging
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(message)s")
     from ravnest_jax.swarm import RoundFailed, Swarm, Timeouts
 
     t = Timeouts(connect=2.0, part=args.part_timeout, grace=0.5, round=args.round_timeout,
