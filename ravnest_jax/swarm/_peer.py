@@ -246,8 +246,8 @@ class Swarm:
                 peers = self.peers()
                 if len(peers) >= n:
                     return peers
-            except SwarmError:
-                pass
+            except SwarmError as e:
+                log.info("%s: waiting for peers: %r", self.peer_id, e)
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"fewer than {n} peers after {timeout} s")
             time.sleep(0.1)

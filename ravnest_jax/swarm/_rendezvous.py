@@ -272,7 +272,10 @@ class Rendezvous:
         deadline = time.monotonic() + wait_s
         while True:
             rnd = run.rounds.get(run.latest) if run.latest is not None else None
-            if rnd is None or (peer in rnd.attempts[0].group and after >= rnd.number):
+            live = {e.peer_id for e in self._live(run)}
+            over = rnd is not None and (rnd.outcome != "running" or not (
+                live - {peer}) & set(rnd.attempts[max(rnd.attempts)].group))
+            if rnd is None or over or (peer in rnd.attempts[0].group and after >= rnd.number):
                 # just (re)started: give every live peer one heartbeat to re-register first
                 settle = self.boot + 2 * self.heartbeat_s - time.monotonic()
                 if settle > 0:

@@ -44,6 +44,9 @@ def main() -> None:
     p.add_argument("--out-dir", default="")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the fixture dumps hung peers
 
     import logging
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
