@@ -1,0 +1,212 @@
+"""Device-side (jax, jittable) encoding, error feedback and the simulated codec.
+
+Imports jax; reached lazily from :mod:`ravnest_jax.compress` so that the host API stays jax-free.
+The quantisation math is the one in :mod:`._formats`, evaluated with ``xp = jax.numpy``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from . import _formats as F
+from . import _tree
+from ._wire import ALLOWED_DTYPES, LeafSpec, Packed
+
+__all__ = ["ErrorFeedbackState", "SimulatedCodecImpl", "device_encode", "init_error_feedback", "simulated"]
+
+
+def _packed_flatten(p: Packed):
+    return (p.parts, p.ok), (p.codec, p.specs, p.structure)
+
+
+def _packed_unflatten(aux, children):
+    parts, ok = children
+    return Packed(aux[0], aux[1], aux[2], parts, ok)
+
+
+jax.tree_util.register_pytree_node(Packed, _packed_flatten, _packed_unflatten)
+
+
+def _topk_indices(a: jax.Array, k: int) -> jax.Array:
+    # lax.top_k breaks ties toward lower indices, as F.np_topk_indices does.
+    return jax.lax.top_k(a, k)[1]
+
+
+def _noise_fn(cfg: F.CodecConfig, key: jax.Array | None):
+    if not cfg.stochastic:
+        return None
+    return lambda shape: jax.random.uniform(key, shape, jnp.float32)
+
+
+def _roundtrip(cfg: F.CodecConfig, x: jax.Array, key: jax.Array | None) -> tuple[jax.Array, tuple, jax.Array]:
+    """Flat float32 ``x`` -> (ok, parts, decoded flat float32)."""
+    ok, parts = F.quantize(jnp, cfg, x, noise=_noise_fn(cfg, key), topk_indices=_topk_indices)
+    return ok, parts, F.dequantize(jnp, cfg, parts, x.shape[0])
+
+
+def _split(key: jax.Array | None, n: int) -> list:
+    if key is None:
+        return [None] * n
+    return list(jax.random.split(key, max(n, 1)))[:n] if n else []
+
+
+def device_encode(
+    tree: Any,
+    codec: str = "int4",
+    *,
+    key: jax.Array | None = None,
+    residual: Any = None,
+    **options: Any,
+) -> tuple[Packed, Any]:
+    """Encodes a pytree on the accelerator (jittable): the small packed arrays leave the device.
+
+    With error feedback (``residual`` given) the encoded value is ``x + residual`` and the new
+    residual is ``(x + residual) - decode(encode(x + residual))``, computed on the device.
+
+    Use under ``jax.jit`` with the codec options static, e.g.
+    ``jax.jit(functools.partial(device_encode, codec="int4", block_size=64))``; then
+    ``packed_to_bytes(packed)`` on the host (jax-free) gives the message, which equals
+    ``encode(tree, codec, ...)`` byte for byte for the deterministic codecs.
+
+    Args:
+      tree: nested dicts (str keys), lists, tuples of float arrays (float32, bfloat16, float16).
+      codec: one of ``CODECS``.
+      key: PRNG key, required with ``stochastic=True`` (split per leaf).
+      residual: error-feedback residual (from :func:`init_error_feedback` or the previous call),
+        same structure and shapes as ``tree``, float32; ``None`` for no error feedback.
+      **options: ``block_size``, ``fraction``, ``stochastic`` as in ``encode``.
+
+    Returns:
+      ``(packed, new_residual)``: a :class:`~ravnest_jax.compress.Packed` pytree (uint8/uint16/
+      uint32 payloads and scales, a per-leaf bool ``ok`` flag that is False for NaN/Inf/
+      ``|x| > 2**127`` inputs: ``packed_to_bytes`` then raises ``NonFiniteError``), and the new
+      residual tree (float32) or ``None`` without error feedback.
+
+    Raises:
+      ValueError: bad codec/option, ``stochastic`` without ``key``, a residual of another
+        structure, a non-float leaf.
+    """
+    cfg = F.resolve(codec, **options)
+    if cfg.stochastic and key is None:
+        raise ValueError("stochastic=True needs a PRNG key: device_encode(..., key=jax.random.key(0))")
+    leaves, names, structure = _tree.flatten(tree)
+    res = None
+    if residual is not None:
+        res, _, rstructure = _tree.flatten(residual)
+        if rstructure != structure:
+            raise ValueError("residual must have the same tree structure as the input")
+    keys = _split(key if cfg.stochastic else None, len(leaves))
+    specs, parts, oks, new_res = [], [], [], []
+    for i, (leaf, name) in enumerate(zip(leaves, names)):
+        a = jnp.asarray(leaf)
+        if a.dtype.name not in ALLOWED_DTYPES:
+            raise ValueError(f"pseudo-gradient leaf {name!r} has dtype {a.dtype.name}; expected a float dtype")
+        x = a.astype(jnp.float32).reshape(-1)
+        if res is not None:
+            x = x + jnp.asarray(res[i], jnp.float32).reshape(-1)
+        if res is not None:
+            ok, p, dec = _roundtrip(cfg, x, keys[i])
+            new_res.append((x - dec).reshape(a.shape))
+        else:
+            ok, p = F.quantize(jnp, cfg, x, noise=_noise_fn(cfg, keys[i]), topk_indices=_topk_indices)
+        k = F.topk_count(x.shape[0], cfg.fraction) if cfg.codec == "topk" else 0
+        specs.append(LeafSpec(name, tuple(int(d) for d in a.shape), a.dtype.name, cfg.block_size, k))
+        parts.append(tuple(p))
+        oks.append(ok)
+    packed = Packed(cfg.codec, tuple(specs), structure, tuple(parts), tuple(oks))
+    return packed, (_tree.unflatten(structure, new_res) if res is not None else None)
+
+
+def init_error_feedback(params: Any) -> Any:
+    """Zero error-feedback residual for ``params``: a pytree of float32 zeros of the same shapes."""
+    return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+
+
+class ErrorFeedbackState(NamedTuple):
+    """State of a simulated codec with error feedback.
+
+    Attributes:
+      residual: pytree shaped like the params, float32: what quantisation dropped last round,
+        added to the next round's pseudo-gradient before encoding (Seide et al. 2014; Karimireddy
+        et al. 2019, https://arxiv.org/abs/1901.09847).
+    """
+
+    residual: Any
+
+
+class SimulatedCodecImpl:
+    """A codec as the in-process DiLoCo simulation applies it (``SimulatedCodec`` protocol).
+
+    ``compress``: per replica, ``decode(encode(delta + residual))`` with error feedback;
+    ``requantize``: ``decode(encode(mean))`` (what the all-gather of the mean carries). All
+    jittable and vmappable; non-finite inputs cannot raise inside jit and simply propagate.
+    """
+
+    def __init__(self, cfg: F.CodecConfig, error_feedback: bool):
+        self.cfg = cfg
+        self.error_feedback = bool(error_feedback) and cfg.codec in F.LOSSY_CODECS
+
+    def __repr__(self) -> str:
+        return f"simulated({self.cfg.codec!r}, error_feedback={self.error_feedback}, {self.cfg})"
+
+    def init(self, params: Any) -> Any:
+        if self.error_feedback:
+            return ErrorFeedbackState(init_error_feedback(params))
+        return optax.EmptyState()
+
+    def _apply(self, tree: Any, residual: Any, key: jax.Array) -> tuple[Any, Any]:
+        leaves, treedef = jax.tree.flatten(tree)
+        res = treedef.flatten_up_to(residual) if residual is not None else [None] * len(leaves)
+        keys = _split(key if self.cfg.stochastic else None, len(leaves))
+        out, new_res = [], []
+        for leaf, r, k in zip(leaves, res, keys):
+            x = jnp.asarray(leaf, jnp.float32).reshape(-1)
+            if r is not None:
+                x = x + r.reshape(-1)
+            _, _, dec = _roundtrip(self.cfg, x, k)
+            out.append(dec.reshape(jnp.shape(leaf)))
+            new_res.append((x - dec).reshape(jnp.shape(leaf)))
+        return treedef.unflatten(out), treedef.unflatten(new_res)
+
+    def compress(self, delta: Any, state: Any, key: jax.Array) -> tuple[Any, Any]:
+        if self.cfg.codec == "fp32":
+            return delta, state
+        if self.error_feedback:
+            dec, res = self._apply(delta, state.residual, key)
+            return dec, ErrorFeedbackState(res)
+        dec, _ = self._apply(delta, None, key)
+        return dec, state
+
+    def requantize(self, mean: Any, key: jax.Array) -> Any:
+        if self.cfg.codec == "fp32":
+            return mean
+        return self._apply(mean, None, key)[0]
+
+
+def simulated(
+    codec: str = "int4", *, error_feedback: bool = True, stochastic: bool = False, **options: Any
+) -> SimulatedCodecImpl:
+    """A codec for ``rj.diloco(..., axis_name=..., codec=...)`` simulations.
+
+    Applies the codec as the real swarm does: each replica's pseudo-gradient is encoded and
+    decoded (with error feedback if enabled: the residual lives in ``DiLoCoState.codec_state``),
+    the decoded values are averaged (``pmean``), and the mean is encoded and decoded again.
+    ``"fp32"`` is the identity (bit-exact with no codec).
+
+    Args:
+      codec: one of ``CODECS``.
+      error_feedback: carry the quantisation residual into the next round (lossy codecs only).
+      stochastic: stochastic rounding (bf16, int8, int4, fp4) with the round key of diloco.
+      **options: ``block_size`` or ``fraction`` as in ``encode``.
+
+    Returns:
+      An object with ``init``, ``compress``, ``requantize`` (the ``SimulatedCodec`` protocol).
+
+    Raises:
+      ValueError: bad codec or option.
+    """
+    return SimulatedCodecImpl(F.resolve(codec, stochastic=stochastic, **options), error_feedback)

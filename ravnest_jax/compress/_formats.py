@@ -1,0 +1,429 @@
+"""The math of every codec, written once against an array namespace ``xp``.
+
+``xp`` is ``numpy`` (host encode in :func:`ravnest_jax.compress.encode`, and the lookup tables of
+the host decoder) or ``jax.numpy`` (jitted device encode, error feedback, simulation). Only
+operations with identical IEEE semantics in both are used (elementwise float32 multiply and
+divide, ``rint`` half-to-even, integer bit operations, ``view`` bitcasts, max/min reductions), so
+a deterministic encode produces the same bytes on the host and on the device.
+
+This module imports neither jax nor anything that does.
+
+Per-leaf layout. A leaf of ``n`` elements is flattened (C order) to float32; the blockwise codecs
+pad it with zeros to ``nb = ceil(n / B)`` blocks of ``B`` elements. The *parts* of a leaf, in wire
+order, are:
+
+========  ==========================================  ======================================
+codec     parts (dtype, length)                       payload bytes
+========  ==========================================  ======================================
+fp32      values ``<f4`` (n)                          ``4 n``
+fp16      values ``<u2`` IEEE half bits (n)           ``2 n``
+bf16      values ``<u2`` bfloat16 bits (n)            ``2 n``
+int8      scales ``<u2`` bf16 (nb), codes ``u1`` (nb B)  ``2 nb + nb B``
+int4      scales ``<u2`` bf16 (nb), codes ``u1`` (nb B / 2)  ``2 nb + nb B / 2``
+fp4       scales ``u1`` E8M0 (nb), codes ``u1`` (nb B / 2)   ``nb + nb B / 2``
+topk      indices ``<u4`` (k), values ``<f4`` (k)      ``8 k``
+========  ==========================================  ======================================
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "BLOCK_CODECS",
+    "CODECS",
+    "CodecConfig",
+    "MAX_ABS",
+    "STOCHASTIC_CODECS",
+    "TINY",
+    "dequantize",
+    "in_range",
+    "num_blocks",
+    "part_dtypes",
+    "part_lengths",
+    "payload_nbytes",
+    "quantize",
+    "resolve",
+    "topk_count",
+]
+
+CODECS: tuple[str, ...] = ("fp32", "fp16", "bf16", "int8", "int4", "fp4", "topk")
+"""Names of the codecs, as accepted by ``codec=`` everywhere."""
+
+BLOCK_CODECS = ("int8", "int4", "fp4")
+STOCHASTIC_CODECS = ("bf16", "int8", "int4", "fp4")
+LOSSY_CODECS = ("fp16", "bf16", "int8", "int4", "fp4", "topk")
+DEFAULT_BLOCK_SIZE = {"int8": 64, "int4": 64, "fp4": 32}
+MAX_BLOCK_SIZE = 1 << 16
+DEFAULT_TOPK_FRACTION = 0.01
+
+MAX_ABS = 2.0**127
+"""Largest accepted input magnitude. Larger values (and NaN, Inf) raise ``NonFiniteError``."""
+
+TINY = 2.0**-100
+"""Blocks whose absmax is below this are sent as zeros (keeps every scale a normal float)."""
+
+FP16_MAX = 65504.0
+_QMAX = {"int8": 127, "int4": 7}
+
+
+class CodecConfig(NamedTuple):
+    """Static configuration of a codec (hashable; a jit static argument).
+
+    Attributes:
+      codec: one of :data:`CODECS`.
+      block_size: elements per block for int8/int4/fp4 (even, 2..65536), else 0.
+      fraction: for topk, the fraction of elements sent (0 < fraction <= 1), else 0.0.
+      stochastic: stochastic rounding (bf16, int8, int4, fp4 only).
+    """
+
+    codec: str
+    block_size: int = 0
+    fraction: float = 0.0
+    stochastic: bool = False
+
+
+def resolve(codec: str, **options: Any) -> CodecConfig:
+    """Validates a codec name and its options; returns a :class:`CodecConfig`.
+
+    Options: ``block_size`` (int8, int4, fp4; default 64, 64, 32), ``fraction`` (topk; default
+    0.01), ``stochastic`` (bf16, int8, int4, fp4; default False).
+
+    Raises:
+      ValueError: unknown codec, unknown option, an option that does not apply to the codec, or
+        a bad value; the message names it.
+    """
+    if not isinstance(codec, str) or codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")
+    known = {"block_size", "fraction", "stochastic"}
+    for name in options:
+        if name not in known:
+            raise ValueError(f"unknown codec option {name!r} (known: {', '.join(sorted(known))})")
+    block_size = options.get("block_size")
+    fraction = options.get("fraction")
+    stochastic = options.get("stochastic", False)
+    if block_size is not None and codec not in BLOCK_CODECS:
+        raise ValueError(f"option 'block_size' does not apply to codec {codec!r}")
+    if fraction is not None and codec != "topk":
+        raise ValueError(f"option 'fraction' does not apply to codec {codec!r}")
+    if not isinstance(stochastic, (bool, np.bool_)):
+        raise ValueError(f"option 'stochastic' must be a bool, got {stochastic!r}")
+    stochastic = bool(stochastic)
+    if stochastic and codec not in STOCHASTIC_CODECS:
+        raise ValueError(
+            f"option 'stochastic' does not apply to codec {codec!r} "
+            f"(stochastic rounding exists for {', '.join(STOCHASTIC_CODECS)})"
+        )
+    if codec in BLOCK_CODECS:
+        if block_size is None:
+            block_size = DEFAULT_BLOCK_SIZE[codec]
+        if (
+            isinstance(block_size, (bool, np.bool_))
+            or not isinstance(block_size, (int, np.integer))
+            or not 2 <= block_size <= MAX_BLOCK_SIZE
+            or block_size % 2
+        ):
+            raise ValueError(
+                f"option 'block_size' must be an even int in [2, {MAX_BLOCK_SIZE}], got {block_size!r}"
+            )
+        return CodecConfig(codec, int(block_size), 0.0, stochastic)
+    if codec == "topk":
+        if fraction is None:
+            fraction = DEFAULT_TOPK_FRACTION
+        if (
+            isinstance(fraction, (bool, np.bool_))
+            or not isinstance(fraction, (int, float, np.floating, np.integer))
+            or not 0.0 < float(fraction) <= 1.0
+        ):
+            raise ValueError(f"option 'fraction' must be a number in (0, 1], got {fraction!r}")
+        return CodecConfig(codec, 0, float(fraction), False)
+    return CodecConfig(codec, 0, 0.0, stochastic)
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+def num_blocks(n: int, block_size: int) -> int:
+    """``ceil(n / block_size)``: blocks of a leaf of ``n`` elements."""
+    return -(-n // block_size)
+
+
+def topk_count(n: int, fraction: float) -> int:
+    """Elements topk sends for a leaf of ``n`` elements: ``min(n, max(1, ceil(fraction n)))``.
+
+    0 for an empty leaf.
+    """
+    if n == 0:
+        return 0
+    return min(n, max(1, math.ceil(fraction * n - 1e-9)))
+
+
+def part_lengths(codec: str, n: int, block_size: int, k: int) -> tuple[int, ...]:
+    """Element counts of the parts of one leaf (see the module docstring)."""
+    if codec in ("fp32", "fp16", "bf16"):
+        return (n,)
+    if codec == "topk":
+        return (k, k)
+    nb = num_blocks(n, block_size)
+    if codec == "int8":
+        return (nb, nb * block_size)
+    return (nb, nb * block_size // 2)  # int4, fp4
+
+
+def part_dtypes(codec: str) -> tuple[np.dtype, ...]:
+    """Little-endian wire dtypes of the parts of one leaf."""
+    return _PART_DTYPES[codec]
+
+
+_PART_DTYPES = {
+    "fp32": (np.dtype("<f4"),),
+    "fp16": (np.dtype("<u2"),),
+    "bf16": (np.dtype("<u2"),),
+    "int8": (np.dtype("<u2"), np.dtype("u1")),
+    "int4": (np.dtype("<u2"), np.dtype("u1")),
+    "fp4": (np.dtype("u1"), np.dtype("u1")),
+    "topk": (np.dtype("<u4"), np.dtype("<f4")),
+}
+
+
+def payload_nbytes(codec: str, n: int, block_size: int, k: int) -> int:
+    """Exact payload bytes of one leaf (Python ints, no overflow)."""
+    return sum(
+        length * dt.itemsize for length, dt in zip(part_lengths(codec, n, block_size, k), _PART_DTYPES[codec])
+    )
+
+
+# ----------------------------------------------------------------------------- bit helpers
+
+
+def f32_to_bf16_bits(xp: Any, x: Any, noise_bits: Any = None) -> Any:
+    """float32 -> bfloat16 bits (uint16): round-half-to-even, or stochastic with ``noise_bits``.
+
+    ``noise_bits``: uint32 uniform in ``[0, 2**16)`` (stochastic rounding of the magnitude,
+    unbiased). Inputs must satisfy ``|x| <= MAX_ABS`` (no overflow of the carry).
+    """
+    u = x.view(xp.uint32)
+    if noise_bits is None:
+        u = u + (((u >> 16) & 1) + 0x7FFF)
+    else:
+        u = u + noise_bits
+    return (u >> 16).astype(xp.uint16)
+
+
+def bf16_bits_ceil(xp: Any, x: Any) -> Any:
+    """bfloat16 bits of the smallest bfloat16 ``>= x`` for finite ``0 <= x <= MAX_ABS``."""
+    u = x.view(xp.uint32)
+    return ((u + 0xFFFF) >> 16).astype(xp.uint16)
+
+
+def bf16_bits_to_f32(xp: Any, bits: Any) -> Any:
+    """bfloat16 bits (uint16) -> float32 (exact)."""
+    return (bits.astype(xp.uint32) << 16).view(xp.float32)
+
+
+def pack_nibbles(xp: Any, codes: Any) -> Any:
+    """``(..., 2m)`` uint8 codes < 16 -> ``(..., m)`` bytes; element ``2i`` in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(xp: Any, packed: Any) -> Any:
+    """Inverse of :func:`pack_nibbles`: ``(..., m)`` bytes -> ``(..., 2m)`` codes."""
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return xp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def int_code_values(xp: Any, codec: str, codes: Any) -> Any:
+    """Integer code (uint8 as stored) -> float32 value before scaling.
+
+    int8: the byte is a two's-complement int8 in ``[-127, 127]``; int4: the nibble is ``q + 8``
+    with ``q`` in ``[-7, 7]``.
+    """
+    if codec == "int8":
+        return codes.view(xp.int8).astype(xp.float32)
+    return codes.astype(xp.float32) - 8.0
+
+
+def e2m1_code_values(xp: Any, codes: Any) -> Any:
+    """FP4 E2M1 code (4 bits: sign, 2 exponent, 1 mantissa) -> float32.
+
+    Magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 for codes 0..7; bit 3 is the sign (OCP MX v1.0).
+    """
+    mag = (codes & 7).astype(xp.float32)
+    v = xp.where(mag < 4, mag * 0.5, xp.where(mag < 7, mag - 2.0, 6.0))
+    return xp.where((codes & 8) != 0, -v, v)
+
+
+def e8m0_scale_values(xp: Any, codes: Any) -> Any:
+    """E8M0 scale byte ``c`` -> ``2**(c - 127)`` float32 (code 0, a zero block, -> 0.0)."""
+    c = codes.astype(xp.uint32)
+    return xp.where(c > 0, (c << 23).view(xp.float32), 0.0).astype(xp.float32)
+
+
+# ----------------------------------------------------------------------------- quantize
+
+
+def in_range(xp: Any, x: Any) -> Any:
+    """True iff every element is finite with ``|x| <= MAX_ABS`` (NaN -> False). ``x``: 1-D f32."""
+    if x.shape[0] == 0:
+        return xp.asarray(True)
+    return (xp.max(x) <= MAX_ABS) & (xp.min(x) >= -MAX_ABS)
+
+
+def _blocks(xp: Any, x: Any, block_size: int) -> Any:
+    """1-D float32 ``(n,)`` -> zero-padded ``(nb, B)``."""
+    n = x.shape[0]
+    nb = num_blocks(n, block_size)
+    pad = nb * block_size - n
+    if pad:
+        x = xp.concatenate([x, xp.zeros((pad,), xp.float32)])
+    return x.reshape(nb, block_size)
+
+
+def _block_absmax(xp: Any, xb: Any) -> Any:
+    # max(max, -min): no |x| temporary; NaN propagates (then the leaf is flagged, not encoded).
+    return xp.maximum(xp.max(xb, axis=1), -xp.min(xb, axis=1))
+
+
+def _quantize_int(xp, cfg, xb, noise):
+    qmax = _QMAX[cfg.codec]
+    amax = _block_absmax(xp, xb)
+    ok = xp.max(amax) <= MAX_ABS
+    amax = xp.where(amax < TINY, 0.0, amax).astype(xp.float32)
+    # multiply by the rounded reciprocal (XLA rewrites division by a constant this way; numpy must
+    # do the same to produce the same bytes); clip below absorbs the 1-ulp difference
+    s_bits = bf16_bits_ceil(xp, amax * xp.float32(1.0 / qmax))
+    s = bf16_bits_to_f32(xp, s_bits)
+    inv = xp.where(s > 0, xp.float32(1.0) / xp.where(s > 0, s, xp.float32(1.0)), 0.0).astype(xp.float32)
+    y = xb * inv[:, None]
+    q = xp.rint(y) if noise is None else xp.floor(y + noise)
+    q = xp.clip(q, -qmax, qmax)
+    if cfg.codec == "int8":
+        codes = q.astype(xp.int8).view(xp.uint8)
+    else:
+        codes = pack_nibbles(xp, (q + 8.0).astype(xp.uint8))
+    return ok, (s_bits, codes.reshape(-1))
+
+
+def _quantize_fp4(xp, cfg, xb, noise):
+    amax = _block_absmax(xp, xb)
+    ok = xp.max(amax) <= MAX_ABS
+    zero = amax < TINY
+    v = xp.where(zero, xp.float32(1.0), amax * xp.float32(1.0 / 6.0)).astype(xp.float32)
+    vb = v.view(xp.uint32)
+    # e = ceil(log2(v)) from the bits (v is a normal float): exponent + (mantissa != 0)
+    e = ((vb >> 23) & 0xFF).astype(xp.int32) - 127 + ((vb & 0x7FFFFF) != 0).astype(xp.int32)
+    s_code = xp.where(zero, 0, e + 127).astype(xp.uint8)
+    inv = ((254 - (e + 127)).astype(xp.uint32) << 23).view(xp.float32)  # 2**-e, exact
+    y = xb * inv[:, None]  # exact: power-of-two scaling, |y| <= 6 (+ rounding of amax / 6)
+    a = xp.abs(y)
+    step = xp.where(a < 2.0, 0.5, xp.where(a < 4.0, 1.0, 2.0)).astype(xp.float32)
+    m = xp.rint(a / step) if noise is None else xp.floor(a / step + noise)
+    q = xp.minimum(m * step, 6.0)
+    mag = xp.where(q <= 2.0, q * 2.0, xp.where(q <= 4.0, q + 2.0, q * 0.5 + 4.0)).astype(xp.uint8)
+    codes = mag | xp.where(y < 0, 8, 0).astype(xp.uint8)
+    codes = xp.where(zero[:, None], 0, codes).astype(xp.uint8)
+    return ok, (s_code, pack_nibbles(xp, codes).reshape(-1))
+
+
+def quantize(
+    xp: Any,
+    cfg: CodecConfig,
+    x: Any,
+    noise: Callable[[tuple[int, ...]], Any] | None = None,
+    topk_indices: Callable[[Any, int], Any] | None = None,
+) -> tuple[Any, tuple[Any, ...]]:
+    """Encodes one flat float32 leaf into its parts.
+
+    Args:
+      xp: ``numpy`` or ``jax.numpy``.
+      cfg: a :class:`CodecConfig`.
+      x: 1-D float32 array, ``(n,)``.
+      noise: for stochastic rounding, ``noise(shape) -> float32 uniform [0, 1)``; ``None`` for
+        round-half-to-even.
+      topk_indices: for topk, ``f(|x|, k) -> indices`` of the k largest magnitudes, ties broken
+        toward lower indices (``numpy``/``jax.lax.top_k`` implementations differ only in speed).
+
+    Returns:
+      ``(ok, parts)``: ``ok`` a bool scalar, False if any element is NaN, Inf or above
+      ``MAX_ABS`` (then the parts are garbage and must not be sent); ``parts`` as in the module
+      docstring.
+    """
+    codec = cfg.codec
+    if codec == "fp32":
+        return in_range(xp, x), (x,)
+    if codec == "fp16":
+        return in_range(xp, x), (xp.clip(x, -FP16_MAX, FP16_MAX).astype(xp.float16).view(xp.uint16),)
+    if codec == "bf16":
+        nbits = None
+        if cfg.stochastic and noise is not None:
+            nbits = (noise(x.shape) * 65536.0).astype(xp.uint32)
+        return in_range(xp, x), (f32_to_bf16_bits(xp, x, nbits),)
+    if codec == "topk":
+        n = x.shape[0]
+        k = topk_count(n, cfg.fraction)
+        if k == 0:
+            return in_range(xp, x), (xp.zeros((0,), xp.uint32), xp.zeros((0,), xp.float32))
+        idx = xp.sort(topk_indices(xp.abs(x), k)).astype(xp.uint32)
+        return in_range(xp, x), (idx, x[idx])
+    if x.shape[0] == 0:
+        empty = xp.zeros((0,), xp.uint16 if codec != "fp4" else xp.uint8)
+        return xp.asarray(True), (empty, xp.zeros((0,), xp.uint8))
+    xb = _blocks(xp, x, cfg.block_size)
+    nz = noise(xb.shape) if (cfg.stochastic and noise is not None) else None
+    if codec in ("int8", "int4"):
+        return _quantize_int(xp, cfg, xb, nz)
+    return _quantize_fp4(xp, cfg, xb, nz)
+
+
+def dequantize(xp: Any, cfg: CodecConfig, parts: tuple[Any, ...], n: int) -> Any:
+    """Decodes the parts of one leaf to a flat float32 array ``(n,)`` (generic ``xp`` version).
+
+    The host decoder (:mod:`._wire`) computes the same values with lookup tables built from the
+    functions used here (:func:`int_code_values`, :func:`e2m1_code_values`,
+    :func:`unpack_nibbles`), so the math exists once.
+    """
+    codec = cfg.codec
+    if codec == "fp32":
+        return parts[0].astype(xp.float32)
+    if codec == "fp16":
+        return parts[0].view(xp.float16).astype(xp.float32)
+    if codec == "bf16":
+        return bf16_bits_to_f32(xp, parts[0])
+    if codec == "topk":
+        idx, vals = parts
+        return xp.zeros((n,), xp.float32).at[idx].set(vals) if xp is not np else _np_scatter(n, idx, vals)
+    if n == 0:
+        return xp.zeros((0,), xp.float32)
+    s_raw, codes = parts
+    nb = s_raw.shape[0]
+    if codec == "int8":
+        s = bf16_bits_to_f32(xp, s_raw)
+        vals = int_code_values(xp, codec, codes)
+    elif codec == "int4":
+        s = bf16_bits_to_f32(xp, s_raw)
+        vals = int_code_values(xp, codec, unpack_nibbles(xp, codes))
+    else:
+        s = e8m0_scale_values(xp, s_raw)
+        vals = e2m1_code_values(xp, unpack_nibbles(xp, codes))
+    return (vals.reshape(nb, -1) * s[:, None]).reshape(-1)[:n]
+
+
+def _np_scatter(n, idx, vals):
+    out = np.zeros((n,), np.float32)
+    out[idx.astype(np.intp)] = vals
+    return out
+
+
+def np_topk_indices(a: Any, k: int) -> Any:
+    """numpy: indices of the ``k`` largest of ``a`` (1-D), ties toward lower indices, O(n)."""
+    n = a.shape[0]
+    if k >= n:
+        return np.arange(n)
+    t = np.partition(a, n - k)[n - k]
+    gt = np.flatnonzero(a > t)
+    eq = np.flatnonzero(a == t)[: k - gt.shape[0]]
+    return np.concatenate([gt, eq])

@@ -1,0 +1,640 @@
+"""The wire format of a compressed pseudo-gradient pytree (jax-free).
+
+Layout (all integers little-endian)::
+
+    offset  size  field
+    0       4     magic b"RJPG"
+    4       1     format version (1)
+    5       1     flags (0)
+    6       2     reserved (0)
+    8       4     header_len: bytes of the msgpack header that follows the prefix
+    12      8     payload_len: bytes of the payload that follows the header
+    20      4     payload_crc32: zlib.crc32 of the payload
+    24      4     header_crc32: zlib.crc32 of bytes 0..23 followed by the header
+    28      ...   header: msgpack map {"codec": str,
+                                       "leaves": [[name, shape, dtype, block_size, k], ...],
+                                       "tree": nested structure (leaf indices in maps/arrays)}
+    ...     ...   payload: for each leaf in order, its parts (see ``_formats``), no padding
+
+The header is validated completely (types, codec, dtypes, block sizes, shapes, and that the sum
+of the per-leaf payload sizes implied by codec/shape/block size equals ``payload_len``) and the
+declared sizes are checked against ``max_bytes`` / ``max_decoded_bytes`` before any buffer is
+allocated for the payload or the decoded arrays. CRC-32 detects corruption, not tampering:
+authenticate peers at the transport level.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from typing import Any, NamedTuple
+
+import msgpack
+import numpy as np
+
+from . import _formats as F
+from . import _tree
+from ._errors import NonFiniteError, WireFormatError
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "DEFAULT_MAX_DECODED_BYTES",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "PREFIX_NBYTES",
+    "LeafInfo",
+    "LeafSpec",
+    "Manifest",
+    "Packed",
+    "StreamDecoder",
+    "decode",
+    "packed_to_bytes",
+    "read_header",
+]
+
+MAGIC = b"RJPG"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<4sBBHIQII")
+PREFIX_NBYTES: int = _PREFIX.size  # 28
+"""Bytes of the fixed prefix; :func:`read_header` needs ``PREFIX_NBYTES + header_len`` bytes."""
+
+DEFAULT_MAX_BYTES: int = 1 << 32
+"""Default limit on the size of one message (4 GiB), checked against the declared sizes."""
+
+DEFAULT_MAX_DECODED_BYTES: int = 1 << 34
+"""Default limit on the float32 bytes a message decodes to (16 GiB; topk messages are small but
+decode to full size)."""
+
+MAX_HEADER_BYTES = 64 << 20
+MAX_LEAVES = 1 << 20
+MAX_NDIM = 32
+MAX_NAME_LEN = 4096
+ALLOWED_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+class LeafSpec(NamedTuple):
+    """Static description of one encoded leaf (hashable; part of :class:`Packed`'s tree aux).
+
+    Attributes:
+      name: path name, for example ``"layer0/w"``.
+      shape: the leaf's shape.
+      dtype: the source dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``, ``"float64"``);
+        informational, decode always yields float32.
+      block_size: elements per block (int8/int4/fp4) or 0.
+      k: elements sent (topk) or 0.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    block_size: int
+    k: int
+
+
+class Packed:
+    """Encoded pytree before serialisation: the output of ``device_encode`` (jax arrays) or of the
+    host encoder (numpy arrays). :func:`packed_to_bytes` turns it into wire bytes.
+
+    A pytree node (registered with jax by ``ravnest_jax.compress._device``): children are
+    ``parts`` (per leaf, a tuple of small arrays: uint8/uint16/uint32 payloads and scales) and
+    ``ok`` (per leaf, a bool scalar: False if the input had NaN/Inf/too-large values); the static
+    aux data is ``(codec, specs, structure)``.
+    """
+
+    __slots__ = ("codec", "specs", "structure", "parts", "ok")
+
+    def __init__(self, codec: str, specs: tuple[LeafSpec, ...], structure: Any,
+                 parts: tuple[tuple[Any, ...], ...], ok: tuple[Any, ...]):
+        self.codec = codec
+        self.specs = tuple(specs)
+        self.structure = structure
+        self.parts = tuple(tuple(p) for p in parts)
+        self.ok = tuple(ok)
+
+    def __repr__(self) -> str:
+        return f"Packed(codec={self.codec!r}, leaves={[s.name for s in self.specs]})"
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes (without header)."""
+        return sum(F.payload_nbytes(self.codec, math.prod(s.shape), s.block_size, s.k) for s in self.specs)
+
+
+class LeafInfo(NamedTuple):
+    """One leaf of a parsed header.
+
+    Attributes:
+      name: path name (``"layer0/w"``).
+      shape: decoded shape.
+      dtype: source dtype name (decode yields float32).
+      block_size: block size (int8/int4/fp4) or 0.
+      k: elements sent (topk) or 0.
+      offset: byte offset of the leaf's payload from the start of the payload.
+      nbytes: payload bytes of the leaf.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    block_size: int
+    k: int
+    offset: int
+    nbytes: int
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+
+class Manifest(NamedTuple):
+    """A validated header: what a message holds and how long it is.
+
+    Attributes:
+      version: wire format version.
+      codec: codec name.
+      leaves: tuple of :class:`LeafInfo` in payload order.
+      structure: hashable tree-structure descriptor.
+      header_nbytes: prefix + header bytes (the payload starts here).
+      payload_nbytes: payload bytes.
+      total_nbytes: bytes of the whole message.
+      decoded_nbytes: float32 bytes the decoder allocates (including block padding).
+      payload_crc32: declared CRC-32 of the payload.
+    """
+
+    version: int
+    codec: str
+    leaves: tuple[LeafInfo, ...]
+    structure: Any
+    header_nbytes: int
+    payload_nbytes: int
+    total_nbytes: int
+    decoded_nbytes: int
+    payload_crc32: int
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(leaf.name for leaf in self.leaves)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {leaf.name: leaf.shape for leaf in self.leaves}
+
+
+# ----------------------------------------------------------------------------- encode
+
+
+def packed_to_bytes(packed: Packed, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    """Serialises a :class:`Packed` (numpy or device arrays, fetched with ``np.asarray``) to bytes.
+
+    jax-free: call it on the output of a jitted ``device_encode`` (optionally after
+    ``jax.device_get``); the bytes equal ``encode(tree, codec, ...)`` for the deterministic codecs.
+
+    Args:
+      packed: the encoded pytree.
+      max_bytes: refuse to build a message larger than this (bytes).
+
+    Returns:
+      The message: prefix, header, payload.
+
+    Raises:
+      NonFiniteError: a leaf's input held NaN, Inf or ``|x| > 2**127`` (names the leaf).
+      ValueError: the message would exceed ``max_bytes``, or parts do not match the specs.
+    """
+    codec = packed.codec
+    dts = F.part_dtypes(codec)
+    arrays = []
+    for spec, parts, ok in zip(packed.specs, packed.parts, packed.ok, strict=True):
+        if not bool(np.asarray(ok)):
+            raise NonFiniteError(
+                f"pseudo-gradient leaf {spec.name!r} has NaN, Inf or |x| > 2**127 values; "
+                "refusing to encode it (a diverged peer must not poison the swarm)",
+                leaf=spec.name,
+            )
+        lens = F.part_lengths(codec, math.prod(spec.shape), spec.block_size, spec.k)
+        if len(parts) != len(lens):
+            raise ValueError(f"leaf {spec.name!r}: expected {len(lens)} parts, got {len(parts)}")
+        for p, length, dt in zip(parts, lens, dts):
+            a = np.asarray(p)
+            if a.size != length or a.dtype.kind != dt.kind or a.dtype.itemsize != dt.itemsize:
+                raise ValueError(
+                    f"leaf {spec.name!r}: part {a.dtype}{a.shape} does not match {dt} x {length}"
+                )
+            arrays.append(np.ascontiguousarray(a.reshape(-1), dtype=dt))
+    header = msgpack.packb(
+        {
+            "codec": codec,
+            "leaves": [[s.name, list(s.shape), s.dtype, s.block_size, s.k] for s in packed.specs],
+            "tree": _tree.structure_to_wire(packed.structure),
+        },
+        use_bin_type=True,
+    )
+    payload_len = sum(a.nbytes for a in arrays)
+    total = PREFIX_NBYTES + len(header) + payload_len
+    if total > max_bytes:
+        raise ValueError(f"encoded message would have {total} bytes, above max_bytes={max_bytes}")
+    buf = bytearray(total)
+    buf[PREFIX_NBYTES : PREFIX_NBYTES + len(header)] = header
+    off = PREFIX_NBYTES + len(header)
+    for a in arrays:
+        if a.nbytes:
+            np.frombuffer(buf, np.uint8, a.nbytes, off)[:] = a.view(np.uint8)
+        off += a.nbytes
+    mv = memoryview(buf)
+    payload_crc = zlib.crc32(mv[PREFIX_NBYTES + len(header) :])
+    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, 0, len(header), payload_len, payload_crc, 0)
+    header_crc = zlib.crc32(header, zlib.crc32(head[:24]))
+    buf[:PREFIX_NBYTES] = head[:24] + struct.pack("<I", header_crc)
+    mv.release()
+    return bytes(buf)
+
+
+# ----------------------------------------------------------------------------- parse
+
+
+def _check_limit(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _parse_prefix(prefix: Any, max_bytes: int) -> tuple[int, int, int, int]:
+    """-> (header_len, payload_len, payload_crc, header_crc); raises WireFormatError."""
+    magic, version, flags, reserved, header_len, payload_len, payload_crc, header_crc = _PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise WireFormatError(
+            f"bad magic {bytes(magic)!r}: not a ravnest_jax pseudo-gradient message (expected {MAGIC!r})"
+        )
+    if version != FORMAT_VERSION:
+        raise WireFormatError(f"unsupported wire format version {version} (this library reads {FORMAT_VERSION})")
+    if flags or reserved:
+        raise WireFormatError(f"reserved prefix fields must be 0, got flags={flags} reserved={reserved}")
+    if header_len == 0 or header_len > MAX_HEADER_BYTES:
+        raise WireFormatError(f"declared header length {header_len} outside [1, {MAX_HEADER_BYTES}]")
+    total = PREFIX_NBYTES + header_len + payload_len
+    if total > max_bytes:
+        raise WireFormatError(f"message declares {total} bytes, above max_bytes={max_bytes}")
+    return header_len, payload_len, payload_crc, header_crc
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _parse_header(prefix: Any, header: Any, max_bytes: int, max_decoded_bytes: int) -> Manifest:
+    header_len, payload_len, payload_crc, header_crc = _parse_prefix(prefix, max_bytes)
+    header = bytes(header)
+    if zlib.crc32(header, zlib.crc32(bytes(prefix[:24]))) != header_crc:
+        raise WireFormatError("header checksum mismatch (corrupted or not a message)")
+    try:
+        obj = msgpack.unpackb(header, raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several types for bad input; all mean "malformed"
+        raise WireFormatError(f"undecodable header: {type(e).__name__}: {e}") from None
+    if not isinstance(obj, dict) or set(obj) != {"codec", "leaves", "tree"}:
+        raise WireFormatError("header must be a map with keys 'codec', 'leaves', 'tree'")
+    codec = obj["codec"]
+    if not isinstance(codec, str) or codec not in F.CODECS:
+        raise WireFormatError(f"unknown codec {codec!r} in header")
+    entries = obj["leaves"]
+    if not isinstance(entries, list) or len(entries) > MAX_LEAVES:
+        raise WireFormatError("header 'leaves' must be an array of at most 2**20 entries")
+    leaves = []
+    offset = 0
+    decoded = 0
+    for i, e in enumerate(entries):
+        if not isinstance(e, list) or len(e) != 5:
+            raise WireFormatError(f"leaf entry {i} must be [name, shape, dtype, block_size, k]")
+        name, shape, dtype, block, k = e
+        if not isinstance(name, str) or len(name) > MAX_NAME_LEN:
+            raise WireFormatError(f"leaf {i}: name must be a str of at most {MAX_NAME_LEN} chars")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_NDIM
+            or not all(_is_int(d) and 0 <= d < 2**62 for d in shape)
+        ):
+            raise WireFormatError(f"leaf {name!r}: shape must be at most {MAX_NDIM} non-negative ints, got {shape!r}")
+        if dtype not in ALLOWED_DTYPES:
+            raise WireFormatError(f"leaf {name!r}: unsupported dtype {dtype!r}")
+        if not _is_int(block) or not _is_int(k):
+            raise WireFormatError(f"leaf {name!r}: block_size and k must be ints")
+        n = math.prod(shape)
+        if codec in F.BLOCK_CODECS:
+            if not 2 <= block <= F.MAX_BLOCK_SIZE or block % 2:
+                raise WireFormatError(f"leaf {name!r}: block_size {block} is not an even int in [2, 65536]")
+            decoded += 4 * F.num_blocks(n, block) * block
+        else:
+            if block != 0:
+                raise WireFormatError(f"leaf {name!r}: block_size must be 0 for codec {codec!r}")
+            decoded += 4 * n
+        if codec == "topk":
+            if not 0 <= k <= n:
+                raise WireFormatError(f"leaf {name!r}: topk count {k} outside [0, {n}]")
+        elif k != 0:
+            raise WireFormatError(f"leaf {name!r}: k must be 0 for codec {codec!r}")
+        if decoded > max_decoded_bytes:
+            raise WireFormatError(
+                f"message decodes to more than max_decoded_bytes={max_decoded_bytes} bytes"
+            )
+        nbytes = F.payload_nbytes(codec, n, block, k)
+        leaves.append(LeafInfo(name, tuple(shape), dtype, block, k, offset, nbytes))
+        offset += nbytes
+        if offset > payload_len:
+            break
+    if offset != payload_len:
+        raise WireFormatError(
+            f"shapes in the header imply a payload of {offset} bytes (or more), but it declares {payload_len}"
+        )
+    try:
+        structure = _tree.structure_from_wire(obj["tree"], len(leaves))
+    except ValueError as e:
+        raise WireFormatError(f"bad tree structure in header: {e}") from None
+    expected = _tree.structure_names(structure, len(leaves))
+    for leaf, want in zip(leaves, expected):
+        if leaf.name != want:
+            raise WireFormatError(f"leaf name {leaf.name!r} does not match its tree path {want!r}")
+    return Manifest(
+        version=FORMAT_VERSION,
+        codec=codec,
+        leaves=tuple(leaves),
+        structure=structure,
+        header_nbytes=PREFIX_NBYTES + header_len,
+        payload_nbytes=payload_len,
+        total_nbytes=PREFIX_NBYTES + header_len + payload_len,
+        decoded_nbytes=decoded,
+        payload_crc32=payload_crc,
+    )
+
+
+def _as_view(data: Any) -> memoryview:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"expected bytes, bytearray or memoryview, got {type(data).__name__}")
+    mv = memoryview(data)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def read_header(
+    data: bytes | bytearray | memoryview,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+) -> Manifest:
+    """Parses and validates the prefix and header of a message, not the payload.
+
+    Lets a server check the codec, leaf names and shapes and the size of a message before it
+    reads the body. ``data`` may be only the first bytes of the message: at least
+    :data:`PREFIX_NBYTES`, then ``manifest.header_nbytes``.
+
+    Args:
+      data: the start of a message (or all of it).
+      max_bytes: largest accepted message (bytes).
+      max_decoded_bytes: largest accepted decoded size (float32 bytes).
+
+    Returns:
+      The :class:`Manifest`.
+
+    Raises:
+      WireFormatError: too few bytes for the prefix or the header, bad magic or version, a
+        declared size above a maximum, bad header checksum, a malformed or inconsistent header.
+    """
+    max_bytes = _check_limit("max_bytes", max_bytes)
+    max_decoded_bytes = _check_limit("max_decoded_bytes", max_decoded_bytes)
+    mv = _as_view(data)
+    if len(mv) < PREFIX_NBYTES:
+        raise WireFormatError(f"truncated message: {len(mv)} bytes, the prefix alone needs {PREFIX_NBYTES}")
+    header_len, *_ = _parse_prefix(mv[:PREFIX_NBYTES], max_bytes)
+    if len(mv) < PREFIX_NBYTES + header_len:
+        raise WireFormatError(
+            f"truncated message: {len(mv)} bytes, the header needs {PREFIX_NBYTES + header_len}"
+        )
+    return _parse_header(mv[:PREFIX_NBYTES], mv[PREFIX_NBYTES : PREFIX_NBYTES + header_len], max_bytes, max_decoded_bytes)
+
+
+def decode(
+    data: bytes | bytearray | memoryview,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+) -> Any:
+    """Decodes a message into a pytree of numpy float32 arrays (host, numpy only).
+
+    Args:
+      data: one whole message, as produced by ``encode`` or ``packed_to_bytes``.
+      max_bytes: largest accepted message (bytes), default :data:`DEFAULT_MAX_BYTES`.
+      max_decoded_bytes: largest accepted decoded size (float32 bytes), default
+        :data:`DEFAULT_MAX_DECODED_BYTES`.
+
+    Returns:
+      The encoded nesting (dicts with sorted str keys, lists, tuples) with writable float32 numpy
+      arrays of the encoded shapes.
+
+    Raises:
+      WireFormatError: anything wrong with ``data`` (see :class:`WireFormatError`).
+      TypeError: ``data`` is not bytes-like.
+    """
+    mv = _as_view(data)
+    manifest = read_header(mv, max_bytes=max_bytes, max_decoded_bytes=max_decoded_bytes)
+    if len(mv) < manifest.total_nbytes:
+        raise WireFormatError(
+            f"truncated message: {len(mv)} bytes, the header declares {manifest.total_nbytes}"
+        )
+    if len(mv) > manifest.total_nbytes:
+        raise WireFormatError(
+            f"{len(mv) - manifest.total_nbytes} trailing bytes after a message of {manifest.total_nbytes}"
+        )
+    payload = mv[manifest.header_nbytes :]
+    if zlib.crc32(payload) != manifest.payload_crc32:
+        raise WireFormatError("payload checksum mismatch (corrupted message)")
+    return decode_payload(manifest, payload)
+
+
+# lookup tables, built from the one implementation in _formats
+_NIBBLE_PAIRS = F.unpack_nibbles(np, np.arange(256, dtype=np.uint8)[:, None])  # (256, 2)
+_INT4_LUT = np.ascontiguousarray(F.int_code_values(np, "int4", _NIBBLE_PAIRS))
+_FP4_LUT = np.ascontiguousarray(F.e2m1_code_values(np, _NIBBLE_PAIRS))
+_E8M0_LUT = F.e8m0_scale_values(np, np.arange(256, dtype=np.uint8))
+# Largest valid scales: q * s stays finite (the encoder stays below these for |x| <= 2**127).
+_MAX_INT_SCALE = {"int8": 1.5 * F.MAX_ABS / 127, "int4": 1.5 * F.MAX_ABS / 7}
+_MAX_E8M0 = 252
+
+
+def _check_finite(name: str, a: np.ndarray) -> None:
+    # one pass, no temporary: a float64 sum of float32 values cannot overflow, NaN/Inf propagate
+    if a.size and not math.isfinite(float(np.add.reduce(a, dtype=np.float64))):
+        raise WireFormatError(f"leaf {name!r} decodes to non-finite values")
+
+
+def _decode_leaf(codec: str, leaf: LeafInfo, buf: memoryview) -> np.ndarray:
+    n = leaf.size
+    lens = F.part_lengths(codec, n, leaf.block_size, leaf.k)
+    parts = []
+    off = leaf.offset
+    for length, dt in zip(lens, F.part_dtypes(codec)):
+        parts.append(np.frombuffer(buf, dt, length, off))
+        off += length * dt.itemsize
+    if codec in ("fp32", "fp16", "bf16"):
+        if codec == "fp32":
+            out = parts[0].astype(np.float32)
+        elif codec == "fp16":
+            out = parts[0].view("<f2").astype(np.float32)
+        else:
+            out = F.bf16_bits_to_f32(np, parts[0])
+        _check_finite(leaf.name, out)
+        return out.reshape(leaf.shape)
+    if codec == "topk":
+        idx, vals = parts
+        if leaf.k:
+            if int(idx[-1]) >= n or (leaf.k > 1 and not bool(np.all(idx[1:] > idx[:-1]))):
+                raise WireFormatError(f"leaf {leaf.name!r}: topk indices not strictly increasing below {n}")
+            _check_finite(leaf.name, vals)
+        out = np.zeros(n, np.float32)
+        out[idx.astype(np.intp)] = vals
+        return out.reshape(leaf.shape)
+    if n == 0:
+        return np.zeros(leaf.shape, np.float32)
+    s_raw, codes = parts
+    nb = s_raw.shape[0]
+    B = leaf.block_size
+    if codec == "fp4":
+        if int(s_raw.max()) > _MAX_E8M0:
+            raise WireFormatError(f"leaf {leaf.name!r}: E8M0 scale code above {_MAX_E8M0}")
+        s = _E8M0_LUT[s_raw]
+        vals = _FP4_LUT.take(codes, axis=0).reshape(nb, B)
+    else:
+        s = F.bf16_bits_to_f32(np, s_raw)
+        if not (bool(np.all(s >= 0)) and float(s.max()) <= _MAX_INT_SCALE[codec]):
+            raise WireFormatError(f"leaf {leaf.name!r}: block scales negative, non-finite or too large")
+        if codec == "int8":
+            vals = codes.view(np.int8).astype(np.float32).reshape(nb, B)
+        else:
+            vals = _INT4_LUT.take(codes, axis=0).reshape(nb, B)
+    vals *= s[:, None]
+    return vals.reshape(-1)[:n].reshape(leaf.shape)
+
+
+def decode_payload(manifest: Manifest, payload: memoryview) -> Any:
+    """Decodes a payload (already length- and checksum-checked) described by ``manifest``."""
+    leaves = [_decode_leaf(manifest.codec, leaf, payload) for leaf in manifest.leaves]
+    return _tree.unflatten(manifest.structure, leaves)
+
+
+class StreamDecoder:
+    """Incremental decoder for a message arriving in chunks (for example aiohttp
+    ``request.content.iter_chunked``).
+
+    The prefix and header are validated as soon as they arrive (:attr:`header` is then set, so a
+    server can check leaf names, shapes and codec and stop early); the payload buffer is
+    allocated only after the declared sizes passed ``max_bytes`` / ``max_decoded_bytes``; the
+    CRC is computed incrementally. Errors are sticky: after a :class:`WireFormatError` every
+    further call raises it again.
+
+    Example::
+
+        dec = rj.compress.StreamDecoder(max_bytes=limit)
+        async for chunk in request.content.iter_chunked(1 << 16):
+            dec.feed(chunk)
+            if dec.header is not None and dec.header.names != expected_names: ...
+        tree = dec.finish()
+
+    Args:
+      max_bytes: largest accepted message (bytes).
+      max_decoded_bytes: largest accepted decoded size (float32 bytes).
+    """
+
+    def __init__(self, *, max_bytes: int = DEFAULT_MAX_BYTES, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES):
+        self._max_bytes = _check_limit("max_bytes", max_bytes)
+        self._max_decoded = _check_limit("max_decoded_bytes", max_decoded_bytes)
+        self._head = bytearray()
+        self._header_len: int | None = None
+        self._manifest: Manifest | None = None
+        self._payload: bytearray | None = None
+        self._filled = 0
+        self._crc = 0
+        self._error: WireFormatError | None = None
+        self._finished = False
+
+    @property
+    def header(self) -> Manifest | None:
+        """The validated :class:`Manifest` once the header arrived, else None."""
+        return self._manifest
+
+    @property
+    def nbytes_received(self) -> int:
+        """Bytes fed so far."""
+        return len(self._head) + self._filled
+
+    def feed(self, chunk: bytes | bytearray | memoryview) -> None:
+        """Adds the next bytes of the message.
+
+        Raises:
+          WireFormatError: the bytes so far are not a valid start of a message, exceed a
+            maximum, or go past the declared end of the message.
+        """
+        if self._error is not None:
+            raise self._error
+        if self._finished:
+            raise WireFormatError("feed() after finish()")
+        try:
+            self._feed(_as_view(chunk))
+        except WireFormatError as e:
+            self._error = e
+            raise
+
+    def _feed(self, mv: memoryview) -> None:
+        while len(mv):
+            if self._manifest is None:
+                target = PREFIX_NBYTES if self._header_len is None else PREFIX_NBYTES + self._header_len
+                take = min(target - len(self._head), len(mv))
+                self._head += mv[:take]
+                mv = mv[take:]
+                if len(self._head) < target:
+                    return
+                if self._header_len is None:
+                    self._header_len = _parse_prefix(self._head, self._max_bytes)[0]
+                    continue
+                self._manifest = _parse_header(
+                    self._head[:PREFIX_NBYTES], self._head[PREFIX_NBYTES:], self._max_bytes, self._max_decoded
+                )
+                self._payload = bytearray(self._manifest.payload_nbytes)
+                continue
+            assert self._payload is not None
+            remaining = len(self._payload) - self._filled
+            if len(mv) > remaining:
+                raise WireFormatError(
+                    f"bytes past the declared end of a message of {self._manifest.total_nbytes} bytes"
+                )
+            end = self._filled + len(mv)
+            self._payload[self._filled : end] = mv
+            self._crc = zlib.crc32(mv, self._crc)
+            self._filled = end
+            return
+
+    def finish(self) -> Any:
+        """Checks that the whole message arrived intact and decodes it.
+
+        Returns:
+          The pytree of float32 numpy arrays (as :func:`decode`).
+
+        Raises:
+          WireFormatError: truncated message, checksum mismatch, bad payload contents.
+        """
+        if self._error is not None:
+            raise self._error
+        try:
+            if self._manifest is None or self._payload is None:
+                raise WireFormatError(
+                    f"truncated message: {len(self._head)} bytes received, the header is incomplete"
+                )
+            if self._filled < len(self._payload):
+                raise WireFormatError(
+                    f"truncated message: {self.nbytes_received} of {self._manifest.total_nbytes} bytes received"
+                )
+            if self._crc != self._manifest.payload_crc32:
+                raise WireFormatError("payload checksum mismatch (corrupted message)")
+            self._finished = True
+            return decode_payload(self._manifest, memoryview(self._payload))
+        except WireFormatError as e:
+            self._error = e
+            raise
