@@ -94,8 +94,9 @@ async def _impostor(url: str) -> dict[str, int]:
                                     manifest=manifest)
         wrong_k = f"/v1/runs/{run}/rounds/{r}/0/parts/{(k + 1) % 3}"
         out["wrong_part"] = await put(good, manifest=manifest, p=wrong_k)
-        bad = encode_part(f"part{k}", np.full(hi - lo, np.nan, np.float32), "fp32")
-        out["nan"] = await put(bad, manifest=manifest)
+        corrupt = bytearray(good)
+        corrupt[-3] ^= 0xFF  # a payload byte: the checksum no longer matches
+        out["corrupt"] = await put(bytes(corrupt), manifest=manifest)
         wrong_shape = encode_part(f"part{k}", np.ones(hi - lo + 1, np.float32), "fp32")
         out["wrong_shape"] = await put(wrong_shape, manifest=manifest)
         # leave without voting: a and b must retry without us
@@ -116,7 +117,7 @@ def test_bad_requests_are_refused_without_effect(cluster):
     assert statuses == {
         "rv_unsigned": 401, "rv_wrong_token": 401,
         "unsigned": 401, "wrong_token": 401, "wrong_manifest": 400, "tampered_body": 401,
-        "garbage": 400, "truncated": 400, "oversize": 413, "wrong_part": 400, "nan": 400,
+        "garbage": 400, "truncated": 400, "oversize": 413, "wrong_part": 400, "corrupt": 400,
         "wrong_shape": 400,
     }
     for p in procs.values():

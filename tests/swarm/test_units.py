@@ -148,17 +148,23 @@ def test_part_decoder_rejects_garbage(garbage):
 
 def test_part_decoder_rejects_mismatch_truncation_and_excess():
     data = encode_part("part0", np.ones(10, np.float32), "fp32")
-    for kw in ({"name": "part1"}, {"length": 11}):
+    for kw in ({"name": "part1"}, {"length": 11}, {"codec": "int8"}):
         args = {"name": "part0", "length": 10, "codec": "fp32", "max_bytes": 1000, **kw}
-        with pytest.raises(WireFormatError, match="manifest"):
+        with pytest.raises(WireFormatError):
             PartDecoder(**args).feed(data)
+    dec = PartDecoder(name="part0", length=10, codec="fp32", max_bytes=1000)
+    dec.feed(data[:-1])
     with pytest.raises(WireFormatError, match="truncated"):
-        decode_part(data[:-1], name="part0", length=10, codec="fp32")
-    with pytest.raises(WireFormatError, match="longer"):
+        dec.finish()
+    with pytest.raises(WireFormatError):
         dec = PartDecoder(name="part0", length=10, codec="fp32", max_bytes=len(data) + 4)
         dec.feed(data + b"\0\0\0\0")
-    with pytest.raises(WireFormatError, match="longer than"):
+    with pytest.raises(WireFormatError):
         PartDecoder(name="part0", length=10, codec="fp32", max_bytes=10).feed(data)
-    with pytest.raises(ValueError, match="NaN"):
-        decode_part(encode_part("part0", np.full(10, np.inf, np.float32), "fp32"),
-                    name="part0", length=10, codec="fp32")
+
+
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "int8", "int4", "fp4", "topk"])
+def test_lossy_part_roundtrip_keeps_shape(codec):
+    x = np.random.default_rng(0).standard_normal(1000, dtype=np.float32)
+    y = decode_part(encode_part("part3", x, codec), name="part3", length=1000, codec=codec)
+    assert y.shape == (1000,) and y.dtype == np.float32 and np.isfinite(y).all()
