@@ -69,7 +69,10 @@ class Swarm:
       rendezvous_url: base URL of the rendezvous, e.g. ``"http://10.0.0.1:8765"``.
       run_id: the run to join; peers of one run average with each other.
       token: the run token (shared secret; non-empty).
-      codec: wire codec of parts and results (``"fp32"`` is exact).
+      codec: wire codec of parts and results, one of :func:`available_codecs` (``"fp32"`` is
+        exact; lossy codecs quantise each part and again the all-gathered mean).
+      codec_options: options of the codec (e.g. ``{"block_size": 64}``, ``{"fraction": 0.01}``
+        for ``topk``), see ``docs/compression.md``.
       listen: ``"host:port"`` to bind; port 0 picks a free port (see :attr:`port`).
       advertise: base URL other peers use to reach this one (default: ``http://`` + the local
         address that routes to the rendezvous + the bound port). Set it behind NAT.
@@ -85,11 +88,13 @@ class Swarm:
     """
 
     def __init__(self, rendezvous_url: str, *, run_id: str, token: str | bytes,
-                 codec: str = "fp32", listen: str = "0.0.0.0:0", advertise: str | None = None,
+                 codec: str = "fp32", codec_options: dict[str, Any] | None = None,
+                 listen: str = "0.0.0.0:0", advertise: str | None = None,
                  timeouts: Timeouts | None = None, peer_id: str | None = None,
                  ssl: _ssl.SSLContext | None = None, client_ssl: Any = None,
                  _send_chunk_delay: float = 0.0):
-        check_codec(codec)
+        check_codec(codec, codec_options)
+        self.codec_options = dict(codec_options or {})
         if not run_id or "/" in run_id:
             raise ValueError("run_id must be non-empty and contain no '/'")
         self.rendezvous_url = rendezvous_url.rstrip("/")
@@ -652,7 +657,7 @@ class Swarm:
             if k == st.me or owner not in membership:
                 continue
             lo, hi = bounds[k]
-            data = encode_part(f"part{k}", vec[lo:hi], self.codec)
+            data = encode_part(f"part{k}", vec[lo:hi], self.codec, **self.codec_options)
             sends[owner] = asyncio.ensure_future(self._send_part(
                 st, membership[owner], k, data, weight, t_part - time.monotonic()))
         try:
@@ -686,7 +691,7 @@ class Swarm:
         # reduce own part, then phase 2: all-gather -------------------------------------------
         mean, total = weighted_mean(st.received, contributors)
         st.received.clear()
-        st.result = encode_part(f"result{st.me}", mean, self.codec)
+        st.result = encode_part(f"result{st.me}", mean, self.codec, **self.codec_options)
         st.result_sha = hashlib.sha256(st.result).hexdigest()
         st.result_ready.set()
         out = np.empty(vec.size, dtype=np.float32)
