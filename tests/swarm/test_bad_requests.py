@@ -99,7 +99,8 @@ async def _impostor(url: str) -> dict[str, int]:
         out["corrupt"] = await put(bytes(corrupt), manifest=manifest)
         wrong_shape = encode_part(f"part{k}", np.ones(hi - lo + 1, np.float32), "fp32")
         out["wrong_shape"] = await put(wrong_shape, manifest=manifest)
-        # leave without voting: a and b must retry without us
+        # leave without voting (after b surely saw three peers): a and b retry without us
+        await asyncio.sleep(2.0)
         await signed_json(s, url, "POST", f"/v1/runs/{run}/leave", token=token, run_id=run,
                           peer=me, payload={"peer_id": me}, timeout=timeout)
     return out
