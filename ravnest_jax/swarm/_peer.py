@@ -25,7 +25,7 @@ from ._allreduce import CHUNK, manifest_digest, max_message_bytes, part_bounds, 
 from ._codec import NonFiniteError, PartDecoder, WireFormatError, check_codec, decode_part, \
     encode_part
 from ._http import HTTPStatusError, json_response, signed_json
-from ._types import PeerInfo, RoundFailed, RoundRecord, SwarmError, Timeouts, digest_of, flatten
+from ._types import PeerInfo, RoundFailed, RoundRecord, SwarmError, Timeouts, flatten, result_digest
 
 log = logging.getLogger("ravnest_jax.swarm")
 
@@ -544,6 +544,7 @@ class Swarm:
             if not _auth.digest_matches(resp.headers[_auth.H_BODY], h.hexdigest()):
                 raise PermissionError("result part does not match its signed digest")
             out[lo:hi] = dec.finish()
+            st.part_shas[k] = h.hexdigest()  # type: ignore[attr-defined]
             return dec.nbytes
 
     async def _vote(self, r: int, epoch: str, a: int, phase: str, data: dict[str, Any],
@@ -585,6 +586,10 @@ class Swarm:
 
     async def _round(self, vec: np.ndarray, weight: np.float32,
                      manifest: str) -> tuple[np.ndarray, RoundRecord]:
+        me = asyncio.current_task()
+        if me is not None:  # so that close() cancels a round in flight
+            self._tasks.add(me)
+            me.add_done_callback(self._tasks.discard)
         async with self._round_lock:
             t0 = time.monotonic()
             deadline = t0 + self.timeouts.round
@@ -607,12 +612,12 @@ class Swarm:
                         if self.peer_id not in group:
                             raise _RoundFail("left out of the retry group (too late)")
                         continue
-                    _, res, contributors, total = out
+                    _, res, contributors, total, digest = out
                     rec = RoundRecord(round=r, ok=True, attempts=attempts, group=group,
                                       contributors=tuple(contributors),
                                       total_weight=float(total), bytes_sent=stats["sent"],
                                       bytes_received=stats["received"],
-                                      seconds=time.monotonic() - t0, digest=digest_of(res),
+                                      seconds=time.monotonic() - t0, digest=digest,
                                       codec=self.codec)
                     return res, rec
             except _RoundFail as e:
@@ -693,6 +698,7 @@ class Swarm:
         st.received.clear()
         st.result = encode_part(f"result{st.me}", mean, self.codec, **self.codec_options)
         st.result_sha = hashlib.sha256(st.result).hexdigest()
+        st.part_shas = {st.me: st.result_sha}  # type: ignore[attr-defined]
         st.result_ready.set()
         out = np.empty(vec.size, dtype=np.float32)
         out[st.lo:st.hi] = decode_part(st.result, name=f"result{st.me}", length=st.hi - st.lo,
@@ -710,7 +716,8 @@ class Swarm:
         ok = not errors
         if errors:
             log.info("%s: all-gather failed: %r", self.peer_id, errors[0])
-        digest = digest_of(out) if ok else ""
+        # the result is a pure function of the encoded result parts: hash their hashes
+        digest = result_digest([st.part_shas[k] for k in range(n)]) if ok else ""  # type: ignore[attr-defined]
         commit = await self._vote(r, epoch, a, "commit", {"ok": ok, "digest": digest}, deadline)
         stats["sent"] += st.bytes_out
         st.bytes_out = 0
@@ -720,7 +727,7 @@ class Swarm:
             raise _RoundFail(commit.get("reason", "round failed"))
         if not ok:  # pragma: no cover - the rendezvous commits only if everyone is ok
             raise _RoundFail("all-gather failed here")
-        return ("ok", out, contributors, total)
+        return ("ok", out, contributors, total, digest)
 
 
 async def _raise(e: BaseException) -> None:
