@@ -31,6 +31,8 @@ log = logging.getLogger("ravnest_jax.swarm")
 
 H_WEIGHT = "X-RJ-Weight"
 H_MANIFEST = "X-RJ-Manifest"
+SLOW_CHUNK = 256 * 1024  # chunk size when ``_send_chunk_delay`` is set (tests)
+READ_BUFSIZE = 1 << 22  # bytes buffered per connection before reading pauses
 
 
 class _Attempt:
@@ -262,7 +264,8 @@ class Swarm:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=256, ssl=self._client_ssl
                                            if self._client_ssl is not None else True),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect))
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect),
+            read_bufsize=READ_BUFSIZE)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._round_lock = asyncio.Lock()
         app = web.Application(client_max_size=1 << 20)
@@ -271,7 +274,7 @@ class Swarm:
         app.router.add_get(base + "/results/{part}", self._h_get_result)
         app.router.add_get("/health", self._h_health)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                                     shutdown_timeout=1.0)
+                                     shutdown_timeout=1.0, read_bufsize=READ_BUFSIZE)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._listen[0], self._listen[1],
                            ssl_context=self._ssl, reuse_address=True)
@@ -500,10 +503,11 @@ class Swarm:
 
         async def body() -> Any:
             mv = memoryview(data)
-            for off in range(0, len(data), CHUNK):
+            step = CHUNK if not delay else SLOW_CHUNK  # tests: a slow sender, chunk by chunk
+            for off in range(0, len(data), step):
                 if delay:
                     await asyncio.sleep(delay)
-                yield mv[off:off + CHUNK]
+                yield mv[off:off + step]
 
         async with self._session.put(
                 url, data=body(), headers=headers, ssl=self._client_ssl,
@@ -701,8 +705,11 @@ class Swarm:
         st.part_shas = {st.me: st.result_sha}  # type: ignore[attr-defined]
         st.result_ready.set()
         out = np.empty(vec.size, dtype=np.float32)
-        out[st.lo:st.hi] = decode_part(st.result, name=f"result{st.me}", length=st.hi - st.lo,
-                                       codec=self.codec)
+        if self.codec == "fp32":  # lossless: decode(encode(mean)) == mean bit for bit
+            out[st.lo:st.hi] = mean
+        else:
+            out[st.lo:st.hi] = decode_part(st.result, name=f"result{st.me}",
+                                           length=st.hi - st.lo, codec=self.codec)
         t_gather = min(time.monotonic() + self.timeouts.part, deadline)
         fetches = [asyncio.ensure_future(self._fetch_result(
             st, membership[owner], k, t_gather - time.monotonic(), out))
