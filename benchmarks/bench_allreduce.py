@@ -219,11 +219,14 @@ def main() -> None:
     if args.rss_rounds:
         res = swarm_run(2, args.rss_payload_mb * MB, args.rss_rounds, args.codec, out)
         series = [[e["rss"] for e in r] for r in res]
+        half = len(series[0]) // 2
         rss = {"peers": 2, "payload_mb": args.rss_payload_mb, "rounds": args.rss_rounds,
                "rss_bytes_per_round": series,
-               "rss_growth_after_round10_mb": [(s[-1] - s[min(10, len(s) - 1)]) / MB
-                                               for s in series]}
-        print("rss growth after round 10 (MB):", rss["rss_growth_after_round10_mb"], flush=True)
+               "rss_max_mb_rounds_10_to_half": [max(s[10:half]) / MB for s in series],
+               "rss_max_mb_second_half": [max(s[half:]) / MB for s in series],
+               "rss_last_mb": [s[-1] / MB for s in series]}
+        print("RSS max MB, rounds 10..half:", rss["rss_max_mb_rounds_10_to_half"],
+              "second half:", rss["rss_max_mb_second_half"], flush=True)
 
     result = {
         "command": " ".join([Path(sys.executable).name] + sys.argv),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import hashlib
 import logging
 import math
@@ -32,7 +33,8 @@ log = logging.getLogger("ravnest_jax.swarm")
 H_WEIGHT = "X-RJ-Weight"
 H_MANIFEST = "X-RJ-Manifest"
 SLOW_CHUNK = 256 * 1024  # chunk size when ``_send_chunk_delay`` is set (tests)
-READ_BUFSIZE = 1 << 22  # bytes buffered per connection before reading pauses
+READ_BUFSIZE = 1 << 22
+GC_GENERATION = 1  # collected after every round (cheap: young objects only)  # bytes buffered per connection before reading pauses
 
 
 class _Attempt:
@@ -638,7 +640,11 @@ class Swarm:
                     st = self._attempts.pop(key)
                     st.closed = True
                     st.received.clear()
+                    st.result = None
                     st.result_ready.set()
+                # a round leaves reference cycles (tasks, exceptions and their frames) that hold
+                # payload-sized buffers; collect the young generations now so RSS stays flat
+                gc.collect(GC_GENERATION)
 
     async def _attempt(self, r: int, a: int, group: tuple[str, ...],
                        membership: dict[str, str], epoch: str,

@@ -35,6 +35,15 @@ def test_signal_stops_rendezvous_and_peer_cleanly(cluster, sig):
     peer = cluster.peer("a", 1, rounds=1000, size=11, round_sleep=0.05)
     cluster.ready([peer])
     peer.expect("round", 20)
+    if sig == signal.SIGTERM:  # the status command sees the peer and its rounds
+        out = subprocess.run([sys.executable, "-m", "ravnest_jax.cli", "status", cluster.url,
+                              "--run-id", "test"], capture_output=True, text=True, timeout=60,
+                             env=cluster.env)
+        assert out.returncode == 0, out.stderr
+        status = __import__("json").loads(out.stdout)
+        assert [p["peer_id"] for p in status["peers"]] == ["a"]
+        assert status["peers"][0]["address"] == f"http://127.0.0.1:{peer.port}"
+        assert status["last_round"] >= 0 and status["rounds"][0]["outcome"] == "ok"
     peer.p.send_signal(sig)
     assert peer.wait(15) in (0, -sig, 128 + sig)
     assert port_is_free(peer.port)
