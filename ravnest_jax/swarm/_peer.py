@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import aiohttp.http_exceptions
 import numpy as np
 from aiohttp import web
 
@@ -443,6 +444,11 @@ class Swarm:
                     raise web.HTTPRequestEntityTooLarge(max_size=limit,
                                                         actual_size=dec.nbytes) from None
                 raise web.HTTPBadRequest(text=f"bad part: {e}") from None
+            except (aiohttp.ClientPayloadError, ConnectionError, asyncio.IncompleteReadError,
+                    aiohttp.http_exceptions.HttpProcessingError) as e:
+                # the sender vanished mid-body (killed, network gone): nothing was stored
+                log.info("%s: part from %s cut off: %r", self.peer_id, sender, e)
+                raise web.HTTPBadRequest(text="body cut off") from None
             if st.closed:
                 raise web.HTTPConflict(text="too late: the reduce-scatter of this attempt is over")
             st.received[sender] = (w, vec)
