@@ -97,7 +97,7 @@ class Swarm:
                  listen: str = "0.0.0.0:0", advertise: str | None = None,
                  timeouts: Timeouts | None = None, peer_id: str | None = None,
                  ssl: _ssl.SSLContext | None = None, client_ssl: Any = None,
-                 _send_chunk_delay: float = 0.0):
+                 _send_chunk_delay: float = 0.0, _serve_delay: float = 0.0):
         check_codec(codec, codec_options)
         self.codec_options = dict(codec_options or {})
         if not run_id or "/" in run_id:
@@ -117,7 +117,8 @@ class Swarm:
         self.peer_id = peer_id or secrets.token_hex(8)
         self._ssl = ssl
         self._client_ssl = client_ssl
-        self._send_chunk_delay = _send_chunk_delay
+        self._send_chunk_delay = _send_chunk_delay  # test hooks: a slow sender / part owner
+        self._serve_delay = _serve_delay
         self.port: int | None = None
         self.address: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -473,6 +474,8 @@ class Swarm:
             await asyncio.wait_for(st.result_ready.wait(), self.timeouts.part)
         except asyncio.TimeoutError:
             raise web.HTTPGatewayTimeout(text="result part not ready") from None
+        if self._serve_delay:
+            await asyncio.sleep(self._serve_delay)
         body = st.result
         if body is None:
             raise web.HTTPConflict(text="this attempt produced no result here")
@@ -731,13 +734,19 @@ class Swarm:
                                                                    "unknown"))))
         results = await asyncio.gather(*fetches, return_exceptions=True)
         errors = [e for e in results if isinstance(e, BaseException)]
+        owners = [owner for k, owner in enumerate(group) if k != st.me and owner in membership]
+        failed_owners = sorted({owners[i] for i, x in enumerate(results[:len(owners)])
+                                if isinstance(x, BaseException)} |
+                               {g for g in group if g not in membership})
         stats["received"] += sum(x for x in results if isinstance(x, int))
         ok = not errors
         if errors:
             log.info("%s: all-gather failed: %r", self.peer_id, errors[0])
         # the result is a pure function of the encoded result parts: hash their hashes
         digest = result_digest([st.part_shas[k] for k in range(n)]) if ok else ""  # type: ignore[attr-defined]
-        commit = await self._vote(r, epoch, a, "commit", {"ok": ok, "digest": digest}, deadline)
+        commit = await self._vote(r, epoch, a, "commit", {"ok": ok, "digest": digest,
+                                                          "failed_owners": failed_owners},
+                                  deadline)
         stats["sent"] += st.bytes_out
         st.bytes_out = 0
         if commit["decision"] == "retry":
