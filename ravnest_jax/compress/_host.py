@@ -40,7 +40,8 @@ def host_pack(tree: Any, codec: str = "int4", *, seed: int | None = None, **opti
     for leaf, name in zip(leaves, names):
         a, dtype = _leaf_array(leaf, name)
         x = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
-        ok, p = F.quantize(np, cfg, x, noise=noise, topk_indices=F.np_topk_indices)
+        with np.errstate(invalid="ignore", over="ignore"):  # garbage parts are dropped if not ok
+            ok, p = F.quantize(np, cfg, x, noise=noise, topk_indices=F.np_topk_indices)
         if not bool(ok):
             raise NonFiniteError(
                 f"pseudo-gradient leaf {name!r} has NaN, Inf or |x| > 2**127 values; refusing to "

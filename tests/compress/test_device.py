@@ -1,0 +1,187 @@
+"""Jitted device encode (same bytes as the host), error feedback, and the simulated codec in
+rj.diloco."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ravnest_jax as rj
+import ravnest_jax.compress as C
+from ravnest_jax.compress import _formats as F
+
+DETERMINISTIC = C.CODECS  # stochastic rounding is opt-in; every codec is deterministic by default
+
+
+def _encoder(codec, **opts):
+    return jax.jit(functools.partial(C.device_encode, codec=codec, **opts))
+
+
+@pytest.mark.parametrize("codec", DETERMINISTIC)
+@settings(max_examples=8, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    n=st.sampled_from([0, 1, 63, 64, 65, 1000]),
+    log_scale=st.integers(-60, 100),
+    dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+)
+def test_device_bytes_equal_host_bytes(codec, seed, n, log_scale, dtype):
+    rng = np.random.default_rng(seed)
+    scale = 2.0**log_scale if dtype != "float16" else 2.0 ** min(log_scale, 10)
+    w = (rng.standard_normal(n) * scale).astype(np.float32)
+    w[: n // 4] = 0.0  # an all-zero block when n >= 64
+    w = w.astype({"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype])
+    tree = {"w": w, "b": [rng.standard_normal(3).astype(np.float32)]}
+    packed, res = _encoder(codec)(tree)
+    assert res is None
+    assert C.packed_to_bytes(packed) == C.encode(tree, codec)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp4", "bf16"])
+def test_device_stochastic_rounding(codec):
+    # jittable with a key; decodable; unbiased over many blocks
+    vals = np.array([1.0, 0.3, -0.77, 0.051, 0.49, -0.999, 0.6543, 0.1234], np.float32)
+    reps = 2000
+    x = np.tile(vals, 8 * reps)
+    opts = {"block_size": 64} if codec in F.BLOCK_CODECS else {}
+    packed, _ = _encoder(codec, stochastic=True, **opts)(x, key=jax.random.key(3))
+    dec = C.decode(C.packed_to_bytes(packed)).reshape(-1, 8).astype(np.float64)
+    z = np.abs(dec.mean(0) - vals) / (dec.std(0) / np.sqrt(dec.shape[0]) + 1e-12)
+    assert np.all(z < 5), z
+    with pytest.raises(ValueError, match="key"):
+        C.device_encode(x, codec, stochastic=True, **opts)
+
+
+def test_device_non_finite_flags_the_leaf():
+    x = {"a": jnp.ones(10), "b": jnp.ones(10).at[3].set(jnp.nan)}
+    packed, _ = _encoder("int4")(x)
+    with pytest.raises(C.NonFiniteError, match="'b'") as info:
+        C.packed_to_bytes(packed)
+    assert info.value.leaf == "b"
+
+
+@pytest.mark.parametrize("codec", ["int4", "fp4", "topk", "int8"])
+def test_error_feedback_tracks_the_sum_and_plain_quantisation_does_not(codec):
+    """sum_t decoded_t = sum_t g_t - residual_T: the drift stays bounded by one round's error."""
+    rng = np.random.default_rng(0)
+    n, rounds = 512, 200
+    bias = rng.standard_normal(n).astype(np.float32)  # a consistent direction, as pseudo-gradients have
+    # a few large entries per block so that small ones round to 0 without error feedback
+    bias[::32] *= 20
+    opts = {"fraction": 0.05} if codec == "topk" else {}
+    enc = _encoder(codec, **opts)
+    res = C.init_error_feedback({"g": jnp.zeros(n)})
+    sum_in = np.zeros(n, np.float64)
+    sum_ef = np.zeros(n, np.float64)
+    sum_plain = np.zeros(n, np.float64)
+    drift_ef = []
+    max_err = 0.0
+    for t in range(rounds):
+        g = {"g": bias + 0.1 * rng.standard_normal(n).astype(np.float32)}
+        packed, res = enc(g, residual=res)
+        dec = C.decode(C.packed_to_bytes(packed))["g"]
+        plain = C.decode(C.encode(g, codec, **opts))["g"]
+        sum_in += g["g"]
+        sum_ef += dec
+        sum_plain += plain
+        drift_ef.append(np.abs(sum_ef - sum_in).max())
+        max_err = max(max_err, float(np.abs(plain - g["g"]).max()))
+    drift_plain = np.abs(sum_plain - sum_in).max()
+    # the drift is exactly the last residual ...
+    np.testing.assert_allclose(sum_in - sum_ef, np.asarray(res["g"], np.float64), atol=1e-2)
+    # ... and it stays bounded: no growth over the second half of the rounds
+    assert max(drift_ef[rounds // 2 :]) <= 1.5 * max(drift_ef[: rounds // 2]) + 1e-3
+    if codec != "topk":  # quantisers: within a few rounds' worth of quantisation error
+        assert drift_ef[-1] <= 3 * max_err + 1e-3, (drift_ef[-1], max_err)
+    # plain quantisation drifts away (it drops the same small values every round)
+    assert drift_plain > 5 * drift_ef[-1], (drift_plain, drift_ef[-1])
+
+
+def test_error_feedback_residual_matches_definition():
+    x = {"w": jnp.linspace(-1, 1, 100)}
+    r0 = {"w": jnp.full((100,), 0.01)}
+    packed, r1 = _encoder("int4")(x, residual=r0)
+    dec = C.decode(C.packed_to_bytes(packed))["w"]
+    np.testing.assert_allclose(np.asarray(r1["w"]), np.asarray(x["w"] + r0["w"]) - dec, atol=1e-7)
+    with pytest.raises(ValueError, match="structure"):
+        C.device_encode(x, "int4", residual={"v": r0["w"]})
+
+
+def _problem():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {"w": jax.random.normal(k1, (8, 2)) * 0.1, "b": jnp.zeros((2,))}
+    xs = jax.random.normal(k2, (4, 16, 8))
+    ys = xs @ jax.random.normal(k3, (8, 2))
+    return params, xs, ys
+
+
+def _loss(p, x, y):
+    return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+
+def _train(codec, steps=60):
+    params, xs, ys = _problem()
+    tx = rj.diloco(optax.adam(0.02), sync_every=5, axis_name="replica", codec=codec)
+
+    def step(p, s, x, y):
+        g = jax.grad(_loss)(p, x, y)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    vstep = jax.jit(jax.vmap(step, axis_name="replica"))
+    P = rj.replicate(params, 4)
+    S = jax.vmap(tx.init)(P)
+    loss0 = float(jnp.mean(jax.vmap(_loss)(P, xs, ys)))
+    for _ in range(steps):
+        P, S = vstep(P, S, xs, ys)
+    return P, S, loss0, float(jnp.mean(jax.vmap(_loss)(P, xs, ys)))
+
+
+def test_diloco_fp32_codec_equals_no_codec_exactly():
+    p_none, _, _, _ = _train(None)
+    p_fp32, s_fp32, _, _ = _train("fp32")
+    for a, b in zip(jax.tree.leaves(p_none), jax.tree.leaves(p_fp32)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert isinstance(s_fp32.codec_state, optax.EmptyState)
+
+
+def test_diloco_int4_trains_with_error_feedback_state():
+    _, _, loss0, loss_none = _train(None)
+    _, s, _, loss_int4 = _train("int4")
+    assert loss_int4 < 0.4 * loss0
+    assert loss_int4 < 1.05 * loss_none
+    assert isinstance(s.codec_state, C.ErrorFeedbackState)
+    assert float(jnp.abs(s.codec_state.residual["w"]).sum()) > 0
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [
+        C.simulated("fp4", stochastic=True),
+        C.simulated("topk", fraction=0.25),
+        C.simulated("int8", error_feedback=False),
+        C.simulated("bf16", block_size=None),
+    ],
+    ids=["fp4-stochastic", "topk", "int8-noef", "bf16"],
+)
+def test_simulated_codecs_train(codec):
+    assert isinstance(codec, rj.SimulatedCodec)
+    _, _, loss0, loss = _train(codec)
+    assert np.isfinite(loss) and loss < 0.6 * loss0
+
+
+def test_simulated_validates_eagerly():
+    with pytest.raises(ValueError, match="unknown codec"):
+        C.simulated("int2")
+    with pytest.raises(ValueError, match="fraction"):
+        C.simulated("int4", fraction=0.1)
+    with pytest.raises(ValueError, match="unknown codec"):
+        rj.diloco(optax.sgd(0.1), sync_every=2, axis_name="r", codec="int2")
