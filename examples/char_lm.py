@@ -447,21 +447,23 @@ def run_peer(args: argparse.Namespace) -> dict:
             bar = tqdm(total=args.max_steps, initial=start_step, desc=f"peer {swarm.peer_id}", dynamic_ncols=True)
         t0 = t_step = time.perf_counter()
         last_loss = None
-        for t in range(start_step, args.max_steps):
+        t = start_step
+        while t < args.max_steps:
             tokens = sample_batch(train, np.random.default_rng([data_seed, t]), args.batch_size, cfg.seq_len)
             params, state, value = train_step(params, state, tokens)
             params, state = sync(params, state)
+            t_prev, t = t, sync.step  # steps done; a resync may move this peer to the swarm's step
             if args.min_step_seconds > 0:
                 value.block_until_ready()
                 time.sleep(max(0.0, args.min_step_seconds - (time.perf_counter() - t_step)))
             t_step = time.perf_counter()
-            if (t + 1) % args.log_every == 0:
+            if t // args.log_every > t_prev // args.log_every:
                 # read the loss of the previous log point: long computed, so no stall here
                 shown = None if last_loss is None else float(last_loss)
                 last_loss = value
-                _emit(args, event="progress", step=t + 1, loss=shown)
+                _emit(args, event="progress", step=t, loss=shown)
                 if bar is not None:
-                    bar.update(args.log_every)
+                    bar.update(t - bar.n)
                     if shown is not None:
                         bar.set_postfix(loss=f"{shown:.3f}", rounds=len(rounds_log))
         params, state = sync.flush(params, state)

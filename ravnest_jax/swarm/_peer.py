@@ -33,6 +33,7 @@ from ._types import PeerInfo, RoundFailed, RoundRecord, SwarmError, Timeouts, fl
 log = logging.getLogger("ravnest_jax.swarm")
 
 H_WEIGHT = "X-RJ-Weight"
+ABSTAIN_WEIGHT = 1e-30  # w + 1e-30 == w in float32 for any weight w >= 1e-22
 H_MANIFEST = "X-RJ-Manifest"
 SLOW_CHUNK = 256 * 1024  # chunk size when ``_send_chunk_delay`` is set (tests)
 READ_BUFSIZE = 1 << 22
@@ -621,23 +622,33 @@ class Swarm(_StateMixin):
             try:
                 begin = await self._begin(deadline, expected)
                 r, epoch = int(begin["round"]), str(begin["epoch"])
-                if expected is not None and r != expected:
-                    raise _RoundFail(f"missed round {expected}: the swarm is at round {r}")
+                missed = expected is not None and r != expected
+                if missed:
+                    # Too late for `expected`; this peer is in round r's group, so it takes part
+                    # as an abstainer (zeros, a weight that vanishes next to any real one in
+                    # float32) rather than make the others wait out the part deadline; then it
+                    # reports the miss.
+                    vec = np.zeros_like(vec)
+                    weight = np.float32(ABSTAIN_WEIGHT)
                 a, group = int(begin["attempt"]), tuple(begin["group"])
                 addresses = dict(begin.get("addresses") or {})
                 addresses[self.peer_id] = self.address or ""
                 self._current_round = r
+                part_left = float(begin.get("part_left", self.timeouts.part))
                 while True:
                     attempts += 1
                     out = await self._attempt(r, a, group, addresses, epoch, vec, weight,
-                                              manifest, deadline, stats)
+                                              manifest, deadline, stats, part_left)
                     if out[0] == "retry":
                         a, group = out[1], tuple(out[2])
+                        part_left = self.timeouts.part
                         log.info("%s: round %d retry %d with %s", self.peer_id, r, a, group)
                         if self.peer_id not in group:
                             raise _RoundFail("left out of the retry group (too late)")
                         continue
                     _, res, contributors, total, digest = out
+                    if missed:
+                        raise _RoundFail(f"missed round {expected}: the swarm is at round {r}")
                     rec = RoundRecord(round=r, ok=True, attempts=attempts, group=group,
                                       contributors=tuple(contributors),
                                       total_weight=float(total), bytes_sent=stats["sent"],
@@ -668,7 +679,7 @@ class Swarm(_StateMixin):
     async def _attempt(self, r: int, a: int, group: tuple[str, ...],
                        membership: dict[str, str], epoch: str,
                        vec: np.ndarray, weight: np.float32, manifest: str, deadline: float,
-                       stats: dict[str, int]) -> tuple[Any, ...]:
+                       stats: dict[str, int], part_left: float | None = None) -> tuple[Any, ...]:
         if self.peer_id not in group:
             raise _RoundFail("not in the round's group")
         n = len(group)
@@ -685,7 +696,8 @@ class Swarm(_StateMixin):
         st.entered.set()
 
         # phase 1: reduce-scatter -----------------------------------------------------------
-        t_part = min(time.monotonic() + self.timeouts.part, deadline)
+        part_s = self.timeouts.part if part_left is None else min(part_left, self.timeouts.part)
+        t_part = min(time.monotonic() + part_s, deadline)
         sends = {}
         for k, owner in enumerate(group):
             if k == st.me or owner not in membership:

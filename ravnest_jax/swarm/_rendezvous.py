@@ -294,9 +294,13 @@ class Rendezvous:
                     run.new_round.notify_all()
             if peer in rnd.attempts[0].group and after < rnd.number:
                 group = rnd.attempts[0].group
+                # the part phase ends at the same moment for everyone: the attempt's start plus
+                # part_s, whenever a peer arrives (a late arrival has less time, not more)
+                part_left = rnd.attempts[0].start + rnd.part_s - time.monotonic()
                 return self._reply(request, run, {
                     "epoch": self.epoch, "round": rnd.number, "attempt": 0, "group": list(group),
-                    "addresses": {g: run.peers[g].address for g in group if g in run.peers}})
+                    "addresses": {g: run.peers[g].address for g in group if g in run.peers},
+                    "part_left": max(part_left, 0.0)})
             # joined while this round runs: wait for the next one
             stale_at = rnd.created + rnd.max_attempts * 2 * (rnd.part_s + rnd.grace_s) + 1.0
             left = min(deadline, stale_at) - time.monotonic()
