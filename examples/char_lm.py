@@ -428,6 +428,10 @@ def run_peer(args: argparse.Namespace) -> dict:
     train_step.lower(params, state, tokens0).compile()
     sync.warmup(params, state)
     eval_start = evaluate(state.global_params)
+    if args.join_when_exists:
+        _emit(args, event="ready")
+        while not Path(args.join_when_exists).exists():
+            time.sleep(0.05)
     with swarm, sync:
         swarm.serve_state(sync.request_state)
         joined = False
@@ -713,6 +717,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--min-step-seconds", type=float, default=0.0,
                    help="emulate a slower accelerator: each inner step takes at least this long")
     s.add_argument("--json-events", action="store_true", help=argparse.SUPPRESS)
+    s.add_argument("--join-when-exists", default=None, help=argparse.SUPPRESS)  # tests: join on cue
     s.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     args = p.parse_args(argv)
