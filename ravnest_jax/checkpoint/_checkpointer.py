@@ -183,6 +183,10 @@ class Checkpointer:
             save_interval_steps=1,  # the interval is applied in save(); orbax always gets force=True
             enable_async_checkpointing=self.async_save,
             cleanup_tmp_directories=True,  # remove the temporary dirs of saves killed midway
+            # Create the step's temporary directory in the blocking phase (on our thread, off the
+            # training loop), so that a failure to create it raises at once instead of leaving the
+            # background commit waiting for a directory-creation signal until orbax's timeout.
+            async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False),
             create=True,
         )
         try:
