@@ -286,11 +286,12 @@ class Checkpointer:
                 for name in _TREE_ITEMS
             },
         }
-        items: dict[str, Any] = {}
-        for name, (_, records, _) in described.items():
-            if records:  # orbax cannot store an empty tree; its structure lives in the target
-                enc = _leaves.encode(trees[name], records, copy_device=self.async_save)
-                items[name] = ocp.args.StandardSave(enc)
+        # orbax cannot store an empty tree; an empty tree's structure lives in the target
+        names = [name for name, (_, records, _) in described.items() if records]
+        encoded = _leaves.encode(
+            [(trees[name], described[name][1]) for name in names], copy_device=self.async_save
+        )
+        items: dict[str, Any] = {name: ocp.args.StandardSave(enc) for name, enc in zip(names, encoded)}
         items[_META_ITEM] = ocp.args.JsonSave(meta)
         args = ocp.args.Composite(**items)
         self.wait()  # back-pressure: one save in flight; raises a previous failure

@@ -104,36 +104,44 @@ def _device_snapshot(leaves: list[jax.Array]) -> list[jax.Array]:
     return out
 
 
-def encode(tree: PyTree, records: list[dict[str, Any]], *, copy_device: bool) -> PyTree:
-    """The stored form of ``tree``: a tree of the same structure with array leaves.
+def encode(trees: list[tuple[PyTree, list[dict[str, Any]]]], *, copy_device: bool) -> list[PyTree]:
+    """The stored form of each ``(tree, records)``: trees of the same structure with array leaves.
 
-    Device leaves are copied on device with one jitted call that is only dispatched (it does not
-    wait for the computation producing them), so this does not block the training loop.
+    The device leaves of all trees are copied on device with one jitted call that is only
+    dispatched (it does not wait for the computation producing them), so this does not block the
+    training loop.
     """
-    leaves, treedef = jax.tree.flatten(tree)
-    dev_idx = [i for i, r in enumerate(records) if r["kind"] in (ARRAY, KEY)]
-    out: list[Any] = list(leaves)
-    if dev_idx:
-        dev = [leaves[i] for i in dev_idx]
+    flat = [jax.tree.flatten(tree) for tree, _ in trees]
+    dev_pos = [
+        (t, i)
+        for t, ((leaves, _), (_, records)) in enumerate(zip(flat, trees))
+        for i, rec in enumerate(records)
+        if rec["kind"] in (ARRAY, KEY)
+    ]
+    outs: list[list[Any]] = [list(leaves) for leaves, _ in flat]
+    if dev_pos:
+        dev = [flat[t][0][i] for t, i in dev_pos]
         if copy_device:
             dev = _device_snapshot(dev)
         else:
             dev = [jax.random.key_data(x) if is_key_dtype(x.dtype) else x for x in dev]
-        for i, x in zip(dev_idx, dev):
-            out[i] = x
-    for i, rec in enumerate(records):
-        kind = rec["kind"]
-        if kind == NUMPY:
-            out[i] = np.array(leaves[i], copy=True)
-        elif kind == NPSCALAR:
-            out[i] = np.asarray(leaves[i])
-        elif kind == INT:
-            out[i] = np.asarray(leaves[i], dtype=np.int64)
-        elif kind == FLOAT:
-            out[i] = np.asarray(leaves[i], dtype=np.float64)
-        elif kind == BOOL:
-            out[i] = np.asarray(leaves[i], dtype=np.bool_)
-    return jax.tree.unflatten(treedef, out)
+        for (t, i), x in zip(dev_pos, dev):
+            outs[t][i] = x
+    for t, (_, records) in enumerate(trees):
+        leaves, out = flat[t][0], outs[t]
+        for i, rec in enumerate(records):
+            kind = rec["kind"]
+            if kind == NUMPY:
+                out[i] = np.array(leaves[i], copy=True)
+            elif kind == NPSCALAR:
+                out[i] = np.asarray(leaves[i])
+            elif kind == INT:
+                out[i] = np.asarray(leaves[i], dtype=np.int64)
+            elif kind == FLOAT:
+                out[i] = np.asarray(leaves[i], dtype=np.float64)
+            elif kind == BOOL:
+                out[i] = np.asarray(leaves[i], dtype=np.bool_)
+    return [jax.tree.unflatten(treedef, out) for (_, treedef), out in zip(flat, outs)]
 
 
 def _default_sharding() -> jax.sharding.Sharding:
