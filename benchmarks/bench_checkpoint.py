@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -81,6 +82,7 @@ def main() -> None:
     key = jax.random.key(0)
     state_bytes = tree_bytes(params) + tree_bytes(state)
 
+    load_start = os.getloadavg()
     tmp = None
     directory = args.dir
     if directory is None:
@@ -153,6 +155,8 @@ def main() -> None:
         "benchmark": "checkpoint",
         "command": " ".join(["python", *sys.argv]),
         "machine": char_lm.machine_info(),
+        "load_average_1_5_15min": {"start": load_start, "end": os.getloadavg(),
+                                    "note": "CPUs shared with other jobs while measuring"},
         "model": {
             "config": vars(cfg) if hasattr(cfg, "__dict__") else str(cfg),
             "params": int(sum(x.size for x in jax.tree.leaves(params))),
