@@ -7,6 +7,8 @@ Modes:
     exactly. Resumes from ``--dir`` if it has a checkpoint; trains to ``--steps``; with
     ``--save-at K`` saves at step K (and waits); with ``--kill-after-save`` then SIGKILLs
     itself. At the end writes every leaf of params, opt_state and extra to ``--out`` (.npz).
+    With ``--ref-out``, first runs ``--ref-steps`` uninterrupted steps from the same init (no
+    checkpointing) and writes them there.
   bigsave: saves step 1 of a large state (``--mib``) and waits, prints ``saving``, starts an
     async save of step 2 and sleeps (the test kills it mid-save).
 """
@@ -77,6 +79,27 @@ def train(args: argparse.Namespace) -> None:
         return optax.apply_updates(params, updates), state, key
 
     round_start, round_merge = jax.jit(tx.round_start), jax.jit(tx.round_merge)
+
+    def run(params, state, extra, step, stop, ckpt=None):
+        key = extra["data_key"]
+        while step < stop:
+            params, state, key = train_step(params, state, key)
+            step += 1
+            if step % SYNC_EVERY == 0:
+                snap = round_start(params, state)
+                params, state = round_merge(params, state, snap.pseudo_gradient, snap)  # one peer
+            extra = {"data_key": key, "data_position": step, "round": np.int64(int(state.rounds))}
+            if ckpt is not None and step == args.save_at:
+                ckpt.save(step, params=params, opt_state=state, extra=extra, force=True)
+                ckpt.wait()
+                print(f"saved {step}", flush=True)
+                if args.kill_after_save:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        return params, state, extra
+
+    if args.ref_out:  # an uninterrupted run from the same init first (shares the compiled steps)
+        flat_dump(args.ref_out, *run(params, state, extra, 0, args.ref_steps))
+        print("reference done", flush=True)
     ckpt = rj.Checkpointer(args.dir, max_to_keep=2, metadata={"run_id": "test"}) if args.dir else None
     step = 0
     if ckpt is not None:
@@ -85,20 +108,7 @@ def train(args: argparse.Namespace) -> None:
             params, state, extra, step = r.params, r.opt_state, r.extra, r.step
             assert extra["data_position"] == step
             print(f"resumed {step}", flush=True)
-    key = extra["data_key"]
-    while step < args.steps:
-        params, state, key = train_step(params, state, key)
-        step += 1
-        if step % SYNC_EVERY == 0:
-            snap = round_start(params, state)
-            params, state = round_merge(params, state, snap.pseudo_gradient, snap)  # one peer
-        extra = {"data_key": key, "data_position": step, "round": np.int64(int(state.rounds))}
-        if ckpt is not None and step == args.save_at:
-            ckpt.save(step, params=params, opt_state=state, extra=extra, force=True)
-            ckpt.wait()
-            print(f"saved {step}", flush=True)
-            if args.kill_after_save:
-                os.kill(os.getpid(), signal.SIGKILL)
+    params, state, extra = run(params, state, extra, step, args.steps, ckpt)
     if ckpt is not None:
         ckpt.close()
     flat_dump(args.out, params, state, extra)
@@ -131,6 +141,8 @@ def main() -> None:
     ap.add_argument("--save-at", type=int, default=-1)
     ap.add_argument("--kill-after-save", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ref-out", default=None, help="first write an uninterrupted run here")
+    ap.add_argument("--ref-steps", type=int, default=8)
     ap.add_argument("--mib", type=int, default=64)
     args = ap.parse_args()
     (train if args.mode == "train" else bigsave)(args)
