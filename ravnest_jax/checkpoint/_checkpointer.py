@@ -267,6 +267,8 @@ class Checkpointer:
             raise ValueError(f"step must be >= 0, got {step}")
         if not force and step % self.save_interval_steps != 0:
             return False
+        if self._pending is not None and self._pending.done():
+            self.wait()  # a finished save's error surfaces here, before anything is skipped
         if step in self._known_steps:
             return False
         trees = {"params": params, "opt_state": opt_state, "extra": extra}

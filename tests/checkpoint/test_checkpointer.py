@@ -255,6 +255,8 @@ def test_corrupt_latest_warns_and_falls_back(tmp_path: Path, how: str) -> None:
         assert (d / "2.corrupt").is_dir() and ckpt.all_steps() == [1]
         assert ckpt.save(2, params=p2, opt_state=s2)  # training goes on and re-saves step 2
         assert ckpt.restore(params=p1, opt_state=s1).step == 2
+    with rj.Checkpointer(d) as ckpt:  # the quarantined step is kept and ignored
+        assert ckpt.all_steps() == [1, 2] and (d / "2.corrupt").is_dir()
 
 
 @_late_tensorstore_callbacks
