@@ -5,17 +5,14 @@ new-style typed PRNG keys (``jax.random.key``), numpy scalars and Python scalars
 training state. Each leaf is given a *kind*; the stored form and the value given back on restore
 follow it:
 
-==========  ==========================  ==========================================
-kind        stored as                   restored as
-==========  ==========================  ==========================================
-``array``   the array (same dtype)      ``jax.Array`` with the target's sharding
-``key``     ``jax.random.key_data``     ``jax.random.wrap_key_data`` (same impl)
-``numpy``   ``np.ndarray``              ``np.ndarray``
-``npscalar``0-d ``np.ndarray``          the target's numpy scalar type
-``int``     0-d int64 ``np.ndarray``    ``int``
-``float``   0-d float64 ``np.ndarray``  ``float``
-``bool``    0-d bool ``np.ndarray``     ``bool``
-==========  ==========================  ==========================================
+- ``array`` (``jax.Array``, any dtype): stored as is; restored as ``jax.Array`` with the
+  target's dtype and sharding.
+- ``key`` (typed PRNG key): stored as ``jax.random.key_data`` (uint32); restored with
+  ``jax.random.wrap_key_data`` and the saved impl.
+- ``numpy`` (``np.ndarray``): stored and restored as ``np.ndarray``.
+- ``npscalar`` (``np.int64(3)`` ...): stored as a 0-d array; restored as the target's numpy type.
+- ``int`` / ``float`` / ``bool`` (Python): stored as 0-d int64 / float64 / bool arrays; restored
+  as ``int`` / ``float`` / ``bool``.
 """
 
 from __future__ import annotations
