@@ -88,7 +88,7 @@ def test_round_trip_types_and_dtypes(tmp_path: Path, abstract_targets: bool) -> 
         "resumed": True,
         "round": np.int64(4),
         "np_arr": np.arange(5, dtype=np.int16),
-        "pending": {"pseudo_gradient": jnp.full((3,), 0.25, jnp.float32), "round": jnp.int32(3)},
+        "pending": tx.round_start(params, state),  # a sync driver's round in flight
     }
     meta = {"run_id": "exp1", "config": {"sync_every": 3}}
     with rj.Checkpointer(tmp_path / "c", metadata=meta) as ckpt:
@@ -114,6 +114,7 @@ def test_round_trip_types_and_dtypes(tmp_path: Path, abstract_targets: bool) -> 
     assert type(r.extra["data_position"]) is int and type(r.extra["lr_scale"]) is float
     assert type(r.extra["resumed"]) is bool and type(r.extra["round"]) is np.int64
     assert isinstance(r.extra["np_arr"], np.ndarray)
+    assert type(r.extra["pending"]) is rj.RoundSnapshot
     assert md["metadata"] == meta and md["ravnest_jax_version"] == rj.__version__ and md["step"] == 5
     paths = [leaf["path"] for leaf in md["trees"]["opt_state"]["leaves"]]
     assert ".global_params['emb']" in paths and ".count" in paths
