@@ -14,8 +14,12 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
+    "CheckpointError": "ravnest_jax.checkpoint",
+    "Checkpointer": "ravnest_jax.checkpoint",
+    "CorruptCheckpointWarning": "ravnest_jax.checkpoint",
     "DiLoCo": "ravnest_jax.optim",
     "DiLoCoState": "ravnest_jax.optim",
+    "Restored": "ravnest_jax.checkpoint",
     "RoundSnapshot": "ravnest_jax.optim",
     "SimulatedCodec": "ravnest_jax.optim",
     "default_outer": "ravnest_jax.optim",
@@ -33,7 +37,12 @@ _EXPORTS: dict[str, str] = {
 _SUBMODULES = {"optim", "compress", "swarm", "sync", "checkpoint"}
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
+    from . import checkpoint as checkpoint
     from . import optim as optim
+    from .checkpoint import CheckpointError as CheckpointError
+    from .checkpoint import Checkpointer as Checkpointer
+    from .checkpoint import CorruptCheckpointWarning as CorruptCheckpointWarning
+    from .checkpoint import Restored as Restored
     from .optim import DiLoCo as DiLoCo
     from .optim import DiLoCoState as DiLoCoState
     from .optim import RoundSnapshot as RoundSnapshot
