@@ -397,7 +397,8 @@ def run_peer(args: argparse.Namespace) -> dict:
     graphdef, params = build_model(cfg, seed=args.seed)  # identical on every peer
     evaluate = make_evaluator(graphdef, eval_batches(evald, batch=32, seq_len=cfg.seq_len, num_batches=args.eval_batches))
     loss_fn = make_loss(graphdef)
-    tx = rj.diloco(inner_optimizer(args.lr, args.max_steps), sync_every=args.sync_every, fragments=args.fragments)
+    tx = rj.diloco(inner_optimizer(args.lr, args.schedule_steps or args.max_steps), sync_every=args.sync_every,
+                   fragments=args.fragments)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, state, tokens):
@@ -428,6 +429,17 @@ def run_peer(args: argparse.Namespace) -> dict:
     train_step.lower(params, state, tokens0).compile()
     sync.warmup(params, state)
     eval_start = evaluate(state.global_params)
+    ckpt = None
+    resumed_from = None
+    if args.checkpoint_dir:
+        ckpt = rj.Checkpointer(args.checkpoint_dir, max_to_keep=3, save_interval_steps=args.checkpoint_every or args.sync_every,
+                               metadata={"run_id": args.run_id, "peer": peer_id, "example": "char_lm"})
+        restored = ckpt.restore(params=params, opt_state=state, extra={"sync": sync.state_dict(params)})
+        if restored is not None:
+            params, state = restored.params, restored.opt_state
+            sync.load_state_dict(restored.extra["sync"])
+            resumed_from = restored.step
+            print(f"resumed from {args.checkpoint_dir} at step {restored.step}", file=sys.stderr)
     if args.join_when_exists:
         _emit(args, event="ready")
         while not Path(args.join_when_exists).exists():
@@ -436,6 +448,9 @@ def run_peer(args: argparse.Namespace) -> dict:
         swarm.serve_state(sync.request_state)
         joined = False
         if any(p.last_round >= 0 for p in swarm.peers() if p.peer_id != swarm.peer_id):
+            # a running swarm (also one that moved on while this peer was down): its global
+            # state replaces ours (a restored anchor would be stale), with the schedule step of
+            # the swarm's progress
             data = swarm.fetch_state(timeout=120)
             if data:
                 params, state = sync.load_state_bytes(data, params, state)
@@ -457,6 +472,8 @@ def run_peer(args: argparse.Namespace) -> dict:
             params, state, value = train_step(params, state, tokens)
             params, state = sync(params, state)
             t_prev, t = t, sync.step  # steps done; a resync may move this peer to the swarm's step
+            if ckpt is not None and sync.pending == 0:
+                ckpt.save(t, params=params, opt_state=state, extra={"sync": sync.state_dict(params)})
             if args.min_step_seconds > 0:
                 value.block_until_ready()
                 time.sleep(max(0.0, args.min_step_seconds - (time.perf_counter() - t_step)))
@@ -472,15 +489,20 @@ def run_peer(args: argparse.Namespace) -> dict:
                         bar.set_postfix(loss=f"{shown:.3f}", rounds=len(rounds_log))
         params, state = sync.flush(params, state)
         wall = time.perf_counter() - t0
+        if ckpt is not None:
+            ckpt.save(sync.step, params=params, opt_state=state, extra={"sync": sync.state_dict(params)}, force=True)
+            ckpt.close()
         if bar is not None:
             bar.close()
         eval_end = evaluate(state.global_params)
         summary = sync.summary()
         final_digest = digest_hex(device_digest(state.global_params))
+        local_digest = digest_hex(device_digest((params, state)))
     steps_done = args.max_steps - start_step
     return {
         "peer": peer_id,
         "joined_running_swarm": joined,
+        "resumed_from_step": resumed_from,
         "start_step": start_step,
         "steps": steps_done,
         "params": int(n_params),
@@ -495,6 +517,7 @@ def run_peer(args: argparse.Namespace) -> dict:
         "compute_utilisation": summary["compute_utilisation"],
         "wall_seconds": wall,
         "final_global_digest": final_digest,
+        "final_local_state_digest": local_digest,
         "round_digests": [r["state_digest"] for r in rounds_log if r["ok"]],
         "round_log": rounds_log,
     }
@@ -503,7 +526,7 @@ def run_peer(args: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------------------- swarm: a launcher
 _FORWARD = ("text", "sync_every", "max_steps", "batch_size", "seq_len", "d_model", "layers", "heads", "lr", "codec",
             "overlap_steps", "mode", "alpha", "fragments", "eval_batches", "seed", "part_timeout", "log_every",
-            "min_step_seconds")
+            "min_step_seconds", "checkpoint_every", "schedule_steps")
 
 
 def _forward_flags(args: argparse.Namespace) -> list[str]:
@@ -567,6 +590,8 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
                        "--min-peers", str(n), "--listen", "127.0.0.1:0", "--json-events",
                        "--parent-pid", str(os.getpid()), "--summary-json", str(Path(tmp) / f"peer{i}.json"),
                        *_forward_flags(args)]
+                if args.checkpoint_dir:
+                    cmd += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve() / f"peer{i}")]
                 p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file(f"peer{i}.log"), text=True, env=env)
                 procs.append(p)
 
@@ -716,6 +741,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--log-every", type=_positive_int, default=10, help="progress every this many steps")
     s.add_argument("--min-step-seconds", type=float, default=0.0,
                    help="emulate a slower accelerator: each inner step takes at least this long")
+    s.add_argument("--checkpoint-dir", default=None,
+                   help="save checkpoints here (orbax) and resume from the latest one (a swarm: one subfolder per peer)")
+    s.add_argument("--checkpoint-every", type=_positive_int, default=None, help="steps between checkpoints (default: --sync-every)")
+    s.add_argument("--schedule-steps", type=_positive_int, default=None,
+                   help="length of the learning-rate schedule (default: --max-steps; fix it to resume a run further)")
     s.add_argument("--json-events", action="store_true", help=argparse.SUPPRESS)
     s.add_argument("--join-when-exists", default=None, help=argparse.SUPPRESS)  # tests: join on cue
     s.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)

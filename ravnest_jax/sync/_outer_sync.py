@@ -387,23 +387,42 @@ class OuterSync:
             "last_state_digest": ok[-1].state_digest if ok else "",
         }
 
-    def state_dict(self) -> dict:
-        """The driver's own state for a checkpoint: step, rounds started, error-feedback residuals
-        (numpy float32, per fragment). Raises ``RuntimeError`` while rounds are in flight (call
-        :meth:`flush` first)."""
+    def state_dict(self, params: Any) -> dict:
+        """The driver's own state for a checkpoint (a pytree of numpy values with a fixed
+        structure for given params): the step, exchanges started, the swarm-round mapping and
+        the error-feedback residual of every fragment (float32, zeros before its first round).
+
+        Raises:
+          RuntimeError: rounds are in flight (call :meth:`flush` first, or save between rounds).
+        """
         if self._pending:
             raise RuntimeError("rounds are in flight: call flush(params, state) before state_dict()")
+        residual = {}
+        for f in range(self.tx.fragments):
+            n = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in self._ids(params, f))
+            r = self._residual.get(f)
+            residual[str(f)] = np.zeros((n,), np.float32) if r is None else np.asarray(r, np.float32)
+        base = self._swarm_base if self._swarm_base is not None else (-1, -1)
         return {
-            "step": -1 if self.step is None else int(self.step),
-            "rounds_started": int(self.rounds_started),
-            "residual": {str(f): np.asarray(r) for f, r in sorted(self._residual.items())},
+            "step": np.int64(-1 if self.step is None else self.step),
+            "rounds_started": np.int64(self.rounds_started),
+            "swarm_base": np.asarray(base, np.int64),
+            "residual": residual,
         }
 
     def load_state_dict(self, d: dict) -> None:
-        """Restores what :meth:`state_dict` returned."""
-        self.step = None if int(d["step"]) < 0 else int(d["step"])
+        """Restores what :meth:`state_dict` returned (for example from an ``rj.Checkpointer``)."""
+        step = int(d["step"])
+        self.step = None if step < 0 else step
+        if self.step is not None:
+            self._first_step = self.step
+            self._last_round_step = {f: self.step for f in range(self.tx.fragments)}
         self.rounds_started = int(d["rounds_started"])
-        self._residual = {int(f): jnp.asarray(r, jnp.float32) for f, r in d.get("residual", {}).items()}
+        base = [int(x) for x in np.asarray(d.get("swarm_base", (-1, -1))).reshape(-1)]
+        self._swarm_base = (base[0], base[1]) if len(base) == 2 and base[0] >= 0 else None
+        self._residual = {
+            int(f): jnp.asarray(r, jnp.float32) for f, r in d.get("residual", {}).items() if np.any(np.asarray(r))
+        }
         self._pending.clear()
 
     def close(self) -> None:
