@@ -5,3 +5,4 @@ from ._digest import digest_hex as digest_hex
 from ._outer_sync import MODES as MODES
 from ._outer_sync import OuterSync as OuterSync
 from ._outer_sync import RoundMetrics as RoundMetrics
+from ._prometheus import PrometheusExporter as PrometheusExporter

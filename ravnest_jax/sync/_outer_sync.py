@@ -331,6 +331,7 @@ class OuterSync:
         if self.step is None:
             self.step = int(state.count) - 1  # one host read, on the first call only
             self._first_step = self.step
+            self._round_clock = time.monotonic()
         self.step += 1
         step = self.step
         if self._state_request and not self._pending:

@@ -220,3 +220,64 @@ def test_joining_peer_downloads_state_and_matches_from_its_first_round():
         assert by_step[2][s] == by_step[0][s] == by_step[1][s], s
     for x, y in zip(jax.tree.leaves(results[2]["global"]), jax.tree.leaves(results[0]["global"])):
         np.testing.assert_array_equal(x, y)
+
+
+def test_prometheus_exporter_serves_round_metrics():
+    import urllib.request
+
+    from ravnest_jax.sync import PrometheusExporter, RoundMetrics
+
+    m = RoundMetrics(round=3, fragment=0, step=40, merged_at_step=41, ok=True, swarm_round=3, group_size=4,
+                     bytes_sent=1000, bytes_received=2000, payload_bytes=500, codec_ratio=0.13,
+                     exchange_seconds=0.5, stall_seconds=0.25, compute_utilisation=0.97,
+                     result_digest="x", state_digest="y")
+    with PrometheusExporter(0) as prom:
+        prom(m)
+        prom(m._replace(ok=False) if hasattr(m, "_replace") else __import__("dataclasses").replace(m, ok=False))
+        body = urllib.request.urlopen(f"http://127.0.0.1:{prom.port}/metrics", timeout=10).read().decode()
+    assert "ravnest_rounds_total 1.0" in body
+    assert "ravnest_failed_rounds_total 1.0" in body
+    assert "ravnest_bytes_sent_total 1000.0" in body
+    assert "ravnest_group_size 4.0" in body
+    assert "ravnest_compute_utilisation 0.97" in body
+
+
+@pytest.mark.timeout(180)
+def test_time_based_rounds_weight_by_samples():
+    """sync_every_seconds: a fast and a slow peer take different numbers of inner steps per
+    round; rounds still line up and contributions are weighted by samples processed."""
+    import time
+
+    results = {}
+    with local_swarm(2) as peers:
+
+        def peer(i, swarm, step_sleep):
+            tx = rj.diloco(optax.adam(2e-2), sync_every=1000)  # H unused with time-based rounds
+            step = _make_step(tx)
+            params = _init()
+            state = tx.init(params)
+            with OuterSync(tx, swarm, mode="delayed", overlap_steps=3, sync_every_seconds=1.0,
+                           samples_per_step=16) as sync:
+                jax.block_until_ready(step(params, state, *_batch(i, 0)))  # compile outside the clock
+                sync.warmup(params, state)
+                t_end = time.monotonic() + 5.0
+                t = 0
+                while time.monotonic() < t_end:
+                    params, state, _ = step(params, state, *_batch(i, t))
+                    params, state = sync(params, state)
+                    time.sleep(step_sleep)
+                    t += 1
+                params, state = sync.flush(params, state)
+                results[i] = {"steps": t, "metrics": [m for m in sync.metrics if m.ok], "global": jax.device_get(state.global_params)}
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futs = [pool.submit(peer, 0, peers[0], 0.01), pool.submit(peer, 1, peers[1], 0.08)]
+            for f in futs:
+                f.result(timeout=120)
+    assert results[0]["steps"] > 1.5 * results[1]["steps"]
+    n = min(len(results[0]["metrics"]), len(results[1]["metrics"]))
+    assert n >= 3
+    for a, b in zip(results[0]["metrics"][:n - 1], results[1]["metrics"][:n - 1]):
+        # the same rounds, the same mean, the same global state, despite unequal step counts
+        assert a.result_digest == b.result_digest and a.group_size == 2
+        assert a.state_digest == b.state_digest
