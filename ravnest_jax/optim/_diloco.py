@@ -117,6 +117,19 @@ def _cast_like(tree: PyTree, like: PyTree) -> PyTree:
     return jax.tree.map(lambda x, y: jnp.asarray(x, y.dtype), tree, like)
 
 
+def _select(tree: PyTree, leaf_ids: tuple[int, ...]) -> list:
+    leaves = jax.tree.leaves(tree)
+    return [leaves[i] for i in leaf_ids]
+
+
+def _scatter(tree: PyTree, leaf_ids: tuple[int, ...], new_leaves: list) -> PyTree:
+    leaves, treedef = jax.tree.flatten(tree)
+    leaves = list(leaves)
+    for i, x in zip(leaf_ids, new_leaves):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
+
+
 class DiLoCo(optax.GradientTransformationExtraArgs):
     """The transformation returned by :func:`diloco`.
 
@@ -124,55 +137,125 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
     anywhere one is accepted (``flax.nnx.Optimizer``, a linen ``TrainState``, plain ``jax.jit``).
     It also carries the round functions used when the host drives rounds
     (``axis_name=None``): :meth:`round_start`, :meth:`outer_step` and :meth:`round_merge`, all
-    pure and jittable. Its static configuration is available as ``inner``, ``outer``,
-    ``sync_every`` and ``axis_name``.
+    pure and jittable, and the fragment schedule (:meth:`fragment_leaf_ids`,
+    :meth:`fragment_offset`, :meth:`due_fragments`). Its static configuration is available as
+    ``inner``, ``outer``, ``sync_every``, ``axis_name`` and ``fragments``.
     """
 
-    # NamedTuple subclasses have no __dict__ by default; we want one for the static config.
+    # NamedTuple subclasses without __slots__ get a __dict__: it holds the static config.
     inner: optax.GradientTransformation
     outer: optax.GradientTransformation
     sync_every: int
     axis_name: Any
+    fragments: int
 
-    def round_start(self, params: optax.Params, state: DiLoCoState) -> RoundSnapshot:
+    # ------------------------------------------------------------------ fragment schedule
+    def fragment_leaf_ids(self, fragment: int, num_leaves: int) -> tuple[int, ...]:
+        """Leaf indices (in ``jax.tree.leaves`` order) of a fragment: ``i % fragments == fragment``.
+
+        Strided groups, the same on every peer, so all peers reduce fragments in the same order
+        (Streaming DiLoCo, arXiv 2501.18512).
+        """
+        return tuple(range(fragment, num_leaves, self.fragments))
+
+    def fragment_offset(self, fragment: int) -> int:
+        """Steps by which a fragment's rounds are shifted: ``fragment * sync_every // fragments``."""
+        return (fragment * self.sync_every) // self.fragments
+
+    def due_fragments(self, step: int) -> tuple[int, ...]:
+        """Fragments whose round boundary is inner step ``step`` (host-side, plain ints).
+
+        Fragment ``f`` synchronises at steps ``k * H + offset(f)`` for ``k >= 1``; with one
+        fragment that is ``H, 2H, ...``.
+        """
+        h = self.sync_every
+        return tuple(
+            f
+            for f in range(self.fragments)
+            if step >= h + self.fragment_offset(f) and (step - self.fragment_offset(f)) % h == 0
+        )
+
+    def _check_fragment(self, fragment: int | None) -> None:
+        if self.fragments == 1:
+            if fragment not in (None, 0):
+                raise ValueError(f"fragment must be None or 0 with fragments=1, got {fragment!r}")
+        elif not isinstance(fragment, int) or not 0 <= fragment < self.fragments:
+            raise ValueError(
+                f"fragment must be an int in [0, {self.fragments}) with fragments={self.fragments}, "
+                f"got {fragment!r}"
+            )
+
+    def _ids(self, tree: PyTree, fragment: int | None) -> tuple[int, ...] | None:
+        self._check_fragment(fragment)
+        if self.fragments == 1:
+            return None
+        return self.fragment_leaf_ids(fragment, len(jax.tree.leaves(tree)))
+
+    # ---------------------------------------------------------------------- round functions
+    def round_start(
+        self, params: optax.Params, state: DiLoCoState, fragment: int | None = None
+    ) -> RoundSnapshot:
         """Takes the pseudo-gradient of the current round (host-driven mode).
 
         Args:
           params: local params at the round boundary (after ``sync_every`` inner steps).
           state: the :class:`DiLoCoState`.
+          fragment: with ``fragments > 1``, the fragment (static int) whose round this is; the
+            snapshot then holds lists of that fragment's leaves.
 
         Returns:
           A :class:`RoundSnapshot`: ``pseudo_gradient = global_params - params`` (float32 leaves),
           a copy of ``params`` and the round number. Pure and jittable; send
           ``pseudo_gradient`` to the other peers, average it, and give the mean to
           :meth:`round_merge`.
+
+        Raises:
+          ValueError: ``fragment`` does not match the configuration.
         """
+        ids = self._ids(params, fragment)
+        g, p = state.global_params, params
+        if ids is not None:
+            g, p = _select(g, ids), _select(p, ids)
         return RoundSnapshot(
-            pseudo_gradient=_sub(state.global_params, params),
-            params=_copy(params),
+            pseudo_gradient=_sub(g, p),
+            params=_copy(p),
             round=jnp.asarray(state.rounds, jnp.int32),
         )
 
     def outer_step(
-        self, state: DiLoCoState, mean_pseudo_gradient: optax.Params
+        self, state: DiLoCoState, mean_pseudo_gradient: optax.Params, fragment: int | None = None
     ) -> DiLoCoState:
         """Applies the outer optimizer to the anchor with an averaged pseudo-gradient.
 
         ``global_params <- global_params + outer.update(mean_pseudo_gradient)``; increments
         ``rounds``. The local params are not touched (see :meth:`round_merge`). Pure, jittable;
-        every peer that applies the same mean to the same state gets bit-identical results.
+        every peer that applies the same mean to the same state gets bit-identical results on
+        the same hardware.
 
         Args:
           state: the :class:`DiLoCoState`.
-          mean_pseudo_gradient: pytree shaped like the params (any float dtype; cast to float32).
+          mean_pseudo_gradient: pytree shaped like the params (any float dtype; cast to the
+            params' dtype), or with ``fragments > 1`` the list of the fragment's leaves.
+          fragment: the fragment (static int) with ``fragments > 1``.
 
         Returns:
           The new state.
         """
-        global_params = state.global_params
+        ids = self._ids(state.global_params, fragment)
+        if ids is None:
+            global_params = state.global_params
+            outer_state = state.outer_state
+        else:
+            global_params = _select(state.global_params, ids)
+            outer_state = state.outer_state[fragment]
         mean = _cast_like(_f32(mean_pseudo_gradient), global_params)
-        outer_updates, outer_state = self.outer.update(mean, state.outer_state, global_params)
+        outer_updates, outer_state = self.outer.update(mean, outer_state, global_params)
         new_global = optax.apply_updates(global_params, outer_updates)
+        if ids is not None:
+            new_global = _scatter(state.global_params, ids, new_global)
+            outer_state = tuple(
+                outer_state if f == fragment else s for f, s in enumerate(state.outer_state)
+            )
         return state._replace(
             outer_state=outer_state,
             global_params=new_global,
@@ -186,6 +269,7 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
         mean_pseudo_gradient: optax.Params,
         snapshot: RoundSnapshot,
         *,
+        fragment: int | None = None,
         alpha: float | jax.Array = 0.0,
         keep_local_progress: bool = True,
     ) -> tuple[optax.Params, DiLoCoState]:
@@ -205,10 +289,12 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
 
         Args:
           params: current local params.
-          state: the :class:`DiLoCoState`.
+          state: the :class:`DiLoCoState` whose anchor the round's pseudo-gradients were taken
+            against (its inner state may have moved on).
           mean_pseudo_gradient: the weighted mean of all peers' pseudo-gradients for the
-            snapshot's round, shaped like the params.
+            snapshot's round, shaped like ``snapshot.pseudo_gradient``.
           snapshot: the :class:`RoundSnapshot` of that round.
+          fragment: the fragment (static int) with ``fragments > 1``; only its leaves change.
           alpha: mixing weight of the local params, in ``[0, 1]`` (static float or traced
             scalar).
           keep_local_progress: static bool, see above.
@@ -217,18 +303,19 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
           ``(new_params, new_state)``; new_params has the dtypes of ``params``.
 
         Raises:
-          ValueError: if a static ``alpha`` is outside ``[0, 1]``.
+          ValueError: a static ``alpha`` outside ``[0, 1]``; a wrong ``fragment``.
         """
         if isinstance(alpha, (int, float)) and not 0.0 <= float(alpha) <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-        state = self.outer_step(state, mean_pseudo_gradient)
+        ids = self._ids(params, fragment)
+        state = self.outer_step(state, mean_pseudo_gradient, fragment)
         new_global = state.global_params
+        local = params
+        if ids is not None:
+            new_global, local = _select(new_global, ids), _select(params, ids)
 
         def merge(p, g, s):
-            if keep_local_progress:
-                merged = g + (p - s)
-            else:
-                merged = g
+            merged = g + (p - s) if keep_local_progress else g
             if isinstance(alpha, (int, float)) and float(alpha) == 0.0:
                 out = merged
             else:
@@ -236,8 +323,10 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
                 out = a * p.astype(jnp.float32) + (1.0 - a) * merged.astype(jnp.float32)
             return jnp.asarray(out, p.dtype)
 
-        new_params = jax.tree.map(merge, params, new_global, snapshot.params)
-        return new_params, state
+        merged = jax.tree.map(merge, local, new_global, snapshot.params)
+        if ids is not None:
+            merged = _scatter(params, ids, merged)
+        return merged, state
 
 
 def _make(init_fn, update_fn, **config) -> DiLoCo:
@@ -263,6 +352,7 @@ def diloco(
     axis_name: Any = None,
     codec: SimulatedCodec | str | None = None,
     rng_key: jax.Array | None = None,
+    fragments: int = 1,
 ) -> DiLoCo:
     """Wraps an optax optimizer into DiLoCo (Douillard et al. 2023, arXiv 2311.08105).
 
@@ -294,6 +384,11 @@ def diloco(
         ``DiLoCoState.codec_state``. For a real swarm, give the codec to ``rj.Swarm``.
       rng_key: PRNG key for stochastic rounding in ``codec`` (folded with the round number and
         the replica index each round); default ``jax.random.key(0)``.
+      fragments: F, number of strided groups of parameter leaves synchronised on their own
+        schedule (streaming DiLoCo, arXiv 2501.18512): leaf ``i`` belongs to fragment
+        ``i % F``, and fragment ``f`` has its rounds at steps ``k * H + f * H // F``
+        (``k >= 1``). With ``F > 1`` the outer state (and the codec state) is a tuple of F
+        states, one per fragment. ``1 <= F <= sync_every``.
 
     Returns:
       A :class:`DiLoCo` (an ``optax.GradientTransformationExtraArgs``). Its ``update`` requires
@@ -301,7 +396,8 @@ def diloco(
 
     Raises:
       ValueError: ``sync_every`` is not an int ``>= 1``; ``inner`` or ``outer`` is not a
-        gradient transformation; ``codec`` is given without ``axis_name`` or is not a codec.
+        gradient transformation; ``codec`` is given without ``axis_name`` or is not a codec;
+        ``fragments`` is not an int in ``[1, sync_every]``.
 
     References:
       Douillard et al., DiLoCo, https://arxiv.org/abs/2311.08105
@@ -309,6 +405,8 @@ def diloco(
     """
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= sync_every:
+        raise ValueError(f"fragments must be an int in [1, sync_every={sync_every}], got {fragments!r}")
     _check_transform("inner", inner)
     if outer is None:
         outer = default_outer()
@@ -331,11 +429,17 @@ def diloco(
     outer_tx = outer
     base_key = rng_key
 
+    def per_fragment(init, params):
+        if fragments == 1:
+            return init(params)
+        n = len(jax.tree.leaves(params))
+        return tuple(init(_select(params, tuple(range(f, n, fragments)))) for f in range(fragments))
+
     def init_fn(params: optax.Params) -> DiLoCoState:
-        codec_state = codec.init(params) if codec is not None else optax.EmptyState()
+        codec_state = per_fragment(codec.init, params) if codec is not None else optax.EmptyState()
         return DiLoCoState(
             inner_state=inner.init(params),
-            outer_state=outer_tx.init(params),
+            outer_state=per_fragment(outer_tx.init, params),
             global_params=_copy(params),
             count=jnp.zeros([], jnp.int32),
             rounds=jnp.zeros([], jnp.int32),
@@ -351,35 +455,68 @@ def diloco(
         if axis_name is None:
             return inner_updates, state
 
-        def do_round(args):
-            inner_updates, state = args
-            local = optax.apply_updates(params, inner_updates)
-            delta = _sub(state.global_params, local)
-            codec_state = state.codec_state
-            if codec is not None:
-                key = base_key if base_key is not None else jax.random.key(0)
-                key = jax.random.fold_in(key, state.rounds)
-                key, mean_key = jax.random.split(key)
-                key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
-                delta, codec_state = codec.compress(delta, codec_state, key)
-                mean = codec.requantize(jax.lax.pmean(delta, axis_name), mean_key)
-            else:
-                mean = jax.lax.pmean(delta, axis_name)
-            new_state = tx.outer_step(state._replace(codec_state=codec_state), mean)
-            # updates that take params onto the new anchor
-            jump = jax.tree.map(
-                lambda g, p, u: (g.astype(jnp.float32) - p.astype(jnp.float32)).astype(u.dtype),
-                new_state.global_params,
-                params,
-                inner_updates,
-            )
-            return jump, new_state
+        n_leaves = len(jax.tree.leaves(params))
+
+        def round_fn(fragment):
+            ids = None if fragments == 1 else tuple(range(fragment, n_leaves, fragments))
+
+            def pick(tree):
+                return tree if ids is None else _select(tree, ids)
+
+            def do_round(args):
+                updates, state = args
+                local = optax.apply_updates(pick(params), pick(updates))
+                delta = _sub(pick(state.global_params), local)
+                codec_state = state.codec_state
+                if codec is not None:
+                    key = base_key if base_key is not None else jax.random.key(0)
+                    key = jax.random.fold_in(jax.random.fold_in(key, state.rounds), fragment)
+                    key, mean_key = jax.random.split(key)
+                    key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
+                    frag_state = codec_state if ids is None else codec_state[fragment]
+                    delta, frag_state = codec.compress(delta, frag_state, key)
+                    mean = codec.requantize(jax.lax.pmean(delta, axis_name), mean_key)
+                    if ids is None:
+                        codec_state = frag_state
+                    else:
+                        codec_state = tuple(
+                            frag_state if f == fragment else c for f, c in enumerate(codec_state)
+                        )
+                else:
+                    mean = jax.lax.pmean(delta, axis_name)
+                new_state = tx.outer_step(
+                    state._replace(codec_state=codec_state), mean, None if ids is None else fragment
+                )
+                # updates that take these params onto the new anchor
+                jump = jax.tree.map(
+                    lambda g, p, u: (g.astype(jnp.float32) - p.astype(jnp.float32)).astype(u.dtype),
+                    pick(new_state.global_params),
+                    pick(params),
+                    pick(updates),
+                )
+                if ids is not None:
+                    jump = _scatter(updates, ids, jump)
+                return jump, new_state
+
+            return do_round
 
         def no_round(args):
             return args
 
-        is_boundary = (count % sync_every) == 0
-        return jax.lax.cond(is_boundary, do_round, no_round, (inner_updates, state))
+        carry = (inner_updates, state)
+        for f in range(fragments):
+            off = (f * sync_every) // fragments
+            is_boundary = (count >= sync_every + off) & ((count - off) % sync_every == 0)
+            carry = jax.lax.cond(is_boundary, round_fn(f), no_round, carry)
+        return carry
 
-    tx = _make(init_fn, update_fn, inner=inner, outer=outer_tx, sync_every=sync_every, axis_name=axis_name)
+    tx = _make(
+        init_fn,
+        update_fn,
+        inner=inner,
+        outer=outer_tx,
+        sync_every=sync_every,
+        axis_name=axis_name,
+        fragments=fragments,
+    )
     return tx

@@ -302,3 +302,78 @@ def test_simulated_codec_hook_is_applied_and_keeps_state():
         rj.diloco(optax.sgd(0.1), sync_every=2, codec=_SignCodec())
     with pytest.raises(ValueError, match="codec"):
         rj.diloco(optax.sgd(0.1), sync_every=2, axis_name="r", codec=object())
+
+
+def _multi_leaf_problem(n_data=2):
+    k = jax.random.key(3)
+    ks = jax.random.split(k, 6)
+    params = {f"w{i}": jax.random.normal(ks[i], (4, 4)) * 0.2 for i in range(4)}
+    xs = jax.random.normal(ks[4], (n_data, 8, 4))
+    ys = jax.random.normal(ks[5], (n_data, 8, 4))
+    return params, xs, ys
+
+
+def _deep_loss(params, x, y):
+    h = x
+    for i in range(4):
+        h = jnp.tanh(h @ params[f"w{i}"])
+    return jnp.mean((h - y) ** 2)
+
+
+def _deep_step(tx):
+    def step(params, state, x, y):
+        grads = jax.grad(_deep_loss)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def test_fragment_schedule_and_validation():
+    tx = rj.diloco(optax.sgd(0.1), sync_every=4, fragments=2)
+    assert [tx.fragment_offset(f) for f in range(2)] == [0, 2]
+    assert tx.fragment_leaf_ids(1, 5) == (1, 3)
+    due = {t: tx.due_fragments(t) for t in range(1, 13)}
+    assert due[4] == (0,) and due[6] == (1,) and due[8] == (0,) and due[10] == (1,)
+    assert due[2] == () and due[5] == ()
+    with pytest.raises(ValueError, match="fragments"):
+        rj.diloco(optax.sgd(0.1), sync_every=2, fragments=3)
+    with pytest.raises(ValueError, match="fragments"):
+        rj.diloco(optax.sgd(0.1), sync_every=2, fragments=0)
+    params, _, _ = _multi_leaf_problem()
+    state = tx.init(params)
+    assert isinstance(state.outer_state, tuple) and len(state.outer_state) == 2
+    with pytest.raises(ValueError, match="fragment"):
+        tx.round_start(params, state)  # fragment required with F > 1
+    with pytest.raises(ValueError, match="fragment"):
+        tx.round_start(params, state, fragment=2)
+
+
+def test_fragments_axis_mode_equals_host_driven_and_touch_only_their_leaves():
+    n, h, f_count = 2, 4, 2
+    params, xs, ys = _multi_leaf_problem(n)
+    inner = optax.adam(1e-2)
+    tx_sim = rj.diloco(inner, sync_every=h, axis_name="replica", fragments=f_count)
+    tx_host = rj.diloco(inner, sync_every=h, fragments=f_count)
+    vstep = jax.jit(jax.vmap(_deep_step(tx_sim), axis_name="replica"))
+    hstep = jax.jit(jax.vmap(_deep_step(tx_host)))
+    pv, sv = rj.replicate(params, n), rj.replicate(tx_sim.init(params), n)
+    ph, sh = rj.replicate(params, n), rj.replicate(tx_host.init(params), n)
+    names = sorted(params)  # jax.tree.leaves order of a dict
+    for t in range(1, 3 * h + 1):
+        g_before = dict(sv.global_params)
+        pv, sv = vstep(pv, sv, xs, ys)
+        ph, sh = hstep(ph, sh, xs, ys)
+        due = tx_host.due_fragments(t)
+        for f in due:
+            start = jax.jit(jax.vmap(functools.partial(tx_host.round_start, fragment=f)))
+            merge = jax.jit(jax.vmap(functools.partial(tx_host.round_merge, fragment=f), in_axes=(0, 0, None, 0)))
+            snap = start(ph, sh)
+            mean = jax.tree.map(lambda d: d.mean(0), snap.pseudo_gradient)
+            ph, sh = merge(ph, sh, mean, snap)
+        for i, name in enumerate(names):
+            changed = not np.array_equal(g_before[name], sv.global_params[name])
+            assert changed == ((i % f_count) in due), (t, name)
+    _assert_tree_close(ph, pv)
+    _assert_tree_close(sh.global_params, sv.global_params)
+    assert int(sv.rounds[0]) == int(sh.rounds[0]) == 5  # fragment 0 at 4, 8, 12; fragment 1 at 6, 10

@@ -1,0 +1,92 @@
+"""Command line: ``ravnest-jax <command>``. Commands: ``rendezvous``.
+
+Each command is a subparser registered in :func:`build_parser`, so other layers can add theirs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import ssl
+import sys
+from collections.abc import Sequence
+
+TOKEN_ENV = "RAVNEST_TOKEN"
+
+
+def _read_token(args: argparse.Namespace) -> str:
+    if args.token_file:
+        with open(args.token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise SystemExit(f"error: no token: pass --token-file FILE or set ${TOKEN_ENV}")
+    return token
+
+
+def _cmd_rendezvous(args: argparse.Namespace) -> int:
+    from ravnest_jax.swarm._rendezvous import serve  # no jax import
+
+    token = _read_token(args)
+    ctx = None
+    if args.certfile:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(args.certfile, args.keyfile)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    scheme = "https" if ctx else "http"
+
+    def ready(port: int) -> None:
+        print(f"rendezvous listening on {scheme}://{args.host}:{port}", flush=True)
+        if args.port_file:
+            tmp = args.port_file + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(str(port))
+            os.replace(tmp, args.port_file)
+
+    try:
+        asyncio.run(serve(args.host, args.port, token, heartbeat_s=args.heartbeat,
+                          eviction_s=args.eviction, ssl_context=ctx, ready=ready))
+    except KeyboardInterrupt:  # pragma: no cover - signal handlers normally catch it
+        pass
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ravnest-jax",
+                                description="ravnest_jax: decentralized DiLoCo training.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    r = sub.add_parser(
+        "rendezvous", help="run the rendezvous service peers join",
+        description="Run the rendezvous: the one HTTP service (one URL) where the peers of a "
+        "run join, heartbeat, get the group of every round and vote on its outcome. It keeps "
+        "its state in memory; if it restarts, peers re-register by themselves. Every request "
+        f"must be signed with the run token, read from --token-file or ${TOKEN_ENV}. Stop it "
+        "with Ctrl+C or SIGTERM.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    r.add_argument("--host", default="0.0.0.0", help="address to bind (0.0.0.0: all)")
+    r.add_argument("--port", type=int, default=8765, help="TCP port (0: any free port)")
+    r.add_argument("--token-file", help=f"file holding the run token (else ${TOKEN_ENV})")
+    r.add_argument("--heartbeat", type=float, default=2.0,
+                   help="heartbeat interval peers are told to use, seconds")
+    r.add_argument("--eviction", type=float, default=10.0,
+                   help="drop a peer silent for this long, seconds")
+    r.add_argument("--certfile", help="PEM certificate: serve HTTPS (with --keyfile)")
+    r.add_argument("--keyfile", help="PEM private key for --certfile")
+    r.add_argument("--port-file", help="write the bound port to this file once listening")
+    r.add_argument("--quiet", action="store_true", help="log warnings only")
+    r.set_defaults(func=_cmd_rendezvous)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``ravnest-jax``. Returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

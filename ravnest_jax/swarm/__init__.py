@@ -1,0 +1,17 @@
+"""The swarm: rendezvous service, aiohttp peer mesh and fault-tolerant all-reduce.
+
+This package never imports jax: it moves numpy float32 buffers and bytes.
+"""
+
+from ._codec import available_codecs as available_codecs
+from ._peer import Swarm as Swarm
+from ._rendezvous import Rendezvous as Rendezvous
+from ._rendezvous import serve as serve_rendezvous
+from ._types import PeerInfo as PeerInfo
+from ._types import RoundFailed as RoundFailed
+from ._types import RoundRecord as RoundRecord
+from ._types import SwarmError as SwarmError
+from ._types import Timeouts as Timeouts
+
+__all__ = ["PeerInfo", "Rendezvous", "RoundFailed", "RoundRecord", "Swarm", "SwarmError",
+           "Timeouts", "available_codecs", "serve_rendezvous"]

@@ -1,0 +1,130 @@
+"""Request authentication: HMAC-SHA256 over the request line, the round and the body digest.
+
+Every request between peers and to the rendezvous carries these headers:
+
+``X-RJ-Peer``       the sender's peer id
+``X-RJ-Round``      the round the request belongs to (``-`` when none)
+``X-RJ-Time``       UNIX time of signing, seconds (float as text)
+``X-RJ-Nonce``      16 random bytes, hex
+``X-RJ-Body``       SHA-256 of the body, hex (of ``b""`` for an empty body)
+``X-RJ-Signature``  HMAC-SHA256(token, canonical string), hex
+
+The canonical string is ``method \\n path \\n run_id \\n round \\n peer \\n time \\n nonce \\n body
+\\n extra``.
+Signatures are compared with :func:`hmac.compare_digest`. Responses that carry a payload are
+signed the same way with the method ``RESPONSE`` so that a client can check who answered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+
+H_PEER = "X-RJ-Peer"
+H_ROUND = "X-RJ-Round"
+H_TIME = "X-RJ-Time"
+H_NONCE = "X-RJ-Nonce"
+H_BODY = "X-RJ-Body"
+H_SIG = "X-RJ-Signature"
+
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+MAX_CLOCK_SKEW_S = 300.0
+
+
+class AuthError(Exception):
+    """A request's proof of the run token is missing, malformed, stale or wrong."""
+
+
+def _token_bytes(token: str | bytes) -> bytes:
+    if isinstance(token, str):
+        token = token.encode()
+    if not token:
+        raise ValueError("the run token must not be empty")
+    return token
+
+
+def _canonical(method: str, path: str, run_id: str, round_: str, peer: str, ts: str,
+               nonce: str, body_sha: str, extra: str) -> bytes:
+    return "\n".join([method.upper(), path, run_id, round_, peer, ts, nonce, body_sha,
+                      extra]).encode()
+
+
+def sign(token: str | bytes, *, method: str, path: str, run_id: str, peer: str,
+         round_: int | str | None = None, body_sha256: str = EMPTY_SHA256,
+         extra: str = "") -> dict[str, str]:
+    """Return the auth headers for one request (or, with ``method="RESPONSE"``, one response).
+
+    ``extra`` is covered by the signature but not sent: both sides build it from values they
+    send in other headers (e.g. a part's weight and round manifest).
+    """
+    ts = f"{time.time():.6f}"
+    nonce = secrets.token_hex(16)
+    r = "-" if round_ is None else str(round_)
+    mac = hmac.new(_token_bytes(token), _canonical(method, path, run_id, r, peer, ts, nonce,
+                                                    body_sha256, extra), hashlib.sha256).hexdigest()
+    return {H_PEER: peer, H_ROUND: r, H_TIME: ts, H_NONCE: nonce, H_BODY: body_sha256, H_SIG: mac}
+
+
+class NonceCache:
+    """Remembers recently seen nonces to refuse replayed requests (bounded in size and age)."""
+
+    def __init__(self, max_age_s: float = 2 * MAX_CLOCK_SKEW_S, max_items: int = 200_000):
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._max_age_s = max_age_s
+        self._max_items = max_items
+
+    def check_and_add(self, nonce: str) -> bool:
+        now = time.monotonic()
+        while self._seen:
+            oldest, t = next(iter(self._seen.items()))
+            if now - t > self._max_age_s or len(self._seen) >= self._max_items:
+                self._seen.pop(oldest)
+            else:
+                break
+        if nonce in self._seen:
+            return False
+        self._seen[nonce] = now
+        return True
+
+
+def verify(token: str | bytes, headers: Mapping[str, str], *, method: str, path: str,
+           run_id: str, nonces: NonceCache | None = None, extra: str = "",
+           max_skew_s: float = MAX_CLOCK_SKEW_S) -> tuple[str, str, str]:
+    """Check the auth headers of a request; return ``(peer, round, body_sha256)``.
+
+    The body digest is only *claimed* here: the caller must hash the body it reads and compare it
+    with :func:`digest_matches` before acting on it.
+
+    Raises:
+      AuthError: a header is missing or malformed, the time is off by more than ``max_skew_s``
+        seconds, the nonce was seen before, or the signature does not match.
+    """
+    try:
+        peer, r, ts, nonce, body_sha, sig = (headers[h] for h in
+                                              (H_PEER, H_ROUND, H_TIME, H_NONCE, H_BODY, H_SIG))
+    except KeyError as e:
+        raise AuthError(f"missing auth header {e.args[0]}") from None
+    if len(sig) != 64 or len(body_sha) != 64 or not (8 <= len(nonce) <= 64):
+        raise AuthError("malformed auth header")
+    try:
+        t = float(ts)
+    except ValueError:
+        raise AuthError("malformed auth time") from None
+    expected = hmac.new(_token_bytes(token), _canonical(method, path, run_id, r, peer, ts, nonce,
+                                                         body_sha, extra), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(expected, sig):
+        raise AuthError("bad signature")
+    if abs(time.time() - t) > max_skew_s:
+        raise AuthError("auth time outside the allowed clock skew")
+    if nonces is not None and not nonces.check_and_add(nonce):
+        raise AuthError("replayed nonce")
+    return peer, r, body_sha
+
+
+def digest_matches(claimed_hex: str, actual_hex: str) -> bool:
+    """Constant-time comparison of two hex digests."""
+    return hmac.compare_digest(claimed_hex.encode(), actual_hex.encode())

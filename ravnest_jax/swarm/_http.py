@@ -1,0 +1,93 @@
+"""Small helpers shared by the rendezvous and the peers: signed JSON requests and responses."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from . import _auth
+
+JSON_LIMIT = 1 << 20  # bytes: every control message is far smaller
+
+
+class HTTPStatusError(Exception):
+    """The other side answered with an error status."""
+
+    def __init__(self, status: int, text: str):
+        super().__init__(f"HTTP {status}: {text[:200]}")
+        self.status = status
+
+
+def json_response(request: web.Request, token: bytes, run_id: str, me: str, payload: Any,
+                  status: int = 200) -> web.Response:
+    """A JSON response signed with the run token (method ``RESPONSE``)."""
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    headers = _auth.sign(token, method="RESPONSE", path=request.path, run_id=run_id, peer=me,
+                         round_=request.headers.get(_auth.H_ROUND),
+                         body_sha256=hashlib.sha256(body).hexdigest())
+    return web.Response(body=body, status=status, headers=headers,
+                        content_type="application/json")
+
+
+async def read_json_body(request: web.Request, claimed_sha: str) -> Any:
+    """Read a small JSON body (at most :data:`JSON_LIMIT` bytes) and check its digest.
+
+    Raises ``web.HTTPRequestEntityTooLarge``, ``web.HTTPUnauthorized`` or ``web.HTTPBadRequest``.
+    """
+    if (request.content_length or 0) > JSON_LIMIT:
+        raise web.HTTPRequestEntityTooLarge(max_size=JSON_LIMIT,
+                                            actual_size=request.content_length or 0)
+    h = hashlib.sha256()
+    chunks = []
+    n = 0
+    async for chunk in request.content.iter_chunked(1 << 16):
+        n += len(chunk)
+        if n > JSON_LIMIT:
+            raise web.HTTPRequestEntityTooLarge(max_size=JSON_LIMIT, actual_size=n)
+        h.update(chunk)
+        chunks.append(chunk)
+    if not _auth.digest_matches(claimed_sha, h.hexdigest()):
+        raise web.HTTPUnauthorized(text="body digest does not match its signature")
+    if not chunks:
+        return None
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError:
+        raise web.HTTPBadRequest(text="body is not JSON") from None
+
+
+async def signed_json(session: aiohttp.ClientSession, base_url: str, method: str, path: str, *,
+                      token: bytes, run_id: str, peer: str, payload: Any = None,
+                      round_: int | None = None, timeout: aiohttp.ClientTimeout,
+                      ssl: Any = None) -> Any:
+    """Send a signed JSON request, verify the signed JSON answer and return it.
+
+    Raises:
+      HTTPStatusError: the server answered with status >= 400.
+      aiohttp.ClientError, asyncio.TimeoutError: transport failures.
+      PermissionError: the answer is not signed with the run token.
+    """
+    body = b"" if payload is None else json.dumps(payload, separators=(",", ":")).encode()
+    headers = _auth.sign(token, method=method, path=path, run_id=run_id, peer=peer,
+                         round_=round_, body_sha256=hashlib.sha256(body).hexdigest())
+    if body:
+        headers["Content-Type"] = "application/json"
+    async with session.request(method, base_url.rstrip("/") + path, data=body or None,
+                               headers=headers, timeout=timeout, ssl=ssl) as resp:
+        data = await resp.content.read(JSON_LIMIT + 1)
+        if len(data) > JSON_LIMIT:
+            raise HTTPStatusError(502, "answer too long")
+        if resp.status >= 400:
+            raise HTTPStatusError(resp.status, data.decode(errors="replace"))
+        try:
+            _auth.verify(token, resp.headers, method="RESPONSE", path=path, run_id=run_id)
+        except _auth.AuthError as e:
+            raise PermissionError(f"answer from {base_url} is not signed with the run token: {e}")
+        if not _auth.digest_matches(resp.headers[_auth.H_BODY],
+                                    hashlib.sha256(data).hexdigest()):
+            raise PermissionError("answer body does not match its signature")
+        return json.loads(data) if data else None

@@ -1,0 +1,721 @@
+"""`Swarm`: one peer of a run, with its own aiohttp server and event loop in a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import math
+import secrets
+import socket
+import ssl as _ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+
+from . import _auth
+from ._allreduce import CHUNK, manifest_digest, max_message_bytes, part_bounds, weighted_mean
+from ._codec import NonFiniteError, PartDecoder, WireFormatError, check_codec, decode_part, \
+    encode_part
+from ._http import HTTPStatusError, json_response, signed_json
+from ._types import PeerInfo, RoundFailed, RoundRecord, SwarmError, Timeouts, digest_of, flatten
+
+log = logging.getLogger("ravnest_jax.swarm")
+
+H_WEIGHT = "X-RJ-Weight"
+H_MANIFEST = "X-RJ-Manifest"
+
+
+class _Attempt:
+    """This peer's state for one attempt of one round (as a part owner)."""
+
+    def __init__(self, round_: int, attempt: int):
+        self.round, self.attempt = round_, attempt
+        self.entered = asyncio.Event()
+        self.complete = asyncio.Event()
+        self.result_ready = asyncio.Event()
+        self.group: tuple[str, ...] = ()
+        self.me = -1
+        self.lo = self.hi = 0
+        self.manifest = ""
+        self.codec = ""
+        self.received: dict[str, tuple[np.float32, np.ndarray]] = {}
+        self.receiving: set[str] = set()
+        self.closed = False
+        self.result: bytes | None = None
+        self.result_sha = ""
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+
+class _RoundFail(Exception):
+    pass
+
+
+class Swarm:
+    """One peer of a DiLoCo swarm: averages pytrees of float32 arrays with the other peers.
+
+    Starts an aiohttp server (the part owner side) and an asyncio loop in a background thread,
+    registers with the rendezvous and heartbeats until closed. Use it as a context manager.
+
+    Args:
+      rendezvous_url: base URL of the rendezvous, e.g. ``"http://10.0.0.1:8765"``.
+      run_id: the run to join; peers of one run average with each other.
+      token: the run token (shared secret; non-empty).
+      codec: wire codec of parts and results (``"fp32"`` is exact).
+      listen: ``"host:port"`` to bind; port 0 picks a free port (see :attr:`port`).
+      advertise: base URL other peers use to reach this one (default: ``http://`` + the local
+        address that routes to the rendezvous + the bound port). Set it behind NAT.
+      timeouts: deadlines, see :class:`Timeouts`.
+      peer_id: this peer's id (default: random); rounds order peers by id.
+      ssl: server-side ``ssl.SSLContext`` (serve HTTPS; then advertise an ``https://`` URL).
+      client_ssl: passed to aiohttp as ``ssl=`` for outgoing requests (an ``SSLContext`` that
+        trusts the peers' certificates, or ``None`` for the defaults).
+
+    Raises:
+      ValueError: bad arguments (unknown codec, empty token, bad listen address).
+      SwarmError: on ``__enter__``/``start`` if the rendezvous cannot be reached in time.
+    """
+
+    def __init__(self, rendezvous_url: str, *, run_id: str, token: str | bytes,
+                 codec: str = "fp32", listen: str = "0.0.0.0:0", advertise: str | None = None,
+                 timeouts: Timeouts | None = None, peer_id: str | None = None,
+                 ssl: _ssl.SSLContext | None = None, client_ssl: Any = None,
+                 _send_chunk_delay: float = 0.0):
+        check_codec(codec)
+        if not run_id or "/" in run_id:
+            raise ValueError("run_id must be non-empty and contain no '/'")
+        self.rendezvous_url = rendezvous_url.rstrip("/")
+        self.run_id = run_id
+        self._token = token.encode() if isinstance(token, str) else bytes(token)
+        if not self._token:
+            raise ValueError("token must not be empty")
+        self.codec = codec
+        host, _, port = listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"listen must be 'host:port', got {listen!r}")
+        self._listen = (host.strip("[]"), int(port))
+        self._advertise = advertise
+        self.timeouts = timeouts or Timeouts()
+        self.peer_id = peer_id or secrets.token_hex(8)
+        self._ssl = ssl
+        self._client_ssl = client_ssl
+        self._send_chunk_delay = _send_chunk_delay
+        self.port: int | None = None
+        self.address: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._attempts: dict[tuple[int, int], _Attempt] = {}
+        self._last_round = -1
+        self._current_round = -1
+        self._nonces = _auth.NonceCache()
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle (caller thread)
+    def __enter__(self) -> Swarm:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Start the server, the loop thread and join the run. Blocks until joined."""
+        if self._thread is not None:
+            raise RuntimeError("Swarm already started")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name=f"swarm-{self.peer_id}",
+                                        daemon=True)
+        self._thread.start()
+        fut = asyncio.run_coroutine_threadsafe(self._astart(), self._loop)
+        try:
+            fut.result(timeout=self.timeouts.part + self.timeouts.connect + 5)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Leave the run, stop the server and the loop thread. Safe to call twice."""
+        if self._closed or self._loop is None:
+            return
+        self._closed = True
+        try:
+            fut = asyncio.run_coroutine_threadsafe(self._astop(), self._loop)
+            fut.result(timeout=self.timeouts.connect + 10)
+        except Exception as e:  # pragma: no cover - best effort
+            log.warning("swarm close: %r", e)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            assert self._thread is not None
+            self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    def _run_loop(self) -> None:
+        assert self._loop is not None
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    # ------------------------------------------------------------------ public API
+    def all_reduce(self, tree: Any, *, weight: float = 1.0) -> tuple[Any, RoundRecord]:
+        """Weighted mean of ``tree`` over the round's group; blocks until the round ends.
+
+        Args:
+          tree: nested dict/list/tuple of float32 numpy arrays (any shapes). Copied on entry.
+          weight: this peer's weight (> 0, finite), e.g. its number of tokens.
+
+        Returns:
+          ``(mean_tree, record)``: a tree of float32 arrays with the input's structure and
+          shapes, holding ``sum_i w_i x_i / sum_i w_i`` over ``record.contributors``; it is
+          bit-identical on every peer that gets it (``record.digest``).
+
+        Raises:
+          RoundFailed: the round could not complete on this peer (``.record.ok`` is False).
+          TypeError / ValueError: a leaf is not float32, holds NaN/inf, or a bad weight.
+        """
+        return self.all_reduce_async(tree, weight=weight).result(
+            timeout=self.timeouts.round + self.timeouts.connect + 30)
+
+    def all_reduce_async(self, tree: Any, *,
+                         weight: float = 1.0) -> concurrent.futures.Future[tuple[Any, RoundRecord]]:
+        """Like :meth:`all_reduce` but returns at once with a ``concurrent.futures.Future``.
+
+        The future's result is ``(mean_tree, record)``; it raises :class:`RoundFailed`. Rounds
+        run one at a time in call order.
+        """
+        if self._loop is None or self._closed:
+            raise RuntimeError("Swarm is not running (use it as a context manager)")
+        w = float(weight)
+        if not (math.isfinite(w) and w > 0):
+            raise ValueError(f"weight must be finite and > 0, got {weight!r}")
+        names, leaves, unflatten = flatten(tree)
+        if not leaves:
+            raise ValueError("tree has no leaves")
+        vec = np.concatenate([np.ravel(x) for x in leaves]).astype(np.float32, copy=False)
+        if not np.isfinite(vec).all():
+            raise ValueError("tree holds NaN or infinity")
+        shapes = [x.shape for x in leaves]
+        manifest = manifest_digest(names, shapes, self.codec)
+        sizes = [x.size for x in leaves]
+        offsets = np.cumsum([0] + sizes)
+
+        out: concurrent.futures.Future[tuple[Any, RoundRecord]] = concurrent.futures.Future()
+        inner = asyncio.run_coroutine_threadsafe(self._round(vec, np.float32(w), manifest),
+                                                 self._loop)
+
+        def done(f: concurrent.futures.Future[tuple[np.ndarray, RoundRecord]]) -> None:
+            try:
+                res, rec = f.result()
+            except BaseException as e:  # noqa: BLE001 - forwarded to the caller
+                out.set_exception(e)
+                return
+            parts = [res[offsets[i]:offsets[i + 1]] for i in range(len(sizes))]
+            out.set_result((unflatten(parts), rec))
+
+        inner.add_done_callback(done)
+        return out
+
+    def peers(self) -> list[PeerInfo]:
+        """The live peers of the run, sorted by id (asks the rendezvous; raises SwarmError)."""
+        if self._loop is None or self._closed:
+            raise RuntimeError("Swarm is not running")
+        fut = asyncio.run_coroutine_threadsafe(self._rv("GET", "/peers", None,
+                                                        self.timeouts.connect * 2), self._loop)
+        try:
+            data = fut.result(timeout=self.timeouts.connect * 2 + 5)
+        except Exception as e:
+            raise SwarmError(f"rendezvous unreachable: {e}") from e
+        return [PeerInfo(p["peer_id"], p["address"], p["last_round"],
+                         p["seconds_since_heartbeat"]) for p in data["peers"]]
+
+    def wait_for_peers(self, n: int, timeout: float = 60.0) -> list[PeerInfo]:
+        """Block until at least ``n`` live peers (this one included) are registered.
+
+        Returns the peers. Raises ``TimeoutError`` after ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                peers = self.peers()
+                if len(peers) >= n:
+                    return peers
+            except SwarmError:
+                pass
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"fewer than {n} peers after {timeout} s")
+            time.sleep(0.1)
+
+    # ------------------------------------------------------------------ loop side: start/stop
+    async def _astart(self) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=256, ssl=self._client_ssl
+                                           if self._client_ssl is not None else True),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect))
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._round_lock = asyncio.Lock()
+        app = web.Application(client_max_size=1 << 20)
+        base = "/v1/runs/{run_id}/rounds/{round}/{attempt}"
+        app.router.add_put(base + "/parts/{part}", self._h_put_part)
+        app.router.add_get(base + "/results/{part}", self._h_get_result)
+        app.router.add_get("/health", self._h_health)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._listen[0], self._listen[1],
+                           ssl_context=self._ssl, reuse_address=True)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.address = self._advertise or self._guess_address()
+        deadline = time.monotonic() + self.timeouts.part + self.timeouts.connect
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                await self._rv("POST", "/join", self._hello(), self.timeouts.connect * 2)
+                break
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                last = e
+                await asyncio.sleep(0.2)
+            except (HTTPStatusError, PermissionError) as e:
+                raise SwarmError(f"the rendezvous refused to register us: {e}") from e
+        else:
+            raise SwarmError(f"rendezvous {self.rendezvous_url} unreachable: {last!r}")
+        self._spawn(self._heartbeat_loop())
+
+    async def _astop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await self._rv("POST", "/leave", {"peer_id": self.peer_id}, self.timeouts.connect)
+        except Exception:  # noqa: BLE001 - the rendezvous may be gone
+            pass
+        for st in self._attempts.values():
+            st.closed = True
+            st.entered.set()
+            st.result_ready.set()
+        await self._runner.cleanup()
+        await self._session.close()
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    def _guess_address(self) -> str:
+        scheme = "https" if self._ssl is not None else "http"
+        host = self._listen[0]
+        if host in ("0.0.0.0", "::", ""):
+            u = urllib.parse.urlsplit(self.rendezvous_url)
+            try:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    s.connect((u.hostname or "127.0.0.1", u.port or 80))  # no packet is sent
+                    host = s.getsockname()[0]
+            except OSError:
+                host = "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{scheme}://{host}:{self.port}"
+
+    def _hello(self) -> dict[str, Any]:
+        return {"peer_id": self.peer_id, "address": self.address, "last_round": self._last_round}
+
+    async def _rv(self, method: str, path: str, payload: Any, total: float,
+                  round_: int | None = None) -> Any:
+        return await signed_json(
+            self._session, self.rendezvous_url, method, f"/v1/runs/{self.run_id}{path}",
+            token=self._token, run_id=self.run_id, peer=self.peer_id, payload=payload,
+            round_=round_, ssl=self._client_ssl,
+            timeout=aiohttp.ClientTimeout(total=max(total, 0.05),
+                                          sock_connect=self.timeouts.connect))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.timeouts.heartbeat)
+            try:
+                r = await self._rv("POST", "/heartbeat", self._hello(),
+                                   min(self.timeouts.heartbeat * 2, self.timeouts.eviction))
+                if r.get("registered"):
+                    log.info("%s: re-registered with the rendezvous (epoch %s)", self.peer_id,
+                             r.get("epoch"))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - keep beating; the next one re-registers
+                log.debug("%s: heartbeat failed: %r", self.peer_id, e)
+
+    # ------------------------------------------------------------------ server handlers
+    async def _h_health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    def _auth_request(self, request: web.Request, extra: str = "") -> tuple[str, str]:
+        if request.match_info.get("run_id") != self.run_id:
+            raise web.HTTPNotFound(text="unknown run")
+        try:
+            peer, _, body = _auth.verify(self._token, request.headers, method=request.method,
+                                         path=request.path, run_id=self.run_id,
+                                         nonces=self._nonces, extra=extra)
+        except _auth.AuthError as e:
+            raise web.HTTPUnauthorized(text=f"unauthorized: {e}") from None
+        return peer, body
+
+    def _route_ints(self, request: web.Request) -> tuple[int, int, int]:
+        try:
+            return (int(request.match_info["round"]), int(request.match_info["attempt"]),
+                    int(request.match_info["part"]))
+        except ValueError:
+            raise web.HTTPBadRequest(text="round, attempt and part must be integers") from None
+
+    async def _wait_entered(self, r: int, a: int) -> _Attempt:
+        st = self._attempts.get((r, a))
+        if st is None:
+            if r <= self._last_round or r > max(self._current_round, self._last_round) + 2:
+                raise web.HTTPConflict(text=f"round {r} is not open here")
+            st = self._attempts[(r, a)] = _Attempt(r, a)
+        if not st.entered.is_set():
+            try:
+                await asyncio.wait_for(st.entered.wait(), self.timeouts.part)
+            except asyncio.TimeoutError:
+                raise web.HTTPConflict(text=f"round {r} attempt {a} not started here") from None
+        if st.closed and not st.group:
+            raise web.HTTPConflict(text="peer is closing")
+        return st
+
+    async def _h_put_part(self, request: web.Request) -> web.Response:
+        weight_s = request.headers.get(H_WEIGHT, "")
+        manifest = request.headers.get(H_MANIFEST, "")
+        sender, claimed = self._auth_request(request, extra=f"{weight_s}|{manifest}")
+        r, a, k = self._route_ints(request)
+        try:
+            w = np.float32(float(weight_s))
+        except ValueError:
+            raise web.HTTPBadRequest(text="bad weight") from None
+        if not (np.isfinite(w) and w > 0):
+            raise web.HTTPBadRequest(text="weight must be finite and > 0")
+        st = await self._wait_entered(r, a)
+        if k != st.me:
+            raise web.HTTPBadRequest(text=f"this peer owns part {st.me}, not {k}")
+        if sender not in st.group or sender == self.peer_id:
+            raise web.HTTPForbidden(text="sender is not in this round's group")
+        if manifest != st.manifest:
+            raise web.HTTPBadRequest(text="part does not match the round manifest "
+                                     "(leaf names, shapes or codec differ)")
+        if st.closed:
+            raise web.HTTPConflict(text="too late: the reduce-scatter of this attempt is over")
+        if sender in st.received or sender in st.receiving:
+            raise web.HTTPConflict(text="duplicate part")
+        length = st.hi - st.lo
+        limit = max_message_bytes(length)
+        if request.content_length is not None and request.content_length > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit,
+                                                actual_size=request.content_length)
+        st.receiving.add(sender)
+        try:
+            dec = PartDecoder(name=f"part{k}", length=length, codec=st.codec, max_bytes=limit)
+            h = hashlib.sha256()
+            try:
+                async for chunk in request.content.iter_chunked(CHUNK):
+                    h.update(chunk)
+                    dec.feed(chunk)
+                    if st.closed:
+                        raise web.HTTPConflict(text="too late")
+                if not _auth.digest_matches(claimed, h.hexdigest()):
+                    raise web.HTTPUnauthorized(text="body does not match its signed digest")
+                vec = dec.finish()
+            except (WireFormatError, NonFiniteError) as e:
+                if dec.nbytes > limit:
+                    raise web.HTTPRequestEntityTooLarge(max_size=limit,
+                                                        actual_size=dec.nbytes) from None
+                raise web.HTTPBadRequest(text=f"bad part: {e}") from None
+            if st.closed:
+                raise web.HTTPConflict(text="too late: the reduce-scatter of this attempt is over")
+            st.received[sender] = (w, vec)
+            st.bytes_in += dec.nbytes
+            if len(st.received) == len(st.group):
+                st.complete.set()
+        finally:
+            st.receiving.discard(sender)
+        return json_response(request, self._token, self.run_id, self.peer_id, {"ok": True})
+
+    async def _h_get_result(self, request: web.Request) -> web.StreamResponse:
+        requester, _ = self._auth_request(request)
+        r, a, k = self._route_ints(request)
+        st = self._attempts.get((r, a))
+        if st is None or not st.entered.is_set():
+            raise web.HTTPNotFound(text="no such round here")
+        if k != st.me:
+            raise web.HTTPBadRequest(text=f"this peer owns part {st.me}, not {k}")
+        if requester not in st.group:
+            raise web.HTTPForbidden(text="requester is not in this round's group")
+        try:
+            await asyncio.wait_for(st.result_ready.wait(), self.timeouts.part)
+        except asyncio.TimeoutError:
+            raise web.HTTPGatewayTimeout(text="result part not ready") from None
+        body = st.result
+        if body is None:
+            raise web.HTTPConflict(text="this attempt produced no result here")
+        headers = _auth.sign(self._token, method="RESPONSE", path=request.path,
+                             run_id=self.run_id, peer=self.peer_id, round_=r,
+                             body_sha256=st.result_sha)
+        resp = web.StreamResponse(headers=headers)
+        resp.content_length = len(body)
+        resp.content_type = "application/octet-stream"
+        await resp.prepare(request)
+        mv = memoryview(body)
+        for off in range(0, len(body), CHUNK):
+            await resp.write(mv[off:off + CHUNK])
+        st.bytes_out += len(body)
+        await resp.write_eof()
+        return resp
+
+    # ------------------------------------------------------------------ client side of a round
+    def _url(self, group_addr: str, r: int, a: int, kind: str, k: int) -> tuple[str, str]:
+        path = f"/v1/runs/{self.run_id}/rounds/{r}/{a}/{kind}/{k}"
+        return group_addr.rstrip("/") + path, path
+
+    async def _send_part(self, st: _Attempt, addr: str, k: int, data: bytes, weight: np.float32,
+                         timeout: float) -> int:
+        url, path = self._url(addr, st.round, st.attempt, "parts", k)
+        weight_s = repr(float(weight))
+        headers = _auth.sign(self._token, method="PUT", path=path, run_id=self.run_id,
+                             peer=self.peer_id, round_=st.round,
+                             body_sha256=hashlib.sha256(data).hexdigest(),
+                             extra=f"{weight_s}|{st.manifest}")
+        headers[H_WEIGHT] = weight_s
+        headers[H_MANIFEST] = st.manifest
+        headers["Content-Length"] = str(len(data))
+        headers["Content-Type"] = "application/octet-stream"
+        delay = self._send_chunk_delay
+
+        async def body() -> Any:
+            mv = memoryview(data)
+            for off in range(0, len(data), CHUNK):
+                if delay:
+                    await asyncio.sleep(delay)
+                yield mv[off:off + CHUNK]
+
+        async with self._session.put(
+                url, data=body(), headers=headers, ssl=self._client_ssl,
+                timeout=aiohttp.ClientTimeout(total=max(timeout, 0.05),
+                                              sock_connect=self.timeouts.connect)) as resp:
+            text = await resp.content.read(4096)
+            if resp.status != 200:
+                raise HTTPStatusError(resp.status, text.decode(errors="replace"))
+        return len(data)
+
+    async def _fetch_result(self, st: _Attempt, addr: str, k: int, timeout: float,
+                            out: np.ndarray) -> int:
+        url, path = self._url(addr, st.round, st.attempt, "results", k)
+        headers = _auth.sign(self._token, method="GET", path=path, run_id=self.run_id,
+                             peer=self.peer_id, round_=st.round)
+        lo, hi = st.bounds[k]  # type: ignore[attr-defined]
+        limit = max_message_bytes(hi - lo)
+        async with self._session.get(
+                url, headers=headers, ssl=self._client_ssl,
+                timeout=aiohttp.ClientTimeout(total=max(timeout, 0.05),
+                                              sock_connect=self.timeouts.connect)) as resp:
+            if resp.status != 200:
+                raise HTTPStatusError(resp.status, (await resp.content.read(4096)).decode(
+                    errors="replace"))
+            try:
+                _auth.verify(self._token, resp.headers, method="RESPONSE", path=path,
+                             run_id=self.run_id)
+            except _auth.AuthError as e:
+                raise PermissionError(f"result part {k} not signed with the run token: {e}")
+            if (resp.content_length or 0) > limit:
+                raise WireFormatError("result part too long")
+            dec = PartDecoder(name=f"result{k}", length=hi - lo, codec=st.codec,
+                              max_bytes=limit)
+            h = hashlib.sha256()
+            async for chunk in resp.content.iter_chunked(CHUNK):
+                h.update(chunk)
+                dec.feed(chunk)
+            if not _auth.digest_matches(resp.headers[_auth.H_BODY], h.hexdigest()):
+                raise PermissionError("result part does not match its signed digest")
+            out[lo:hi] = dec.finish()
+            return dec.nbytes
+
+    async def _vote(self, r: int, epoch: str, a: int, phase: str, data: dict[str, Any],
+                    deadline: float) -> dict[str, Any]:
+        payload = {"peer_id": self.peer_id, "epoch": epoch, "attempt": a, "phase": phase,
+                   "data": data}
+        last: Exception | None = None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _RoundFail(f"no {phase} decision from the rendezvous before the round "
+                                 f"deadline ({last!r})")
+            try:
+                return await self._rv("POST", f"/rounds/{r}/vote", payload, left, round_=r)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                last = e  # rendezvous down or restarting: try again until the deadline
+                await asyncio.sleep(min(0.25, max(left, 0)))
+            except (HTTPStatusError, PermissionError) as e:
+                raise _RoundFail(f"rendezvous refused the {phase} vote: {e}") from e
+
+    async def _begin(self, deadline: float) -> dict[str, Any]:
+        payload = {**self._hello(), "after": self._last_round, "part_s": self.timeouts.part,
+                   "grace_s": self.timeouts.grace, "max_attempts": self.timeouts.max_attempts}
+        last: Exception | None = None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _RoundFail(f"no round from the rendezvous before the deadline ({last!r})")
+            payload["wait_s"] = max(left - 0.5, 0.0)
+            try:
+                res = await self._rv("POST", "/rounds/begin", payload, left)
+                if res.get("round") is not None:
+                    return res
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                last = e
+                await asyncio.sleep(min(0.25, max(left, 0)))
+            except (HTTPStatusError, PermissionError) as e:
+                raise _RoundFail(f"rendezvous refused the round: {e}") from e
+
+    async def _round(self, vec: np.ndarray, weight: np.float32,
+                     manifest: str) -> tuple[np.ndarray, RoundRecord]:
+        async with self._round_lock:
+            t0 = time.monotonic()
+            deadline = t0 + self.timeouts.round
+            stats = {"sent": 0, "received": 0}
+            r, attempts, group = -1, 0, ()
+            try:
+                begin = await self._begin(deadline)
+                r, epoch = int(begin["round"]), str(begin["epoch"])
+                a, group = int(begin["attempt"]), tuple(begin["group"])
+                addresses = dict(begin.get("addresses") or {})
+                addresses[self.peer_id] = self.address or ""
+                self._current_round = r
+                while True:
+                    attempts += 1
+                    out = await self._attempt(r, a, group, addresses, epoch, vec, weight,
+                                              manifest, deadline, stats)
+                    if out[0] == "retry":
+                        a, group = out[1], tuple(out[2])
+                        log.info("%s: round %d retry %d with %s", self.peer_id, r, a, group)
+                        if self.peer_id not in group:
+                            raise _RoundFail("left out of the retry group (too late)")
+                        continue
+                    _, res, contributors, total = out
+                    rec = RoundRecord(round=r, ok=True, attempts=attempts, group=group,
+                                      contributors=tuple(contributors),
+                                      total_weight=float(total), bytes_sent=stats["sent"],
+                                      bytes_received=stats["received"],
+                                      seconds=time.monotonic() - t0, digest=digest_of(res),
+                                      codec=self.codec)
+                    return res, rec
+            except _RoundFail as e:
+                rec = RoundRecord(round=r, ok=False, attempts=attempts, group=group,
+                                  contributors=(), total_weight=0.0, bytes_sent=stats["sent"],
+                                  bytes_received=stats["received"],
+                                  seconds=time.monotonic() - t0, digest="", codec=self.codec,
+                                  error=str(e))
+                raise RoundFailed(rec) from None
+            finally:
+                if r >= 0:
+                    self._last_round = max(self._last_round, r)
+                for key in [key for key in self._attempts if key[0] <= self._last_round]:
+                    st = self._attempts.pop(key)
+                    st.closed = True
+                    st.received.clear()
+                    st.result_ready.set()
+
+    async def _attempt(self, r: int, a: int, group: tuple[str, ...],
+                       membership: dict[str, str], epoch: str,
+                       vec: np.ndarray, weight: np.float32, manifest: str, deadline: float,
+                       stats: dict[str, int]) -> tuple[Any, ...]:
+        if self.peer_id not in group:
+            raise _RoundFail("not in the round's group")
+        n = len(group)
+        st = self._attempts.get((r, a)) or _Attempt(r, a)
+        self._attempts[(r, a)] = st
+        st.group, st.me, st.manifest, st.codec = group, group.index(self.peer_id), manifest, \
+            self.codec
+        bounds = part_bounds(vec.size, n)
+        st.bounds = bounds  # type: ignore[attr-defined]
+        st.lo, st.hi = bounds[st.me]
+        st.received[self.peer_id] = (weight, vec[st.lo:st.hi])
+        if len(st.received) == n:
+            st.complete.set()
+        st.entered.set()
+
+        # phase 1: reduce-scatter -----------------------------------------------------------
+        t_part = min(time.monotonic() + self.timeouts.part, deadline)
+        sends = {}
+        for k, owner in enumerate(group):
+            if k == st.me or owner not in membership:
+                continue
+            lo, hi = bounds[k]
+            data = encode_part(f"part{k}", vec[lo:hi], self.codec)
+            sends[owner] = asyncio.ensure_future(self._send_part(
+                st, membership[owner], k, data, weight, t_part - time.monotonic()))
+        try:
+            await asyncio.wait_for(st.complete.wait(), max(t_part - time.monotonic(), 0))
+        except asyncio.TimeoutError:
+            pass
+        st.closed = True
+        gather = await self._vote(r, epoch, a, "gather", {"received": sorted(st.received)},
+                                  deadline)
+        for owner, t in sends.items():
+            if not t.done():
+                t.cancel()
+        for owner, t in sends.items():
+            try:
+                stats["sent"] += await t
+            except asyncio.CancelledError:
+                pass
+            except Exception as e:  # noqa: BLE001 - the votes decide what counts
+                log.info("%s: part to %s failed: %r", self.peer_id, owner, e)
+        stats["received"] += st.bytes_in
+        if gather["decision"] == "retry":
+            st.received.clear()
+            return ("retry", gather["attempt"], gather["group"])
+        if gather["decision"] != "ok":
+            raise _RoundFail(gather.get("reason", "round failed"))
+        contributors = list(gather["contributors"])
+        missing = [c for c in contributors if c not in st.received]
+        if missing:  # cannot happen with an honest rendezvous
+            raise _RoundFail(f"contributors {missing} not received here")
+
+        # reduce own part, then phase 2: all-gather -------------------------------------------
+        mean, total = weighted_mean(st.received, contributors)
+        st.received.clear()
+        st.result = encode_part(f"result{st.me}", mean, self.codec)
+        st.result_sha = hashlib.sha256(st.result).hexdigest()
+        st.result_ready.set()
+        out = np.empty(vec.size, dtype=np.float32)
+        out[st.lo:st.hi] = decode_part(st.result, name=f"result{st.me}", length=st.hi - st.lo,
+                                       codec=self.codec)
+        t_gather = min(time.monotonic() + self.timeouts.part, deadline)
+        fetches = [asyncio.ensure_future(self._fetch_result(
+            st, membership[owner], k, t_gather - time.monotonic(), out))
+            for k, owner in enumerate(group) if k != st.me and owner in membership]
+        if len(fetches) != n - 1:
+            fetches.append(asyncio.ensure_future(_raise(_RoundFail("a part owner's address is "
+                                                                   "unknown"))))
+        results = await asyncio.gather(*fetches, return_exceptions=True)
+        errors = [e for e in results if isinstance(e, BaseException)]
+        stats["received"] += sum(x for x in results if isinstance(x, int))
+        ok = not errors
+        if errors:
+            log.info("%s: all-gather failed: %r", self.peer_id, errors[0])
+        digest = digest_of(out) if ok else ""
+        commit = await self._vote(r, epoch, a, "commit", {"ok": ok, "digest": digest}, deadline)
+        stats["sent"] += st.bytes_out
+        st.bytes_out = 0
+        if commit["decision"] == "retry":
+            return ("retry", commit["attempt"], commit["group"])
+        if commit["decision"] != "commit":
+            raise _RoundFail(commit.get("reason", "round failed"))
+        if not ok:  # pragma: no cover - the rendezvous commits only if everyone is ok
+            raise _RoundFail("all-gather failed here")
+        return ("ok", out, contributors, total)
+
+
+async def _raise(e: BaseException) -> None:
+    raise e

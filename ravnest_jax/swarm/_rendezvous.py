@@ -1,0 +1,421 @@
+"""The rendezvous: membership, round groups and the per-phase votes of every run.
+
+It keeps its state in memory. After a restart it has a new ``epoch``; peers re-register with
+their next heartbeat, rounds that were in flight fail consistently (a vote for a round of an old
+epoch is answered ``fail``) and the next round starts after the highest round any peer reports.
+
+HTTP API (every ``/v1`` request is signed, see :mod:`._auth`; answers are signed too):
+
+``GET  /health``                                   ``{"ok": true, "epoch": ...}`` (no auth)
+``POST /v1/runs/{run}/join``       ``{peer_id, address, last_round}``
+``POST /v1/runs/{run}/heartbeat``  ``{peer_id, address, last_round}`` (registers if unknown)
+``POST /v1/runs/{run}/leave``      ``{peer_id}``
+``GET  /v1/runs/{run}/peers``                      live peers
+``GET  /v1/runs/{run}/status``                     peers, membership version, recent rounds
+``POST /v1/runs/{run}/rounds/begin`` ``{peer_id, address, after, part_s, grace_s, max_attempts,
+wait_s}`` -> ``{epoch, round, attempt, group}``
+``POST /v1/runs/{run}/rounds/{r}/vote`` ``{peer_id, epoch, attempt, phase, data}`` -> decision
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import signal
+import ssl as _ssl
+import time
+from typing import Any
+
+from aiohttp import web
+
+from . import _auth
+from ._http import json_response, read_json_body
+
+log = logging.getLogger("ravnest_jax.swarm.rendezvous")
+
+KEEP_ROUNDS = 32
+MAX_PEERS_PER_RUN = 4096
+MAX_RUNS = 1024
+
+
+@dataclasses.dataclass
+class _Peer:
+    peer_id: str
+    address: str
+    joined: float
+    last_seen: float
+    last_round: int = -1
+
+
+@dataclasses.dataclass
+class _Attempt:
+    number: int
+    group: tuple[str, ...]
+    start: float
+    votes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    decisions: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    events: dict[str, asyncio.Event] = dataclasses.field(default_factory=dict)
+    gather_decided_at: float | None = None
+
+
+@dataclasses.dataclass
+class _Round:
+    number: int
+    created: float
+    part_s: float
+    grace_s: float
+    max_attempts: int
+    attempts: dict[int, _Attempt]
+    outcome: str = "running"
+    contributors: tuple[str, ...] = ()
+    digest: str = ""
+
+
+class _Run:
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self.peers: dict[str, _Peer] = {}
+        self.version = 0
+        self.rounds: dict[int, _Round] = {}
+        self.latest: int | None = None
+        self.max_reported_round = -1
+        self.new_round = asyncio.Condition()
+
+
+class Rendezvous:
+    """The rendezvous service as an aiohttp application.
+
+    Args:
+      token: the run token every request must prove (str or bytes, non-empty).
+      heartbeat_s: the heartbeat interval peers are told to use, seconds.
+      eviction_s: a peer silent for longer than this is dropped, seconds.
+    """
+
+    def __init__(self, token: str | bytes, *, heartbeat_s: float = 2.0, eviction_s: float = 10.0):
+        if eviction_s <= heartbeat_s:
+            raise ValueError("eviction_s must be longer than heartbeat_s")
+        self.token = token.encode() if isinstance(token, str) else bytes(token)
+        if not self.token:
+            raise ValueError("the token must not be empty")
+        self.heartbeat_s = heartbeat_s
+        self.eviction_s = eviction_s
+        self.epoch = secrets.token_hex(8)
+        self.boot = time.monotonic()
+        self.runs: dict[str, _Run] = {}
+        self.nonces = _auth.NonceCache()
+        self._evictor: asyncio.Task[None] | None = None
+
+    # -- application ---------------------------------------------------------------------
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_get("/health", self._health)
+        p = "/v1/runs/{run_id}"
+        app.router.add_post(p + "/join", self._join)
+        app.router.add_post(p + "/heartbeat", self._heartbeat)
+        app.router.add_post(p + "/leave", self._leave)
+        app.router.add_get(p + "/peers", self._peers)
+        app.router.add_get(p + "/status", self._status)
+        app.router.add_post(p + "/rounds/begin", self._begin)
+        app.router.add_post(p + "/rounds/{round}/vote", self._vote)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        self._evictor = asyncio.create_task(self._evict_loop())
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        if self._evictor is not None:
+            self._evictor.cancel()
+            try:
+                await self._evictor
+            except asyncio.CancelledError:
+                pass
+
+    async def _evict_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.heartbeat_s))
+            now = time.monotonic()
+            for run in self.runs.values():
+                dead = [p for p, e in run.peers.items() if now - e.last_seen > self.eviction_s]
+                for p in dead:
+                    log.info("run %s: evicting %s", run.run_id, p)
+                    del run.peers[p]
+                if dead:
+                    run.version += 1
+
+    # -- helpers -------------------------------------------------------------------------
+    async def _auth(self, request: web.Request) -> tuple[_Run, str, Any]:
+        run_id = request.match_info["run_id"]
+        try:
+            peer, _, body_sha = _auth.verify(self.token, request.headers, method=request.method,
+                                             path=request.path, run_id=run_id,
+                                             nonces=self.nonces)
+        except _auth.AuthError as e:
+            raise web.HTTPUnauthorized(text=f"unauthorized: {e}") from None
+        payload = await read_json_body(request, body_sha)
+        if payload is not None and not isinstance(payload, dict):
+            raise web.HTTPBadRequest(text="body must be a JSON object")
+        if payload is not None and payload.get("peer_id", peer) != peer:
+            raise web.HTTPBadRequest(text="peer_id does not match the signer")
+        run = self.runs.get(run_id)
+        if run is None:
+            if len(self.runs) >= MAX_RUNS or len(run_id) > 128:
+                raise web.HTTPBadRequest(text="too many runs or run id too long")
+            run = self.runs[run_id] = _Run(run_id)
+        return run, peer, payload or {}
+
+    def _reply(self, request: web.Request, run: _Run, payload: Any) -> web.Response:
+        return json_response(request, self.token, run.run_id, "rendezvous", payload)
+
+    def _touch(self, run: _Run, peer: str, p: dict[str, Any]) -> tuple[_Peer, bool]:
+        address = p.get("address")
+        if not isinstance(address, str) or not address.startswith(("http://", "https://")):
+            raise web.HTTPBadRequest(text="address must be an http(s) URL")
+        now = time.monotonic()
+        e = run.peers.get(peer)
+        new = e is None
+        if new:
+            if len(run.peers) >= MAX_PEERS_PER_RUN:
+                raise web.HTTPServiceUnavailable(text="run is full")
+            e = run.peers[peer] = _Peer(peer, address, now, now)
+            run.version += 1
+            log.info("run %s: %s joined at %s", run.run_id, peer, address)
+        elif e.address != address:
+            e.address = address
+            run.version += 1
+        e.last_seen = now
+        lr = p.get("last_round")
+        if isinstance(lr, int):
+            e.last_round = max(e.last_round, lr)
+            run.max_reported_round = max(run.max_reported_round, lr)
+        return e, new
+
+    def _live(self, run: _Run) -> list[_Peer]:
+        now = time.monotonic()
+        return sorted((e for e in run.peers.values() if now - e.last_seen <= self.eviction_s),
+                      key=lambda e: e.peer_id)
+
+    def _membership(self, run: _Run) -> dict[str, Any]:
+        now = time.monotonic()
+        return {"epoch": self.epoch, "version": run.version,
+                "heartbeat_s": self.heartbeat_s, "eviction_s": self.eviction_s,
+                "peers": [{"peer_id": e.peer_id, "address": e.address,
+                           "last_round": e.last_round,
+                           "seconds_since_heartbeat": round(now - e.last_seen, 3)}
+                          for e in self._live(run)]}
+
+    # -- membership ----------------------------------------------------------------------
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "epoch": self.epoch, "runs": len(self.runs)})
+
+    async def _join(self, request: web.Request) -> web.Response:
+        run, peer, p = await self._auth(request)
+        self._touch(run, peer, p)
+        return self._reply(request, run, self._membership(run))
+
+    async def _heartbeat(self, request: web.Request) -> web.Response:
+        run, peer, p = await self._auth(request)
+        _, new = self._touch(run, peer, p)
+        return self._reply(request, run, {"epoch": self.epoch, "version": run.version,
+                                          "registered": new})
+
+    async def _leave(self, request: web.Request) -> web.Response:
+        run, peer, _ = await self._auth(request)
+        if run.peers.pop(peer, None) is not None:
+            run.version += 1
+            log.info("run %s: %s left", run.run_id, peer)
+        return self._reply(request, run, {"version": run.version})
+
+    async def _peers(self, request: web.Request) -> web.Response:
+        run, _, _ = await self._auth(request)
+        return self._reply(request, run, self._membership(run))
+
+    async def _status(self, request: web.Request) -> web.Response:
+        run, _, _ = await self._auth(request)
+        out = self._membership(run)
+        out["run_id"] = run.run_id
+        out["last_round"] = run.latest
+        out["rounds"] = [{"round": r.number, "outcome": r.outcome,
+                          "attempts": len(r.attempts),
+                          "group": list(r.attempts[max(r.attempts)].group),
+                          "contributors": list(r.contributors), "digest": r.digest}
+                         for r in sorted(run.rounds.values(), key=lambda r: r.number)]
+        return self._reply(request, run, out)
+
+    # -- rounds --------------------------------------------------------------------------
+    def _create_round(self, run: _Run, after: int, p: dict[str, Any]) -> _Round:
+        number = max(-1 if run.latest is None else run.latest, after, run.max_reported_round) + 1
+        group = tuple(e.peer_id for e in self._live(run))
+        now = time.monotonic()
+        rnd = _Round(number=number, created=now,
+                     part_s=float(min(max(p.get("part_s", 30.0), 0.01), 3600.0)),
+                     grace_s=float(min(max(p.get("grace_s", 1.0), 0.0), 600.0)),
+                     max_attempts=int(min(max(p.get("max_attempts", 3), 1), 10)),
+                     attempts={0: _Attempt(0, group, now)})
+        run.rounds[number] = rnd
+        run.latest = number
+        for old in sorted(run.rounds)[:-KEEP_ROUNDS]:
+            del run.rounds[old]
+        log.info("run %s: round %d with %d peers", run.run_id, number, len(group))
+        return rnd
+
+    async def _begin(self, request: web.Request) -> web.Response:
+        run, peer, p = await self._auth(request)
+        self._touch(run, peer, p)
+        after = p.get("after", -1)
+        if not isinstance(after, int):
+            raise web.HTTPBadRequest(text="after must be an int")
+        wait_s = float(min(max(p.get("wait_s", 30.0), 0.0), 3600.0))
+        deadline = time.monotonic() + wait_s
+        while True:
+            rnd = run.rounds.get(run.latest) if run.latest is not None else None
+            if rnd is None or (peer in rnd.attempts[0].group and after >= rnd.number):
+                # just (re)started: give every live peer one heartbeat to re-register first
+                settle = self.boot + 2 * self.heartbeat_s - time.monotonic()
+                if settle > 0:
+                    await asyncio.sleep(settle)
+                    self._touch(run, peer, p)
+                    continue
+                rnd = self._create_round(run, after, p)
+                async with run.new_round:
+                    run.new_round.notify_all()
+            if peer in rnd.attempts[0].group and after < rnd.number:
+                group = rnd.attempts[0].group
+                return self._reply(request, run, {
+                    "epoch": self.epoch, "round": rnd.number, "attempt": 0, "group": list(group),
+                    "addresses": {g: run.peers[g].address for g in group if g in run.peers}})
+            # joined while this round runs: wait for the next one
+            stale_at = rnd.created + rnd.max_attempts * 2 * (rnd.part_s + rnd.grace_s) + 1.0
+            left = min(deadline, stale_at) - time.monotonic()
+            if left <= 0:
+                if time.monotonic() >= stale_at:  # that round is long over: start the next
+                    rnd = self._create_round(run, max(after, rnd.number), p)
+                    async with run.new_round:
+                        run.new_round.notify_all()
+                    continue
+                return self._reply(request, run, {"epoch": self.epoch, "round": None,
+                                                  "wait": True})
+            try:
+                async with run.new_round:
+                    await asyncio.wait_for(run.new_round.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+            self._touch(run, peer, p)
+
+    async def _vote(self, request: web.Request) -> web.Response:
+        run, peer, p = await self._auth(request)
+        try:
+            number = int(request.match_info["round"])
+            attempt = int(p["attempt"])
+            phase = str(p["phase"])
+            data = p.get("data") or {}
+        except (KeyError, ValueError, TypeError):
+            raise web.HTTPBadRequest(text="bad vote") from None
+        if phase not in ("gather", "commit") or not isinstance(data, dict):
+            raise web.HTTPBadRequest(text="bad vote")
+        rnd = run.rounds.get(number)
+        if p.get("epoch") != self.epoch or rnd is None:
+            return self._reply(request, run, {
+                "decision": "fail", "reason": "the rendezvous does not know this round "
+                "(it restarted or the round is too old)"})
+        att = rnd.attempts.get(attempt)
+        if att is None or peer not in att.group:
+            return self._reply(request, run, {"decision": "fail",
+                                              "reason": "not in this attempt's group"})
+        if phase == "commit" and "gather" not in att.decisions:
+            raise web.HTTPBadRequest(text="commit before gather")
+        ev = att.events.setdefault(phase, asyncio.Event())
+        if phase not in att.decisions:
+            att.votes.setdefault(phase, {})[peer] = data
+            if set(att.votes[phase]) >= set(att.group):
+                self._decide(run, rnd, att, phase)
+        while phase not in att.decisions:
+            start = att.start if phase == "gather" else (att.gather_decided_at or att.start)
+            left = start + rnd.part_s + rnd.grace_s - time.monotonic()
+            if left <= 0:
+                self._decide(run, rnd, att, phase)
+                break
+            try:
+                await asyncio.wait_for(ev.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        return self._reply(request, run, att.decisions[phase])
+
+    def _decide(self, run: _Run, rnd: _Round, att: _Attempt, phase: str) -> None:
+        if phase in att.decisions:
+            return
+        votes = att.votes.get(phase, {})
+        voters = tuple(sorted(votes))
+        everyone = set(voters) >= set(att.group)
+        decision: dict[str, Any]
+        if phase == "gather":
+            att.gather_decided_at = time.monotonic()
+            if everyone:
+                contributors = set(att.group)
+                for v in votes.values():
+                    contributors &= set(v.get("received", []))
+                if contributors:
+                    decision = {"decision": "ok", "contributors": sorted(contributors)}
+                else:
+                    decision = {"decision": "fail", "reason": "no contribution reached every "
+                                "part owner"}
+            else:
+                decision = self._retry(rnd, att, voters, "missing gather votes from " +
+                                       ",".join(sorted(set(att.group) - set(voters))))
+        else:
+            digests = {v.get("digest") for v in votes.values()}
+            if everyone and all(v.get("ok") for v in votes.values()) and len(digests) == 1:
+                decision = {"decision": "commit"}
+                rnd.outcome = "ok"
+                rnd.contributors = tuple(att.decisions["gather"]["contributors"])
+                rnd.digest = str(digests.pop())
+            elif everyone and len({v.get("digest") for v in votes.values() if v.get("ok")}) > 1:
+                decision = {"decision": "fail", "reason": "result digests differ"}
+            else:
+                missing = sorted(set(att.group) - set(voters))
+                bad = sorted(k for k, v in votes.items() if not v.get("ok"))
+                decision = self._retry(rnd, att, voters,
+                                       f"all-gather incomplete (missing {missing}, failed {bad})")
+        if decision["decision"] == "fail":
+            rnd.outcome = "failed"
+        att.decisions[phase] = decision
+        att.events.setdefault(phase, asyncio.Event()).set()
+        log.info("run %s round %d attempt %d %s: %s", run.run_id, rnd.number, att.number,
+                 phase, decision)
+
+    def _retry(self, rnd: _Round, att: _Attempt, voters: tuple[str, ...],
+               reason: str) -> dict[str, Any]:
+        nxt = att.number + 1
+        if not voters or nxt >= rnd.max_attempts:
+            return {"decision": "fail", "reason": reason + "; no attempts left"}
+        rnd.attempts[nxt] = _Attempt(nxt, voters, time.monotonic())
+        return {"decision": "retry", "attempt": nxt, "group": list(voters), "reason": reason}
+
+
+async def serve(host: str, port: int, token: str | bytes, *, heartbeat_s: float = 2.0,
+                eviction_s: float = 10.0, ssl_context: _ssl.SSLContext | None = None,
+                ready: Any = None, stop: asyncio.Event | None = None) -> None:
+    """Run a rendezvous until ``stop`` is set (or SIGINT/SIGTERM when ``stop`` is None).
+
+    ``ready(bound_port)`` is called once the socket listens (``port=0`` picks a free port).
+    """
+    rv = Rendezvous(token, heartbeat_s=heartbeat_s, eviction_s=eviction_s)
+    runner = web.AppRunner(rv.make_app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        if ready is not None:
+            ready(bound)
+        if stop is None:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()

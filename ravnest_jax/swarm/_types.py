@@ -1,0 +1,158 @@
+"""Public value types of the swarm: timeouts, result records, errors, and tree flattening."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """Deadlines of the swarm, all in seconds.
+
+    Attributes:
+      connect: to open a TCP connection to a peer or the rendezvous.
+      part: one data phase of a round: the reduce-scatter (sending and receiving parts) and,
+        separately, the all-gather. A peer that has not delivered by then is left out. It must
+        also cover how much later than the first peer the slowest healthy peer reaches a round.
+      grace: extra time the rendezvous waits for votes after a phase deadline (clock jitter).
+      round: the whole round, every attempt included; past it the round fails for this peer.
+      heartbeat: interval between heartbeats to the rendezvous.
+      eviction: a peer whose last heartbeat is older than this is dropped from the membership.
+      max_attempts: how often a round is retried among the survivors before it fails.
+    """
+
+    connect: float = 5.0
+    part: float = 30.0
+    grace: float = 1.0
+    round: float = 180.0
+    heartbeat: float = 2.0
+    eviction: float = 10.0
+    max_attempts: int = 3
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not v > 0:
+                raise ValueError(f"Timeouts.{f.name} must be > 0, got {v!r}")
+        if self.eviction <= self.heartbeat:
+            raise ValueError("Timeouts.eviction must be longer than Timeouts.heartbeat")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerInfo:
+    """One live peer of a run, as the rendezvous sees it.
+
+    Attributes:
+      peer_id: the peer's id (the order of peers in a round is the sorted order of ids).
+      address: the advertised base URL, e.g. ``"http://10.0.0.5:7000"``.
+      last_round: the last round the peer finished (``-1`` before its first).
+      seconds_since_heartbeat: age of its last heartbeat, seconds.
+    """
+
+    peer_id: str
+    address: str
+    last_round: int
+    seconds_since_heartbeat: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundRecord:
+    """What happened in one all-reduce, on this peer.
+
+    Attributes:
+      round: the round number (``-1`` if none was assigned).
+      ok: whether a result was produced.
+      attempts: how many attempts the round took (a retry follows a peer lost mid-round).
+      group: sorted peer ids of the last attempt's group.
+      contributors: sorted peer ids whose contributions are in the result (identical on every
+        peer that got a result).
+      total_weight: sum of the contributors' weights (float32 arithmetic).
+      bytes_sent: body bytes this peer sent in the round.
+      bytes_received: body bytes this peer received in the round.
+      seconds: wall time of the round on this peer.
+      digest: blake2b-128 hex digest of the result's float32 bytes (empty when not ok).
+      codec: the codec used on the wire.
+      algorithm: ``"butterfly"``.
+      error: why the round failed, or ``None``.
+    """
+
+    round: int
+    ok: bool
+    attempts: int
+    group: tuple[str, ...]
+    contributors: tuple[str, ...]
+    total_weight: float
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+    digest: str
+    codec: str
+    algorithm: str = "butterfly"
+    error: str | None = None
+
+
+class RoundFailed(RuntimeError):
+    """A round could not be completed on this peer; ``.record`` holds the details (ok=False)."""
+
+    def __init__(self, record: RoundRecord):
+        super().__init__(f"round {record.round} failed: {record.error}")
+        self.record = record
+
+
+class SwarmError(RuntimeError):
+    """The swarm could not start or talk to the rendezvous."""
+
+
+def digest_of(vec: np.ndarray) -> str:
+    """blake2b-128 hex digest of a float32 vector's bytes."""
+    return hashlib.blake2b(np.ascontiguousarray(vec, np.float32).tobytes(),
+                           digest_size=16).hexdigest()
+
+
+# --- pytrees without jax: nested dict / list / tuple / namedtuple of arrays ------------------
+
+def flatten(tree: Any) -> tuple[list[str], list[np.ndarray], Callable[[list[np.ndarray]], Any]]:
+    """Flatten a nested dict/list/tuple of float32 arrays.
+
+    Returns ``(names, leaves, unflatten)``; dict keys are visited in sorted order.
+
+    Raises:
+      TypeError: a leaf is not a float32 array (or a float32 scalar).
+    """
+    names: list[str] = []
+    leaves: list[np.ndarray] = []
+
+    def rec(node: Any, path: str) -> Callable[[list[np.ndarray]], Any]:
+        if isinstance(node, dict):
+            keys = sorted(node, key=str)
+            subs = [rec(node[k], f"{path}/{k}") for k in keys]
+            cls = type(node)
+
+            def build(it: list[np.ndarray]) -> Any:
+                return cls((k, s(it)) for k, s in zip(keys, subs))
+            return build
+        if isinstance(node, (list, tuple)):
+            subs = [rec(v, f"{path}/{i}") for i, v in enumerate(node)]
+            cls = type(node)
+            if hasattr(node, "_fields"):
+                return lambda it: cls(*[s(it) for s in subs])
+            return lambda it: cls(s(it) for s in subs)
+        arr = np.asarray(node)
+        if arr.dtype != np.float32:
+            raise TypeError(f"leaf {path or '/'} has dtype {arr.dtype}; the swarm takes float32")
+        idx = len(leaves)
+        names.append(path or "/")
+        leaves.append(arr)
+        shape = arr.shape
+
+        def leaf(it: list[np.ndarray]) -> np.ndarray:
+            return it[idx].reshape(shape)
+        return leaf
+
+    build = rec(tree, "")
+    return names, leaves, build

@@ -1,0 +1,7 @@
+"""Host-side driver: starts rounds, overlaps them with inner steps, applies results."""
+
+from ._digest import device_digest as device_digest
+from ._digest import digest_hex as digest_hex
+from ._outer_sync import MODES as MODES
+from ._outer_sync import OuterSync as OuterSync
+from ._outer_sync import RoundMetrics as RoundMetrics

@@ -1,0 +1,598 @@
+"""The host-side driver of outer rounds: overlaps the swarm's all-reduce with inner steps.
+
+The only layer that crosses between the jitted world and the swarm's event loop.
+
+References:
+  Douillard et al., DiLoCo, https://arxiv.org/abs/2311.08105
+  Douillard et al., Streaming DiLoCo with overlapping communication, https://arxiv.org/abs/2501.18512
+  Kale et al., Eager updates for overlapped communication and computation in DiLoCo,
+  https://arxiv.org/abs/2502.12996
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import math
+import threading
+import time
+from typing import Any, Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import serialization
+
+from ravnest_jax import compress
+from ravnest_jax.optim import DiLoCo, DiLoCoState, RoundSnapshot
+
+from ._digest import device_digest, digest_hex
+
+log = logging.getLogger("ravnest_jax.sync")
+
+__all__ = ["OuterSync", "RoundMetrics", "MODES"]
+
+MODES = ("blocking", "delayed", "eager")
+
+
+class Exchange(Protocol):
+    """What :class:`OuterSync` needs from a swarm (``rj.Swarm`` provides it)."""
+
+    codec: str
+
+    def all_reduce_async(self, tree: Any, *, weight: float) -> concurrent.futures.Future: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundMetrics:
+    """What one outer round cost and produced on this peer.
+
+    Attributes:
+      round: exchange number on this peer's schedule (0, 1, ...; one per fragment round).
+      fragment: the fragment synchronised (0 without fragments).
+      step: inner step at the round boundary.
+      merged_at_step: inner step at which the result was merged (``step + overlap``).
+      ok: the round produced a result that was merged.
+      swarm_round: the swarm's round number (``-1`` if unknown).
+      group_size: peers that contributed to the mean.
+      bytes_sent: body bytes this peer sent in the exchange.
+      bytes_received: body bytes it received.
+      payload_bytes: encoded size of this peer's pseudo-gradient (bytes).
+      codec_ratio: ``payload_bytes`` / float32 size of the pseudo-gradient.
+      exchange_seconds: wall time from the round boundary until the result was in (seconds).
+      stall_seconds: time the training loop blocked waiting for this round (seconds).
+      compute_utilisation: ``1 - stall / wall`` over the inner steps since the previous round.
+      result_digest: digest of the averaged pseudo-gradient (equal on every contributor).
+      state_digest: digest of the global params and outer state after the merge (equal on every
+        live peer when they agree).
+      train_loss: mean train loss reported by the contributors (``nan`` if none reported).
+      error: why the round failed, else ``None``.
+    """
+
+    round: int
+    fragment: int
+    step: int
+    merged_at_step: int
+    ok: bool
+    swarm_round: int
+    group_size: int
+    bytes_sent: int
+    bytes_received: int
+    payload_bytes: int
+    codec_ratio: float
+    exchange_seconds: float
+    stall_seconds: float
+    compute_utilisation: float
+    result_digest: str
+    state_digest: str
+    train_loss: float = math.nan
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class _Pending:
+    seq: int
+    fragment: int
+    step: int
+    due_step: int
+    snapshot: RoundSnapshot
+    spec_params: Any  # eager: the speculative anchor leaves the params restarted from
+    future: concurrent.futures.Future
+    started: float
+    payload_bytes: int = 0
+    float_bytes: int = 0
+
+
+def _flat(leaves: list) -> jax.Array:
+    return jnp.concatenate([jnp.ravel(jnp.asarray(x, jnp.float32)) for x in leaves]) if leaves else jnp.zeros(0)
+
+
+def _unflat(vec: jax.Array, like: list) -> list:
+    out, off = [], 0
+    for x in like:
+        n = int(np.prod(x.shape, dtype=np.int64))
+        out.append(vec[off : off + n].reshape(x.shape).astype(jnp.float32))
+        off += n
+    return out
+
+
+class OuterSync:
+    """Drives DiLoCo outer rounds over a swarm, overlapped with inner steps.
+
+    Call it after every train step: ``params, state = sync(params, state)``. On most steps it
+    only counts. At a round boundary it takes the pseudo-gradient with the jitted round
+    functions of ``tx``, encodes it on the device with the swarm's codec (with error feedback),
+    starts a non-blocking device-to-host copy, hands the encoded bytes to the swarm's background
+    loop and returns at once. When the averaged result is due it is merged with the jitted merge
+    function; if it is not in yet, the step blocks and the stall is counted.
+
+    Modes:
+
+    - ``"blocking"``: plain DiLoCo; the round is exchanged and applied at the boundary step
+      (``overlap_steps`` must be 0).
+    - ``"delayed"``: Streaming DiLoCo's overlap (arXiv 2501.18512): the result is merged
+      ``overlap_steps`` (tau) inner steps after the boundary, keeping the local progress made
+      meanwhile, mixed with ``alpha``. With tau = 0 it equals ``"blocking"`` exactly.
+    - ``"eager"`` (arXiv 2502.12996): at the boundary the local pseudo-gradient stands in for
+      the average (the params restart from the speculative anchor at once); when the true
+      average arrives tau steps later the anchor is recomputed from it and the local progress
+      since the boundary is rebased onto it. The global state stays identical on all peers.
+
+    With ``tx.fragments > 1`` each fragment has its own rounds (``tx.due_fragments``), in the same
+    order on every peer. With ``sync_every_seconds`` rounds start by wall time instead of every
+    H steps (one fragment only); contributions are weighted by samples processed.
+
+    Args:
+      tx: the :func:`rj.diloco` transformation (``axis_name=None``).
+      swarm: an ``rj.Swarm`` (or anything with ``codec`` and ``all_reduce_async(tree, weight)``).
+      mode: one of ``"blocking"``, ``"delayed"``, ``"eager"``.
+      overlap_steps: tau, inner steps between a round's boundary and its merge; ``0 <= tau <
+        sync_every / fragments``... precisely: less than the gap to the fragment's next round.
+      alpha: mixing weight of the local params at the merge, in ``[0, 1]``.
+      error_feedback: carry the codec's quantisation residual into the fragment's next round.
+      codec_options: options of the device-side encode (``block_size``, ``fraction``); must
+        match the swarm's codec options.
+      samples_per_step: this peer's samples per inner step (the weight of its contribution is
+        samples processed since its last round).
+      sync_every_seconds: start a round every this many seconds of wall time instead of every
+        ``tx.sync_every`` steps (heterogeneous peers).
+      on_round: callback ``f(RoundMetrics)`` after every round (called from the training thread).
+      resync: ``f() -> bytes | None`` that downloads the current state from a live peer, used
+        after a failed round; default: the swarm's ``fetch_state`` when it has one.
+      seed: PRNG seed of stochastic rounding.
+
+    Raises:
+      ValueError: a bad mode, overlap, alpha, samples_per_step, sync_every_seconds, a tx with
+        ``axis_name`` set, or a swarm without ``all_reduce_async``.
+    """
+
+    def __init__(
+        self,
+        tx: DiLoCo,
+        swarm: Exchange,
+        *,
+        mode: str = "delayed",
+        overlap_steps: int = 1,
+        alpha: float = 0.0,
+        error_feedback: bool = True,
+        codec_options: dict | None = None,
+        samples_per_step: float = 1.0,
+        sync_every_seconds: float | None = None,
+        on_round: Callable[[RoundMetrics], None] | None = None,
+        resync: Callable[[], bytes | None] | None = None,
+        seed: int = 0,
+    ):
+        if not isinstance(tx, DiLoCo):
+            raise ValueError("tx must be the transformation returned by rj.diloco")
+        if tx.axis_name is not None:
+            raise ValueError("tx: OuterSync drives rounds from the host; build it with axis_name=None")
+        if not hasattr(swarm, "all_reduce_async"):
+            raise ValueError("swarm must provide all_reduce_async(tree, weight=...) (an rj.Swarm)")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or overlap_steps < 0:
+            raise ValueError(f"overlap_steps must be an int >= 0, got {overlap_steps!r}")
+        if mode == "blocking" and overlap_steps != 0:
+            raise ValueError("overlap_steps must be 0 in mode='blocking'")
+        if mode == "eager" and overlap_steps < 1:
+            raise ValueError("overlap_steps must be >= 1 in mode='eager' (tau = 0 is 'blocking')")
+        gap = tx.sync_every // tx.fragments if tx.fragments > 1 else tx.sync_every
+        if sync_every_seconds is None and overlap_steps >= gap:
+            raise ValueError(
+                f"overlap_steps ({overlap_steps}) must be smaller than the steps between rounds "
+                f"({gap} = sync_every / fragments)"
+            )
+        if not (isinstance(alpha, (int, float)) and 0.0 <= float(alpha) <= 1.0):
+            raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
+        if not (isinstance(samples_per_step, (int, float)) and math.isfinite(samples_per_step) and samples_per_step > 0):
+            raise ValueError(f"samples_per_step must be a finite number > 0, got {samples_per_step!r}")
+        if sync_every_seconds is not None:
+            if not (isinstance(sync_every_seconds, (int, float)) and sync_every_seconds > 0):
+                raise ValueError(f"sync_every_seconds must be > 0, got {sync_every_seconds!r}")
+            if tx.fragments > 1:
+                raise ValueError("sync_every_seconds works with fragments=1 only")
+        self.tx = tx
+        self.swarm = swarm
+        self.mode = mode
+        self.overlap_steps = overlap_steps if mode != "blocking" else 0
+        self.alpha = float(alpha)
+        self.error_feedback = bool(error_feedback)
+        self.codec = getattr(swarm, "codec", "fp32")
+        self.codec_options = dict(codec_options or {})
+        self.samples_per_step = float(samples_per_step)
+        self.sync_every_seconds = sync_every_seconds
+        self.on_round = on_round
+        self._resync_fn = resync if resync is not None else getattr(swarm, "fetch_state", None)
+        self._key = jax.random.key(seed)
+        self._lossy = self.codec not in ("fp32",)
+
+        self.step: int | None = None  # inner steps taken (== state.count), known after 1st call
+        self.rounds_started = 0
+        self.metrics: list[RoundMetrics] = []
+        self.stall_seconds = 0.0
+        self.failed_rounds = 0
+        self.resyncs = 0
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._residual: dict[int, jax.Array] = {}
+        self._last_round_step: dict[int, int] = {}
+        self._window_start = time.perf_counter()
+        self._window_stall = 0.0
+        self._round_clock = time.monotonic()
+        self._first_step = 0
+        # one worker: exchanges run one at a time, in the same order on every peer
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rj-sync")
+        self._state_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rj-state")
+        self._lock = threading.Lock()
+        self._state_request: list[concurrent.futures.Future] = []
+        self._closed = False
+        self._jit_cache: dict[tuple, Callable] = {}
+
+    # ------------------------------------------------------------------ jitted pieces
+    def _fn(self, name: str, fragment: int) -> Callable:
+        key = (name, fragment)
+        fn = self._jit_cache.get(key)
+        if fn is not None:
+            return fn
+        tx = self.tx
+        frag = None if tx.fragments == 1 else fragment
+        codec, opts = self.codec, self.codec_options
+
+        if name == "start":
+
+            def start(params, state, residual, key):
+                snap = tx.round_start(params, state, frag)
+                flat = _flat(jax.tree.leaves(snap.pseudo_gradient))
+                packed, new_res = compress.device_encode(
+                    {"pg": flat}, codec, key=key, residual=None if residual is None else {"pg": residual}, **opts
+                )
+                return snap, packed, None if new_res is None else new_res["pg"]
+
+            fn = jax.jit(start)
+        elif name == "merge":
+            keep = self.mode != "blocking"
+
+            def merge(params, state, mean_flat, snap, alpha):
+                like = jax.tree.leaves(snap.pseudo_gradient)
+                mean = jax.tree.unflatten(jax.tree.structure(snap.pseudo_gradient), _unflat(mean_flat, like))
+                params, state = tx.round_merge(
+                    params, state, mean, snap, fragment=frag, alpha=alpha, keep_local_progress=keep
+                )
+                return params, state, device_digest((state.global_params, state.outer_state))
+
+            fn = jax.jit(merge)
+        elif name == "speculate":
+
+            def speculate(params, state, snap):
+                spec = tx.outer_step(state, snap.pseudo_gradient, frag)
+                g = spec.global_params if frag is None else [
+                    jax.tree.leaves(spec.global_params)[i]
+                    for i in tx.fragment_leaf_ids(fragment, len(jax.tree.leaves(params)))
+                ]
+                if frag is None:
+                    new_params = jax.tree.map(lambda a, p: a.astype(p.dtype), g, params)
+                else:
+                    ids = tx.fragment_leaf_ids(fragment, len(jax.tree.leaves(params)))
+                    leaves, treedef = jax.tree.flatten(params)
+                    leaves = list(leaves)
+                    for i, a in zip(ids, g):
+                        leaves[i] = a.astype(leaves[i].dtype)
+                    new_params = jax.tree.unflatten(treedef, leaves)
+                # a separate buffer: the params may be donated by the next train step
+                return new_params, jax.tree.map(lambda a: a + jnp.zeros_like(a), g)
+
+            fn = jax.jit(speculate)
+        else:  # pragma: no cover
+            raise KeyError(name)
+        self._jit_cache[key] = fn
+        return fn
+
+    # ------------------------------------------------------------------ public API
+    def __call__(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
+        """Counts one inner step; starts, merges or waits for rounds when they are due.
+
+        Args:
+          params: the local params after this step's inner update.
+          state: the :class:`DiLoCoState` after this step.
+
+        Returns:
+          ``(params, state)``, unchanged on most steps.
+
+        Raises:
+          RuntimeError: called after :meth:`close`.
+        """
+        if self._closed:
+            raise RuntimeError("OuterSync is closed")
+        if self.step is None:
+            self.step = int(state.count) - 1  # one host read, on the first call only
+            self._first_step = self.step
+        self.step += 1
+        step = self.step
+        if self._state_request and not self._pending:
+            self._serve_state(params, state)
+        # merge what is due (oldest first), start what is due, merge what is due at once (tau=0)
+        params, state = self._merge_due(params, state)
+        for fragment in self._due(step):
+            params, state = self._start(fragment, params, state)
+        return self._merge_due(params, state)
+
+    def _merge_due(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
+        while self._pending and self._pending[0].due_step <= self.step:
+            params, state = self._finish(self._pending.popleft(), params, state)
+        return params, state
+
+    def flush(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
+        """Waits for every round in flight and merges it now (for example before a checkpoint
+        or at the end of training). Returns ``(params, state)``."""
+        while self._pending:
+            params, state = self._finish(self._pending.popleft(), params, state)
+        return params, state
+
+    @property
+    def pending(self) -> int:
+        """Rounds in flight (started, not merged)."""
+        return len(self._pending)
+
+    def summary(self) -> dict:
+        """Totals so far: rounds, failures, resyncs, bytes, stall seconds, mean utilisation."""
+        ok = [m for m in self.metrics if m.ok]
+        return {
+            "rounds": len(ok),
+            "failed_rounds": self.failed_rounds,
+            "resyncs": self.resyncs,
+            "bytes_sent": int(sum(m.bytes_sent for m in self.metrics)),
+            "bytes_received": int(sum(m.bytes_received for m in self.metrics)),
+            "stall_seconds": self.stall_seconds,
+            "compute_utilisation": float(np.mean([m.compute_utilisation for m in ok])) if ok else math.nan,
+            "last_state_digest": ok[-1].state_digest if ok else "",
+        }
+
+    def state_dict(self) -> dict:
+        """The driver's own state for a checkpoint: step, rounds started, error-feedback residuals
+        (numpy float32, per fragment). Raises ``RuntimeError`` while rounds are in flight (call
+        :meth:`flush` first)."""
+        if self._pending:
+            raise RuntimeError("rounds are in flight: call flush(params, state) before state_dict()")
+        return {
+            "step": -1 if self.step is None else int(self.step),
+            "rounds_started": int(self.rounds_started),
+            "residual": {str(f): np.asarray(r) for f, r in sorted(self._residual.items())},
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restores what :meth:`state_dict` returned."""
+        self.step = None if int(d["step"]) < 0 else int(d["step"])
+        self.rounds_started = int(d["rounds_started"])
+        self._residual = {int(f): jnp.asarray(r, jnp.float32) for f, r in d.get("residual", {}).items()}
+        self._pending.clear()
+
+    def close(self) -> None:
+        """Stops the background worker (rounds in flight are abandoned). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for p in self._pending:
+            p.future.cancel()
+        self._pending.clear()
+        for f in self._state_request:
+            f.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._state_pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> OuterSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ state download
+    def request_state(self) -> concurrent.futures.Future:
+        """Asks for this peer's current global state as bytes (for a peer that joins or
+        resyncs). Thread-safe; the future resolves after the next training step with no round in
+        flight. Used by the swarm's state endpoint."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._state_request.append(fut)
+        return fut
+
+    def _serve_state(self, params: Any, state: DiLoCoState) -> None:
+        with self._lock:
+            requests, self._state_request = self._state_request, []
+        copy = jax.tree.map(lambda a: a + jnp.zeros_like(a) if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.number) else a, state)
+        step = self.step
+
+        def work():
+            host = jax.device_get(copy)
+            return serialization.msgpack_serialize(
+                {"step": int(step), "rounds_started": int(self.rounds_started), "state": serialization.to_state_dict(host)}
+            )
+
+        def done(f: concurrent.futures.Future) -> None:
+            for r in requests:
+                if f.exception() is not None:
+                    r.set_exception(f.exception())
+                else:
+                    r.set_result(f.result())
+
+        self._state_pool.submit(work).add_done_callback(done)
+
+    def load_state_bytes(self, data: bytes, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
+        """Replaces the local state with one downloaded from a peer (see :meth:`request_state`).
+
+        The params restart from the downloaded global params; the inner optimizer state (with
+        its schedule step), the outer state, the counters and this driver's step and round
+        counters come from the peer. Error-feedback residuals restart at zero.
+
+        Raises:
+          ValueError: the bytes are not a state of this model and optimizer.
+        """
+        try:
+            d = serialization.msgpack_restore(data)
+            new_state = serialization.from_state_dict(state, d["state"])
+            step, started = int(d["step"]), int(d["rounds_started"])
+        except Exception as e:  # noqa: BLE001 - reported as one clear error
+            raise ValueError(f"downloaded state does not match this model/optimizer: {e}") from e
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(new_state)):
+            if np.shape(a) != np.shape(b):
+                raise ValueError(f"downloaded state has a leaf of shape {np.shape(b)}, expected {np.shape(a)}")
+        new_state = jax.tree.map(lambda like, x: jnp.asarray(x, dtype=getattr(like, "dtype", None)), state, new_state)
+        params = jax.tree.map(lambda g, p: jnp.asarray(g, p.dtype), new_state.global_params, params)
+        self.step, self.rounds_started = step, started
+        self._residual.clear()
+        self._pending.clear()
+        self._last_round_step = {f: step for f in range(self.tx.fragments)}
+        self._round_clock = time.monotonic()
+        return params, new_state
+
+    # ------------------------------------------------------------------ rounds
+    def _due(self, step: int) -> tuple[int, ...]:
+        if self.sync_every_seconds is not None:
+            if time.monotonic() - self._round_clock >= self.sync_every_seconds and not self._pending:
+                self._round_clock = time.monotonic()
+                return (0,)
+            return ()
+        return self.tx.due_fragments(step)
+
+    def _start(self, fragment: int, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
+        seq = self.rounds_started
+        self.rounds_started += 1
+        residual = None
+        if self.error_feedback and self._lossy:
+            residual = self._residual.get(fragment)
+            if residual is None:
+                ids = self._ids(params, fragment)
+                n = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in ids)
+                residual = jnp.zeros((n,), jnp.float32)
+        key = jax.random.fold_in(self._key, seq)
+        snap, packed, new_res = self._fn("start", fragment)(params, state, residual, key)
+        if new_res is not None:
+            self._residual[fragment] = new_res
+        for leaf in jax.tree.leaves(packed):
+            leaf.copy_to_host_async()
+        steps_done = self.step - self._last_round_step.get(fragment, self._first_step)
+        self._last_round_step[fragment] = self.step
+        weight = max(steps_done, 1) * self.samples_per_step
+        future = self._pool.submit(self._exchange, packed, weight)
+        spec = None
+        if self.mode == "eager":
+            params, spec = self._fn("speculate", fragment)(params, state, snap)
+        pending = _Pending(
+            seq=seq,
+            fragment=fragment,
+            step=self.step,
+            due_step=self.step + self.overlap_steps,
+            snapshot=snap,
+            spec_params=spec,
+            future=future,
+            started=time.perf_counter(),
+        )
+        self._pending.append(pending)
+        return params, state
+
+    def _ids(self, params: Any, fragment: int) -> list:
+        leaves = jax.tree.leaves(params)
+        if self.tx.fragments == 1:
+            return leaves
+        return [leaves[i] for i in self.tx.fragment_leaf_ids(fragment, len(leaves))]
+
+    def _exchange(self, packed: Any, weight: float) -> tuple[np.ndarray, Any, int, int, float]:
+        """Background thread: device->host, bytes, all-reduce. Returns (mean, record, payload
+        bytes, float32 bytes, seconds the result took)."""
+        t0 = time.perf_counter()
+        host = jax.device_get(packed)
+        data = compress.packed_to_bytes(host)  # raises NonFiniteError for a diverged peer
+        vec = compress.decode(data)["pg"]
+        fut = self.swarm.all_reduce_async({"pg": vec}, weight=weight)
+        mean, record = fut.result()
+        return np.asarray(mean["pg"], np.float32), record, len(data), 4 * vec.size, time.perf_counter() - t0
+
+    def _finish(self, p: _Pending, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
+        t0 = time.perf_counter()
+        error = None
+        try:
+            mean, record, payload_bytes, float_bytes, _ = p.future.result()
+        except Exception as e:  # noqa: BLE001 - a failed round is reported, then resynced
+            error = f"{type(e).__name__}: {e}"
+            mean = record = None
+            payload_bytes = float_bytes = 0
+        stall = time.perf_counter() - t0
+        self.stall_seconds += stall
+        self._window_stall += stall
+        now = time.perf_counter()
+        wall = max(now - self._window_start, 1e-9)
+        utilisation = max(0.0, 1.0 - self._window_stall / wall)
+        self._window_start, self._window_stall = now, 0.0
+        exchange_seconds = now - p.started
+        if error is None:
+            snap = p.snapshot if p.spec_params is None else p.snapshot._replace(params=p.spec_params)
+            params, state, digest = self._fn("merge", p.fragment)(
+                params, state, jnp.asarray(mean), snap, self.alpha
+            )
+            m = RoundMetrics(
+                round=p.seq, fragment=p.fragment, step=p.step, merged_at_step=self.step, ok=True,
+                swarm_round=int(getattr(record, "round", -1)),
+                group_size=len(getattr(record, "contributors", ()) or ()),
+                bytes_sent=int(getattr(record, "bytes_sent", 0)),
+                bytes_received=int(getattr(record, "bytes_received", 0)),
+                payload_bytes=payload_bytes, codec_ratio=payload_bytes / max(float_bytes, 1),
+                exchange_seconds=exchange_seconds, stall_seconds=stall, compute_utilisation=utilisation,
+                result_digest=str(getattr(record, "digest", "")), state_digest=digest_hex(digest),
+            )
+        else:
+            self.failed_rounds += 1
+            log.warning("round %d (fragment %d) failed on this peer: %s", p.seq, p.fragment, error)
+            m = RoundMetrics(
+                round=p.seq, fragment=p.fragment, step=p.step, merged_at_step=self.step, ok=False,
+                swarm_round=-1, group_size=0, bytes_sent=0, bytes_received=0, payload_bytes=0,
+                codec_ratio=math.nan, exchange_seconds=exchange_seconds, stall_seconds=stall,
+                compute_utilisation=utilisation, result_digest="", state_digest="", error=error,
+            )
+            params, state = self._after_failure(p, params, state)
+        self.metrics.append(m)
+        if self.on_round is not None:
+            self.on_round(m)
+        return params, state
+
+    def _after_failure(self, p: _Pending, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
+        """A round failed here while others may have applied it: download the current state
+        from a live peer. Without one, carry on alone: a delayed round is simply skipped (the
+        next pseudo-gradient covers its steps); an eager round, whose speculative anchor the
+        params already stand on, is applied with the local pseudo-gradient (a swarm of one)."""
+        data = None
+        if self._resync_fn is not None:
+            try:
+                data = self._resync_fn()
+            except Exception as e:  # noqa: BLE001 - no live peer: keep training alone
+                log.warning("resync failed: %s; continuing with the local state", e)
+        if data:
+            params, state = self.load_state_bytes(data, params, state)
+            self.resyncs += 1
+            log.info("resynced from a live peer at step %d", self.step)
+            return params, state
+        if p.spec_params is not None:
+            snap = p.snapshot._replace(params=p.spec_params)
+            own = _flat(jax.tree.leaves(p.snapshot.pseudo_gradient))
+            params, state, _ = self._fn("merge", p.fragment)(params, state, own, snap, self.alpha)
+        return params, state

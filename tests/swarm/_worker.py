@@ -1,0 +1,91 @@
+"""A swarm peer in its own process, driven by the tests (never imports jax).
+
+Prints one JSON line per event on stdout: {"event": "ready", ...}, {"event": "round", ...}.
+Inputs are deterministic from (seed, round) so the test can compute the expected mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+
+def make_tree(seed: int, round_: int, size: int) -> dict:
+    rng = np.random.default_rng([seed, round_])
+    a = rng.standard_normal(size, dtype=np.float32)
+    return {"w": a[: size // 2].reshape(-1), "b": {"x": a[size // 2:], "s": np.float32(seed)}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--url", required=True)
+    p.add_argument("--run-id", default="test")
+    p.add_argument("--token", required=True)
+    p.add_argument("--peer-id", required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--weight", type=float, default=1.0)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--size", type=int, default=1000)
+    p.add_argument("--codec", default="fp32")
+    p.add_argument("--part-timeout", type=float, default=3.0)
+    p.add_argument("--round-timeout", type=float, default=30.0)
+    p.add_argument("--send-delay", type=float, default=0.0)
+    p.add_argument("--sleep-before-round", type=str, default="",
+                   help="ROUND:SECONDS straggle before that round")
+    p.add_argument("--start-delay", type=float, default=0.0)
+    p.add_argument("--expect-peers", type=int, default=0)
+    p.add_argument("--round-sleep", type=float, default=0.0)
+    p.add_argument("--out-dir", default="")
+    args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+    from ravnest_jax.swarm import RoundFailed, Swarm, Timeouts
+
+    t = Timeouts(connect=2.0, part=args.part_timeout, grace=0.5, round=args.round_timeout,
+                 heartbeat=0.5, eviction=3.0)
+    straggle = {}
+    if args.sleep_before_round:
+        r, s = args.sleep_before_round.split(":")
+        straggle[int(r)] = float(s)
+    time.sleep(args.start_delay)
+    with Swarm(args.url, run_id=args.run_id, token=args.token, codec=args.codec,
+               listen="127.0.0.1:0", timeouts=t, peer_id=args.peer_id,
+               _send_chunk_delay=args.send_delay) as sw:
+        print(json.dumps({"event": "ready", "port": sw.port, "pid": os.getpid()}), flush=True)
+        if args.expect_peers:
+            sw.wait_for_peers(args.expect_peers, timeout=60)
+            print(json.dumps({"event": "peers"}), flush=True)
+        for i in range(args.rounds):
+            if i in straggle:
+                time.sleep(straggle[i])
+            if i and args.round_sleep:
+                time.sleep(args.round_sleep)
+            tree = make_tree(args.seed, i, args.size)
+            try:
+                out, rec = sw.all_reduce(tree, weight=args.weight)
+                vec = np.concatenate([out["b"]["s"].reshape(1), out["b"]["x"], out["w"]])
+                rfile = ""
+                if args.out_dir:
+                    rfile = os.path.join(args.out_dir, f"{args.peer_id}-{i}.npy")
+                    np.save(rfile, vec)
+                print(json.dumps({"event": "round", "i": i, "ok": True, "round": rec.round,
+                                  "contributors": list(rec.contributors),
+                                  "digest": rec.digest, "attempts": rec.attempts,
+                                  "total_weight": rec.total_weight,
+                                  "seconds": rec.seconds, "result_file": rfile,
+                                  "result": vec.tolist() if not rfile else None}), flush=True)
+            except RoundFailed as e:
+                print(json.dumps({"event": "round", "i": i, "ok": False,
+                                  "round": e.record.round, "error": e.record.error}),
+                      flush=True)
+    print(json.dumps({"event": "done"}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

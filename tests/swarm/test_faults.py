@@ -1,0 +1,161 @@
+"""Faults among real peer processes: kill -9, a hung peer, a wrong token, a rendezvous restart.
+
+In each, the survivors finish, results agree (digests, contributors), nothing hangs, and the
+``cluster`` fixture checks that no process or port is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from ._expect import check_round
+
+SIZE = 200_001  # floats: parts of 3 peers are ~267 kB, i.e. 2 streamed chunks
+
+
+
+
+def _launch(cluster, peers, per_peer, **common):
+    cluster.rendezvous(eviction=4.0)
+    procs = {pid: cluster.peer(pid, seed, weight=w, **{**common, **per_peer.get(pid, {})})
+             for pid, (seed, w) in peers.items()}
+    cluster.ready(list(procs.values()))
+    for p in procs.values():
+        p.expect("peers", 30)
+    return procs
+
+
+def _finish(procs, timeout=40):
+    for p in procs.values():
+        p.expect("done", timeout)
+        assert p.wait(10) == 0, p.stderr()
+
+
+def _round_events(procs, i):
+    return {pid: p.rounds()[i] for pid, p in procs.items() if len(p.rounds()) > i}
+
+
+PEERS3 = {"a": (1, 1.0), "b": (2, 2.0), "c": (3, 3.0)}
+
+
+@pytest.mark.timeout(60)
+def test_kill9_peer_while_it_sends(cluster):
+    procs = _launch(cluster, PEERS3, {"c": {"send_delay": 1.0}}, size=SIZE, rounds=2,
+                    expect_peers=3, part_timeout=2.0)
+    time.sleep(0.8)  # c is streaming its parts (1 s per chunk)
+    procs["c"].kill9()
+    t0 = time.monotonic()
+    live = {k: v for k, v in procs.items() if k != "c"}
+    _finish(live)
+    for i in range(2):
+        ev = _round_events(live, i)
+        check_round(PEERS3, ev, i, SIZE, ["a", "b"])
+    first = _round_events(live, 0)
+    assert max(e["seconds"] for e in first.values()) < 2.0 + 0.5 + 2.5
+    assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.timeout(60)
+def test_kill9_part_owner_mid_round(cluster):
+    # a and b stream slowly, so c (fast) has sent everything and is only a part owner when killed
+    procs = _launch(cluster, PEERS3, {"a": {"send_delay": 0.6}, "b": {"send_delay": 0.6}},
+                    size=SIZE, rounds=2, expect_peers=3, part_timeout=2.5)
+    time.sleep(0.5)
+    procs["c"].kill9()
+    live = {k: v for k, v in procs.items() if k != "c"}
+    _finish(live)
+    ev0 = _round_events(live, 0)
+    check_round(PEERS3, ev0, 0, SIZE, ["a", "b"])
+    assert all(e["attempts"] == 2 for e in ev0.values())
+    check_round(PEERS3, _round_events(live, 1), 1, SIZE, ["a", "b"])
+
+
+def _agree_by_round(procs):
+    by_round: dict[int, list[dict]] = {}
+    for p in procs.values():
+        for e in p.rounds():
+            if e["ok"]:
+                by_round.setdefault(e["round"], []).append(e)
+    for r, evs in by_round.items():
+        assert len({e["digest"] for e in evs}) == 1, r
+        assert len({tuple(e["contributors"]) for e in evs}) == 1, r
+    return by_round
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("hung_before_vote", [False, True])
+def test_hung_peer_past_the_deadline(cluster, hung_before_vote):
+    """SIGSTOP one peer mid-round for longer than the part deadline, then resume it.
+
+    hung_before_vote=False: c already holds every part it owns and voted, but its own uploads
+    hang: it is left out of the contributors, yet everybody (c too) gets the same result.
+    hung_before_vote=True: c hangs as a part owner before voting: a and b retry without it and
+    finish; c, once resumed, gets a clear failed result and joins a later round.
+    """
+    slow = ({"a": {"send_delay": 0.5}, "b": {"send_delay": 0.5}, "c": {"send_delay": 0.5}}
+            if hung_before_vote else {"c": {"send_delay": 0.5}})
+    procs = _launch(cluster, PEERS3, slow, size=SIZE, rounds=4, expect_peers=3,
+                    part_timeout=2.0, round_sleep=0.2)
+    time.sleep(0.3)
+    os.kill(procs["c"].p.pid, signal.SIGSTOP)
+    try:
+        time.sleep(3.0)
+    finally:
+        os.kill(procs["c"].p.pid, signal.SIGCONT)
+    _finish(procs)
+    live = {k: v for k, v in procs.items() if k != "c"}
+    ev0 = _round_events(live, 0)
+    check_round(PEERS3, ev0, 0, SIZE, ["a", "b"])
+    c0 = procs["c"].rounds()[0]
+    if hung_before_vote:
+        assert max(e["seconds"] for e in ev0.values()) < 2.0 + 0.5 + 3.5
+        assert c0["ok"] is False and c0["round"] == 0 and "left out" in c0["error"]
+    else:
+        assert c0["ok"] and c0["digest"] == ev0["a"]["digest"]
+        assert c0["contributors"] == ["a", "b"]
+    by_round = _agree_by_round(procs)
+    assert any(len(evs) == 3 and evs[0]["contributors"] == ["a", "b", "c"]
+               for evs in by_round.values()), "c never took part again"
+
+
+@pytest.mark.timeout(60)
+def test_wrong_token_peer_is_refused_and_others_go_on(cluster):
+    cluster.rendezvous()
+    peers = {"a": (1, 1.0), "b": (2, 1.0)}
+    procs = {pid: cluster.peer(pid, s, weight=w, size=101, rounds=2, expect_peers=2)
+             for pid, (s, w) in peers.items()}
+    bad = cluster.peer("evil", 9, token="wrong-token", size=101, rounds=1)
+    assert bad.wait(30) != 0
+    assert "401" in bad.stderr() or "refused" in bad.stderr()
+    cluster.ready(list(procs.values()))
+    _finish(procs)
+    for i in range(2):
+        check_round(peers, _round_events(procs, i), i, 101, ["a", "b"])
+
+
+@pytest.mark.timeout(90)
+def test_rendezvous_killed_and_restarted_during_a_run(cluster):
+    url = cluster.rendezvous()
+    peers = {"a": (1, 1.0), "b": (2, 2.0), "c": (3, 1.5)}
+    procs = {pid: cluster.peer(pid, s, weight=w, size=1001, rounds=8, expect_peers=3,
+                               part_timeout=2.0, round_timeout=20, round_sleep=0.4)
+             for pid, (s, w) in peers.items()}
+    cluster.ready(list(procs.values()))
+    for p in procs.values():
+        p.expect("round", 30)
+    old = cluster.rv
+    old.kill9()
+    time.sleep(1.0)
+    assert cluster.rendezvous(port=old.port) == url
+    _finish(procs, timeout=60)
+    for p in procs.values():
+        assert len(p.rounds()) == 8
+    by_round = _agree_by_round(procs)
+    full = [r for r, evs in by_round.items() if len(evs) == 3 and len(evs[0]["contributors"]) == 3]
+    assert full and max(full) > min(by_round), "training did not go on after the restart"
+    last = procs["a"].rounds()[-1]
+    assert last["ok"], last
