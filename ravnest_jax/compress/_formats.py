@@ -225,8 +225,15 @@ def bf16_bits_to_f32(xp: Any, bits: Any) -> Any:
 
 
 def pack_nibbles(xp: Any, codes: Any) -> Any:
-    """``(..., 2m)`` uint8 codes < 16 -> ``(..., m)`` bytes; element ``2i`` in the low nibble."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+    """``(..., 2m)`` uint8 codes < 16 -> ``(2m * ... / 2,)`` bytes; element ``2i`` in the low nibble.
+
+    Pairs are read as little-endian uint16 (``lo | hi << 8``) and folded to ``lo | hi << 4``: the
+    same bytes as ``codes[..., 0::2] | codes[..., 1::2] << 4``, but XLA:CPU vectorises it (the
+    strided form made the whole fused encode ~10x slower).
+    """
+    pairs = codes.reshape(-1, 2)
+    u = (pairs.view(np.dtype("<u2")) if xp is np else pairs.view(xp.uint16)).reshape(-1)
+    return ((u & 0x0F) | ((u >> 4) & 0xF0)).astype(xp.uint8)
 
 
 def unpack_nibbles(xp: Any, packed: Any) -> Any:
