@@ -48,10 +48,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--progress", action="store_true")
+    p.add_argument("--replot", action="store_true", help="only redraw the PNG from the JSON in --out-dir")
     return p.parse_args(argv)
 
 
-def plot(results: list[dict], fp32_loss: float, path: str, title: str) -> None:
+def plot(results: list[dict], fp32_loss: float, path: str, title: str, cap: float = 3.0) -> None:
+    """Bars of eval loss vs fp32 (%) per codec, without/with error feedback.
+
+    The y axis is cut at ``cap`` percent so that small differences stay visible; a bar above it is
+    drawn to the cut and labelled with its true value.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -62,17 +68,22 @@ def plot(results: list[dict], fp32_loss: float, path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=120)
     width = 0.38
     xs = range(len(codecs))
-    for off, ef, color, label in ((-width / 2, False, "#c0c0c0", "no error feedback"), (width / 2, True, "#3060c0", "error feedback")):
+    lo = min([-0.5] + [(r["eval_loss"] / fp32_loss - 1) * 100 - 0.3 for r in results])
+    for off, ef, color, label in ((-width / 2, False, "#a0a0a0", "no error feedback"), (width / 2, True, "#3060c0", "error feedback")):
         vals = [(by[(c, ef)]["eval_loss"] / fp32_loss - 1) * 100 if (c, ef) in by else float("nan") for c in codecs]
-        bars = ax.bar([x + off for x in xs], vals, width, color=color, label=label)
+        bars = ax.bar([x + off for x in xs], [min(v, cap) for v in vals], width, color=color, label=label)
         for b, v in zip(bars, vals):
-            ax.annotate(f"{v:+.2f}%", (b.get_x() + b.get_width() / 2, v), ha="center",
-                        va="bottom" if v >= 0 else "top", fontsize=8)
+            y = min(v, cap)
+            text = f"{v:+.2f}%" + (" (cut)" if v > cap else "")
+            ax.annotate(text, (b.get_x() + b.get_width() / 2, y), ha="center",
+                        va="bottom" if v >= 0 else "top", fontsize=7, rotation=90 if v > cap else 0,
+                        xytext=(0, 2 if v >= 0 else -2), textcoords="offset points")
     ax.axhline(0, color="black", lw=0.8)
     ax.axhline(1, color="#d04040", lw=0.8, ls="--", label="+1% (goal for int4/fp4 + EF)")
+    ax.set_ylim(lo, cap + 1.2)
     ax.set_xticks(list(xs))
     ax.set_xticklabels([f"{c}\n{by[(c, True)]['ratio']:.3f}x bytes" for c in codecs])
-    ax.set_ylabel("eval loss vs fp32 (%)")
+    ax.set_ylabel(f"eval loss vs fp32 (%), axis cut at +{cap:g}%")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
@@ -82,6 +93,12 @@ def plot(results: list[dict], fp32_loss: float, path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        with open(os.path.join(args.out_dir, "codec_quality.json")) as f:
+            summary = json.load(f)
+        plot([r for r in summary["results"] if r["codec"] != "fp32"], summary["fp32_eval_loss"],
+             os.path.join(args.out_dir, "codec_quality.png"), summary["title"])
+        return 0
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
@@ -150,11 +167,12 @@ def main(argv=None) -> int:
         "results": results,
         "seconds": time.perf_counter() - t_all,
     }
+    title = (f"char-LM, {args.replicas} replicas, H={args.sync_every}, {args.steps} steps "
+             f"({tokens / 1e6:.1f}M tokens); fp32 eval loss {fp32_loss:.4f} nats/byte")
+    summary["title"] = title
     json_path = os.path.join(args.out_dir, "codec_quality.json")
     with open(json_path, "w") as f:
         json.dump(summary, f, indent=2, default=str)
-    title = (f"char-LM, {args.replicas} replicas, H={args.sync_every}, {args.steps} steps "
-             f"({tokens / 1e6:.1f}M tokens); fp32 eval loss {fp32_loss:.4f} nats/byte")
     plot([r for r in results if r["codec"] != "fp32"], fp32_loss, os.path.join(args.out_dir, "codec_quality.png"), title)
     print()
     print(f"| codec | error feedback | bytes vs fp32 | eval loss | vs fp32 |")
