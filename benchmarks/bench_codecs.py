@@ -52,7 +52,7 @@ if not ARGS.all_cores:
     core = min(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {core})
     os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
     ).strip()
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"
@@ -132,7 +132,7 @@ def main() -> None:
         "one_core": not ARGS.all_cores,
         "pinning": (
             "os.sched_setaffinity(0, {core}) before importing numpy/jax; XLA_FLAGS="
-            "'--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1'; OMP/BLAS threads 1"
+            "'--xla_cpu_multi_thread_eigen=false'; OMP/BLAS threads 1"
             if not ARGS.all_cores
             else "none"
         ),
