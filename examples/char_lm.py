@@ -1,16 +1,25 @@
 #!/usr/bin/env python3
 """Byte-level transformer language model trained with DiLoCo on real text.
 
-Simulation mode (the default): N DiLoCo replicas in one process (``jax.vmap`` over a replica
-axis, each replica with its own data shard), for H in ``--sync-every-list``, against synchronous
-data-parallel training with the same inner optimizer and the same tokens seen. Prints the eval
-loss (nats per byte) of each and writes them to ``--summary-json``.
+Three ways to run it:
+
+- ``--local-peers N``: a local swarm. Starts a rendezvous and N peer processes on 127.0.0.1
+  that train together with overlapped, int4-compressed outer rounds (``rj.Swarm`` +
+  ``rj.OuterSync``), shows progress, and ends with a summary: eval loss of the global params,
+  rounds, bytes each peer sent next to what data-parallel training would have sent,
+  compute utilisation, stalls. Ctrl+C stops all of it.
+- ``--rendezvous URL --run-id ID --token-file F``: one peer, for separate machines.
+- neither (``--simulate``): the replica simulation: N DiLoCo replicas in one process
+  (``jax.vmap`` over a replica axis, each replica with its own data shard), for H in
+  ``--sync-every-list``, against synchronous data-parallel training with the same inner
+  optimizer and the same tokens seen. Prints the eval loss (nats per byte) of each.
 
 Text: the ``.py`` files of the running interpreter's standard library (every machine has them),
 split by file into train and eval, or any text file given with ``--text`` (last 10% is eval).
 
-    python examples/char_lm.py                       # 4 replicas, H in {1, 10, 50} vs data-parallel
-    python examples/char_lm.py --steps 200 --sync-every-list 50 --summary-json out.json
+    python examples/char_lm.py --local-peers 4            # a local swarm of 4 peer processes
+    python examples/char_lm.py --simulate                 # 4 replicas, H in {1, 10, 50} vs data-parallel
+    python examples/char_lm.py --rendezvous http://host:8765 --run-id exp1 --token-file token
 
 The functions here (corpus, model, loss, batches) are reused by the benchmarks.
 """
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -345,6 +355,303 @@ def run_simulation(args: argparse.Namespace) -> dict:
     return summary
 
 
+# ------------------------------------------------------------------------------- swarm: a peer
+def _emit(args: argparse.Namespace, **event) -> None:
+    """One JSON line on stdout for the launcher (``--json-events``)."""
+    if args.json_events:
+        print(json.dumps(event), flush=True)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Stops this peer when the launcher dies (no orphans after a crash or kill -9)."""
+    import _thread
+    import threading
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                _thread.interrupt_main()
+                time.sleep(15)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def run_peer(args: argparse.Namespace) -> dict:
+    """One swarm peer: trains ``--max-steps`` inner steps with overlapped outer rounds."""
+    import jax
+    import optax
+
+    import ravnest_jax as rj
+    from ravnest_jax.swarm import Timeouts
+    from ravnest_jax.sync import device_digest, digest_hex
+
+    if args.parent_pid:
+        _watch_parent(args.parent_pid)
+    token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("RAVNEST_TOKEN", "")
+    if not token:
+        raise ValueError("--token-file: no token (or set RAVNEST_TOKEN)")
+    cfg = ModelConfig(d_model=args.d_model, num_layers=args.layers, num_heads=args.heads, seq_len=args.seq_len)
+    train, evald = load_corpus(args.text)
+    graphdef, params = build_model(cfg, seed=args.seed)  # identical on every peer
+    evaluate = make_evaluator(graphdef, eval_batches(evald, batch=32, seq_len=cfg.seq_len, num_batches=args.eval_batches))
+    loss_fn = make_loss(graphdef)
+    tx = rj.diloco(inner_optimizer(args.lr, args.max_steps), sync_every=args.sync_every, fragments=args.fragments)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, state, tokens):
+        value, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    timeouts = Timeouts(part=args.part_timeout, round=max(4 * args.part_timeout, 30.0), heartbeat=1.0, eviction=5.0)
+    peer_id = args.peer_id or None
+    data_seed = args.data_seed if args.data_seed is not None else abs(hash(peer_id or os.getpid())) % (1 << 31)
+    rounds_log: list[dict] = []
+
+    def on_round(m) -> None:
+        rec = dataclasses.asdict(m)
+        rounds_log.append(rec)
+        _emit(args, event="round", **{k: rec[k] for k in ("round", "step", "ok", "group_size", "bytes_sent", "exchange_seconds", "stall_seconds", "state_digest", "error")})
+
+    # the swarm joins the run only once this peer is compiled and ready: a registered peer is in
+    # every round's group, and one still compiling would cost the others a timeout
+    swarm = rj.Swarm(args.rendezvous, run_id=args.run_id, token=token, codec=args.codec, listen=args.listen,
+                     advertise=args.advertise, timeouts=timeouts, peer_id=peer_id)
+    mode = "blocking" if args.overlap_steps == 0 and args.mode != "eager" else args.mode
+    sync = rj.OuterSync(tx, swarm, mode=mode, overlap_steps=args.overlap_steps, alpha=args.alpha,
+                        samples_per_step=args.batch_size, on_round=on_round)
+    state = tx.init(params)
+    tokens0 = sample_batch(train, np.random.default_rng([data_seed, 0]), args.batch_size, cfg.seq_len)
+    train_step.lower(params, state, tokens0).compile()
+    sync.warmup(params, state)
+    eval_start = evaluate(state.global_params)
+    with swarm, sync:
+        swarm.serve_state(sync.request_state)
+        joined = False
+        if any(p.last_round >= 0 for p in swarm.peers() if p.peer_id != swarm.peer_id):
+            data = swarm.fetch_state(timeout=120)
+            if data:
+                params, state = sync.load_state_bytes(data, params, state)
+                joined = True
+        if args.min_peers > 1:
+            swarm.wait_for_peers(args.min_peers, timeout=300)
+        start_step = int(state.count)
+        _emit(args, event="start", peer=swarm.peer_id, step=start_step, eval_loss=eval_start, params=int(n_params), joined=joined)
+        bar = None
+        if not args.json_events and not args.no_progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=args.max_steps, initial=start_step, desc=f"peer {swarm.peer_id}", dynamic_ncols=True)
+        t0 = t_step = time.perf_counter()
+        last_loss = None
+        for t in range(start_step, args.max_steps):
+            tokens = sample_batch(train, np.random.default_rng([data_seed, t]), args.batch_size, cfg.seq_len)
+            params, state, value = train_step(params, state, tokens)
+            params, state = sync(params, state)
+            if args.min_step_seconds > 0:
+                value.block_until_ready()
+                time.sleep(max(0.0, args.min_step_seconds - (time.perf_counter() - t_step)))
+            t_step = time.perf_counter()
+            if (t + 1) % args.log_every == 0:
+                # read the loss of the previous log point: long computed, so no stall here
+                shown = None if last_loss is None else float(last_loss)
+                last_loss = value
+                _emit(args, event="progress", step=t + 1, loss=shown)
+                if bar is not None:
+                    bar.update(args.log_every)
+                    if shown is not None:
+                        bar.set_postfix(loss=f"{shown:.3f}", rounds=len(rounds_log))
+        params, state = sync.flush(params, state)
+        wall = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        eval_end = evaluate(state.global_params)
+        summary = sync.summary()
+        final_digest = digest_hex(device_digest(state.global_params))
+    steps_done = args.max_steps - start_step
+    return {
+        "peer": peer_id,
+        "joined_running_swarm": joined,
+        "start_step": start_step,
+        "steps": steps_done,
+        "params": int(n_params),
+        "eval_loss_start": eval_start,
+        "eval_loss_end": eval_end,
+        "rounds": summary["rounds"],
+        "failed_rounds": summary["failed_rounds"],
+        "resyncs": summary["resyncs"],
+        "bytes_sent": summary["bytes_sent"],
+        "bytes_received": summary["bytes_received"],
+        "stall_seconds": summary["stall_seconds"],
+        "compute_utilisation": summary["compute_utilisation"],
+        "wall_seconds": wall,
+        "final_global_digest": final_digest,
+        "round_digests": [r["state_digest"] for r in rounds_log if r["ok"]],
+        "round_log": rounds_log,
+    }
+
+
+# ---------------------------------------------------------------------------- swarm: a launcher
+_FORWARD = ("text", "sync_every", "max_steps", "batch_size", "seq_len", "d_model", "layers", "heads", "lr", "codec",
+            "overlap_steps", "mode", "alpha", "fragments", "eval_batches", "seed", "part_timeout", "log_every",
+            "min_step_seconds")
+
+
+def _forward_flags(args: argparse.Namespace) -> list[str]:
+    out = []
+    for name in _FORWARD:
+        value = getattr(args, name)
+        if value is not None:
+            out += ["--" + name.replace("_", "-"), str(value)]
+    return out
+
+
+def run_local_swarm(args: argparse.Namespace) -> dict:
+    """Starts a rendezvous and ``--local-peers`` peer processes on 127.0.0.1 and waits for them."""
+    import queue
+    import secrets
+    import signal
+    import subprocess
+    import tempfile
+    import threading
+
+    from tqdm.auto import tqdm
+
+    n = args.local_peers
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix="ravnest-char-lm-") as tmp:
+        token_file = Path(tmp) / "token"
+        token_file.write_text(secrets.token_hex(16))
+        token_file.chmod(0o600)
+        port_file = Path(tmp) / "port"
+        run_id = f"char-lm-{secrets.token_hex(3)}"
+        events: queue.Queue = queue.Queue()
+        logs: list = []
+
+        def log_file(name: str):
+            f = open(Path(tmp) / name, "w")
+            logs.append(f)
+            return f
+
+        try:
+            rv = subprocess.Popen(
+                [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port", "0",
+                 "--port-file", str(port_file), "--token-file", str(token_file), "--quiet",
+                 "--heartbeat", "1", "--eviction", "5"],
+                stdout=subprocess.DEVNULL, stderr=log_file("rendezvous.log"),
+            )
+            procs.append(rv)
+            deadline = time.monotonic() + 30
+            while not port_file.exists():
+                if rv.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the rendezvous did not start: " + (Path(tmp) / "rendezvous.log").read_text()[-2000:])
+                time.sleep(0.05)
+            url = f"http://127.0.0.1:{port_file.read_text().strip()}"
+            print(f"rendezvous {url}, run {run_id}; starting {n} peers "
+                  f"(codec {args.codec}, H={args.sync_every}, overlap {args.overlap_steps}, mode {args.mode})")
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            # N peers share this machine's cores: one compute thread each
+            env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+            for i in range(n):
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--rendezvous", url, "--run-id", run_id,
+                       "--token-file", str(token_file), "--peer-id", f"peer{i}", "--data-seed", str(i),
+                       "--min-peers", str(n), "--listen", "127.0.0.1:0", "--json-events",
+                       "--parent-pid", str(os.getpid()), "--summary-json", str(Path(tmp) / f"peer{i}.json"),
+                       *_forward_flags(args)]
+                p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file(f"peer{i}.log"), text=True, env=env)
+                procs.append(p)
+
+                def read(p=p, i=i) -> None:
+                    for line in p.stdout:  # type: ignore[union-attr]
+                        try:
+                            events.put((i, json.loads(line)))
+                        except ValueError:
+                            pass
+
+                threading.Thread(target=read, daemon=True).start()
+            peers = procs[1:]
+            bar = tqdm(total=n * args.max_steps, desc=f"{n} peers", disable=args.no_progress, dynamic_ncols=True)
+            steps = [0] * n
+            losses: dict[int, float] = {}
+            rounds = 0
+            while any(p.poll() is None for p in peers):
+                try:
+                    i, ev = events.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if ev.get("event") == "progress":
+                    bar.update(ev["step"] - steps[i])
+                    steps[i] = ev["step"]
+                    if ev.get("loss") is not None:
+                        losses[i] = ev["loss"]
+                        bar.set_postfix(loss=f"{np.mean(list(losses.values())):.3f}", rounds=rounds)
+                elif ev.get("event") == "round" and i == 0:
+                    rounds += 1
+            bar.close()
+            codes = [p.wait() for p in peers]
+            results = []
+            for i in range(n):
+                path = Path(tmp) / f"peer{i}.json"
+                if codes[i] != 0 or not path.exists():
+                    log = (Path(tmp) / f"peer{i}.log").read_text()[-3000:]
+                    raise RuntimeError(f"peer{i} exited with status {codes[i]}:\n{log}")
+                results.append(json.loads(path.read_text())["peer_result"])
+        except KeyboardInterrupt:
+            print("\ninterrupted: stopping the peers and the rendezvous", file=sys.stderr)
+            raise
+        finally:
+            for p in procs[1:]:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGINT)
+            deadline = time.monotonic() + 20
+            for p in procs[1:]:
+                try:
+                    p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            for p in procs[:1]:
+                if p.poll() is None:
+                    p.terminate()
+                    try:
+                        p.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait()
+            for p in procs[1:]:
+                if p.stdout is not None:
+                    p.stdout.close()
+            for f in logs:
+                f.close()
+    params = results[0]["params"]
+    # data-parallel reference: a ring all-reduce of float32 gradients every step sends
+    # 2 (N - 1) / N * 4 * params bytes per peer per step
+    dp_bytes = 2 * (n - 1) / n * 4 * params * args.max_steps
+    digests = {r["final_global_digest"] for r in results}
+    same_rounds = len({tuple(r["round_digests"]) for r in results}) == 1
+    print()
+    print(f"| {'peer':<6} | {'eval start':>10} | {'eval end':>8} | {'rounds':>6} | {'sent MB':>8} | {'DP would send MB':>16} | {'utilisation':>11} | {'stall s':>7} |")
+    print(f"|{'-' * 8}|{'-' * 12}|{'-' * 10}|{'-' * 8}|{'-' * 10}|{'-' * 18}|{'-' * 13}|{'-' * 9}|")
+    for r in results:
+        print(f"| {r['peer']:<6} | {r['eval_loss_start']:10.4f} | {r['eval_loss_end']:8.4f} | {r['rounds']:6d} | "
+              f"{r['bytes_sent'] / 1e6:8.2f} | {dp_bytes / 1e6:16.1f} | {r['compute_utilisation']:11.3f} | {r['stall_seconds']:7.2f} |")
+    print(f"\nglobal params identical on all peers: {'yes' if len(digests) == 1 else 'NO'} "
+          f"(digest {sorted(digests)[0][:16]}...); per-round digests identical: {'yes' if same_rounds else 'NO'}")
+    return {
+        "mode": "local_swarm",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": machine_info(),
+        "config": {k: v for k, v in vars(args).items()},
+        "peers": results,
+        "data_parallel_bytes_per_peer": dp_bytes,
+        "global_digests_equal": len(digests) == 1,
+        "round_digests_equal": same_rounds,
+    }
+
+
 def _positive_int(value: str) -> int:
     try:
         n = int(value)
@@ -367,6 +674,10 @@ def _positive_float(value: str) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("mode")
+    g.add_argument("--local-peers", type=_positive_int, default=None, help="run a local swarm of N peer processes")
+    g.add_argument("--rendezvous", default=None, help="rendezvous URL: run one peer of a swarm")
+    g.add_argument("--simulate", action="store_true", help="the replica simulation (the default without the two above)")
     p.add_argument("--text", default=None, help="text file to train on (default: the stdlib's .py files)")
     p.add_argument("--replicas", type=_positive_int, default=4, help="DiLoCo replicas N")
     p.add_argument("--sync-every-list", type=_positive_int, nargs="+", default=[1, 10, 50], help="H values to compare")
@@ -377,21 +688,62 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=_positive_int, default=2)
     p.add_argument("--heads", type=_positive_int, default=4)
     p.add_argument("--lr", type=_positive_float, default=3e-3, help="peak inner AdamW learning rate")
-    p.add_argument("--codec", default=None, help="pseudo-gradient codec applied in simulation (e.g. int4)")
     p.add_argument("--eval-batches", type=_positive_int, default=8, help="eval batches of 32 sequences")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--summary-json", default=None, help="write the figures to this JSON file")
+    s = p.add_argument_group("swarm (--local-peers / --rendezvous)")
+    s.add_argument("--run-id", default="char-lm", help="run id of the swarm")
+    s.add_argument("--token-file", default=None, help="file with the run token (else $RAVNEST_TOKEN)")
+    s.add_argument("--max-steps", type=_positive_int, default=600, help="inner steps of each peer")
+    s.add_argument("--sync-every", type=_positive_int, default=50, help="H, inner steps per outer round")
+    p.add_argument("--codec", default=None, help="pseudo-gradient codec (default: int4 in a swarm, none in the simulation)")
+    s.add_argument("--overlap-steps", type=int, default=1, help="tau: inner steps a round's exchange overlaps (0: blocking)")
+    s.add_argument("--mode", choices=["delayed", "eager", "blocking"], default="delayed", help="outer-sync mode")
+    s.add_argument("--alpha", type=float, default=0.0, help="mixing weight of local params at a late merge")
+    s.add_argument("--fragments", type=_positive_int, default=1, help="streaming fragments F")
+    s.add_argument("--part-timeout", type=_positive_float, default=30.0, help="deadline of each phase of a round, seconds")
+    s.add_argument("--listen", default="0.0.0.0:0", help="host:port this peer's server binds")
+    s.add_argument("--advertise", default=None, help="URL other peers reach this peer at (behind NAT)")
+    s.add_argument("--peer-id", default=None, help="this peer's id (default random)")
+    s.add_argument("--data-seed", type=int, default=None, help="seed of this peer's data order (default from the peer id)")
+    s.add_argument("--min-peers", type=int, default=1, help="wait for this many peers before training")
+    s.add_argument("--log-every", type=_positive_int, default=10, help="progress every this many steps")
+    s.add_argument("--min-step-seconds", type=float, default=0.0,
+                   help="emulate a slower accelerator: each inner step takes at least this long")
+    s.add_argument("--json-events", action="store_true", help=argparse.SUPPRESS)
+    s.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     args = p.parse_args(argv)
     if args.d_model % args.heads:
         p.error(f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
+    if args.local_peers and args.rendezvous:
+        p.error("--local-peers and --rendezvous exclude each other")
+    if args.overlap_steps < 0:
+        p.error("--overlap-steps must be >= 0")
+    if not 0.0 <= args.alpha <= 1.0:
+        p.error("--alpha must be in [0, 1]")
+    if (args.local_peers or args.rendezvous) and args.overlap_steps >= args.sync_every // args.fragments:
+        p.error("--overlap-steps must be smaller than --sync-every / --fragments")
+    if args.mode == "eager" and args.overlap_steps < 1:
+        p.error("--mode eager needs --overlap-steps >= 1")
+    if args.rendezvous and not (args.token_file or os.environ.get("RAVNEST_TOKEN")):
+        p.error("--rendezvous needs --token-file (or $RAVNEST_TOKEN)")
+    if not (args.local_peers or args.rendezvous):
+        args.simulate = True
+    elif args.codec is None:
+        args.codec = "int4"
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        summary = run_simulation(args)
+        if args.local_peers:
+            summary = run_local_swarm(args)
+        elif args.rendezvous:
+            summary = {"peer_result": run_peer(args)}
+        else:
+            summary = run_simulation(args)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -22,6 +22,13 @@ _EXPORTS: dict[str, str] = {
     "diloco": "ravnest_jax.optim",
     "replicate": "ravnest_jax.optim",
     "unreplicate": "ravnest_jax.optim",
+    "Swarm": "ravnest_jax.swarm",
+    "Timeouts": "ravnest_jax.swarm",
+    "RoundRecord": "ravnest_jax.swarm",
+    "RoundFailed": "ravnest_jax.swarm",
+    "PeerInfo": "ravnest_jax.swarm",
+    "OuterSync": "ravnest_jax.sync",
+    "RoundMetrics": "ravnest_jax.sync",
 }
 _SUBMODULES = {"optim", "compress", "swarm", "sync", "checkpoint"}
 
@@ -35,6 +42,13 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .optim import diloco as diloco
     from .optim import replicate as replicate
     from .optim import unreplicate as unreplicate
+    from .swarm import PeerInfo as PeerInfo
+    from .swarm import RoundFailed as RoundFailed
+    from .swarm import RoundRecord as RoundRecord
+    from .swarm import Swarm as Swarm
+    from .swarm import Timeouts as Timeouts
+    from .sync import OuterSync as OuterSync
+    from .sync import RoundMetrics as RoundMetrics
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -1,4 +1,4 @@
-"""Command line: ``ravnest-jax <command>``. Commands: ``rendezvous``.
+"""Command line: ``ravnest-jax <command>``. Commands: ``rendezvous``, ``status``.
 
 Each command is a subparser registered in :func:`build_parser`, so other layers can add theirs.
 """
@@ -55,6 +55,29 @@ def _cmd_rendezvous(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    import aiohttp
+
+    from ravnest_jax.swarm._http import signed_json
+
+    token = _read_token(args).encode()
+
+    async def fetch() -> object:
+        async with aiohttp.ClientSession() as s:
+            return await signed_json(s, args.url, "GET", f"/v1/runs/{args.run_id}/status",
+                                     token=token, run_id=args.run_id, peer="cli-status",
+                                     timeout=aiohttp.ClientTimeout(total=args.timeout))
+
+    try:
+        print(json.dumps(asyncio.run(fetch()), indent=1))
+    except Exception as e:  # noqa: BLE001 - report and exit non-zero
+        print(f"error: {e!r}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ravnest-jax",
                                 description="ravnest_jax: decentralized DiLoCo training.")
@@ -79,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--port-file", help="write the bound port to this file once listening")
     r.add_argument("--quiet", action="store_true", help="log warnings only")
     r.set_defaults(func=_cmd_rendezvous)
+    st = sub.add_parser("status", help="print a run's status as JSON",
+                        description="Ask a rendezvous for the status of one run: live peers "
+                        "(addresses, last round, heartbeat age), membership version and the "
+                        "outcome, contributors and digest of recent rounds.")
+    st.add_argument("url", help="rendezvous URL, e.g. http://10.0.0.1:8765")
+    st.add_argument("--run-id", required=True)
+    st.add_argument("--token-file", help=f"file holding the run token (else ${TOKEN_ENV})")
+    st.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    st.set_defaults(func=_cmd_status)
     return p
 
 

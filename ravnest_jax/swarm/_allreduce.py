@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import msgpack
 import numpy as np
 
-CHUNK = 256 * 1024  # bytes per streamed chunk
+CHUNK = 1 << 20  # bytes per streamed chunk
 
 
 def part_bounds(total: int, n: int) -> list[tuple[int, int]]:

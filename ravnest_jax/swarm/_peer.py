@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import hashlib
 import logging
 import math
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import aiohttp.http_exceptions
 import numpy as np
 from aiohttp import web
 
@@ -25,12 +27,16 @@ from ._allreduce import CHUNK, manifest_digest, max_message_bytes, part_bounds, 
 from ._codec import NonFiniteError, PartDecoder, WireFormatError, check_codec, decode_part, \
     encode_part
 from ._http import HTTPStatusError, json_response, signed_json
-from ._types import PeerInfo, RoundFailed, RoundRecord, SwarmError, Timeouts, digest_of, flatten
+from ._state import _StateMixin
+from ._types import PeerInfo, RoundFailed, RoundRecord, SwarmError, Timeouts, flatten, result_digest
 
 log = logging.getLogger("ravnest_jax.swarm")
 
 H_WEIGHT = "X-RJ-Weight"
 H_MANIFEST = "X-RJ-Manifest"
+SLOW_CHUNK = 256 * 1024  # chunk size when ``_send_chunk_delay`` is set (tests)
+READ_BUFSIZE = 1 << 22
+GC_GENERATION = 1  # collected after every round (cheap: young objects only)  # bytes buffered per connection before reading pauses
 
 
 class _Attempt:
@@ -59,7 +65,7 @@ class _RoundFail(Exception):
     pass
 
 
-class Swarm:
+class Swarm(_StateMixin):
     """One peer of a DiLoCo swarm: averages pytrees of float32 arrays with the other peers.
 
     Starts an aiohttp server (the part owner side) and an asyncio loop in a background thread,
@@ -69,7 +75,10 @@ class Swarm:
       rendezvous_url: base URL of the rendezvous, e.g. ``"http://10.0.0.1:8765"``.
       run_id: the run to join; peers of one run average with each other.
       token: the run token (shared secret; non-empty).
-      codec: wire codec of parts and results (``"fp32"`` is exact).
+      codec: wire codec of parts and results, one of :func:`available_codecs` (``"fp32"`` is
+        exact; lossy codecs quantise each part and again the all-gathered mean).
+      codec_options: options of the codec (e.g. ``{"block_size": 64}``, ``{"fraction": 0.01}``
+        for ``topk``), see ``docs/compression.md``.
       listen: ``"host:port"`` to bind; port 0 picks a free port (see :attr:`port`).
       advertise: base URL other peers use to reach this one (default: ``http://`` + the local
         address that routes to the rendezvous + the bound port). Set it behind NAT.
@@ -85,11 +94,13 @@ class Swarm:
     """
 
     def __init__(self, rendezvous_url: str, *, run_id: str, token: str | bytes,
-                 codec: str = "fp32", listen: str = "0.0.0.0:0", advertise: str | None = None,
+                 codec: str = "fp32", codec_options: dict[str, Any] | None = None,
+                 listen: str = "0.0.0.0:0", advertise: str | None = None,
                  timeouts: Timeouts | None = None, peer_id: str | None = None,
                  ssl: _ssl.SSLContext | None = None, client_ssl: Any = None,
-                 _send_chunk_delay: float = 0.0):
-        check_codec(codec)
+                 _send_chunk_delay: float = 0.0, _serve_delay: float = 0.0):
+        check_codec(codec, codec_options)
+        self.codec_options = dict(codec_options or {})
         if not run_id or "/" in run_id:
             raise ValueError("run_id must be non-empty and contain no '/'")
         self.rendezvous_url = rendezvous_url.rstrip("/")
@@ -107,7 +118,8 @@ class Swarm:
         self.peer_id = peer_id or secrets.token_hex(8)
         self._ssl = ssl
         self._client_ssl = client_ssl
-        self._send_chunk_delay = _send_chunk_delay
+        self._send_chunk_delay = _send_chunk_delay  # test hooks: a slow sender / part owner
+        self._serve_delay = _serve_delay
         self.port: int | None = None
         self.address: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -183,12 +195,17 @@ class Swarm:
         return self.all_reduce_async(tree, weight=weight).result(
             timeout=self.timeouts.round + self.timeouts.connect + 30)
 
-    def all_reduce_async(self, tree: Any, *,
-                         weight: float = 1.0) -> concurrent.futures.Future[tuple[Any, RoundRecord]]:
+    def all_reduce_async(self, tree: Any, *, weight: float = 1.0,
+                         round: int | None = None) -> concurrent.futures.Future[tuple[Any, RoundRecord]]:
         """Like :meth:`all_reduce` but returns at once with a ``concurrent.futures.Future``.
 
         The future's result is ``(mean_tree, record)``; it raises :class:`RoundFailed`. Rounds
         run one at a time in call order.
+
+        ``round``: the round this contribution belongs to, when the caller keeps its own
+        schedule (``rj.OuterSync`` does). If the swarm has moved past it (this peer was too late)
+        the future fails at once with :class:`RoundFailed` instead of mixing the contribution
+        into a later round. ``None``: the next round.
         """
         if self._loop is None or self._closed:
             raise RuntimeError("Swarm is not running (use it as a context manager)")
@@ -207,7 +224,7 @@ class Swarm:
         offsets = np.cumsum([0] + sizes)
 
         out: concurrent.futures.Future[tuple[Any, RoundRecord]] = concurrent.futures.Future()
-        inner = asyncio.run_coroutine_threadsafe(self._round(vec, np.float32(w), manifest),
+        inner = asyncio.run_coroutine_threadsafe(self._round(vec, np.float32(w), manifest, round),
                                                  self._loop)
 
         def done(f: concurrent.futures.Future[tuple[np.ndarray, RoundRecord]]) -> None:
@@ -246,8 +263,8 @@ class Swarm:
                 peers = self.peers()
                 if len(peers) >= n:
                     return peers
-            except SwarmError:
-                pass
+            except SwarmError as e:
+                log.info("%s: waiting for peers: %r", self.peer_id, e)
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"fewer than {n} peers after {timeout} s")
             time.sleep(0.1)
@@ -257,7 +274,8 @@ class Swarm:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=256, ssl=self._client_ssl
                                            if self._client_ssl is not None else True),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect))
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect),
+            read_bufsize=READ_BUFSIZE)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._round_lock = asyncio.Lock()
         app = web.Application(client_max_size=1 << 20)
@@ -265,7 +283,9 @@ class Swarm:
         app.router.add_put(base + "/parts/{part}", self._h_put_part)
         app.router.add_get(base + "/results/{part}", self._h_get_result)
         app.router.add_get("/health", self._h_health)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        app.router.add_get("/v1/runs/{run_id}/state", self._h_get_state)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                     shutdown_timeout=1.0, read_bufsize=READ_BUFSIZE)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._listen[0], self._listen[1],
                            ssl_context=self._ssl, reuse_address=True)
@@ -432,6 +452,11 @@ class Swarm:
                     raise web.HTTPRequestEntityTooLarge(max_size=limit,
                                                         actual_size=dec.nbytes) from None
                 raise web.HTTPBadRequest(text=f"bad part: {e}") from None
+            except (aiohttp.ClientPayloadError, ConnectionError, asyncio.IncompleteReadError,
+                    aiohttp.http_exceptions.HttpProcessingError) as e:
+                # the sender vanished mid-body (killed, network gone): nothing was stored
+                log.info("%s: part from %s cut off: %r", self.peer_id, sender, e)
+                raise web.HTTPBadRequest(text="body cut off") from None
             if st.closed:
                 raise web.HTTPConflict(text="too late: the reduce-scatter of this attempt is over")
             st.received[sender] = (w, vec)
@@ -456,6 +481,8 @@ class Swarm:
             await asyncio.wait_for(st.result_ready.wait(), self.timeouts.part)
         except asyncio.TimeoutError:
             raise web.HTTPGatewayTimeout(text="result part not ready") from None
+        if self._serve_delay:
+            await asyncio.sleep(self._serve_delay)
         body = st.result
         if body is None:
             raise web.HTTPConflict(text="this attempt produced no result here")
@@ -494,10 +521,11 @@ class Swarm:
 
         async def body() -> Any:
             mv = memoryview(data)
-            for off in range(0, len(data), CHUNK):
+            step = CHUNK if not delay else SLOW_CHUNK  # tests: a slow sender, chunk by chunk
+            for off in range(0, len(data), step):
                 if delay:
                     await asyncio.sleep(delay)
-                yield mv[off:off + CHUNK]
+                yield mv[off:off + step]
 
         async with self._session.put(
                 url, data=body(), headers=headers, ssl=self._client_ssl,
@@ -538,6 +566,7 @@ class Swarm:
             if not _auth.digest_matches(resp.headers[_auth.H_BODY], h.hexdigest()):
                 raise PermissionError("result part does not match its signed digest")
             out[lo:hi] = dec.finish()
+            st.part_shas[k] = h.hexdigest()  # type: ignore[attr-defined]
             return dec.nbytes
 
     async def _vote(self, r: int, epoch: str, a: int, phase: str, data: dict[str, Any],
@@ -558,8 +587,9 @@ class Swarm:
             except (HTTPStatusError, PermissionError) as e:
                 raise _RoundFail(f"rendezvous refused the {phase} vote: {e}") from e
 
-    async def _begin(self, deadline: float) -> dict[str, Any]:
-        payload = {**self._hello(), "after": self._last_round, "part_s": self.timeouts.part,
+    async def _begin(self, deadline: float, expected: int | None = None) -> dict[str, Any]:
+        after = self._last_round if expected is None else expected - 1
+        payload = {**self._hello(), "after": after, "part_s": self.timeouts.part,
                    "grace_s": self.timeouts.grace, "max_attempts": self.timeouts.max_attempts}
         last: Exception | None = None
         while True:
@@ -578,15 +608,21 @@ class Swarm:
                 raise _RoundFail(f"rendezvous refused the round: {e}") from e
 
     async def _round(self, vec: np.ndarray, weight: np.float32,
-                     manifest: str) -> tuple[np.ndarray, RoundRecord]:
+                     manifest: str, expected: int | None = None) -> tuple[np.ndarray, RoundRecord]:
+        me = asyncio.current_task()
+        if me is not None:  # so that close() cancels a round in flight
+            self._tasks.add(me)
+            me.add_done_callback(self._tasks.discard)
         async with self._round_lock:
             t0 = time.monotonic()
             deadline = t0 + self.timeouts.round
             stats = {"sent": 0, "received": 0}
             r, attempts, group = -1, 0, ()
             try:
-                begin = await self._begin(deadline)
+                begin = await self._begin(deadline, expected)
                 r, epoch = int(begin["round"]), str(begin["epoch"])
+                if expected is not None and r != expected:
+                    raise _RoundFail(f"missed round {expected}: the swarm is at round {r}")
                 a, group = int(begin["attempt"]), tuple(begin["group"])
                 addresses = dict(begin.get("addresses") or {})
                 addresses[self.peer_id] = self.address or ""
@@ -601,12 +637,12 @@ class Swarm:
                         if self.peer_id not in group:
                             raise _RoundFail("left out of the retry group (too late)")
                         continue
-                    _, res, contributors, total = out
+                    _, res, contributors, total, digest = out
                     rec = RoundRecord(round=r, ok=True, attempts=attempts, group=group,
                                       contributors=tuple(contributors),
                                       total_weight=float(total), bytes_sent=stats["sent"],
                                       bytes_received=stats["received"],
-                                      seconds=time.monotonic() - t0, digest=digest_of(res),
+                                      seconds=time.monotonic() - t0, digest=digest,
                                       codec=self.codec)
                     return res, rec
             except _RoundFail as e:
@@ -623,7 +659,11 @@ class Swarm:
                     st = self._attempts.pop(key)
                     st.closed = True
                     st.received.clear()
+                    st.result = None
                     st.result_ready.set()
+                # a round leaves reference cycles (tasks, exceptions and their frames) that hold
+                # payload-sized buffers; collect the young generations now so RSS stays flat
+                gc.collect(GC_GENERATION)
 
     async def _attempt(self, r: int, a: int, group: tuple[str, ...],
                        membership: dict[str, str], epoch: str,
@@ -651,7 +691,7 @@ class Swarm:
             if k == st.me or owner not in membership:
                 continue
             lo, hi = bounds[k]
-            data = encode_part(f"part{k}", vec[lo:hi], self.codec)
+            data = encode_part(f"part{k}", vec[lo:hi], self.codec, **self.codec_options)
             sends[owner] = asyncio.ensure_future(self._send_part(
                 st, membership[owner], k, data, weight, t_part - time.monotonic()))
         try:
@@ -685,12 +725,16 @@ class Swarm:
         # reduce own part, then phase 2: all-gather -------------------------------------------
         mean, total = weighted_mean(st.received, contributors)
         st.received.clear()
-        st.result = encode_part(f"result{st.me}", mean, self.codec)
+        st.result = encode_part(f"result{st.me}", mean, self.codec, **self.codec_options)
         st.result_sha = hashlib.sha256(st.result).hexdigest()
+        st.part_shas = {st.me: st.result_sha}  # type: ignore[attr-defined]
         st.result_ready.set()
         out = np.empty(vec.size, dtype=np.float32)
-        out[st.lo:st.hi] = decode_part(st.result, name=f"result{st.me}", length=st.hi - st.lo,
-                                       codec=self.codec)
+        if self.codec == "fp32":  # lossless: decode(encode(mean)) == mean bit for bit
+            out[st.lo:st.hi] = mean
+        else:
+            out[st.lo:st.hi] = decode_part(st.result, name=f"result{st.me}",
+                                           length=st.hi - st.lo, codec=self.codec)
         t_gather = min(time.monotonic() + self.timeouts.part, deadline)
         fetches = [asyncio.ensure_future(self._fetch_result(
             st, membership[owner], k, t_gather - time.monotonic(), out))
@@ -700,12 +744,19 @@ class Swarm:
                                                                    "unknown"))))
         results = await asyncio.gather(*fetches, return_exceptions=True)
         errors = [e for e in results if isinstance(e, BaseException)]
+        owners = [owner for k, owner in enumerate(group) if k != st.me and owner in membership]
+        failed_owners = sorted({owners[i] for i, x in enumerate(results[:len(owners)])
+                                if isinstance(x, BaseException)} |
+                               {g for g in group if g not in membership})
         stats["received"] += sum(x for x in results if isinstance(x, int))
         ok = not errors
         if errors:
             log.info("%s: all-gather failed: %r", self.peer_id, errors[0])
-        digest = digest_of(out) if ok else ""
-        commit = await self._vote(r, epoch, a, "commit", {"ok": ok, "digest": digest}, deadline)
+        # the result is a pure function of the encoded result parts: hash their hashes
+        digest = result_digest([st.part_shas[k] for k in range(n)]) if ok else ""  # type: ignore[attr-defined]
+        commit = await self._vote(r, epoch, a, "commit", {"ok": ok, "digest": digest,
+                                                          "failed_owners": failed_owners},
+                                  deadline)
         stats["sent"] += st.bytes_out
         st.bytes_out = 0
         if commit["decision"] == "retry":
@@ -714,7 +765,7 @@ class Swarm:
             raise _RoundFail(commit.get("reason", "round failed"))
         if not ok:  # pragma: no cover - the rendezvous commits only if everyone is ok
             raise _RoundFail("all-gather failed here")
-        return ("ok", out, contributors, total)
+        return ("ok", out, contributors, total, digest)
 
 
 async def _raise(e: BaseException) -> None:

@@ -47,6 +47,7 @@ class _Peer:
     joined: float
     last_seen: float
     last_round: int = -1
+    suspect_since: float | None = None  # left out of a retry; cleared by its next heartbeat
 
 
 @dataclasses.dataclass
@@ -187,15 +188,19 @@ class Rendezvous:
             e.address = address
             run.version += 1
         e.last_seen = now
+        if e.suspect_since is not None and now > e.suspect_since:
+            e.suspect_since = None
         lr = p.get("last_round")
         if isinstance(lr, int):
             e.last_round = max(e.last_round, lr)
             run.max_reported_round = max(run.max_reported_round, lr)
         return e, new
 
-    def _live(self, run: _Run) -> list[_Peer]:
+    def _live(self, run: _Run, *, for_group: bool = False) -> list[_Peer]:
         now = time.monotonic()
-        return sorted((e for e in run.peers.values() if now - e.last_seen <= self.eviction_s),
+        return sorted((e for e in run.peers.values() if now - e.last_seen <= self.eviction_s
+                       and not (for_group and e.suspect_since is not None
+                                and e.last_seen <= e.suspect_since)),
                       key=lambda e: e.peer_id)
 
     def _membership(self, run: _Run) -> dict[str, Any]:
@@ -246,9 +251,11 @@ class Rendezvous:
         return self._reply(request, run, out)
 
     # -- rounds --------------------------------------------------------------------------
-    def _create_round(self, run: _Run, after: int, p: dict[str, Any]) -> _Round:
+    def _create_round(self, run: _Run, after: int, p: dict[str, Any], asker: str) -> _Round:
         number = max(-1 if run.latest is None else run.latest, after, run.max_reported_round) + 1
-        group = tuple(e.peer_id for e in self._live(run))
+        group = tuple(e.peer_id for e in self._live(run, for_group=True))
+        if not group:  # e.g. only suspects left: the asker itself is alive
+            group = (asker,)
         now = time.monotonic()
         rnd = _Round(number=number, created=now,
                      part_s=float(min(max(p.get("part_s", 30.0), 0.01), 3600.0)),
@@ -272,14 +279,17 @@ class Rendezvous:
         deadline = time.monotonic() + wait_s
         while True:
             rnd = run.rounds.get(run.latest) if run.latest is not None else None
-            if rnd is None or (peer in rnd.attempts[0].group and after >= rnd.number):
+            live = {e.peer_id for e in self._live(run)}
+            over = rnd is not None and (rnd.outcome != "running" or not (
+                live - {peer}) & set(rnd.attempts[max(rnd.attempts)].group))
+            if rnd is None or over or (peer in rnd.attempts[0].group and after >= rnd.number):
                 # just (re)started: give every live peer one heartbeat to re-register first
                 settle = self.boot + 2 * self.heartbeat_s - time.monotonic()
                 if settle > 0:
                     await asyncio.sleep(settle)
                     self._touch(run, peer, p)
                     continue
-                rnd = self._create_round(run, after, p)
+                rnd = self._create_round(run, after, p, peer)
                 async with run.new_round:
                     run.new_round.notify_all()
             if peer in rnd.attempts[0].group and after < rnd.number:
@@ -292,7 +302,7 @@ class Rendezvous:
             left = min(deadline, stale_at) - time.monotonic()
             if left <= 0:
                 if time.monotonic() >= stale_at:  # that round is long over: start the next
-                    rnd = self._create_round(run, max(after, rnd.number), p)
+                    rnd = self._create_round(run, max(after, rnd.number), p, peer)
                     async with run.new_round:
                         run.new_round.notify_all()
                     continue
@@ -363,7 +373,7 @@ class Rendezvous:
                     decision = {"decision": "fail", "reason": "no contribution reached every "
                                 "part owner"}
             else:
-                decision = self._retry(rnd, att, voters, "missing gather votes from " +
+                decision = self._retry(run, rnd, att, voters, "missing gather votes from " +
                                        ",".join(sorted(set(att.group) - set(voters))))
         else:
             digests = {v.get("digest") for v in votes.values()}
@@ -377,8 +387,11 @@ class Rendezvous:
             else:
                 missing = sorted(set(att.group) - set(voters))
                 bad = sorted(k for k, v in votes.items() if not v.get("ok"))
-                decision = self._retry(rnd, att, voters,
-                                       f"all-gather incomplete (missing {missing}, failed {bad})")
+                blamed = {str(o) for v in votes.values() for o in v.get("failed_owners") or []}
+                decision = self._retry(run, rnd, att,
+                                       tuple(v for v in voters if v not in blamed),
+                                       f"all-gather incomplete (missing {missing}, failed {bad}, "
+                                       f"unreachable owners {sorted(blamed)})")
         if decision["decision"] == "fail":
             rnd.outcome = "failed"
         att.decisions[phase] = decision
@@ -386,8 +399,12 @@ class Rendezvous:
         log.info("run %s round %d attempt %d %s: %s", run.run_id, rnd.number, att.number,
                  phase, decision)
 
-    def _retry(self, rnd: _Round, att: _Attempt, voters: tuple[str, ...],
+    def _retry(self, run: _Run, rnd: _Round, att: _Attempt, voters: tuple[str, ...],
                reason: str) -> dict[str, Any]:
+        now = time.monotonic()
+        for left_out in set(att.group) - set(voters):  # no new groups until it beats again
+            if left_out in run.peers:
+                run.peers[left_out].suspect_since = now
         nxt = att.number + 1
         if not voters or nxt >= rnd.max_attempts:
             return {"decision": "fail", "reason": reason + "; no attempts left"}
@@ -403,7 +420,8 @@ async def serve(host: str, port: int, token: str | bytes, *, heartbeat_s: float 
     ``ready(bound_port)`` is called once the socket listens (``port=0`` picks a free port).
     """
     rv = Rendezvous(token, heartbeat_s=heartbeat_s, eviction_s=eviction_s)
-    runner = web.AppRunner(rv.make_app(), access_log=None, handle_signals=False)
+    runner = web.AppRunner(rv.make_app(), access_log=None, handle_signals=False,
+                           shutdown_timeout=1.0)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True)

@@ -75,7 +75,8 @@ class RoundRecord:
       bytes_sent: body bytes this peer sent in the round.
       bytes_received: body bytes this peer received in the round.
       seconds: wall time of the round on this peer.
-      digest: blake2b-128 hex digest of the result's float32 bytes (empty when not ok).
+      digest: blake2b-128 hex digest over the SHA-256 of every encoded result part, in part
+        order: equal digests mean bit-identical results (empty when not ok).
       codec: the codec used on the wire.
       algorithm: ``"butterfly"``.
       error: why the round failed, or ``None``.
@@ -108,10 +109,13 @@ class SwarmError(RuntimeError):
     """The swarm could not start or talk to the rendezvous."""
 
 
-def digest_of(vec: np.ndarray) -> str:
-    """blake2b-128 hex digest of a float32 vector's bytes."""
-    return hashlib.blake2b(np.ascontiguousarray(vec, np.float32).tobytes(),
-                           digest_size=16).hexdigest()
+def result_digest(part_sha256s: list[str]) -> str:
+    """Digest of a round's result: blake2b-128 over the SHA-256 of each encoded result part.
+
+    Every peer decodes the same encoded parts with the same code, so equal digests mean
+    bit-identical float32 results (and hashing 32-byte hashes is free, unlike the payload).
+    """
+    return hashlib.blake2b("".join(part_sha256s).encode(), digest_size=16).hexdigest()
 
 
 # --- pytrees without jax: nested dict / list / tuple / namedtuple of arrays ------------------
@@ -137,10 +141,11 @@ def flatten(tree: Any) -> tuple[list[str], list[np.ndarray], Callable[[list[np.n
                 return cls((k, s(it)) for k, s in zip(keys, subs))
             return build
         if isinstance(node, (list, tuple)):
-            subs = [rec(v, f"{path}/{i}") for i, v in enumerate(node)]
             cls = type(node)
             if hasattr(node, "_fields"):
+                subs = [rec(v, f"{path}/{f}") for f, v in zip(node._fields, node)]
                 return lambda it: cls(*[s(it) for s in subs])
+            subs = [rec(v, f"{path}/{i}") for i, v in enumerate(node)]
             return lambda it: cls(s(it) for s in subs)
         arr = np.asarray(node)
         if arr.dtype != np.float32:

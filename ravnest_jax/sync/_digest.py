@@ -28,7 +28,7 @@ def _leaf_hash(x: jax.Array, salt: int) -> jax.Array:
         bits = jax.lax.bitcast_convert_type(flat, jnp.uint16).astype(jnp.uint32)
     else:
         bits = jax.lax.bitcast_convert_type(flat, jnp.uint8).astype(jnp.uint32)
-    idx = jnp.arange(bits.shape[0], dtype=jnp.uint32) + jnp.uint32(salt * 0x632BE5AB)
+    idx = jnp.arange(bits.shape[0], dtype=jnp.uint32) + jnp.uint32((salt * 0x632BE5AB) % (1 << 32))
     lanes = []
     for i, m in enumerate(_MULS):
         v = (bits ^ (idx * jnp.uint32(m) + jnp.uint32(i))) * jnp.uint32(m | 1)

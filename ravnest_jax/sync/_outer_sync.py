@@ -242,6 +242,9 @@ class OuterSync:
         self._window_stall = 0.0
         self._round_clock = time.monotonic()
         self._first_step = 0
+        # swarm round of logical exchange `seq` is base + (seq - seq_base), once known: a late
+        # peer then fails fast instead of mixing an old pseudo-gradient into a later round
+        self._swarm_base: tuple[int, int] | None = None
         # one worker: exchanges run one at a time, in the same order on every peer
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rj-sync")
         self._state_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rj-state")
@@ -343,6 +346,21 @@ class OuterSync:
             params, state = self._finish(self._pending.popleft(), params, state)
         return params, state
 
+    def warmup(self, params: Any, state: DiLoCoState) -> None:
+        """Compiles the round functions ahead of time (they otherwise compile at the first round
+        boundary, which would make this peer late for its first round). Runs nothing."""
+        for fragment in range(self.tx.fragments):
+            n = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in self._ids(params, fragment))
+            residual = jax.ShapeDtypeStruct((n,), jnp.float32) if self.error_feedback and self._lossy else None
+            key = jax.random.fold_in(self._key, 0)
+            start = self._fn("start", fragment)
+            snap, _, _ = jax.eval_shape(start, params, state, residual, key)
+            start.lower(params, state, residual, key).compile()
+            mean = jax.ShapeDtypeStruct((n,), jnp.float32)
+            self._fn("merge", fragment).lower(params, state, mean, snap, self.alpha).compile()
+            if self.mode == "eager":
+                self._fn("speculate", fragment).lower(params, state, snap).compile()
+
     def flush(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
         """Waits for every round in flight and merges it now (for example before a checkpoint
         or at the end of training). Returns ``(params, state)``."""
@@ -422,11 +440,13 @@ class OuterSync:
             requests, self._state_request = self._state_request, []
         copy = jax.tree.map(lambda a: a + jnp.zeros_like(a) if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.number) else a, state)
         step = self.step
+        base = self._swarm_base
 
         def work():
-            host = jax.device_get(copy)
+            leaves = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(copy))]
             return serialization.msgpack_serialize(
-                {"step": int(step), "rounds_started": int(self.rounds_started), "state": serialization.to_state_dict(host)}
+                {"format": "ravnest-state-v1", "step": int(step), "rounds_started": int(self.rounds_started),
+                 "swarm_base": list(base) if base is not None else [], "leaves": leaves}
             )
 
         def done(f: concurrent.futures.Future) -> None:
@@ -448,18 +468,31 @@ class OuterSync:
         Raises:
           ValueError: the bytes are not a state of this model and optimizer.
         """
+        like, treedef = jax.tree.flatten(state)
         try:
             d = serialization.msgpack_restore(data)
-            new_state = serialization.from_state_dict(state, d["state"])
+            if not isinstance(d, dict) or d.get("format") != "ravnest-state-v1":
+                raise ValueError("not a ravnest state message")
+            leaves = list(d["leaves"].values()) if isinstance(d["leaves"], dict) else list(d["leaves"])
             step, started = int(d["step"]), int(d["rounds_started"])
+            base = d.get("swarm_base")
+            base = list(base.values()) if isinstance(base, dict) else list(base or [])
+            swarm_base = (int(base[0]), int(base[1])) if len(base) == 2 else None
         except Exception as e:  # noqa: BLE001 - reported as one clear error
-            raise ValueError(f"downloaded state does not match this model/optimizer: {e}") from e
-        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(new_state)):
-            if np.shape(a) != np.shape(b):
-                raise ValueError(f"downloaded state has a leaf of shape {np.shape(b)}, expected {np.shape(a)}")
-        new_state = jax.tree.map(lambda like, x: jnp.asarray(x, dtype=getattr(like, "dtype", None)), state, new_state)
-        params = jax.tree.map(lambda g, p: jnp.asarray(g, p.dtype), new_state.global_params, params)
+            raise ValueError(f"downloaded state is malformed: {e}") from e
+        if len(leaves) != len(like):
+            raise ValueError(f"downloaded state has {len(leaves)} leaves, this model/optimizer has {len(like)}")
+        for i, (a, b) in enumerate(zip(like, leaves)):
+            if np.shape(a) != np.shape(b) or np.asarray(b).dtype != np.dtype(getattr(a, "dtype", np.asarray(a).dtype)):
+                raise ValueError(
+                    f"downloaded state leaf {i} is {np.asarray(b).dtype}{list(np.shape(b))}, "
+                    f"expected {getattr(a, 'dtype', '?')}{list(np.shape(a))}: not this model/optimizer"
+                )
+        new_state = jax.tree.unflatten(treedef, [jnp.asarray(b) for b in leaves])
+        # a copy: params and the anchor must not share buffers (the train step may donate both)
+        params = jax.tree.map(lambda g, p: jnp.array(g, dtype=p.dtype, copy=True), new_state.global_params, params)
         self.step, self.rounds_started = step, started
+        self._swarm_base = swarm_base
         self._residual.clear()
         self._pending.clear()
         self._last_round_step = {f: step for f in range(self.tx.fragments)}
@@ -494,7 +527,8 @@ class OuterSync:
         steps_done = self.step - self._last_round_step.get(fragment, self._first_step)
         self._last_round_step[fragment] = self.step
         weight = max(steps_done, 1) * self.samples_per_step
-        future = self._pool.submit(self._exchange, packed, weight)
+        expected = None if self._swarm_base is None else self._swarm_base[0] + (seq - self._swarm_base[1])
+        future = self._pool.submit(self._exchange, packed, weight, expected, seq)
         spec = None
         if self.mode == "eager":
             params, spec = self._fn("speculate", fragment)(params, state, snap)
@@ -517,23 +551,34 @@ class OuterSync:
             return leaves
         return [leaves[i] for i in self.tx.fragment_leaf_ids(fragment, len(leaves))]
 
-    def _exchange(self, packed: Any, weight: float) -> tuple[np.ndarray, Any, int, int, float]:
+    def _exchange(self, packed: Any, weight: float, expected: int | None, seq: int) -> tuple[np.ndarray, Any, int, int, float]:
         """Background thread: device->host, bytes, all-reduce. Returns (mean, record, payload
         bytes, float32 bytes, seconds the result took)."""
         t0 = time.perf_counter()
         host = jax.device_get(packed)
         data = compress.packed_to_bytes(host)  # raises NonFiniteError for a diverged peer
         vec = compress.decode(data)["pg"]
-        fut = self.swarm.all_reduce_async({"pg": vec}, weight=weight)
-        mean, record = fut.result()
+        kwargs = {} if expected is None else {"round": expected}
+        fut = self.swarm.all_reduce_async({"pg": vec}, weight=weight, **kwargs)
+        try:
+            mean, record = fut.result()
+        except Exception as e:
+            r = getattr(getattr(e, "record", None), "round", -1)
+            if self._swarm_base is None and r is not None and r >= 0:
+                self._swarm_base = (r, seq)
+            raise
+        if self._swarm_base is None and getattr(record, "round", -1) >= 0:
+            self._swarm_base = (int(record.round), seq)
         return np.asarray(mean["pg"], np.float32), record, len(data), 4 * vec.size, time.perf_counter() - t0
 
     def _finish(self, p: _Pending, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
         t0 = time.perf_counter()
         error = None
+        exc: BaseException | None = None
         try:
             mean, record, payload_bytes, float_bytes, _ = p.future.result()
         except Exception as e:  # noqa: BLE001 - a failed round is reported, then resynced
+            exc = e
             error = f"{type(e).__name__}: {e}"
             mean = record = None
             payload_bytes = float_bytes = 0
@@ -569,21 +614,31 @@ class OuterSync:
                 codec_ratio=math.nan, exchange_seconds=exchange_seconds, stall_seconds=stall,
                 compute_utilisation=utilisation, result_digest="", state_digest="", error=error,
             )
-            params, state = self._after_failure(p, params, state)
+            params, state = self._after_failure(p, exc, params, state)
         self.metrics.append(m)
         if self.on_round is not None:
             self.on_round(m)
         return params, state
 
-    def _after_failure(self, p: _Pending, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
-        """A round failed here while others may have applied it: download the current state
-        from a live peer. Without one, carry on alone: a delayed round is simply skipped (the
-        next pseudo-gradient covers its steps); an eager round, whose speculative anchor the
-        params already stand on, is applied with the local pseudo-gradient (a swarm of one)."""
+    def _after_failure(
+        self, p: _Pending, exc: BaseException | None, params: Any, state: DiLoCoState
+    ) -> tuple[Any, DiLoCoState]:
+        """A round failed here. If the other peers applied it (or this peer diverged), download
+        the current state from a live peer, serving this peer's own state meanwhile so that
+        peers waiting on each other never deadlock. Without a live peer, carry on alone: a
+        delayed round is simply skipped (the next pseudo-gradient covers its steps); an eager
+        round, whose speculative anchor the params already stand on, is applied with the local
+        pseudo-gradient (a swarm of one)."""
         data = None
-        if self._resync_fn is not None:
+        if self._resync_fn is not None and self._needs_resync(exc):
+            fetch = self._state_pool.submit(self._resync_fn)
+            deadline = time.monotonic() + 300.0
+            while not fetch.done() and time.monotonic() < deadline:
+                if self._state_request:
+                    self._serve_state(params, state)
+                time.sleep(0.02)
             try:
-                data = self._resync_fn()
+                data = fetch.result(timeout=max(deadline - time.monotonic(), 0.0))
             except Exception as e:  # noqa: BLE001 - no live peer: keep training alone
                 log.warning("resync failed: %s; continuing with the local state", e)
         if data:
@@ -596,3 +651,16 @@ class OuterSync:
             own = _flat(jax.tree.leaves(p.snapshot.pseudo_gradient))
             params, state, _ = self._fn("merge", p.fragment)(params, state, own, snap, self.alpha)
         return params, state
+
+    def _needs_resync(self, exc: BaseException | None) -> bool:
+        """False only when the rendezvous says the round failed for everyone."""
+        if isinstance(exc, compress.NonFiniteError):
+            return True  # this peer diverged
+        record = getattr(exc, "record", None)
+        outcome = getattr(self.swarm, "round_outcome", None)
+        if record is None or outcome is None or getattr(record, "round", -1) < 0:
+            return True
+        try:
+            return outcome(record.round) != "failed"
+        except Exception:  # noqa: BLE001 - rendezvous unreachable: try to resync
+            return True

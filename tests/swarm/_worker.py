@@ -42,9 +42,16 @@ def main() -> None:
     p.add_argument("--expect-peers", type=int, default=0)
     p.add_argument("--round-sleep", type=float, default=0.0)
     p.add_argument("--out-dir", default="")
+    p.add_argument("--serve-delay", type=float, default=0.0)
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the fixture dumps hung peers
 
+    import logging
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(message)s")
     from ravnest_jax.swarm import RoundFailed, Swarm, Timeouts
 
     t = Timeouts(connect=2.0, part=args.part_timeout, grace=0.5, round=args.round_timeout,
@@ -56,7 +63,7 @@ def main() -> None:
     time.sleep(args.start_delay)
     with Swarm(args.url, run_id=args.run_id, token=args.token, codec=args.codec,
                listen="127.0.0.1:0", timeouts=t, peer_id=args.peer_id,
-               _send_chunk_delay=args.send_delay) as sw:
+               _send_chunk_delay=args.send_delay, _serve_delay=args.serve_delay) as sw:
         print(json.dumps({"event": "ready", "port": sw.port, "pid": os.getpid()}), flush=True)
         if args.expect_peers:
             sw.wait_for_peers(args.expect_peers, timeout=60)

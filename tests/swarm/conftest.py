@@ -106,6 +106,9 @@ class Proc:
         self.p.wait(timeout=10)
 
     def reap(self) -> None:
+        if self.p.poll() is None and self.name != "rendezvous" and "rendezvous" not in self.name:
+            self.p.send_signal(signal.SIGUSR1)  # stack dump into its stderr log
+            time.sleep(0.2)
         if self.p.poll() is None:
             self.p.send_signal(signal.SIGTERM)
             try:

@@ -74,6 +74,25 @@ def test_kill9_part_owner_mid_round(cluster):
     check_round(PEERS3, _round_events(live, 1), 1, SIZE, ["a", "b"])
 
 
+@pytest.mark.timeout(60)
+def test_kill9_part_owner_during_all_gather(cluster):
+    """c dies after the gather vote, before serving its result part: the commit vote fails,
+    a and b retry the round without c and agree."""
+    procs = _launch(cluster, PEERS3, {"c": {"serve_delay": 3.0}}, size=SIZE, rounds=2,
+                    expect_peers=3, part_timeout=2.0)
+    time.sleep(1.0)  # phase 1 takes well under a second; c now delays its result part
+    procs["c"].kill9()
+    live = {k: v for k, v in procs.items() if k != "c"}
+    _finish(live)
+    ev0 = _round_events(live, 0)
+    check_round(PEERS3, ev0, 0, SIZE, ["a", "b"])
+    assert all(e["attempts"] == 2 for e in ev0.values())
+    # c is dead and was left out: the next round does not wait for it again
+    ev1 = _round_events(live, 1)
+    assert all(e["attempts"] == 1 and e["seconds"] < 2.0 for e in ev1.values())
+    check_round(PEERS3, _round_events(live, 1), 1, SIZE, ["a", "b"])
+
+
 def _agree_by_round(procs):
     by_round: dict[int, list[dict]] = {}
     for p in procs.values():

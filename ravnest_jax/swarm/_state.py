@@ -1,0 +1,170 @@
+"""Global-state download between peers: a peer that joins, missed a round or diverged takes the
+current state from a live peer.
+
+``GET /v1/runs/{run}/state`` on a peer's server (signed like every request; the answer is signed
+with the body digest) returns the opaque state bytes its training loop provides
+(``Swarm.serve_state``). The swarm never looks inside: the sync layer serialises and checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from . import _auth
+from ._allreduce import CHUNK
+from ._http import HTTPStatusError
+from ._types import SwarmError
+
+log = logging.getLogger("ravnest_jax.swarm")
+
+DEFAULT_MAX_STATE_BYTES = 64 << 30
+
+StateProvider = Callable[[], "concurrent.futures.Future[bytes] | bytes | None"]
+
+
+class _StateMixin:
+    """Methods of :class:`~ravnest_jax.swarm.Swarm` for serving and fetching the global state."""
+
+    _state_provider: StateProvider | None = None
+    max_state_bytes: int = DEFAULT_MAX_STATE_BYTES
+
+    # ------------------------------------------------------------------ caller thread
+    def serve_state(self, provider: StateProvider | None) -> None:
+        """Lets other peers download this peer's current global state.
+
+        Args:
+          provider: called (in a worker thread) for each authenticated request; returns the
+            state bytes, or a ``concurrent.futures.Future`` of them (``rj.OuterSync
+            .request_state`` does), or ``None`` when it has none. ``None`` stops serving.
+        """
+        self._state_provider = provider
+
+    def fetch_state(self, timeout: float = 120.0) -> bytes | None:
+        """Downloads the current global state from a live peer of the run.
+
+        Tries the other live peers, most advanced first (by their last round), until one
+        answers.
+
+        Args:
+          timeout: overall deadline, seconds.
+
+        Returns:
+          The state bytes, or ``None`` when no other peer is live.
+
+        Raises:
+          SwarmError: peers are live but none delivered a state before the deadline.
+        """
+        loop = self._loop  # type: ignore[attr-defined]
+        if loop is None or self._closed:  # type: ignore[attr-defined]
+            raise RuntimeError("Swarm is not running")
+        fut = asyncio.run_coroutine_threadsafe(self._afetch_state(timeout), loop)
+        return fut.result(timeout=timeout + 5)
+
+    def round_outcome(self, round_: int) -> str:
+        """The rendezvous' outcome of a round: ``"ok"``, ``"failed"``, ``"running"`` or
+        ``"unknown"`` (too old, or the rendezvous restarted since). Raises SwarmError when the
+        rendezvous cannot be reached."""
+        st = self.status()
+        for r in st.get("rounds", []):
+            if r.get("round") == round_:
+                return str(r.get("outcome"))
+        return "unknown"
+
+    def status(self) -> dict[str, Any]:
+        """The run's status from the rendezvous (peers, membership version, recent rounds)."""
+        loop = self._loop  # type: ignore[attr-defined]
+        t = self.timeouts.connect * 2  # type: ignore[attr-defined]
+        fut = asyncio.run_coroutine_threadsafe(self._rv("GET", "/status", None, t), loop)  # type: ignore[attr-defined]
+        try:
+            return fut.result(timeout=t + 5)
+        except Exception as e:
+            raise SwarmError(f"rendezvous unreachable: {e}") from e
+
+    # ------------------------------------------------------------------ loop side
+    async def _afetch_state(self, timeout: float) -> bytes | None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        members = await self._rv("GET", "/peers", None, self.timeouts.connect * 2)  # type: ignore[attr-defined]
+        others = [p for p in members["peers"] if p["peer_id"] != self.peer_id]  # type: ignore[attr-defined]
+        if not others:
+            return None
+        others.sort(key=lambda p: (-int(p.get("last_round", -1)), p["peer_id"]))
+        errors = []
+        while True:
+            for p in others:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    raise SwarmError(f"no live peer delivered the state in {timeout} s: {errors[-3:]}")
+                try:
+                    data = await self._get_state(p["address"], left)
+                    log.info("%s: downloaded the state (%d bytes) from %s", self.peer_id, len(data), p["peer_id"])  # type: ignore[attr-defined]
+                    return data
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, HTTPStatusError, PermissionError) as e:
+                    errors.append(f"{p['peer_id']}: {e!r}")
+            await asyncio.sleep(min(0.5, max(deadline - asyncio.get_running_loop().time(), 0)))
+
+    async def _get_state(self, address: str, timeout: float) -> bytes:
+        path = f"/v1/runs/{self.run_id}/state"  # type: ignore[attr-defined]
+        headers = _auth.sign(self._token, method="GET", path=path, run_id=self.run_id, peer=self.peer_id)  # type: ignore[attr-defined]
+        async with self._session.get(  # type: ignore[attr-defined]
+            address.rstrip("/") + path, headers=headers, ssl=self._client_ssl,  # type: ignore[attr-defined]
+            timeout=aiohttp.ClientTimeout(total=max(timeout, 0.05), sock_connect=self.timeouts.connect),  # type: ignore[attr-defined]
+        ) as resp:
+            if resp.status != 200:
+                raise HTTPStatusError(resp.status, (await resp.content.read(4096)).decode(errors="replace"))
+            try:
+                _auth.verify(self._token, resp.headers, method="RESPONSE", path=path, run_id=self.run_id)  # type: ignore[attr-defined]
+            except _auth.AuthError as e:
+                raise PermissionError(f"state answer not signed with the run token: {e}") from None
+            if (resp.content_length or 0) > self.max_state_bytes:
+                raise HTTPStatusError(502, "state larger than max_state_bytes")
+            h = hashlib.sha256()
+            buf = bytearray()
+            async for chunk in resp.content.iter_chunked(CHUNK):
+                h.update(chunk)
+                buf += chunk
+                if len(buf) > self.max_state_bytes:
+                    raise HTTPStatusError(502, "state larger than max_state_bytes")
+            if not _auth.digest_matches(resp.headers[_auth.H_BODY], h.hexdigest()):
+                raise PermissionError("state does not match its signed digest")
+            return bytes(buf)
+
+    async def _h_get_state(self, request: web.Request) -> web.StreamResponse:
+        self._auth_request(request)  # type: ignore[attr-defined]
+        provider = self._state_provider
+        if provider is None:
+            raise web.HTTPNotFound(text="this peer serves no state")
+        loop = asyncio.get_running_loop()
+        try:
+            out = await loop.run_in_executor(None, provider)
+            if isinstance(out, concurrent.futures.Future):
+                out = await asyncio.wait_for(asyncio.wrap_future(out), self.timeouts.round)  # type: ignore[attr-defined]
+        except asyncio.TimeoutError:
+            raise web.HTTPServiceUnavailable(text="state not ready in time") from None
+        except Exception as e:  # noqa: BLE001 - reported to the requester
+            log.warning("state provider failed: %r", e)
+            raise web.HTTPServiceUnavailable(text="state provider failed") from None
+        if not out:
+            raise web.HTTPNotFound(text="this peer has no state yet")
+        body = bytes(out)
+        headers = _auth.sign(self._token, method="RESPONSE", path=request.path, run_id=self.run_id,  # type: ignore[attr-defined]
+                             peer=self.peer_id, body_sha256=hashlib.sha256(body).hexdigest())  # type: ignore[attr-defined]
+        resp = web.StreamResponse(headers=headers)
+        resp.content_length = len(body)
+        resp.content_type = "application/octet-stream"
+        await resp.prepare(request)
+        mv = memoryview(body)
+        for off in range(0, len(body), CHUNK):
+            await resp.write(mv[off:off + CHUNK])
+        await resp.write_eof()
+        return resp
+
+
+__all__ = ["DEFAULT_MAX_STATE_BYTES", "StateProvider"]

@@ -1,0 +1,133 @@
+"""A token-holding impostor sends garbage, truncated, oversize and unsigned parts to real peers.
+
+Every bad request gets 401 / 400 / 413 and has no effect: the real peers finish the round among
+themselves with the exact mean, and keep working afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import aiohttp
+import pytest
+
+from ravnest_jax.swarm import _auth
+from ravnest_jax.swarm._allreduce import part_bounds
+from ravnest_jax.swarm._codec import encode_part
+from ravnest_jax.swarm._http import signed_json
+
+from ._expect import check_round
+from .conftest import TOKEN
+
+import numpy as np
+
+SIZE = 3001
+
+
+async def _impostor(url: str) -> dict[str, int]:
+    run = "test"
+    me = "zz-impostor"  # sorts last: owns the last part
+    token = TOKEN.encode()
+    timeout = aiohttp.ClientTimeout(total=20)
+    out: dict[str, int] = {}
+    async with aiohttp.ClientSession() as s:
+        # the rendezvous refuses unsigned and wrongly signed requests
+        async with s.post(f"{url}/v1/runs/{run}/join", json={"peer_id": me}) as r:
+            out["rv_unsigned"] = r.status
+        try:
+            await signed_json(s, url, "POST", f"/v1/runs/{run}/join", token=b"wrong", run_id=run,
+                              peer=me, payload={"peer_id": me, "address": "http://127.0.0.1:9"},
+                              timeout=timeout)
+        except Exception as e:  # noqa: BLE001
+            out["rv_wrong_token"] = getattr(e, "status", -1)
+        hello = {"peer_id": me, "address": "http://127.0.0.1:9", "last_round": -1}
+        await signed_json(s, url, "POST", f"/v1/runs/{run}/join", token=token, run_id=run,
+                          peer=me, payload=hello, timeout=timeout)
+        beg = await signed_json(s, url, "POST", f"/v1/runs/{run}/rounds/begin", token=token,
+                                run_id=run, peer=me, timeout=timeout,
+                                payload={**hello, "after": -1, "part_s": 3.0, "grace_s": 0.5,
+                                         "wait_s": 10})
+        r, group, addrs = beg["round"], beg["group"], beg["addresses"]
+        assert me in group and len(group) == 3
+        k = group.index("a")
+        lo, hi = part_bounds(SIZE + 1, len(group))[k]
+        base = addrs["a"]
+        path = f"/v1/runs/{run}/rounds/{r}/0/parts/{k}"
+
+        async def put(body: bytes, *, tok: bytes = token, manifest: str = "0" * 32,
+                      sign: bool = True, claimed: bytes | None = None, p: str = path,
+                      length: int | None = None) -> int:
+            h = {}
+            if sign:
+                h = _auth.sign(tok, method="PUT", path=p, run_id=run, peer=me, round_=r,
+                               body_sha256=hashlib.sha256(claimed if claimed is not None
+                                                          else body).hexdigest(),
+                               extra=f"1.0|{manifest}")
+            h.update({"X-RJ-Weight": "1.0", "X-RJ-Manifest": manifest})
+            if length is not None:
+                h["Content-Length"] = str(length)
+            async def gen():  # stream like a real peer does
+                for off in range(0, len(body), 1 << 16):
+                    yield body[off:off + (1 << 16)]
+
+            h["Content-Length"] = h.get("Content-Length", str(len(body)))
+            try:
+                async with s.put(base + p, data=gen(), headers=h, timeout=timeout) as resp:
+                    return resp.status
+            except aiohttp.ClientError:
+                return -1
+
+        good = encode_part(f"part{k}", np.ones(hi - lo, np.float32), "fp32")
+        # learn the manifest the round expects: a's own manifest is not public, so ask a
+        # request with the right manifest to fail later on the body instead (see below)
+        out["unsigned"] = await put(good, sign=False)
+        out["wrong_token"] = await put(good, tok=b"not-the-token")
+        out["wrong_manifest"] = await put(good)
+        from ravnest_jax.swarm._allreduce import manifest_digest
+        manifest = manifest_digest(["/b/s", "/b/x", "/w"], [(), (SIZE - SIZE // 2,),
+                                                           (SIZE // 2,)], "fp32")
+        out["tampered_body"] = await put(good, manifest=manifest, claimed=b"other body")
+        out["garbage"] = await put(b"\x00garbage" * 100, manifest=manifest)
+        out["truncated"] = await put(good[: len(good) // 2], manifest=manifest)
+        out["oversize"] = await put(b"\x00" * (4 * (hi - lo) + (1 << 20) + 1),
+                                    manifest=manifest)
+        wrong_k = f"/v1/runs/{run}/rounds/{r}/0/parts/{(k + 1) % 3}"
+        out["wrong_part"] = await put(good, manifest=manifest, p=wrong_k)
+        corrupt = bytearray(good)
+        corrupt[-3] ^= 0xFF  # a payload byte: the checksum no longer matches
+        out["corrupt"] = await put(bytes(corrupt), manifest=manifest)
+        wrong_shape = encode_part(f"part{k}", np.ones(hi - lo + 1, np.float32), "fp32")
+        out["wrong_shape"] = await put(wrong_shape, manifest=manifest)
+        # leave without voting (after b surely saw three peers): a and b retry without us
+        await asyncio.sleep(2.0)
+        await signed_json(s, url, "POST", f"/v1/runs/{run}/leave", token=token, run_id=run,
+                          peer=me, payload={"peer_id": me}, timeout=timeout)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_bad_requests_are_refused_without_effect(cluster):
+    url = cluster.rendezvous()
+    peers = {"a": (1, 1.0), "b": (2, 3.0)}
+    procs = {pid: cluster.peer(pid, s, weight=w, size=SIZE, rounds=2, expect_peers=3,
+                               part_timeout=3.0)
+             for pid, (s, w) in peers.items()}
+    cluster.ready(list(procs.values()))
+    statuses = asyncio.run(_impostor(url))
+    assert statuses == {
+        "rv_unsigned": 401, "rv_wrong_token": 401,
+        "unsigned": 401, "wrong_token": 401, "wrong_manifest": 400, "tampered_body": 401,
+        "garbage": 400, "truncated": 400, "oversize": 413, "wrong_part": 400, "corrupt": 400,
+        "wrong_shape": 400,
+    }
+    for p in procs.values():
+        try:
+            p.expect("done", 25)
+        except AssertionError:
+            print({k: q.all for k, q in procs.items()})
+            raise
+        assert p.wait(10) == 0
+    for i in range(2):
+        ev = {pid: p.rounds()[i] for pid, p in procs.items()}
+        check_round(peers, ev, i, SIZE, ["a", "b"])

@@ -1,0 +1,85 @@
+"""Swarm objects in the test process (against a rendezvous process): the Python API surface."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+
+import ravnest_jax as rj
+from ravnest_jax.swarm import RoundFailed, Swarm, SwarmError, Timeouts
+
+from .conftest import TOKEN
+
+T = Timeouts(connect=2.0, part=3.0, grace=0.5, round=15.0, heartbeat=0.5, eviction=3.0)
+
+
+def _swarm(url, pid, **kw):
+    return Swarm(url, run_id="inproc", token=TOKEN, listen="127.0.0.1:0", timeouts=T,
+                 peer_id=pid, **kw)
+
+
+@pytest.mark.timeout(60)
+def test_two_swarms_in_one_process(cluster):
+    url = cluster.rendezvous()
+    with _swarm(url, "a") as a, _swarm(url, "b") as b:
+        assert rj.Swarm is Swarm
+        peers = a.wait_for_peers(2, timeout=10)
+        assert [p.peer_id for p in peers] == ["a", "b"]
+        assert all(p.address.startswith("http://127.0.0.1:") for p in peers)
+        ta = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.float32(1.0)}
+        tb = {"w": np.ones((2, 3), np.float32), "b": np.float32(3.0)}
+        fa = a.all_reduce_async(ta, weight=1.0)
+        fb = b.all_reduce_async(tb, weight=3.0)
+        assert isinstance(fa, concurrent.futures.Future)
+        (ra, reca), (rb, recb) = fa.result(20), fb.result(20)
+        exp = (np.arange(6, dtype=np.float64).reshape(2, 3) + 3.0) / 4.0
+        np.testing.assert_allclose(ra["w"], exp, rtol=1e-6)
+        assert ra["w"].shape == (2, 3) and ra["w"].dtype == np.float32
+        assert float(ra["b"]) == pytest.approx(2.5)
+        assert reca.ok and reca.digest == recb.digest and reca.contributors == ("a", "b")
+        assert reca.total_weight == 4.0 and reca.round == 0 and reca.bytes_sent > 0
+        assert reca.bytes_received > 0 and reca.seconds > 0
+        # bad inputs are refused up front
+        with pytest.raises(TypeError):
+            a.all_reduce_async({"w": np.zeros(3, np.float64)})
+        with pytest.raises(ValueError):
+            a.all_reduce_async({"w": np.zeros(3, np.float32)}, weight=0.0)
+        with pytest.raises(ValueError):
+            a.all_reduce_async({"w": np.full(3, np.nan, np.float32)})
+    # b left: a single peer averages with itself
+    with _swarm(url, "solo") as s:
+        out, rec = s.all_reduce({"x": np.full(4, 2.0, np.float32)}, weight=5.0)
+        assert rec.ok and rec.contributors == ("solo",) and out["x"].tolist() == [2.0] * 4
+
+
+@pytest.mark.timeout(60)
+def test_round_fails_cleanly_when_rendezvous_is_gone(cluster):
+    url = cluster.rendezvous()
+    t = Timeouts(connect=0.5, part=1.0, grace=0.2, round=2.0, heartbeat=0.3, eviction=2.0)
+    with Swarm(url, run_id="gone", token=TOKEN, listen="127.0.0.1:0", timeouts=t) as s:
+        cluster.rv.kill9()
+        with pytest.raises(RoundFailed) as e:
+            s.all_reduce({"x": np.ones(3, np.float32)})
+        assert e.value.record.ok is False and "deadline" in e.value.record.error
+        with pytest.raises(SwarmError):
+            s.peers()
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        Swarm("http://127.0.0.1:1", run_id="r", token="", listen="127.0.0.1:0")
+    with pytest.raises(ValueError):
+        Swarm("http://127.0.0.1:1", run_id="r", token="t", codec="nope")
+    with pytest.raises(ValueError):
+        Swarm("http://127.0.0.1:1", run_id="r", token="t", listen="nonsense")
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_rendezvous_raises_swarm_error():
+    t = Timeouts(connect=0.3, part=0.5, grace=0.1, round=2.0, heartbeat=0.3, eviction=1.0)
+    with pytest.raises(SwarmError):
+        with Swarm("http://127.0.0.1:9", run_id="r", token="t", listen="127.0.0.1:0",
+                   timeouts=t):
+            pass

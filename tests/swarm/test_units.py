@@ -1,0 +1,170 @@
+"""Unit tests of the swarm's pure pieces: auth, part bounds, float32 reduction, wire checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ravnest_jax.swarm import Timeouts, _auth
+from ravnest_jax.swarm._allreduce import manifest_digest, part_bounds, weighted_mean
+from ravnest_jax.swarm._codec import PartDecoder, WireFormatError, decode_part, encode_part
+from ravnest_jax.swarm._types import flatten
+
+
+def test_import_swarm_does_not_import_jax():
+    code = ("import sys, ravnest_jax.swarm, ravnest_jax.cli; "
+            "assert 'jax' not in sys.modules, 'jax imported'; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_top_level_exports_swarm_lazily():
+    code = ("import sys, ravnest_jax as rj; s = rj.Swarm; r = rj.RoundRecord; "
+            "assert 'jax' not in sys.modules; print(s.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "Swarm", out.stderr
+
+
+def _headers(**kw):
+    args = dict(method="PUT", path="/v1/runs/r/rounds/3/0/parts/1", run_id="r", peer="p",
+                round_=3, body_sha256="ab" * 32, extra="1.0|m")
+    args.update(kw)
+    return _auth.sign("tok", **args)
+
+
+def _verify(headers, token="tok", **kw):
+    args = dict(method="PUT", path="/v1/runs/r/rounds/3/0/parts/1", run_id="r", extra="1.0|m")
+    args.update(kw)
+    return _auth.verify(token, headers, **args)
+
+
+def test_auth_roundtrip():
+    assert _verify(_headers()) == ("p", "3", "ab" * 32)
+
+
+@pytest.mark.parametrize("field,kw", [
+    ("token", {"token": "other"}), ("method", {"method": "GET"}),
+    ("path", {"path": "/v1/runs/r/rounds/4/0/parts/1"}), ("run", {"run_id": "x"}),
+    ("extra", {"extra": "2.0|m"}),
+])
+def test_auth_rejects_any_change(field, kw):
+    with pytest.raises(_auth.AuthError):
+        _verify(_headers(), **kw)
+
+
+@pytest.mark.parametrize("header", [_auth.H_PEER, _auth.H_ROUND, _auth.H_BODY, _auth.H_SIG,
+                                    _auth.H_TIME, _auth.H_NONCE])
+def test_auth_rejects_tampered_or_missing_header(header):
+    h = _headers()
+    h[header] = h[header][:-1] + ("0" if h[header][-1] != "0" else "1")
+    with pytest.raises(_auth.AuthError):
+        _verify(h)
+    del h[header]
+    with pytest.raises(_auth.AuthError):
+        _verify(h)
+
+
+def test_auth_rejects_replay_and_stale_time():
+    nonces = _auth.NonceCache()
+    h = _headers()
+    _verify(h, nonces=nonces)
+    with pytest.raises(_auth.AuthError, match="replay"):
+        _verify(h, nonces=nonces)
+    with pytest.raises(_auth.AuthError, match="skew"):
+        _verify(_headers(), max_skew_s=-1.0)
+    with pytest.raises(ValueError):
+        _auth.sign("", method="GET", path="/", run_id="r", peer="p")
+
+
+@given(total=st.integers(0, 10_000), n=st.integers(1, 64))
+def test_part_bounds_cover_everything_once(total, n):
+    b = part_bounds(total, n)
+    assert len(b) == n and b[0][0] == 0 and b[-1][1] == total
+    assert all(lo <= hi and hi == b[i + 1][0] for i, (lo, hi) in enumerate(b[:-1]))
+    assert max(hi - lo for lo, hi in b) - min(hi - lo for lo, hi in b) <= 1
+
+
+def test_weighted_mean_is_order_independent_and_exact():
+    rng = np.random.default_rng(0)
+    parts = {f"p{i}": (np.float32(i + 1), rng.standard_normal(100, dtype=np.float32))
+             for i in range(5)}
+    a, wa = weighted_mean(parts, ["p3", "p0", "p4", "p1", "p2"])
+    b, wb = weighted_mean(dict(reversed(parts.items())), sorted(parts))
+    assert a.dtype == np.float32 and a.tobytes() == b.tobytes() and wa == wb == 15
+    exp = sum(float(w) * x.astype(np.float64) for w, x in parts.values()) / 15
+    np.testing.assert_allclose(a, exp, rtol=1e-6, atol=1e-6)
+
+
+def test_manifest_digest_depends_on_names_shapes_codec():
+    base = manifest_digest(["a", "b"], [(2,), (3, 4)], "fp32")
+    assert base != manifest_digest(["a", "c"], [(2,), (3, 4)], "fp32")
+    assert base != manifest_digest(["a", "b"], [(2,), (4, 3)], "fp32")
+    assert base != manifest_digest(["a", "b"], [(2,), (3, 4)], "int8")
+
+
+def test_flatten_roundtrip_and_dtype_check():
+    Pair = __import__("collections").namedtuple("Pair", "x y")
+    tree = {"z": np.zeros((2, 3), np.float32), "a": [np.float32(1.0), Pair(np.ones(2, np.float32),
+                                                                          np.ones(1, np.float32))]}
+    names, leaves, unflatten = flatten(tree)
+    assert names == ["/a/0", "/a/1/x", "/a/1/y", "/z"]
+    back = unflatten(leaves)
+    assert isinstance(back["a"][1], Pair) and back["z"].shape == (2, 3)
+    with pytest.raises(TypeError, match="float32"):
+        flatten({"a": np.zeros(2, np.float64)})
+
+
+def test_timeouts_validation():
+    with pytest.raises(ValueError):
+        Timeouts(part=0)
+    with pytest.raises(ValueError):
+        Timeouts(heartbeat=5, eviction=2)
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(1, 3000), cut=st.integers(1, 1 << 16))
+def test_part_decoder_streaming_any_chunking(n, cut):
+    x = np.random.default_rng(n).standard_normal(n, dtype=np.float32)
+    data = encode_part("part0", x, "fp32")
+    dec = PartDecoder(name="part0", length=n, codec="fp32", max_bytes=len(data))
+    for off in range(0, len(data), cut):
+        dec.feed(data[off:off + cut])
+    assert dec.finish().tobytes() == x.tobytes()
+
+
+@given(garbage=st.binary(max_size=200))
+def test_part_decoder_rejects_garbage(garbage):
+    dec = PartDecoder(name="part0", length=10, codec="fp32", max_bytes=1000)
+    with pytest.raises(WireFormatError):
+        dec.feed(garbage)
+        dec.finish()
+
+
+def test_part_decoder_rejects_mismatch_truncation_and_excess():
+    data = encode_part("part0", np.ones(10, np.float32), "fp32")
+    for kw in ({"name": "part1"}, {"length": 11}, {"codec": "int8"}):
+        args = {"name": "part0", "length": 10, "codec": "fp32", "max_bytes": 1000, **kw}
+        with pytest.raises(WireFormatError):
+            PartDecoder(**args).feed(data)
+    dec = PartDecoder(name="part0", length=10, codec="fp32", max_bytes=1000)
+    dec.feed(data[:-1])
+    with pytest.raises(WireFormatError, match="truncated"):
+        dec.finish()
+    with pytest.raises(WireFormatError):
+        dec = PartDecoder(name="part0", length=10, codec="fp32", max_bytes=len(data) + 4)
+        dec.feed(data + b"\0\0\0\0")
+    with pytest.raises(WireFormatError):
+        PartDecoder(name="part0", length=10, codec="fp32", max_bytes=10).feed(data)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "int8", "int4", "fp4", "topk"])
+def test_lossy_part_roundtrip_keeps_shape(codec):
+    x = np.random.default_rng(0).standard_normal(1000, dtype=np.float32)
+    y = decode_part(encode_part("part3", x, codec), name="part3", length=1000, codec=codec)
+    assert y.shape == (1000,) and y.dtype == np.float32 and np.isfinite(y).all()

@@ -1,0 +1,222 @@
+"""rj.OuterSync over a real swarm (rendezvous + peers on 127.0.0.1, in-process threads)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import ravnest_jax as rj
+from ravnest_jax.sync import OuterSync
+
+from ._local import local_swarm
+
+DIM = 6
+
+
+def _init():
+    k = jax.random.key(0)
+    return {"w1": jax.random.normal(k, (DIM, 32)) * 0.3, "b1": jnp.zeros(32), "w2": jax.random.normal(jax.random.fold_in(k, 1), (32, 2)) * 0.3}
+
+
+def _batch(peer: int, step: int):
+    rng = np.random.default_rng([peer, step])
+    x = rng.normal(size=(16, DIM)).astype(np.float32)
+    y = np.stack([np.sin(x[:, 0]), np.cos(x[:, 1])], 1).astype(np.float32)
+    return x, y
+
+
+def _loss(p, x, y):
+    h = jnp.tanh(x @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] - y) ** 2)
+
+
+def _make_step(tx):
+    @jax.jit
+    def step(params, state, x, y):
+        loss, grads = jax.value_and_grad(_loss)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    return step
+
+
+def _run_peer(swarm, peer, *, steps, tx_kwargs, sync_kwargs):
+    tx = rj.diloco(optax.adam(2e-2), **tx_kwargs)
+    step = _make_step(tx)
+    params = _init()
+    state = tx.init(params)
+    losses = []
+    with OuterSync(tx, swarm, **sync_kwargs) as sync:
+        for t in range(steps):
+            params, state, loss = step(params, state, *_batch(peer, t))
+            params, state = sync(params, state)
+            losses.append(float(loss))
+        params, state = sync.flush(params, state)
+        return {"params": jax.device_get(params), "state": jax.device_get(state), "losses": losses, "metrics": list(sync.metrics), "summary": sync.summary()}
+
+
+def _run_swarm(n, *, steps, codec="fp32", tx_kwargs, sync_kwargs):
+    with local_swarm(n, codec=codec) as peers:
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            futs = [pool.submit(_run_peer, s, i, steps=steps, tx_kwargs=tx_kwargs, sync_kwargs=sync_kwargs) for i, s in enumerate(peers)]
+            return [f.result(timeout=120) for f in futs]
+
+
+def _assert_digests_agree(results, expected_rounds):
+    per_peer = [[m.state_digest for m in r["metrics"] if m.ok] for r in results]
+    assert all(len(d) == expected_rounds for d in per_peer), [len(d) for d in per_peer]
+    for d in per_peer[1:]:
+        assert d == per_peer[0]
+    assert all(m.group_size == len(results) for r in results for m in r["metrics"])
+
+
+@pytest.mark.timeout(180)
+def test_tau0_equals_blocking_exactly_and_digests_agree():
+    common = dict(steps=12, tx_kwargs=dict(sync_every=4))
+    blocking = _run_swarm(3, sync_kwargs=dict(mode="blocking", overlap_steps=0), **common)
+    delayed0 = _run_swarm(3, sync_kwargs=dict(mode="delayed", overlap_steps=0), **common)
+    _assert_digests_agree(blocking, 3)
+    _assert_digests_agree(delayed0, 3)
+    for a, b in zip(blocking, delayed0):
+        for x, y in zip(jax.tree.leaves((a["params"], a["state"])), jax.tree.leaves((b["params"], b["state"]))):
+            np.testing.assert_array_equal(x, y)
+    # right after the last round every peer stands on the same anchor
+    for r in blocking:
+        for x, y in zip(jax.tree.leaves(r["params"]), jax.tree.leaves(blocking[0]["state"].global_params)):
+            np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.timeout(180)
+def test_blocking_swarm_matches_vmap_simulation():
+    """2 peers over the swarm (fp32) == 2 replicas under vmap with axis_name (up to the float32
+    order of the mean)."""
+    n, h, steps = 2, 3, 9
+    swarm = _run_swarm(n, steps=steps, tx_kwargs=dict(sync_every=h), sync_kwargs=dict(mode="blocking", overlap_steps=0))
+    tx = rj.diloco(optax.adam(2e-2), sync_every=h, axis_name="replica")
+
+    def one(params, state, x, y):
+        grads = jax.grad(_loss)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    vstep = jax.jit(jax.vmap(one, axis_name="replica"))
+    p, s = rj.replicate(_init(), n), rj.replicate(tx.init(_init()), n)
+    for t in range(steps):
+        xs, ys = zip(*[_batch(i, t) for i in range(n)])
+        p, s = vstep(p, s, np.stack(xs), np.stack(ys))
+    for i in range(n):
+        for a, b in zip(jax.tree.leaves(swarm[i]["params"]), jax.tree.leaves(rj.unreplicate(p, i))):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "tx_kwargs,sync_kwargs,codec,rounds",
+    [
+        (dict(sync_every=4), dict(mode="delayed", overlap_steps=1), "fp32", 4),
+        (dict(sync_every=4), dict(mode="eager", overlap_steps=2, alpha=0.0), "int4", 4),
+        (dict(sync_every=4, fragments=2), dict(mode="delayed", overlap_steps=1), "int4", 7),
+    ],
+    ids=["delayed-tau1", "eager-int4", "fragments-int4"],
+)
+def test_overlapped_modes_train_and_stay_consistent(tx_kwargs, sync_kwargs, codec, rounds):
+    results = _run_swarm(3, steps=16, codec=codec, tx_kwargs=tx_kwargs, sync_kwargs=sync_kwargs)
+    _assert_digests_agree(results, rounds)
+    x_eval, y_eval = _batch(99, 0)
+    before = float(_loss(_init(), x_eval, y_eval))
+    for r in results:
+        assert float(_loss(r["state"].global_params, x_eval, y_eval)) < 0.8 * before
+        s = r["summary"]
+        assert s["failed_rounds"] == 0 and s["bytes_sent"] > 0
+    if codec == "int4":  # a tiny model: the ~100-byte header weighs; payload is 4 bits
+        assert all(0.1 < m.codec_ratio < 0.9 for r in results for m in r["metrics"])
+    # the global state is identical on every peer
+    for r in results[1:]:
+        for x, y in zip(jax.tree.leaves(r["state"].global_params), jax.tree.leaves(results[0]["state"].global_params)):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_bad_config_raises_value_error():
+    tx = rj.diloco(optax.sgd(0.1), sync_every=4)
+
+    class Fake:
+        codec = "fp32"
+
+        def all_reduce_async(self, tree, *, weight):  # pragma: no cover - never called
+            raise AssertionError
+
+    with pytest.raises(ValueError, match="mode"):
+        OuterSync(tx, Fake(), mode="fast")
+    with pytest.raises(ValueError, match="overlap_steps"):
+        OuterSync(tx, Fake(), mode="blocking", overlap_steps=1)
+    with pytest.raises(ValueError, match="overlap_steps"):
+        OuterSync(tx, Fake(), mode="delayed", overlap_steps=4)
+    with pytest.raises(ValueError, match="alpha"):
+        OuterSync(tx, Fake(), alpha=2.0)
+    with pytest.raises(ValueError, match="axis_name"):
+        OuterSync(rj.diloco(optax.sgd(0.1), sync_every=4, axis_name="r"), Fake())
+    with pytest.raises(ValueError, match="swarm"):
+        OuterSync(tx, object())
+    with pytest.raises(ValueError, match="samples_per_step"):
+        OuterSync(tx, Fake(), samples_per_step=0)
+
+
+@pytest.mark.timeout(240)
+def test_joining_peer_downloads_state_and_matches_from_its_first_round():
+    """Two peers train; a third joins mid-run: it downloads the global state from a live peer,
+    contributes from the next round on, and its state digest equals the others' from its first
+    round."""
+    import threading
+    import time
+
+    steps, h = 40, 4
+    results: dict[int, dict] = {}
+    with local_swarm(3) as peers:
+        started = threading.Event()
+
+        def peer(i, swarm, delay):
+            time.sleep(delay)
+            tx = rj.diloco(optax.adam(2e-2), sync_every=h)
+            step = _make_step(tx)
+            params = _init()
+            state = tx.init(params)
+            with OuterSync(tx, swarm, mode="delayed", overlap_steps=1) as sync:
+                swarm.serve_state(sync.request_state)
+                joined = False
+                if i == 2:
+                    data = swarm.fetch_state(timeout=60)
+                    assert data, "no state downloaded"
+                    params, state = sync.load_state_bytes(data, params, state)
+                    joined = True
+                start = int(state.count)
+                if i == 0:
+                    started.set()
+                for t in range(start, steps):
+                    params, state, _ = step(params, state, *_batch(i, t))
+                    params, state = sync(params, state)
+                    time.sleep(0.05)  # slow enough for the joiner to arrive mid-run
+                params, state = sync.flush(params, state)
+                results[i] = {"start": start, "joined": joined, "metrics": list(sync.metrics),
+                              "global": jax.device_get(state.global_params)}
+
+        # p2 is registered from the start (local_swarm), but only starts training later
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futs = [pool.submit(peer, 0, peers[0], 0.0), pool.submit(peer, 1, peers[1], 0.0)]
+            assert started.wait(60)
+            futs.append(pool.submit(peer, 2, peers[2], 1.0))
+            for f in futs:
+                f.result(timeout=180)
+    assert results[2]["joined"] and results[2]["start"] > 0
+    by_step = {i: {m.step: m.state_digest for m in results[i]["metrics"] if m.ok} for i in results}
+    joiner_steps = sorted(by_step[2])
+    assert joiner_steps, "the joiner took part in no round"
+    for s in joiner_steps:
+        assert by_step[2][s] == by_step[0][s] == by_step[1][s], s
+    for x, y in zip(jax.tree.leaves(results[2]["global"]), jax.tree.leaves(results[0]["global"])):
+        np.testing.assert_array_equal(x, y)
