@@ -33,7 +33,7 @@ DEFAULT_CODECS = "bf16,int8,int4,fp4,topk"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=500, help="inner steps per run (rounds = steps / H)")
+    p.add_argument("--steps", type=int, default=300, help="inner steps per run (rounds = steps / H)")
     p.add_argument("--sync-every", type=int, default=50, help="H")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=8)
