@@ -25,6 +25,30 @@ def _leaf_array(leaf: Any, name: str) -> tuple[np.ndarray, str]:
     return a, dtype
 
 
+_CHUNK = 1 << 17  # elements per numpy pass, so that the temporaries stay in the CPU caches
+
+
+def _host_quantize(cfg: F.CodecConfig, x: np.ndarray, noise: Any) -> tuple[bool, tuple[np.ndarray, ...]]:
+    """``F.quantize`` with numpy, chunk by chunk for long leaves (blocks are independent, so the
+    parts are the same as in one pass; only the stochastic noise is drawn chunk by chunk)."""
+    n = x.shape[0]
+    if cfg.codec in ("fp32", "topk") or n <= 2 * _CHUNK:
+        ok, parts = F.quantize(np, cfg, x, noise=noise, topk_indices=F.np_topk_indices)
+        return bool(ok), tuple(parts)
+    step = cfg.block_size * max(1, _CHUNK // cfg.block_size) if cfg.block_size else _CHUNK
+    lengths = F.part_lengths(cfg.codec, n, cfg.block_size, 0)
+    outs = [np.empty(length, dt) for length, dt in zip(lengths, F.part_dtypes(cfg.codec))]
+    offs = [0] * len(outs)
+    for i in range(0, n, step):
+        ok, parts = F.quantize(np, cfg, x[i : i + step], noise=noise)
+        if not bool(ok):
+            return False, ()
+        for j, p in enumerate(parts):
+            outs[j][offs[j] : offs[j] + p.shape[0]] = p
+            offs[j] += p.shape[0]
+    return True, tuple(outs)
+
+
 def host_pack(tree: Any, codec: str = "int4", *, seed: int | None = None, **options: Any) -> Packed:
     """numpy version of ``device_encode`` without error feedback: ``tree`` -> :class:`Packed`.
 
@@ -41,7 +65,7 @@ def host_pack(tree: Any, codec: str = "int4", *, seed: int | None = None, **opti
         a, dtype = _leaf_array(leaf, name)
         x = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
         with np.errstate(invalid="ignore", over="ignore"):  # garbage parts are dropped if not ok
-            ok, p = F.quantize(np, cfg, x, noise=noise, topk_indices=F.np_topk_indices)
+            ok, p = _host_quantize(cfg, x, noise)
         if not bool(ok):
             raise NonFiniteError(
                 f"pseudo-gradient leaf {name!r} has NaN, Inf or |x| > 2**127 values; refusing to "

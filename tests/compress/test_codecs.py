@@ -299,3 +299,17 @@ def test_weighted_mean():
         C.weighted_mean([np.ones(3), np.ones(4)])
     with pytest.raises(ValueError, match="at least one"):
         C.weighted_mean([])
+
+
+@pytest.mark.parametrize("codec", C.CODECS)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_large_leaf_within_bound(codec, stochastic):
+    if stochastic and codec not in F.STOCHASTIC_CODECS:
+        pytest.skip("no stochastic rounding for this codec")
+    rng = np.random.default_rng(7)
+    n = (1 << 20) + 3  # not a multiple of any block size
+    x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n))).astype(np.float32)  # heavy tails
+    x[1000:5000] = 0.0
+    opts = {"block_size": 64} if codec in F.BLOCK_CODECS else {}
+    dec = C.decode(C.encode({"w": x}, codec, stochastic=stochastic, seed=0, **opts))["w"]
+    check_bound(codec, x, dec, block=64, stochastic=stochastic)

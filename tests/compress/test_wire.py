@@ -43,6 +43,16 @@ def _raises_wire(data, **kw):
     return str(info.value)
 
 
+@pytest.mark.parametrize("codec", C.CODECS)
+def test_payload_starts_8_byte_aligned(codec):
+    for k in range(12):
+        data = C.encode({"w" * (k + 1): np.ones(10, np.float32), "b": [np.ones(3, np.float32)] * k}, codec)
+        assert C.read_header(data).header_nbytes % 8 == 0
+    # a header without padding (another encoder) is accepted too
+    hdr = {"codec": "fp32", "leaves": [["w", [1], "float32", 0, 0]], "tree": {"d": {"w": 0}}}
+    np.testing.assert_array_equal(C.decode(_craft(hdr, np.float32([2.5]).tobytes()))["w"], [2.5])
+
+
 def test_prefix_size_and_magic():
     data = C.encode(_tree(), "int4")
     assert data[:4] == C.MAGIC and PREFIX_NBYTES == 28 and data[4] == C.FORMAT_VERSION
@@ -103,6 +113,9 @@ GOOD_TREE = {"d": {"w": 0}}
     [
         ({"codec": "int5", "leaves": [], "tree": {"d": {}}}, b"", "unknown codec"),
         ({"codec": "fp32"}, b"", "keys"),
+        ({"codec": "fp32", "leaves": [], "tree": {"d": {}}, "pad": b"x" * 65}, b"", "pad"),
+        ({"codec": "fp32", "leaves": [], "tree": {"d": {}}, "pad": 3}, b"", "pad"),
+        ({"codec": "fp32", "leaves": [], "tree": {"d": {}}, "extra": 3}, b"", "keys"),
         ([1, 2, 3], b"", "map"),
         ({"codec": "fp32", "leaves": [["w", [3], "float32", 0, 0]], "tree": GOOD_TREE}, b"\x00" * 8, "imply a payload"),
         ({"codec": "fp32", "leaves": [["w", [3], "float32", 0, 0]], "tree": GOOD_TREE}, b"\x00" * 16, "imply a payload"),
