@@ -369,7 +369,13 @@ class Rendezvous:
             # better) is the problem, not the senders: retry without it rather than keep only
             # the senders that reached it (n >= 3; with 2 peers the fault cannot be placed)
             unreachable = {k for k, g in got.items() if 2 * len(g) <= n} if n >= 3 else set()
-            if everyone and unreachable and 2 * len(unreachable) < n:
+            if any(v.get("ring") for v in votes.values()):
+                # a ring's partial sums hold everybody: all complete, or retry the survivors
+                if everyone and all(g >= set(att.group) for g in got.values()):
+                    decision = {"decision": "ok", "contributors": sorted(att.group)}
+                else:
+                    decision = self._retry(run, rnd, att, voters, "ring incomplete")
+            elif everyone and unreachable and 2 * len(unreachable) < n:
                 decision = self._retry(run, rnd, att,
                                        tuple(v for v in voters if v not in unreachable),
                                        "owners that most peers could not reach: " +
