@@ -54,7 +54,7 @@ def worker(args: argparse.Namespace) -> None:
     x = {"g": rng.standard_normal(n, dtype=np.float32)}
     t = Timeouts(connect=5, part=300, grace=2, round=900, heartbeat=2, eviction=30)
     with Swarm(args.url, run_id=args.run_id, token=TOKEN, listen="127.0.0.1:0", timeouts=t,
-               peer_id=args.peer_id, codec=args.codec) as sw:
+               peer_id=args.peer_id, codec=args.codec, algorithm=args.algorithm) as sw:
         sw.wait_for_peers(args.peers, timeout=120)
         for i in range(args.rounds):
             out, rec = sw.all_reduce(x, weight=1.0)
@@ -130,7 +130,8 @@ def start_rendezvous(tmp: Path) -> tuple[subprocess.Popen[str], str]:
     return rv, f"http://127.0.0.1:{pf.read_text()}"
 
 
-def swarm_run(n: int, payload: int, rounds: int, codec: str, tmp: Path) -> list[list[dict]]:
+def swarm_run(n: int, payload: int, rounds: int, codec: str, tmp: Path,
+              algorithm: str = "butterfly") -> list[list[dict]]:
     rv, url = start_rendezvous(tmp)
     procs = []
     try:
@@ -138,7 +139,7 @@ def swarm_run(n: int, payload: int, rounds: int, codec: str, tmp: Path) -> list[
             procs.append(run_child("worker", "--url", url, "--run-id", f"b{n}-{payload}",
                                    "--peer-id", f"p{i:02d}", "--seed", str(i), "--peers",
                                    str(n), "--payload", str(payload), "--rounds", str(rounds),
-                                   "--codec", codec))
+                                   "--codec", codec, "--algorithm", algorithm))
         results = []
         for p in procs:
             out, _ = p.communicate(timeout=3600)
@@ -165,6 +166,8 @@ def main() -> None:
     ap.add_argument("--rss-rounds", type=int, default=200)
     ap.add_argument("--rss-payload-mb", type=int, default=16)
     ap.add_argument("--codec", default="fp32")
+    ap.add_argument("--algorithms", default="butterfly,ring")
+    ap.add_argument("--algorithm", default="butterfly", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(HERE / "results"))
     # child arguments
     ap.add_argument("--url")
@@ -192,14 +195,14 @@ def main() -> None:
         payload = mb * MB
         tcp_s = raw_tcp(payload)
         print(f"raw TCP {mb} MB: {tcp_s:.3f} s = {payload / tcp_s / MB:.0f} MB/s", flush=True)
-        for n in peers_list:
-            res = swarm_run(n, payload, args.rounds, args.codec, out)
+        for n, algorithm in [(n, a) for a in args.algorithms.split(",") for n in peers_list]:
+            res = swarm_run(n, payload, args.rounds, args.codec, out, algorithm)
             # a round's time = the slowest peer's; skip the warm-up round
             per_round = [max(r[i]["seconds"] for r in res) for i in range(1, args.rounds)]
             digests_equal = all(len({r[i]["digest"] for r in res}) == 1
                                 for i in range(args.rounds))
             rs = statistics.median(per_round)
-            row = {"peers": n, "payload_mb": mb, "round_s": rs, "round_s_all": per_round,
+            row = {"algorithm": algorithm, "peers": n, "payload_mb": mb, "round_s": rs, "round_s_all": per_round,
                    "goodput_mbps": payload / rs / MB, "raw_tcp_s": tcp_s,
                    "raw_tcp_mbps": payload / tcp_s / MB,
                    "goodput_vs_raw_tcp": tcp_s / rs,
@@ -210,8 +213,9 @@ def main() -> None:
             table.append(row)
             print(json.dumps(row), flush=True)
     for mb in payloads:
-        rows = {r["peers"]: r for r in table if r["payload_mb"] == mb}
-        if min(rows) in rows and max(rows) in rows:
+        for algorithm in args.algorithms.split(","):
+            rows = {r["peers"]: r for r in table
+                    if r["payload_mb"] == mb and r["algorithm"] == algorithm}
             for r in rows.values():
                 r["round_s_vs_fewest_peers"] = r["round_s"] / rows[min(rows)]["round_s"]
 
@@ -222,7 +226,8 @@ def main() -> None:
         half = len(series[0]) // 2
         rss = {"peers": 2, "payload_mb": args.rss_payload_mb, "rounds": args.rss_rounds,
                "rss_bytes_per_round": series,
-               "rss_max_mb_rounds_10_to_half": [max(s[10:half]) / MB for s in series],
+               "rss_max_mb_rounds_10_to_half": [max(s[min(10, half // 2):half]) / MB
+                                                for s in series],
                "rss_max_mb_second_half": [max(s[half:]) / MB for s in series],
                "rss_last_mb": [s[-1] / MB for s in series]}
         print("RSS max MB, rounds 10..half:", rss["rss_max_mb_rounds_10_to_half"],
@@ -257,18 +262,25 @@ def plot(result: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     table = result["table"]
+    styles = {"butterfly": "o-", "ring": "s:"}
     for mb in sorted({r["payload_mb"] for r in table}):
-        rows = sorted((r for r in table if r["payload_mb"] == mb), key=lambda r: r["peers"])
-        ns = [r["peers"] for r in rows]
-        axes[0].plot(ns, [r["round_s"] for r in rows], "o-", label=f"{mb} MB")
-        line, = axes[1].plot(ns, [r["goodput_mbps"] for r in rows], "o-",
-                             label=f"butterfly {mb} MB")
-        axes[1].axhline(rows[0]["raw_tcp_mbps"], color=line.get_color(), ls="--",
+        color = None
+        for algorithm in sorted({r["algorithm"] for r in table}):
+            rows = sorted((r for r in table if r["payload_mb"] == mb
+                           and r["algorithm"] == algorithm), key=lambda r: r["peers"])
+            ns = [r["peers"] for r in rows]
+            line, = axes[0].plot(ns, [r["round_s"] for r in rows], styles.get(algorithm, "o-"),
+                                 color=color, label=f"{algorithm} {mb} MB")
+            color = line.get_color()
+            axes[1].plot(ns, [r["goodput_mbps"] for r in rows], styles.get(algorithm, "o-"),
+                         color=color, label=f"{algorithm} {mb} MB")
+        axes[1].axhline(rows[0]["raw_tcp_mbps"], color=color, ls="--",
                         label=f"raw TCP {mb} MB")
+    axes[1].set_yscale("log")
     axes[0].set(xlabel="peers", ylabel="round time (s)", title="round time", xticks=[2, 4, 8])
-    axes[1].set(xlabel="peers", ylabel="MB/s", title="goodput (payload / round time)",
+    axes[1].set(xlabel="peers", ylabel="MB/s (log)", title="goodput (payload / round time)",
                 xticks=[2, 4, 8])
-    axes[0].legend()
+    axes[0].legend(fontsize=7)
     axes[1].legend(fontsize=7)
     if result.get("rss"):
         for i, s in enumerate(result["rss"]["rss_bytes_per_round"]):

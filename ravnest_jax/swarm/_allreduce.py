@@ -22,9 +22,10 @@ def part_bounds(total: int, n: int) -> list[tuple[int, int]]:
     return out
 
 
-def manifest_digest(names: Sequence[str], shapes: Sequence[tuple[int, ...]], codec: str) -> str:
-    """Digest of a round's manifest: leaf names, shapes and codec (hex, 32 chars)."""
-    blob = msgpack.packb([list(names), [list(map(int, s)) for s in shapes], codec])
+def manifest_digest(names: Sequence[str], shapes: Sequence[tuple[int, ...]], wire: str) -> str:
+    """Digest of a round's manifest (hex, 32 chars): leaf names, shapes and ``wire``, the codec
+    and algorithm (``"int8/butterfly"``): peers that disagree on any of them refuse each other."""
+    blob = msgpack.packb([list(names), [list(map(int, s)) for s in shapes], wire])
     return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
 

@@ -35,6 +35,7 @@ log = logging.getLogger("ravnest_jax.swarm")
 H_WEIGHT = "X-RJ-Weight"
 ABSTAIN_WEIGHT = 1e-30  # w + 1e-30 == w in float32 for any weight w >= 1e-22
 H_MANIFEST = "X-RJ-Manifest"
+ALGORITHMS = ("butterfly", "ring")
 SLOW_CHUNK = 256 * 1024  # chunk size when ``_send_chunk_delay`` is set (tests)
 READ_BUFSIZE = 1 << 22
 GC_GENERATION = 1  # collected after every round (cheap: young objects only)  # bytes buffered per connection before reading pauses
@@ -60,6 +61,14 @@ class _Attempt:
         self.result_sha = ""
         self.bytes_in = 0
         self.bytes_out = 0
+        self.bounds: list[tuple[int, int]] = []
+        self.algorithm = "butterfly"
+        self.part_shas: dict[int, str] = {}
+        self.ring_inbox: dict[tuple[str, int], tuple[Any, ...]] = {}
+        self._ring_events: dict[tuple[str, int], asyncio.Event] = {}
+
+    def ring_event(self, phase: str, step: int) -> asyncio.Event:
+        return self._ring_events.setdefault((phase, step), asyncio.Event())
 
 
 class _RoundFail(Exception):
@@ -84,6 +93,9 @@ class Swarm(_StateMixin):
       advertise: base URL other peers use to reach this one (default: ``http://`` + the local
         address that routes to the rendezvous + the bound port). Set it behind NAT.
       timeouts: deadlines, see :class:`Timeouts`.
+      algorithm: ``"butterfly"`` (default: reduce-scatter to part owners, then all-gather) or
+        ``"ring"`` (2(n - 1) neighbour steps; any failure retries the whole attempt without the
+        peers that did not vote). All peers of a run must use the same one.
       peer_id: this peer's id (default: random); rounds order peers by id.
       ssl: server-side ``ssl.SSLContext`` (serve HTTPS; then advertise an ``https://`` URL).
       client_ssl: passed to aiohttp as ``ssl=`` for outgoing requests (an ``SSLContext`` that
@@ -98,10 +110,14 @@ class Swarm(_StateMixin):
                  codec: str = "fp32", codec_options: dict[str, Any] | None = None,
                  listen: str = "0.0.0.0:0", advertise: str | None = None,
                  timeouts: Timeouts | None = None, peer_id: str | None = None,
+                 algorithm: str = "butterfly",
                  ssl: _ssl.SSLContext | None = None, client_ssl: Any = None,
                  _send_chunk_delay: float = 0.0, _serve_delay: float = 0.0):
         check_codec(codec, codec_options)
         self.codec_options = dict(codec_options or {})
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        self.algorithm = algorithm
         if not run_id or "/" in run_id:
             raise ValueError("run_id must be non-empty and contain no '/'")
         self.rendezvous_url = rendezvous_url.rstrip("/")
@@ -220,7 +236,7 @@ class Swarm(_StateMixin):
         if not np.isfinite(vec).all():
             raise ValueError("tree holds NaN or infinity")
         shapes = [x.shape for x in leaves]
-        manifest = manifest_digest(names, shapes, self.codec)
+        manifest = manifest_digest(names, shapes, f"{self.codec}/{self.algorithm}")
         sizes = [x.size for x in leaves]
         offsets = np.cumsum([0] + sizes)
 
@@ -283,6 +299,7 @@ class Swarm(_StateMixin):
         base = "/v1/runs/{run_id}/rounds/{round}/{attempt}"
         app.router.add_put(base + "/parts/{part}", self._h_put_part)
         app.router.add_get(base + "/results/{part}", self._h_get_result)
+        app.router.add_put(base + "/ring/{phase}/{step}", self._h_put_ring)
         app.router.add_get("/health", self._h_health)
         app.router.add_get("/v1/runs/{run_id}/state", self._h_get_state)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
@@ -509,6 +526,10 @@ class Swarm(_StateMixin):
     async def _send_part(self, st: _Attempt, addr: str, k: int, data: bytes, weight: np.float32,
                          timeout: float) -> int:
         url, path = self._url(addr, st.round, st.attempt, "parts", k)
+        return await self._put(st, url, path, data, weight, timeout)
+
+    async def _put(self, st: _Attempt, url: str, path: str, data: bytes, weight: np.float32,
+                   timeout: float) -> int:
         weight_s = repr(float(weight))
         headers = _auth.sign(self._token, method="PUT", path=path, run_id=self.run_id,
                              peer=self.peer_id, round_=st.round,
@@ -542,7 +563,7 @@ class Swarm(_StateMixin):
         url, path = self._url(addr, st.round, st.attempt, "results", k)
         headers = _auth.sign(self._token, method="GET", path=path, run_id=self.run_id,
                              peer=self.peer_id, round_=st.round)
-        lo, hi = st.bounds[k]  # type: ignore[attr-defined]
+        lo, hi = st.bounds[k]
         limit = max_message_bytes(hi - lo)
         async with self._session.get(
                 url, headers=headers, ssl=self._client_ssl,
@@ -567,7 +588,7 @@ class Swarm(_StateMixin):
             if not _auth.digest_matches(resp.headers[_auth.H_BODY], h.hexdigest()):
                 raise PermissionError("result part does not match its signed digest")
             out[lo:hi] = dec.finish()
-            st.part_shas[k] = h.hexdigest()  # type: ignore[attr-defined]
+            st.part_shas[k] = h.hexdigest()
             return dec.nbytes
 
     async def _vote(self, r: int, epoch: str, a: int, phase: str, data: dict[str, Any],
@@ -654,14 +675,14 @@ class Swarm(_StateMixin):
                                       total_weight=float(total), bytes_sent=stats["sent"],
                                       bytes_received=stats["received"],
                                       seconds=time.monotonic() - t0, digest=digest,
-                                      codec=self.codec)
+                                      codec=self.codec, algorithm=self.algorithm)
                     return res, rec
             except _RoundFail as e:
                 rec = RoundRecord(round=r, ok=False, attempts=attempts, group=group,
                                   contributors=(), total_weight=0.0, bytes_sent=stats["sent"],
                                   bytes_received=stats["received"],
                                   seconds=time.monotonic() - t0, digest="", codec=self.codec,
-                                  error=str(e))
+                                  algorithm=self.algorithm, error=str(e))
                 raise RoundFailed(rec) from None
             finally:
                 if r >= 0:
@@ -688,12 +709,16 @@ class Swarm(_StateMixin):
         st.group, st.me, st.manifest, st.codec = group, group.index(self.peer_id), manifest, \
             self.codec
         bounds = part_bounds(vec.size, n)
-        st.bounds = bounds  # type: ignore[attr-defined]
+        st.bounds = bounds
         st.lo, st.hi = bounds[st.me]
         st.received[self.peer_id] = (weight, vec[st.lo:st.hi])
         if len(st.received) == n:
             st.complete.set()
+        st.algorithm = self.algorithm
         st.entered.set()
+        if self.algorithm == "ring":
+            st.received.clear()
+            return await self._ring_attempt(st, membership, epoch, vec, weight, deadline, stats)
 
         # phase 1: reduce-scatter -----------------------------------------------------------
         part_s = self.timeouts.part if part_left is None else min(part_left, self.timeouts.part)
@@ -739,7 +764,7 @@ class Swarm(_StateMixin):
         st.received.clear()
         st.result = encode_part(f"result{st.me}", mean, self.codec, **self.codec_options)
         st.result_sha = hashlib.sha256(st.result).hexdigest()
-        st.part_shas = {st.me: st.result_sha}  # type: ignore[attr-defined]
+        st.part_shas = {st.me: st.result_sha}
         st.result_ready.set()
         out = np.empty(vec.size, dtype=np.float32)
         if self.codec == "fp32":  # lossless: decode(encode(mean)) == mean bit for bit
@@ -765,7 +790,7 @@ class Swarm(_StateMixin):
         if errors:
             log.info("%s: all-gather failed: %r", self.peer_id, errors[0])
         # the result is a pure function of the encoded result parts: hash their hashes
-        digest = result_digest([st.part_shas[k] for k in range(n)]) if ok else ""  # type: ignore[attr-defined]
+        digest = result_digest([st.part_shas[k] for k in range(n)]) if ok else ""
         commit = await self._vote(r, epoch, a, "commit", {"ok": ok, "digest": digest,
                                                           "failed_owners": failed_owners},
                                   deadline)
@@ -778,6 +803,147 @@ class Swarm(_StateMixin):
         if not ok:  # pragma: no cover - the rendezvous commits only if everyone is ok
             raise _RoundFail("all-gather failed here")
         return ("ok", out, contributors, total, digest)
+
+    # ------------------------------------------------------------------ ring variant
+    async def _h_put_ring(self, request: web.Request) -> web.Response:
+        weight_s = request.headers.get(H_WEIGHT, "")
+        manifest = request.headers.get(H_MANIFEST, "")
+        sender, claimed = self._auth_request(request, extra=f"{weight_s}|{manifest}")
+        phase = request.match_info["phase"]
+        try:
+            r, a, step = (int(request.match_info["round"]), int(request.match_info["attempt"]),
+                          int(request.match_info["step"]))
+            w = np.float32(float(weight_s))
+        except ValueError:
+            raise web.HTTPBadRequest(text="bad round, attempt, step or weight") from None
+        if phase not in ("rs", "ag") or not (np.isfinite(w) and w > 0):
+            raise web.HTTPBadRequest(text="bad phase or weight")
+        st = await self._wait_entered(r, a)
+        n = len(st.group)
+        if st.algorithm != "ring" or manifest != st.manifest:
+            raise web.HTTPBadRequest(text="part does not match the round manifest")
+        if sender != st.group[(st.me - 1) % n]:
+            raise web.HTTPForbidden(text="only the left neighbour sends ring messages")
+        if not 0 <= step < n - 1:
+            raise web.HTTPBadRequest(text="bad ring step")
+        if (phase, step) in st.ring_inbox or st.closed:
+            raise web.HTTPConflict(text="duplicate or late ring message")
+        c = (st.me - 1 - step) % n if phase == "rs" else (st.me - step) % n
+        lo, hi = st.bounds[c]
+        limit = max_message_bytes(hi - lo)
+        if request.content_length is not None and request.content_length > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit,
+                                                actual_size=request.content_length)
+        dec = PartDecoder(name=f"ring{phase}{c}", length=hi - lo, codec=st.codec,
+                          max_bytes=limit)
+        h = hashlib.sha256()
+        raw = bytearray() if phase == "ag" else None
+        try:
+            async for chunk in request.content.iter_chunked(CHUNK):
+                h.update(chunk)
+                dec.feed(chunk)
+                if raw is not None:
+                    raw += chunk
+            if not _auth.digest_matches(claimed, h.hexdigest()):
+                raise web.HTTPUnauthorized(text="body does not match its signed digest")
+            vec = dec.finish()
+        except (WireFormatError, NonFiniteError) as e:
+            raise web.HTTPBadRequest(text=f"bad ring message: {e}") from None
+        except (aiohttp.ClientPayloadError, ConnectionError, asyncio.IncompleteReadError,
+                aiohttp.http_exceptions.HttpProcessingError):
+            raise web.HTTPBadRequest(text="body cut off") from None
+        if st.closed:
+            raise web.HTTPConflict(text="too late")
+        st.ring_inbox[(phase, step)] = (w, vec, bytes(raw) if raw is not None else b"",
+                                        h.hexdigest())
+        st.bytes_in += dec.nbytes
+        st.ring_event(phase, step).set()
+        return json_response(request, self._token, self.run_id, self.peer_id, {"ok": True})
+
+    async def _ring_send(self, st: _Attempt, addr: str, phase: str, step: int, data: bytes,
+                         weight: np.float32, timeout: float) -> int:
+        path = f"/v1/runs/{self.run_id}/rounds/{st.round}/{st.attempt}/ring/{phase}/{step}"
+        return await self._put(st, addr.rstrip("/") + path, path, data, weight, timeout)
+
+    async def _ring_attempt(self, st: _Attempt, membership: dict[str, str], epoch: str,
+                            vec: np.ndarray, weight: np.float32, deadline: float,
+                            stats: dict[str, int]) -> tuple[Any, ...]:
+        r, a, group, n, i = st.round, st.attempt, st.group, len(st.group), st.me
+        right = membership.get(group[(i + 1) % n], "")
+        bounds = st.bounds
+        out = np.empty(vec.size, dtype=np.float32)
+        shas: dict[int, str] = {}
+        total = np.float32(0.0)
+        complete = True
+        c = i
+        try:
+            # reduce-scatter: pass partial weighted sums to the right, n - 1 steps
+            t_end = min(time.monotonic() + self.timeouts.part, deadline)
+            lo, hi = bounds[c]
+            num = vec[lo:hi] * weight
+            acc_w = weight
+            for s in range(n - 1):
+                data = encode_part(f"ringrs{c}", num, self.codec, **self.codec_options)
+                send = asyncio.ensure_future(self._ring_send(st, right, "rs", s, data, acc_w,
+                                                             t_end - time.monotonic()))
+                await asyncio.wait_for(st.ring_event("rs", s).wait(),
+                                       max(t_end - time.monotonic(), 0))
+                stats["sent"] += await send
+                in_w, in_num, _, _ = st.ring_inbox[("rs", s)]
+                c = (i - s - 1) % n
+                lo, hi = bounds[c]
+                num = in_num + vec[lo:hi] * weight
+                acc_w = np.float32(in_w + weight)
+            total = acc_w
+            mean = num / acc_w
+            own = encode_part(f"ringag{c}", mean, self.codec, **self.codec_options)
+            lo, hi = bounds[c]
+            out[lo:hi] = mean if self.codec == "fp32" else decode_part(
+                own, name=f"ringag{c}", length=hi - lo, codec=self.codec)
+            shas[c] = hashlib.sha256(own).hexdigest()
+        except (asyncio.TimeoutError, aiohttp.ClientError, HTTPStatusError, PermissionError,
+                OSError) as e:
+            log.info("%s: ring reduce-scatter failed: %r", self.peer_id, e)
+            complete = False
+        gather = await self._vote(r, epoch, a, "gather",
+                                  {"received": list(group) if complete else [], "ring": True},
+                                  deadline)
+        if gather["decision"] == "retry":
+            return ("retry", gather["attempt"], gather["group"])
+        if gather["decision"] != "ok":
+            raise _RoundFail(gather.get("reason", "round failed"))
+        # all-gather: forward the encoded final parts as they are, n - 1 steps
+        ok = True
+        try:
+            t_end = min(time.monotonic() + self.timeouts.part, deadline)
+            cur = own
+            for s in range(n - 1):
+                send = asyncio.ensure_future(self._ring_send(st, right, "ag", s, cur,
+                                                             np.float32(1.0),
+                                                             t_end - time.monotonic()))
+                await asyncio.wait_for(st.ring_event("ag", s).wait(),
+                                       max(t_end - time.monotonic(), 0))
+                stats["sent"] += await send
+                _, part, cur, sha = st.ring_inbox[("ag", s)]
+                k = (i - s) % n
+                lo, hi = bounds[k]
+                out[lo:hi] = part
+                shas[k] = sha
+        except (asyncio.TimeoutError, aiohttp.ClientError, HTTPStatusError, PermissionError,
+                OSError) as e:
+            log.info("%s: ring all-gather failed: %r", self.peer_id, e)
+            ok = False
+        stats["received"] += st.bytes_in
+        st.bytes_in = 0
+        digest = result_digest([shas[k] for k in range(n)]) if ok else ""
+        commit = await self._vote(r, epoch, a, "commit", {"ok": ok, "digest": digest,
+                                                          "failed_owners": []}, deadline)
+        st.ring_inbox.clear()
+        if commit["decision"] == "retry":
+            return ("retry", commit["attempt"], commit["group"])
+        if commit["decision"] != "commit":
+            raise _RoundFail(commit.get("reason", "round failed"))
+        return ("ok", out, list(group), total, digest)
 
 
 async def _raise(e: BaseException) -> None:

@@ -367,10 +367,27 @@ class Rendezvous:
         decision: dict[str, Any]
         if phase == "gather":
             att.gather_decided_at = time.monotonic()
-            if everyone:
+            n = len(att.group)
+            got = {k: set(v.get("received", [])) & set(att.group) for k, v in votes.items()}
+            # an owner that received from at most half of the group (while most owners did
+            # better) is the problem, not the senders: retry without it rather than keep only
+            # the senders that reached it (n >= 3; with 2 peers the fault cannot be placed)
+            unreachable = {k for k, g in got.items() if 2 * len(g) <= n} if n >= 3 else set()
+            if any(v.get("ring") for v in votes.values()):
+                # a ring's partial sums hold everybody: all complete, or retry the survivors
+                if everyone and all(g >= set(att.group) for g in got.values()):
+                    decision = {"decision": "ok", "contributors": sorted(att.group)}
+                else:
+                    decision = self._retry(run, rnd, att, voters, "ring incomplete")
+            elif everyone and unreachable and 2 * len(unreachable) < n:
+                decision = self._retry(run, rnd, att,
+                                       tuple(v for v in voters if v not in unreachable),
+                                       "owners that most peers could not reach: " +
+                                       ",".join(sorted(unreachable)))
+            elif everyone:
                 contributors = set(att.group)
-                for v in votes.values():
-                    contributors &= set(v.get("received", []))
+                for g in got.values():
+                    contributors &= g
                 if contributors:
                     decision = {"decision": "ok", "contributors": sorted(contributors)}
                 else:

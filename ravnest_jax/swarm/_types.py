@@ -78,7 +78,7 @@ class RoundRecord:
       digest: blake2b-128 hex digest over the SHA-256 of every encoded result part, in part
         order: equal digests mean bit-identical results (empty when not ok).
       codec: the codec used on the wire.
-      algorithm: ``"butterfly"``.
+      algorithm: ``"butterfly"`` or ``"ring"``.
       error: why the round failed, or ``None``.
     """
 

@@ -43,6 +43,8 @@ def main() -> None:
     p.add_argument("--round-sleep", type=float, default=0.0)
     p.add_argument("--out-dir", default="")
     p.add_argument("--serve-delay", type=float, default=0.0)
+    p.add_argument("--advertise", default=None)
+    p.add_argument("--algorithm", default="butterfly")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
@@ -62,7 +64,8 @@ def main() -> None:
         straggle[int(r)] = float(s)
     time.sleep(args.start_delay)
     with Swarm(args.url, run_id=args.run_id, token=args.token, codec=args.codec,
-               listen="127.0.0.1:0", timeouts=t, peer_id=args.peer_id,
+               listen="127.0.0.1:0", timeouts=t, peer_id=args.peer_id, advertise=args.advertise,
+               algorithm=args.algorithm,
                _send_chunk_delay=args.send_delay, _serve_delay=args.serve_delay) as sw:
         print(json.dumps({"event": "ready", "port": sw.port, "pid": os.getpid()}), flush=True)
         if args.expect_peers:
@@ -83,7 +86,7 @@ def main() -> None:
                     np.save(rfile, vec)
                 print(json.dumps({"event": "round", "i": i, "ok": True, "round": rec.round,
                                   "contributors": list(rec.contributors),
-                                  "digest": rec.digest, "attempts": rec.attempts,
+                                  "digest": rec.digest, "attempts": rec.attempts, "algorithm": rec.algorithm,
                                   "total_weight": rec.total_weight,
                                   "seconds": rec.seconds, "result_file": rfile,
                                   "result": vec.tolist() if not rfile else None}), flush=True)

@@ -135,11 +135,12 @@ class Cluster:
         self.rv: Proc | None = None
         self.url = ""
 
-    def rendezvous(self, port: int = 0, heartbeat: float = 0.5, eviction: float = 3.0) -> str:
+    def rendezvous(self, port: int = 0, heartbeat: float = 0.5, eviction: float = 3.0,
+                   extra: tuple[str, ...] = (), scheme: str = "http") -> str:
         pf = self.tmp / f"rv-port-{len(self.procs)}"
         args = [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1",
                 "--port", str(port), "--port-file", str(pf), "--heartbeat", str(heartbeat),
-                "--eviction", str(eviction)]
+                "--eviction", str(eviction), *extra]
         self.rv = p = Proc(f"rendezvous{len(self.procs)}", args, self.tmp, self.env)
         self.procs.append(p)
         deadline = time.monotonic() + 30
@@ -149,7 +150,7 @@ class Cluster:
             time.sleep(0.05)
         p.port = int(pf.read_text())
         self.ports.add(p.port)
-        self.url = f"http://127.0.0.1:{p.port}"
+        self.url = f"{scheme}://127.0.0.1:{p.port}"
         return self.url
 
     def peer(self, peer_id: str, seed: int, **kw: object) -> Proc:

@@ -8,13 +8,14 @@ from ._expect import check_round
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_all_reduce_matches_numpy_weighted_mean(cluster, n):
+@pytest.mark.parametrize("n,algorithm", [(2, "butterfly"), (4, "butterfly"), (8, "butterfly"),
+                                         (3, "ring"), (8, "ring")])
+def test_all_reduce_matches_numpy_weighted_mean(cluster, n, algorithm):
     cluster.rendezvous()
     size, rounds = 1001, 2
     peers = {f"p{i}": (10 + i, 1.0 + i) for i in range(n)}  # id -> (seed, weight)
     procs = {pid: cluster.peer(pid, seed, weight=w, rounds=rounds, size=size, expect_peers=n,
-                               part_timeout=10)
+                               part_timeout=10, algorithm=algorithm)
              for pid, (seed, w) in peers.items()}
     cluster.ready(list(procs.values()))
     for p in procs.values():
@@ -23,7 +24,7 @@ def test_all_reduce_matches_numpy_weighted_mean(cluster, n):
     for i in range(rounds):
         events = {pid: p.rounds()[i] for pid, p in procs.items()}
         assert {e["round"] for e in events.values()} == {i}
-        assert all(e["attempts"] == 1 for e in events.values())
+        assert all(e["attempts"] == 1 and e["algorithm"] == algorithm for e in events.values())
         check_round(peers, events, i, size, sorted(peers))
         assert events["p0"]["total_weight"] == pytest.approx(sum(w for _, w in peers.values()))
 

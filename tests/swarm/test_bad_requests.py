@@ -86,7 +86,7 @@ async def _impostor(url: str) -> dict[str, int]:
         out["wrong_manifest"] = await put(good)
         from ravnest_jax.swarm._allreduce import manifest_digest
         manifest = manifest_digest(["/b/s", "/b/x", "/w"], [(), (SIZE - SIZE // 2,),
-                                                           (SIZE // 2,)], "fp32")
+                                                           (SIZE // 2,)], "fp32/butterfly")
         out["tampered_body"] = await put(good, manifest=manifest, claimed=b"other body")
         out["garbage"] = await put(b"\x00garbage" * 100, manifest=manifest)
         out["truncated"] = await put(good[: len(good) // 2], manifest=manifest)

@@ -93,6 +93,36 @@ def test_kill9_part_owner_during_all_gather(cluster):
     check_round(PEERS3, _round_events(live, 1), 1, SIZE, ["a", "b"])
 
 
+@pytest.mark.timeout(60)
+def test_unreachable_peer_is_left_out_not_everybody_else(cluster):
+    """c advertises a dead address (think: behind NAT): it reaches the others, they cannot
+    reach it. The round must go on among a and b, not shrink to c's contribution alone."""
+    procs = _launch(cluster, PEERS3, {"c": {"advertise": "http://127.0.0.1:9"}}, size=1001,
+                    rounds=2, expect_peers=3, part_timeout=1.5)
+    _finish(procs)
+    live = {k: v for k, v in procs.items() if k != "c"}
+    for i in range(2):
+        check_round(PEERS3, _round_events(live, i), i, 1001, ["a", "b"])
+    assert not any(e["ok"] for e in procs["c"].rounds())
+    assert "could not reach" in procs["c"].rounds()[0]["error"] or \
+        "left out" in procs["c"].rounds()[0]["error"]
+
+
+@pytest.mark.timeout(60)
+def test_ring_survives_a_peer_killed_mid_round(cluster):
+    peers = {"a": (1, 1.0), "b": (2, 2.0), "c": (3, 3.0), "d": (4, 4.0)}
+    procs = _launch(cluster, peers, {"c": {"send_delay": 1.0}}, size=SIZE, rounds=2,
+                    expect_peers=4, part_timeout=2.0, algorithm="ring")
+    time.sleep(0.8)
+    procs["c"].kill9()
+    live = {k: v for k, v in procs.items() if k != "c"}
+    _finish(live)
+    for i in range(2):
+        ev = _round_events(live, i)
+        check_round(peers, ev, i, SIZE, ["a", "b", "d"])
+        assert all(e["algorithm"] == "ring" for e in ev.values())
+
+
 def _agree_by_round(procs):
     by_round: dict[int, list[dict]] = {}
     for p in procs.values():

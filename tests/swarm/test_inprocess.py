@@ -83,3 +83,37 @@ def test_unreachable_rendezvous_raises_swarm_error():
         with Swarm("http://127.0.0.1:9", run_id="r", token="t", listen="127.0.0.1:0",
                    timeouts=t):
             pass
+
+
+@pytest.mark.timeout(60)
+def test_tls_between_peers_and_to_the_rendezvous(cluster, tmp_path):
+    import shutil
+    import ssl
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not available to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True,
+                   timeout=60)
+    url = cluster.rendezvous(extra=("--certfile", str(cert), "--keyfile", str(key)),
+                             scheme="https")
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert, key)
+    client = ssl.create_default_context(cafile=str(cert))
+    with _swarm(url, "a", ssl=server, client_ssl=client) as a, \
+            _swarm(url, "b", ssl=server, client_ssl=client) as b:
+        assert a.address.startswith("https://127.0.0.1:")
+        a.wait_for_peers(2, timeout=10)
+        fa = a.all_reduce_async({"x": np.full(5, 1.0, np.float32)}, weight=1.0)
+        fb = b.all_reduce_async({"x": np.full(5, 3.0, np.float32)}, weight=1.0)
+        (ra, reca), (rb, recb) = fa.result(20), fb.result(20)
+        assert ra["x"].tolist() == [2.0] * 5 and reca.digest == recb.digest
+    # a client that does not trust the certificate cannot even join
+    with pytest.raises(SwarmError):
+        with Swarm(url, run_id="inproc", token=TOKEN, listen="127.0.0.1:0",
+                   timeouts=Timeouts(connect=0.5, part=0.5, grace=0.1, round=2.0,
+                                     heartbeat=0.3, eviction=1.0)):
+            pass
