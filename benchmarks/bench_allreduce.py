@@ -115,9 +115,9 @@ def raw_tcp(payload: int, repeats: int = 3) -> float:
 
 
 def start_rendezvous(tmp: Path) -> tuple[subprocess.Popen[str], str]:
-    pf = tmp / "rv.port"
-    if pf.exists():
-        pf.unlink()
+    import tempfile
+
+    pf = Path(tempfile.mkdtemp(prefix="ravnest-bench-")) / "rv.port"
     env = {**os.environ, "RAVNEST_TOKEN": TOKEN}
     rv = subprocess.Popen([sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host",
                            "127.0.0.1", "--port", "0", "--port-file", str(pf), "--quiet",
