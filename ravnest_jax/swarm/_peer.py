@@ -339,6 +339,9 @@ class Swarm(_StateMixin):
             st.result_ready.set()
         await self._runner.cleanup()
         await self._session.close()
+        # let the connector's transports finish closing before the loop stops (aiohttp's
+        # graceful-shutdown advice); otherwise they are reported as unclosed at GC time
+        await asyncio.sleep(0.1)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         t = asyncio.ensure_future(coro)
