@@ -91,3 +91,18 @@ async def signed_json(session: aiohttp.ClientSession, base_url: str, method: str
                                     hashlib.sha256(data).hexdigest()):
             raise PermissionError("answer body does not match its signature")
         return json.loads(data) if data else None
+
+
+async def stream_body(request: web.Request, headers: dict[str, str], body: bytes,
+                      chunk: int) -> web.StreamResponse:
+    """Answer ``request`` with ``body`` (application/octet-stream) in ``chunk``-byte writes,
+    with the given (signed) headers."""
+    resp = web.StreamResponse(headers=headers)
+    resp.content_length = len(body)
+    resp.content_type = "application/octet-stream"
+    await resp.prepare(request)
+    mv = memoryview(body)
+    for off in range(0, len(body), chunk):
+        await resp.write(mv[off:off + chunk])
+    await resp.write_eof()
+    return resp

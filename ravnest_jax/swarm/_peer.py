@@ -26,7 +26,7 @@ from . import _auth
 from ._allreduce import CHUNK, manifest_digest, max_message_bytes, part_bounds, weighted_mean
 from ._codec import NonFiniteError, PartDecoder, WireFormatError, check_codec, decode_part, \
     encode_part
-from ._http import HTTPStatusError, json_response, signed_json
+from ._http import HTTPStatusError, json_response, signed_json, stream_body
 from ._state import _StateMixin
 from ._types import PeerInfo, RoundFailed, RoundRecord, SwarmError, Timeouts, flatten, result_digest
 
@@ -510,15 +510,8 @@ class Swarm(_StateMixin):
         headers = _auth.sign(self._token, method="RESPONSE", path=request.path,
                              run_id=self.run_id, peer=self.peer_id, round_=r,
                              body_sha256=st.result_sha)
-        resp = web.StreamResponse(headers=headers)
-        resp.content_length = len(body)
-        resp.content_type = "application/octet-stream"
-        await resp.prepare(request)
-        mv = memoryview(body)
-        for off in range(0, len(body), CHUNK):
-            await resp.write(mv[off:off + CHUNK])
+        resp = await stream_body(request, headers, body, CHUNK)
         st.bytes_out += len(body)
-        await resp.write_eof()
         return resp
 
     # ------------------------------------------------------------------ client side of a round

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from . import _auth
 from ._allreduce import CHUNK
-from ._http import HTTPStatusError
+from ._http import HTTPStatusError, stream_body
 from ._types import SwarmError
 
 log = logging.getLogger("ravnest_jax.swarm")
@@ -156,15 +156,7 @@ class _StateMixin:
         body = bytes(out)
         headers = _auth.sign(self._token, method="RESPONSE", path=request.path, run_id=self.run_id,  # type: ignore[attr-defined]
                              peer=self.peer_id, body_sha256=hashlib.sha256(body).hexdigest())  # type: ignore[attr-defined]
-        resp = web.StreamResponse(headers=headers)
-        resp.content_length = len(body)
-        resp.content_type = "application/octet-stream"
-        await resp.prepare(request)
-        mv = memoryview(body)
-        for off in range(0, len(body), CHUNK):
-            await resp.write(mv[off:off + CHUNK])
-        await resp.write_eof()
-        return resp
+        return await stream_body(request, headers, body, CHUNK)
 
 
 __all__ = ["DEFAULT_MAX_STATE_BYTES", "StateProvider"]
