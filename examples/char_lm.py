@@ -539,124 +539,119 @@ def _forward_flags(args: argparse.Namespace) -> list[str]:
 
 
 def run_local_swarm(args: argparse.Namespace) -> dict:
-    """Starts a rendezvous and ``--local-peers`` peer processes on 127.0.0.1 and waits for them."""
+    """Starts a rendezvous and ``--local-peers`` peer processes on 127.0.0.1 and waits for them.
+
+    Nothing touches the disk (the token travels in the environment, results and logs through
+    pipes), so neither Ctrl+C nor a crash of this process leaves files behind; the children stop
+    by themselves when this process dies.
+    """
+    import collections
     import queue
     import secrets
     import signal
     import subprocess
-    import tempfile
     import threading
 
     from tqdm.auto import tqdm
 
     n = args.local_peers
     procs: list[subprocess.Popen] = []
-    with tempfile.TemporaryDirectory(prefix="ravnest-char-lm-") as tmp:
-        token_file = Path(tmp) / "token"
-        token_file.write_text(secrets.token_hex(16))
-        token_file.chmod(0o600)
-        port_file = Path(tmp) / "port"
-        run_id = f"char-lm-{secrets.token_hex(3)}"
-        events: queue.Queue = queue.Queue()
-        logs: list = []
+    run_id = f"char-lm-{secrets.token_hex(3)}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAVNEST_TOKEN": secrets.token_hex(16)}
+    events: queue.Queue = queue.Queue()
+    tails: dict[str, collections.deque] = {}
 
-        def log_file(name: str):
-            f = open(Path(tmp) / name, "w")
-            logs.append(f)
-            return f
-
-        try:
-            rv = subprocess.Popen(
-                [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port", "0",
-                 "--port-file", str(port_file), "--token-file", str(token_file), "--quiet",
-                 "--heartbeat", "1", "--eviction", "5"],
-                stdout=subprocess.DEVNULL, stderr=log_file("rendezvous.log"),
-            )
-            procs.append(rv)
-            deadline = time.monotonic() + 30
-            while not port_file.exists():
-                if rv.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the rendezvous did not start: " + (Path(tmp) / "rendezvous.log").read_text()[-2000:])
-                time.sleep(0.05)
-            url = f"http://127.0.0.1:{port_file.read_text().strip()}"
-            print(f"rendezvous {url}, run {run_id}; starting {n} peers "
-                  f"(codec {args.codec}, H={args.sync_every}, overlap {args.overlap_steps}, mode {args.mode})")
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            # N peers share this machine's cores: one compute thread each
-            env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
-            for i in range(n):
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--rendezvous", url, "--run-id", run_id,
-                       "--token-file", str(token_file), "--peer-id", f"peer{i}", "--data-seed", str(i),
-                       "--min-peers", str(n), "--listen", "127.0.0.1:0", "--json-events",
-                       "--parent-pid", str(os.getpid()), "--summary-json", str(Path(tmp) / f"peer{i}.json"),
-                       *_forward_flags(args)]
-                if args.checkpoint_dir:
-                    cmd += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve() / f"peer{i}")]
-                p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file(f"peer{i}.log"), text=True, env=env)
-                procs.append(p)
-
-                def read(p=p, i=i) -> None:
-                    for line in p.stdout:  # type: ignore[union-attr]
-                        try:
-                            events.put((i, json.loads(line)))
-                        except ValueError:
-                            pass
-
-                threading.Thread(target=read, daemon=True).start()
-            peers = procs[1:]
-            bar = tqdm(total=n * args.max_steps, desc=f"{n} peers", disable=args.no_progress, dynamic_ncols=True)
-            steps = [0] * n
-            losses: dict[int, float] = {}
-            rounds = 0
-            while any(p.poll() is None for p in peers):
+    def pump(stream, name: str, parse: bool) -> None:
+        tail = tails.setdefault(name, collections.deque(maxlen=60))
+        for line in stream:
+            tail.append(line)
+            if parse:
                 try:
-                    i, ev = events.get(timeout=0.5)
-                except queue.Empty:
-                    continue
-                if ev.get("event") == "progress":
-                    bar.update(ev["step"] - steps[i])
-                    steps[i] = ev["step"]
-                    if ev.get("loss") is not None:
-                        losses[i] = ev["loss"]
-                        bar.set_postfix(loss=f"{np.mean(list(losses.values())):.3f}", rounds=rounds)
-                elif ev.get("event") == "round" and i == 0:
-                    rounds += 1
-            bar.close()
-            codes = [p.wait() for p in peers]
-            results = []
-            for i in range(n):
-                path = Path(tmp) / f"peer{i}.json"
-                if codes[i] != 0 or not path.exists():
-                    log = (Path(tmp) / f"peer{i}.log").read_text()[-3000:]
-                    raise RuntimeError(f"peer{i} exited with status {codes[i]}:\n{log}")
-                results.append(json.loads(path.read_text())["peer_result"])
-        except KeyboardInterrupt:
-            print("\ninterrupted: stopping the peers and the rendezvous", file=sys.stderr)
-            raise
-        finally:
-            for p in procs[1:]:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGINT)
-            deadline = time.monotonic() + 20
-            for p in procs[1:]:
+                    events.put((name, json.loads(line)))
+                except ValueError:
+                    pass
+
+    def start(cmd: list[str], name: str, extra_env: dict | None = None) -> subprocess.Popen:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, **(extra_env or {})})
+        procs.append(p)
+        threading.Thread(target=pump, args=(p.stdout, name, True), daemon=True).start()
+        threading.Thread(target=pump, args=(p.stderr, name, False), daemon=True).start()
+        return p
+
+    try:
+        rv = start([sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port", "0",
+                    "--quiet", "--heartbeat", "1", "--eviction", "5", "--exit-with-parent"], "rendezvous")
+        url = None
+        deadline = time.monotonic() + 30
+        while url is None:
+            if rv.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the rendezvous did not start:\n" + "".join(tails.get("rendezvous", [])))
+            text = "".join(tails.get("rendezvous", []))
+            if "listening on " in text:
+                url = text.split("listening on ", 1)[1].split()[0]
+            time.sleep(0.05)
+        print(f"rendezvous {url}, run {run_id}; starting {n} peers "
+              f"(codec {args.codec}, H={args.sync_every}, overlap {args.overlap_steps}, mode {args.mode})")
+        # N peers share this machine's cores: one compute thread each
+        xla = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")}
+        peers = []
+        for i in range(n):
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--rendezvous", url, "--run-id", run_id,
+                   "--peer-id", f"peer{i}", "--data-seed", str(i), "--min-peers", str(n), "--listen", "127.0.0.1:0",
+                   "--json-events", "--parent-pid", str(os.getpid()), *_forward_flags(args)]
+            if args.checkpoint_dir:
+                cmd += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve() / f"peer{i}")]
+            peers.append(start(cmd, f"peer{i}", xla))
+        bar = tqdm(total=n * args.max_steps, desc=f"{n} peers", disable=args.no_progress, dynamic_ncols=True)
+        steps = [0] * n
+        losses: dict[int, float] = {}
+        rounds = 0
+        results: dict[int, dict] = {}
+        while any(p.poll() is None for p in peers) or not events.empty():
+            try:
+                name, ev = events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if not name.startswith("peer"):
+                continue
+            i = int(name[4:])
+            if ev.get("event") == "progress":
+                bar.update(max(ev["step"] - steps[i], 0))
+                steps[i] = ev["step"]
+                if ev.get("loss") is not None:
+                    losses[i] = ev["loss"]
+                    bar.set_postfix(loss=f"{np.mean(list(losses.values())):.3f}", rounds=rounds)
+            elif ev.get("event") == "round" and i == 0:
+                rounds += 1
+            elif ev.get("event") == "result":
+                results[i] = ev["result"]
+        bar.close()
+        for i, p in enumerate(peers):
+            if p.wait() != 0 or i not in results:
+                raise RuntimeError(f"peer{i} exited with status {p.returncode}:\n" + "".join(tails.get(f"peer{i}", [])))
+        results = [results[i] for i in range(n)]
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the peers and the rendezvous", file=sys.stderr)
+        raise
+    finally:
+        for p in procs[1:]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 20
+        for p in procs[1:]:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for p in procs[:1]:
+            if p.poll() is None:
+                p.terminate()
                 try:
-                    p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                    p.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
-            for p in procs[:1]:
-                if p.poll() is None:
-                    p.terminate()
-                    try:
-                        p.wait(timeout=10)
-                    except subprocess.TimeoutExpired:
-                        p.kill()
-                        p.wait()
-            for p in procs[1:]:
-                if p.stdout is not None:
-                    p.stdout.close()
-            for f in logs:
-                f.close()
     params = results[0]["params"]
     # data-parallel reference: a ring all-reduce of float32 gradients every step sends
     # 2 (N - 1) / N * 4 * params bytes per peer per step
@@ -779,6 +774,7 @@ def main(argv: list[str] | None = None) -> int:
             summary = run_local_swarm(args)
         elif args.rendezvous:
             summary = {"peer_result": run_peer(args)}
+            _emit(args, event="result", result=summary["peer_result"])
         else:
             summary = run_simulation(args)
     except KeyboardInterrupt:

@@ -27,9 +27,25 @@ def _read_token(args: argparse.Namespace) -> str:
     return token
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """SIGTERM ourselves (a clean stop) once the process that started us is gone."""
+    import signal
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def _cmd_rendezvous(args: argparse.Namespace) -> int:
     from ravnest_jax.swarm._rendezvous import serve  # no jax import
 
+    if args.exit_with_parent:
+        _exit_with_parent(os.getppid())
     token = _read_token(args)
     ctx = None
     if args.certfile:
@@ -100,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--certfile", help="PEM certificate: serve HTTPS (with --keyfile)")
     r.add_argument("--keyfile", help="PEM private key for --certfile")
     r.add_argument("--port-file", help="write the bound port to this file once listening")
+    r.add_argument("--exit-with-parent", action="store_true",
+                   help="stop when the process that started this one exits (for launchers)")
     r.add_argument("--quiet", action="store_true", help="log warnings only")
     r.set_defaults(func=_cmd_rendezvous)
     st = sub.add_parser("status", help="print a run's status as JSON",

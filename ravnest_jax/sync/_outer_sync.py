@@ -436,8 +436,9 @@ class OuterSync:
         self._pending.clear()
         for f in self._state_request:
             f.cancel()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._state_pool.shutdown(wait=True, cancel_futures=True)
+        # an exchange in flight ends when the swarm closes (it cancels its rounds): do not wait
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._state_pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> OuterSync:
         return self
