@@ -240,21 +240,24 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rtts = sorted({r["rtt_ms"] for r in result["summary"]})
-    fig, axes = plt.subplots(1, len(rtts), figsize=(5 * len(rtts), 4), sharey=True, squeeze=False)
-    for ax, rtt in zip(axes[0], rtts):
-        for mode in result["modes"]:
-            pts = sorted((r["bandwidth_mbit"], r["utilisation"]) for r in result["summary"]
-                         if r["mode"] == mode and r["rtt_ms"] == rtt)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=mode)
-        for y in TARGETS:
-            ax.axhline(y, color="grey", lw=0.6, ls="--")
-        ax.set_xscale("log")
-        ax.set_title(f"RTT {rtt:g} ms")
-        ax.set_xlabel("link bandwidth (Mbit/s, each direction)")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("compute utilisation")
+    fig, axes = plt.subplots(2, len(rtts), figsize=(4.5 * len(rtts), 7), sharey="row", squeeze=False)
+    for row, ylim in enumerate(((0, 1.02), (0.7, 1.0))):
+        for ax, rtt in zip(axes[row], rtts):
+            for mode in result["modes"]:
+                pts = sorted((r["bandwidth_mbit"], r["utilisation"]) for r in result["summary"]
+                             if r["mode"] == mode and r["rtt_ms"] == rtt)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=mode)
+            for y in TARGETS:
+                ax.axhline(y, color="grey", lw=0.6, ls="--")
+            ax.set_xscale("log")
+            ax.set_title(f"RTT {rtt:g} ms" + (" (zoom)" if row else ""))
+            ax.set_xlim(7, 1400)
+            ax.set_ylim(*ylim)
+            ax.grid(alpha=0.3)
+            if row:
+                ax.set_xlabel("link bandwidth (Mbit/s, each direction)")
+        axes[row][0].set_ylabel("compute utilisation")
     axes[0][-1].legend(fontsize=8, loc="lower right")
     fig.suptitle(f"char-LM {result['config']['params'] / 1e6:.2f}M params, 2 peers, "
                  f"{result['config']['step_seconds']} s/step emulated, H={result['config']['sync_every']}")
@@ -283,7 +286,11 @@ def main() -> int:
     ap.add_argument("--no-throttle-rendezvous", action="store_true")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 links, 1 round")
     ap.add_argument("--out", default=str(HERE / "results" / "utilization.json"))
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the JSON at --out")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
+        return 0
     if args.quick:
         args.bandwidths, args.rtts, args.rounds, args.dp_steps = [100], [0, 100], 1, 3
     n = 2
