@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compute utilisation of a peer over emulated WAN links, per outer-sync mode.
 
-    python benchmarks/bench_utilization.py            # the default sweep (~15 min on 2 cores)
+    python benchmarks/bench_utilization.py            # the default sweep (~21 min on 2 loaded cores)
     python benchmarks/bench_utilization.py --quick    # 2 links, a smoke test
 
 Setup (all real library code, nothing of it patched):
