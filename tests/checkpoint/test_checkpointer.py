@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import gc
 import os
 from pathlib import Path
 
@@ -232,8 +234,15 @@ def _corrupt(step_dir: Path, how: str) -> None:
 # checkpoints ignore that.
 # The same failure can leave orbax coroutines never awaited (a RuntimeWarning at collection).
 def _late_tensorstore_callbacks(fn):
-    fn = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")(fn)
-    return pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")(fn)
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.collect()  # report orbax's leftovers here, under this test's filters
+
+    wrapper = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")(wrapper)
+    return pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")(wrapper)
 
 
 @_late_tensorstore_callbacks
