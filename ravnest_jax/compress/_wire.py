@@ -485,6 +485,10 @@ def _pair_lut(codec: str) -> np.ndarray:
 
 _PAIR_LUT = {"int4": _pair_lut("int4"), "fp4": _pair_lut("fp4")}
 
+_F16_LUT = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+"""(65536,) float32: IEEE half bits -> value (numpy's exact cast, done once; a 256 KiB table
+that stays in the L2 cache: one gather per element is ~3x faster than numpy's half cast)."""
+
 
 # Largest valid scales: q * s stays finite (the encoder stays below these for |x| <= 2**127).
 _MAX_INT_SCALE = {"int8": 1.5 * F.MAX_ABS / 127, "int4": 1.5 * F.MAX_ABS / 7}
@@ -506,8 +510,9 @@ def _check_finite(name: str, a: np.ndarray) -> None:
 def _decode_dense(codec: str, leaf: LeafInfo, src: np.ndarray) -> np.ndarray:
     """fp32 / fp16 / bf16 payload -> new float32 array, chunk by chunk, each chunk checked finite.
 
-    fp32 is a copy, fp16 numpy's IEEE half -> float32 cast (exact), bf16 the bits shifted into
-    the high half of a uint32 (``_formats.bf16_bits_to_f32``, computed in place in the output).
+    fp32 is a copy, fp16 a lookup in :data:`_F16_LUT` (exact), bf16 the bits shifted into the
+    high half of a uint32 (``_formats.bf16_bits_to_f32``, computed in place in the output).
+    Inf and NaN (possible in fp16/bf16 bits of a malformed message) fail the finiteness check.
     """
     n = src.shape[0]
     out = np.empty(n, np.float32)
@@ -518,7 +523,9 @@ def _decode_dense(codec: str, leaf: LeafInfo, src: np.ndarray) -> np.ndarray:
             u = out_bits[a:b]
             np.copyto(u, src[a:b])  # uint16 -> uint32, zero-extended
             np.left_shift(u, 16, out=u)
-        else:  # fp32 copy, fp16 cast
+        elif codec == "fp16":  # mode="clip" (indices < 65536 anyway): "raise" buffers the output
+            np.take(_F16_LUT, src[a:b], out=out[a:b], mode="clip")
+        else:
             np.copyto(out[a:b], src[a:b])
         _check_finite(leaf.name, out[a:b])
     return out
@@ -561,8 +568,7 @@ def _decode_leaf(codec: str, leaf: LeafInfo, buf: memoryview) -> np.ndarray:
         parts.append(np.frombuffer(buf, dt, length, off))
         off += length * dt.itemsize
     if codec in ("fp32", "fp16", "bf16"):
-        src = parts[0].view("<f2") if codec == "fp16" else parts[0]
-        return _decode_dense(codec, leaf, src).reshape(leaf.shape)
+        return _decode_dense(codec, leaf, parts[0]).reshape(leaf.shape)
     if codec == "topk":
         idx, vals = parts
         if leaf.k:
