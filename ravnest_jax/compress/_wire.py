@@ -64,6 +64,7 @@ __all__ = [
     "StreamDecoder",
     "decode",
     "packed_to_bytes",
+    "packed_to_chunks",
     "read_header",
 ]
 
@@ -200,18 +201,21 @@ class Manifest(NamedTuple):
 # ----------------------------------------------------------------------------- encode
 
 
-def packed_to_bytes(packed: Packed, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
-    """Serialises a :class:`Packed` (numpy or device arrays, fetched with ``np.asarray``) to bytes.
+def packed_to_chunks(packed: Packed, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[bytes | memoryview]:
+    """Serialises a :class:`Packed` to the message of :func:`packed_to_bytes` as a list of
+    buffers, without copying the payload.
 
-    jax-free: call it on the output of a jitted ``device_encode`` (optionally after
-    ``jax.device_get``); the bytes equal ``encode(tree, codec, ...)`` for the deterministic codecs.
+    The first chunk (``bytes``) is the prefix and header; then one read-only ``memoryview`` per
+    part array (uint8 view of the fetched array, which it keeps alive). ``b"".join(chunks)`` is
+    the message; a sender can write the chunks one by one (aiohttp: an async generator body) and
+    a receiver feed them to :class:`StreamDecoder`. The CRC is computed over the parts in place.
 
     Args:
-      packed: the encoded pytree.
+      packed: the encoded pytree (numpy arrays, or jax arrays fetched with ``np.asarray``).
       max_bytes: refuse to build a message larger than this (bytes).
 
     Returns:
-      The message: prefix, header, payload.
+      The chunks; their lengths add up to the message size.
 
     Raises:
       NonFiniteError: a leaf's input held NaN, Inf or ``|x| > 2**127`` (names the leaf).
@@ -252,13 +256,34 @@ def packed_to_bytes(packed: Packed, *, max_bytes: int = DEFAULT_MAX_BYTES) -> by
     total = PREFIX_NBYTES + len(header) + payload_len
     if total > max_bytes:
         raise ValueError(f"encoded message would have {total} bytes, above max_bytes={max_bytes}")
+    views = [memoryview(a.view(np.uint8)).toreadonly() for a in arrays if a.nbytes]
     payload_crc = 0
-    for a in arrays:
-        payload_crc = _crc32(a.view(np.uint8), payload_crc)
+    for v in views:
+        payload_crc = _crc32(v, payload_crc)
     head = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, 0, len(header), payload_len, payload_crc, 0)[:24]
     header_crc = zlib.crc32(header, zlib.crc32(head))
-    # one copy of the payload, straight into the immutable result
-    return b"".join([head, struct.pack("<I", header_crc), header, *(a.view(np.uint8) for a in arrays)])
+    return [head + struct.pack("<I", header_crc) + header, *views]
+
+
+def packed_to_bytes(packed: Packed, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    """Serialises a :class:`Packed` (numpy or device arrays, fetched with ``np.asarray``) to bytes.
+
+    jax-free: call it on the output of a jitted ``device_encode`` (optionally after
+    ``jax.device_get``); the bytes equal ``encode(tree, codec, ...)`` for the deterministic codecs.
+    One copy of the payload into the new ``bytes`` (:func:`packed_to_chunks` makes none).
+
+    Args:
+      packed: the encoded pytree.
+      max_bytes: refuse to build a message larger than this (bytes).
+
+    Returns:
+      The message: prefix, header, payload.
+
+    Raises:
+      NonFiniteError: a leaf's input held NaN, Inf or ``|x| > 2**127`` (names the leaf).
+      ValueError: the message would exceed ``max_bytes``, or parts do not match the specs.
+    """
+    return b"".join(packed_to_chunks(packed, max_bytes=max_bytes))
 
 
 # ----------------------------------------------------------------------------- parse
@@ -559,7 +584,7 @@ def _decode_blocks(codec: str, leaf: LeafInfo, s: np.ndarray, codes: np.ndarray)
     return out
 
 
-def _decode_leaf(codec: str, leaf: LeafInfo, buf: memoryview) -> np.ndarray:
+def _decode_leaf(codec: str, leaf: LeafInfo, buf: memoryview, owned: bool = False) -> np.ndarray:
     n = leaf.size
     lens = F.part_lengths(codec, n, leaf.block_size, leaf.k)
     parts = []
@@ -568,6 +593,10 @@ def _decode_leaf(codec: str, leaf: LeafInfo, buf: memoryview) -> np.ndarray:
         parts.append(np.frombuffer(buf, dt, length, off))
         off += length * dt.itemsize
     if codec in ("fp32", "fp16", "bf16"):
+        if owned and codec == "fp32" and parts[0].dtype.isnative and parts[0].flags.writeable:
+            # the decoder's own buffer: the float32 values are already where they can stay
+            _check_finite(leaf.name, parts[0])
+            return parts[0].view(np.float32).reshape(leaf.shape)
         return _decode_dense(codec, leaf, parts[0]).reshape(leaf.shape)
     if codec == "topk":
         idx, vals = parts
@@ -592,9 +621,13 @@ def _decode_leaf(codec: str, leaf: LeafInfo, buf: memoryview) -> np.ndarray:
     return _decode_blocks(codec, leaf, s, codes)[:n].reshape(leaf.shape)
 
 
-def decode_payload(manifest: Manifest, payload: memoryview) -> Any:
-    """Decodes a payload (already length- and checksum-checked) described by ``manifest``."""
-    leaves = [_decode_leaf(manifest.codec, leaf, payload) for leaf in manifest.leaves]
+def decode_payload(manifest: Manifest, payload: memoryview, *, owned: bool = False) -> Any:
+    """Decodes a payload (already length- and checksum-checked) described by ``manifest``.
+
+    ``owned``: the payload is a writable buffer that nothing else uses (the StreamDecoder's):
+    fp32 leaves are then returned as views into it instead of copies.
+    """
+    leaves = [_decode_leaf(manifest.codec, leaf, payload, owned) for leaf in manifest.leaves]
     return _tree.unflatten(manifest.structure, leaves)
 
 
@@ -632,6 +665,7 @@ class StreamDecoder:
         self._crc = 0
         self._error: WireFormatError | None = None
         self._finished = False
+        self._result: tuple[Any] | None = None
 
     @property
     def header(self) -> Manifest | None:
@@ -693,14 +727,19 @@ class StreamDecoder:
     def finish(self) -> Any:
         """Checks that the whole message arrived intact and decodes it.
 
+        fp32 leaves are views into the decoder's payload buffer (no copy); other codecs decode
+        into new arrays. A second call returns the same pytree.
+
         Returns:
-          The pytree of float32 numpy arrays (as :func:`decode`).
+          The pytree of writable float32 numpy arrays (as :func:`decode`).
 
         Raises:
           WireFormatError: truncated message, checksum mismatch, bad payload contents.
         """
         if self._error is not None:
             raise self._error
+        if self._result is not None:
+            return self._result[0]
         try:
             if self._manifest is None or self._payload is None:
                 raise WireFormatError(
@@ -713,7 +752,9 @@ class StreamDecoder:
             if self._crc != self._manifest.payload_crc32:
                 raise WireFormatError("payload checksum mismatch (corrupted message)")
             self._finished = True
-            return decode_payload(self._manifest, memoryview(self._payload))
+            payload, self._payload = self._payload, None  # handed over: fp32 leaves view it
+            self._result = (decode_payload(self._manifest, memoryview(payload), owned=True),)
+            return self._result[0]
         except WireFormatError as e:
             self._error = e
             raise

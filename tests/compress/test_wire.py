@@ -344,3 +344,34 @@ def test_block_decoder_agrees_with_the_generic_dequantize_on_every_byte(codec):
     dec = C.decode(_craft(header, scales.tobytes() + codes.tobytes()))["w"]
     want = F.dequantize(np, F.CodecConfig(codec, B), (scales, codes), n)
     np.testing.assert_array_equal(dec, want)
+
+
+@pytest.mark.parametrize("codec", C.CODECS)
+def test_chunks_are_the_message_and_stream_into_the_decoder(codec):
+    packed = C.host_pack(_tree(), codec)
+    chunks = C.packed_to_chunks(packed)
+    data = C.packed_to_bytes(packed)
+    assert b"".join(chunks) == data == C.encode(_tree(), codec)
+    assert all(isinstance(c, bytes) or c.readonly for c in chunks)
+    dec = C.StreamDecoder()
+    for c in chunks:
+        dec.feed(c)
+    out = dec.finish()
+    assert dec.finish() is out  # a second call: the same tree
+    ref = C.decode(data)
+    for a, b in [(out["layer0"]["w"], ref["layer0"]["w"]), (out["head"][0], ref["head"][0])]:
+        np.testing.assert_array_equal(a, b)
+        assert a.dtype == np.float32 and a.flags.writeable
+    # the fp32 leaves view the decoder's buffer: writing one leaves the others intact
+    out["layer0"]["w"][...] = 7.0
+    np.testing.assert_array_equal(out["layer0"]["b"], ref["layer0"]["b"])
+    np.testing.assert_array_equal(out["head"][0], ref["head"][0])
+
+
+def test_packed_to_chunks_refuses_non_finite_and_oversized():
+    packed = C.host_pack({"w": np.ones(100, np.float32)}, "fp32")
+    bad = C.Packed(packed.codec, packed.specs, packed.structure, packed.parts, (False,))
+    with pytest.raises(C.NonFiniteError):
+        C.packed_to_chunks(bad)
+    with pytest.raises(ValueError, match="max_bytes"):
+        C.packed_to_chunks(packed, max_bytes=100)
