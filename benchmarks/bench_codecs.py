@@ -28,8 +28,15 @@ system, so page faults count; on one core CPU time <= wall time, and the differe
 core spent on other processes of a shared machine). Medians are stored too, and the load
 average before and after, because the numbers depend on it.
 
+New buffers matter at this size: glibc serves allocations above 32 MiB with fresh ``mmap``s, so
+XLA's output buffers and the ``bytes`` of ``packed_to_bytes`` are faulted in 4 KiB pages on
+every call (numpy asks for transparent huge pages itself), which ``jit_copy`` and
+``bytes_copy`` show. ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc >= 2.35, THP in
+``madvise`` mode) makes malloc ask for huge pages too; the JSON records the setting.
+
 Usage:
   python benchmarks/bench_codecs.py                 # 2**24 elements (64 MiB), one core
+  GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python benchmarks/bench_codecs.py --out results/x.json
   python benchmarks/bench_codecs.py --size 4194304 --repeats 3 --out /tmp/codecs.json
 """
 
@@ -188,6 +195,8 @@ def main() -> None:
             "numpy": np.__version__,
             "jax": jax.__version__,
             "jax_backend": jax.default_backend(),
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+            "transparent_hugepage": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
             "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(),
         },
@@ -205,6 +214,14 @@ def main() -> None:
     with open(ARGS.out, "w") as f:
         json.dump(result, f, indent=2)
     print("wrote", ARGS.out)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _cpu_model() -> str:
