@@ -150,6 +150,12 @@ def main() -> None:
         err = out.astype(np.float64) - x
         row = {"codec": codec, "message_bytes": len(data), "ratio": len(data) / (4 * n)}
         row.update({f"{k}_gbps": gb / v.wall for k, v in t.items()})
+        # the same pipelines as the sum of their stages' minimum times (optimistic: each stage's
+        # luckiest run; the end-to-end figures above pay every new buffer of one real call)
+        stages = {"pipeline_sum": ("device_encode", "to_bytes", "decode"),
+                  "stream_pipeline_sum": ("device_encode", "to_chunks", "stream_decode")}
+        for k, parts in stages.items():
+            row[f"{k}_gbps"] = gb / sum(t[p].wall for p in parts)
         row["cpu_gbps"] = {k: gb / v.cpu for k, v in t.items()}
         row["median_s"] = {k: v.wall_median for k, v in t.items()}
         row["cpu_median_s"] = {k: v.cpu_median for k, v in t.items()}
@@ -213,7 +219,51 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(ARGS.out)), exist_ok=True)
     with open(ARGS.out, "w") as f:
         json.dump(result, f, indent=2)
-    print("wrote", ARGS.out)
+    png = os.path.splitext(ARGS.out)[0] + ".png"
+    plot(result, png)
+    print("wrote", ARGS.out, "and", png)
+
+
+def plot(result: dict, path: str) -> None:
+    """Grouped bars per codec (GB/s of float32 input, min wall time) with the goal and the
+    references of the same run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["codecs"]
+    series = [
+        ("device_encode_gbps", "device encode"),
+        ("decode_gbps", "decode"),
+        ("stream_decode_gbps", "stream decode"),
+        ("pipeline_gbps", "pipeline (bytes)"),
+        ("stream_pipeline_gbps", "pipeline (chunks)"),
+    ]
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    w = 0.8 / len(series)
+    xs = np.arange(len(rows))
+    for i, (key, label) in enumerate(series):
+        ax.bar(xs + (i - (len(series) - 1) / 2) * w, [r[key] for r in rows], w, label=label)
+    ax.axhline(1.25, color="k", ls="--", lw=1, label="goal 1.25 GB/s (encode + decode)")
+    ax.axhline(result["memcpy_gbps"], color="grey", ls=":", lw=1,
+               label=f"memcpy {result['memcpy_gbps']:.1f} GB/s")
+    ax.axhline(result["jit_copy_gbps"], color="tab:red", ls=":", lw=1,
+               label=f"jitted copy (new XLA buffer) {result['jit_copy_gbps']:.1f} GB/s")
+    ax.set_yscale("log")
+    ax.set_ylim(top=max(40.0, 4 * result["memcpy_gbps"]))
+    ax.set_xticks(xs, [f"{r['codec']}\n{r['ratio']:.3f}x" for r in rows])
+    ax.set_ylabel("GB/s of float32 input (log)")
+    m = result["machine"]
+    tun = m.get("glibc_tunables") or "default glibc malloc"
+    ax.set_title(
+        f"codecs on one core ({m['cpu_model']}), 2^{int(np.log2(result['size_elements']))} float32, "
+        f"min of {result['repeats']}; {tun}; load {m['loadavg_before'][0]:.1f}",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7, ncol=2, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _read(path: str) -> str:
