@@ -22,7 +22,8 @@ and each codec it measures, in GB/s of float32 *input* (4 bytes per element):
 
 By default the process pins itself to ONE core (``os.sched_setaffinity``) and asks XLA for one
 thread (``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1``),
-before numpy and jax are imported. Each time is the minimum over ``--repeats`` runs of the wall
+before numpy and jax are imported. The stages of one codec take turns (one call of each per
+round, ``--repeats`` rounds). Each time is the minimum over the repeats of the wall
 clock (``*_gbps``) and, separately, of the process CPU time (``cpu.*``: all threads, user +
 system, so page faults count; on one core CPU time <= wall time, and the difference is time the
 core spent on other processes of a shared machine). Medians are stored too, and the load
@@ -88,17 +89,45 @@ import ravnest_jax.compress as C  # noqa: E402
 class _Timing:
     """Minimum and median over repeats of wall time and of process CPU time (seconds)."""
 
-    def __init__(self, fn, repeats: int):
+    def __init__(self) -> None:
+        self.walls: list[float] = []
+        self.cpus: list[float] = []
+
+    def run(self, fn) -> None:
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        fn()
+        self.walls.append(time.perf_counter() - t0)
+        self.cpus.append(time.process_time() - c0)
+
+    @property
+    def wall(self) -> float:
+        return min(self.walls)
+
+    @property
+    def cpu(self) -> float:
+        return min(self.cpus)
+
+    @property
+    def wall_median(self) -> float:
+        return statistics.median(self.walls)
+
+    @property
+    def cpu_median(self) -> float:
+        return statistics.median(self.cpus)
+
+
+def _time_round_robin(fns: dict, repeats: int) -> dict:
+    """Times every function ``repeats`` times, taking turns (one call of each per round), after
+    one warm-up call each: on a shared machine whose speed drifts, every stage then samples the
+    same stretch of time."""
+    timings = {k: _Timing() for k in fns}
+    for fn in fns.values():
         fn()  # warm-up (compilation, lookup tables)
-        wall, cpu = [], []
-        for _ in range(repeats):
-            c0 = time.process_time()
-            t0 = time.perf_counter()
-            fn()
-            wall.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-        self.wall, self.wall_median = min(wall), statistics.median(wall)
-        self.cpu, self.cpu_median = min(cpu), statistics.median(cpu)
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            timings[k].run(fn)
+    return timings
 
 
 def _stream_decode(chunks):
@@ -118,12 +147,15 @@ def main() -> None:
     R = ARGS.repeats
 
     dst = np.empty_like(x)
-    refs = {
-        "memcpy": _Timing(lambda: np.copyto(dst, x), R),
-        "fresh_copy": _Timing(lambda: x.copy(), R),
-        "jit_copy": _Timing(functools.partial(lambda f: jax.block_until_ready(f(xd)), jax.jit(lambda v: v * 1)), R),
-        "bytes_copy": _Timing(lambda: b"".join([b"", x.view(np.uint8)]), R),
-    }
+    refs = _time_round_robin(
+        {
+            "memcpy": lambda: np.copyto(dst, x),
+            "fresh_copy": lambda: x.copy(),
+            "jit_copy": functools.partial(lambda f: jax.block_until_ready(f(xd)), jax.jit(lambda v: v * 1)),
+            "bytes_copy": lambda: b"".join([b"", x.view(np.uint8)]),
+        },
+        R,
+    )
     rows = []
     for codec in ARGS.codecs.split(","):
         enc = jax.jit(functools.partial(C.device_encode, codec=codec))
@@ -133,19 +165,20 @@ def main() -> None:
         chunks = C.packed_to_chunks(packed)
         assert b"".join(chunks) == data, codec
         np.testing.assert_array_equal(_stream_decode(chunks)["w"], C.decode(data)["w"])
-        t = {
-            "host_encode": _Timing(lambda: C.encode({"w": x}, codec), R),
-            "device_encode": _Timing(lambda: jax.block_until_ready(enc({"w": xd})), R),
-            "to_bytes": _Timing(lambda: C.packed_to_bytes(packed), R),
-            "to_chunks": _Timing(lambda: C.packed_to_chunks(packed), R),
-            "decode": _Timing(lambda: C.decode(data), R),
-            "stream_decode": _Timing(lambda: _stream_decode(chunks), R),
-            "pipeline": _Timing(lambda: C.decode(C.packed_to_bytes(jax.device_get(enc({"w": xd})[0]))), R),
-            "stream_pipeline": _Timing(
-                lambda: _stream_decode(C.packed_to_chunks(jax.device_get(enc({"w": xd})[0]))), R
-            ),
-            "host_pipeline": _Timing(lambda: C.decode(C.encode({"w": x}, codec)), R),
-        }
+        t = _time_round_robin(
+            {
+                "host_encode": lambda: C.encode({"w": x}, codec),
+                "device_encode": lambda: jax.block_until_ready(enc({"w": xd})),
+                "to_bytes": lambda: C.packed_to_bytes(packed),
+                "to_chunks": lambda: C.packed_to_chunks(packed),
+                "decode": lambda: C.decode(data),
+                "stream_decode": lambda: _stream_decode(chunks),
+                "pipeline": lambda: C.decode(C.packed_to_bytes(jax.device_get(enc({"w": xd})[0]))),
+                "stream_pipeline": lambda: _stream_decode(C.packed_to_chunks(jax.device_get(enc({"w": xd})[0]))),
+                "host_pipeline": lambda: C.decode(C.encode({"w": x}, codec)),
+            },
+            R,
+        )
         out = C.decode(data)["w"]
         err = out.astype(np.float64) - x
         row = {"codec": codec, "message_bytes": len(data), "ratio": len(data) / (4 * n)}
@@ -186,6 +219,7 @@ def main() -> None:
         "input_bytes": 4 * n,
         "repeats": R,
         "timing": (
+            "stages of a codec timed round-robin (one call each per round, after a warm-up call); "
             "*_gbps = float32 input bytes / min wall time over repeats; cpu_gbps = the same with "
             "the min process CPU time (all threads, user + system); medians in median_s / "
             "cpu_median_s. pipeline and stream_pipeline are timed end to end as one call."
