@@ -46,9 +46,12 @@ def _host_topk_indices(x: jax.Array, k: int) -> jax.Array:
     and host encodes stay byte-identical on every backend.
     """
     out = jax.ShapeDtypeStruct((k,), jnp.int32)
-    return jax.pure_callback(
+    idx = jax.pure_callback(
         lambda a: F.np_topk_indices(np.asarray(a), k).astype(np.int32), out, x, vmap_method="sequential"
     )
+    # + an exact 0 computed from x: inside shard_map the indices then vary over the same mesh
+    # axes as x (as lax.top_k's do), so both branches of platform_dependent have one type
+    return idx + (jax.lax.bitcast_convert_type(x[:1], jnp.int32) & 0)
 
 
 def _topk_indices(x: jax.Array, k: int) -> jax.Array:

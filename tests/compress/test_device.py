@@ -232,3 +232,28 @@ def test_topk_selection_is_exact_on_every_path(name, fraction):
     packed, _ = _encoder("topk", fraction=fraction)({"w": x})
     assert C.packed_to_bytes(packed) == C.encode({"w": x}, "topk", fraction=fraction)
     np.testing.assert_array_equal(np.asarray(packed.parts[0][0]), want)
+
+
+def test_simulated_topk_under_shard_map_equals_vmap():
+    # the CPU backend selects through a host callback: its indices must carry the shard_map
+    # types of lax.top_k's (platform_dependent needs one type), and give the same result
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    assert jax.device_count() >= 2, "conftest forces 4 CPU devices"
+    mesh = Mesh(np.array(jax.devices()[:2]), ("r",))
+    codec = C.simulated("topk", fraction=0.1)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 1000)).astype(np.float32))
+
+    def one(v):
+        return codec.compress({"w": v}, codec.init({"w": v}), jax.random.key(0))[0]["w"]
+
+    sharded = jax.jit(jax.shard_map(lambda v: one(v[0])[None], mesh=mesh, in_specs=P("r"), out_specs=P("r")))(x)
+    mapped = jax.jit(jax.vmap(one))(x)
+    np.testing.assert_array_equal(np.asarray(sharded), np.asarray(mapped))
+    for i in range(2):
+        xi = np.asarray(x[i])
+        idx = _reference_topk(xi, F.topk_count(xi.size, 0.1))
+        want = np.zeros_like(xi)
+        want[idx] = xi[idx]
+        np.testing.assert_array_equal(np.asarray(mapped[i]), want)
