@@ -1,8 +1,8 @@
 """Pseudo-gradient compression: codecs, error feedback and the wire format.
 
 The host API (``encode``, ``decode``, ``read_header``, ``StreamDecoder``, ``weighted_mean``,
-``packed_to_bytes``) is numpy-only and does not import jax, so the swarm layer can use it. The
-device API (``device_encode``, ``init_error_feedback``, ``simulated``, ``ErrorFeedbackState``)
+``packed_to_bytes``, ``packed_to_chunks``) is numpy-only and does not import jax, so the swarm
+layer can use it. The device API (``device_encode``, ``init_error_feedback``, ``simulated``, ``ErrorFeedbackState``)
 imports jax on first access.
 
 Codecs (see ``docs/compression.md`` for byte costs, error bounds and when to use which):
@@ -45,6 +45,7 @@ from ._wire import Packed as Packed
 from ._wire import StreamDecoder as StreamDecoder
 from ._wire import decode as decode
 from ._wire import packed_to_bytes as packed_to_bytes
+from ._wire import packed_to_chunks as packed_to_chunks
 from ._wire import read_header as read_header
 
 _DEVICE = {"ErrorFeedbackState", "SimulatedCodecImpl", "device_encode", "init_error_feedback", "simulated"}
@@ -76,6 +77,7 @@ __all__ = sorted(
         "encode",
         "host_pack",
         "packed_to_bytes",
+        "packed_to_chunks",
         "payload_ratio",
         "read_header",
         "weighted_mean",

@@ -158,12 +158,16 @@ def weighted_mean(items: Sequence[Any], weights: Sequence[float] | None = None) 
     for j in range(len(flat[0])):
         first = np.asarray(flat[0][j], dtype=np.float32)
         acc = first * wn[0]
+        tmp = None  # one scratch array per leaf instead of a new temporary per item
         for i in range(1, len(items)):
             x = np.asarray(flat[i][j], dtype=np.float32)
             if x.shape != first.shape:
                 raise ValueError(f"leaf {j} of item {i} has shape {x.shape}, item 0 has {first.shape}")
             if wn[i] != 0:
-                acc += x * wn[i]
+                if tmp is None:
+                    tmp = np.empty_like(acc)
+                np.multiply(x, wn[i], out=tmp)
+                acc += tmp
         out.append(acc)
     return _tree.unflatten(structure, out)
 

@@ -284,6 +284,12 @@ def test_weighted_mean():
     ref = sum(wi * t["a"].astype(np.float64) for wi, t in zip(w, trees)) / sum(w)
     np.testing.assert_allclose(out["a"], ref, rtol=1e-6, atol=1e-6)
     assert out["a"].dtype == np.float32 and isinstance(out["b"], list)
+    # the documented float32 order: acc = w0 x0, then acc += w_i x_i, bit for bit
+    wn = (np.asarray(w) / sum(w)).astype(np.float32)
+    acc = trees[0]["a"] * wn[0]
+    for wi, t in zip(wn[1:], trees[1:]):
+        acc += t["a"] * wi
+    assert out["a"].tobytes() == acc.tobytes()
     # deterministic: same inputs, same bits
     again = C.weighted_mean(trees, w)
     assert out["a"].tobytes() == again["a"].tobytes()

@@ -194,3 +194,66 @@ def test_chunked_host_encode_equals_device_for_long_leaves(codec):
     x = {"w": (rng.standard_normal(300_001) * np.exp(rng.standard_normal(300_001))).astype(np.float32)}
     packed, _ = _encoder(codec)(x)
     assert C.packed_to_bytes(packed) == C.encode(x, codec)
+
+
+def _reference_topk(x: np.ndarray, k: int) -> np.ndarray:
+    """The definition: the k largest |x|, ties toward lower indices, as ascending indices."""
+    order = np.lexsort((np.arange(x.size), -np.abs(x.astype(np.float64))))
+    return np.sort(order[:k])
+
+
+def _topk_inputs():
+    rng = np.random.default_rng(11)
+    n = 300_001  # above 4 * 65536: np_topk_indices takes its sampled-threshold path
+    normal = rng.standard_normal(n).astype(np.float32)
+    ties = rng.integers(-2, 3, n).astype(np.float32)  # heavy ties at the k-th value
+    zeros = np.zeros(n, np.float32)
+    ramp = np.linspace(-1, 1, n, dtype=np.float32)
+    # the strided sample sees only large values: at fraction 0.3 fewer than k elements pass its
+    # threshold, so the exact full-array path takes over (as it does for "zeros": threshold 0)
+    fooled = (rng.standard_normal(n) * 1e-3).astype(np.float32)
+    fooled[:: n // (1 << 16)] = 100.0
+    clustered = normal * np.where(np.arange(n) < 3000, 1e3, 1e-3).astype(np.float32)
+    return {"normal": normal, "ties": ties, "zeros": zeros, "ramp": ramp, "fooled": fooled, "clustered": clustered}
+
+
+@pytest.mark.parametrize("name", ["normal", "ties", "zeros", "ramp", "fooled", "clustered"])
+@pytest.mark.parametrize("fraction", [1e-4, 0.01, 0.3])
+def test_topk_selection_is_exact_on_every_path(name, fraction):
+    # numpy (host encode and the CPU backend of device_encode) and lax.top_k (the accelerator
+    # path) pick exactly the definition's elements
+    from ravnest_jax.compress import _device as D
+
+    x = _topk_inputs()[name]
+    k = F.topk_count(x.size, fraction)
+    want = _reference_topk(x, k)
+    np.testing.assert_array_equal(F.np_topk_indices(x, k), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: D._lax_topk_indices(v, k))(x)), want)
+    packed, _ = _encoder("topk", fraction=fraction)({"w": x})
+    assert C.packed_to_bytes(packed) == C.encode({"w": x}, "topk", fraction=fraction)
+    np.testing.assert_array_equal(np.asarray(packed.parts[0][0]), want)
+
+
+def test_simulated_topk_under_shard_map_equals_vmap():
+    # the CPU backend selects through a host callback: its indices must carry the shard_map
+    # types of lax.top_k's (platform_dependent needs one type), and give the same result
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    assert jax.device_count() >= 2, "conftest forces 4 CPU devices"
+    mesh = Mesh(np.array(jax.devices()[:2]), ("r",))
+    codec = C.simulated("topk", fraction=0.1)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 1000)).astype(np.float32))
+
+    def one(v):
+        return codec.compress({"w": v}, codec.init({"w": v}), jax.random.key(0))[0]["w"]
+
+    sharded = jax.jit(jax.shard_map(lambda v: one(v[0])[None], mesh=mesh, in_specs=P("r"), out_specs=P("r")))(x)
+    mapped = jax.jit(jax.vmap(one))(x)
+    np.testing.assert_array_equal(np.asarray(sharded), np.asarray(mapped))
+    for i in range(2):
+        xi = np.asarray(x[i])
+        idx = _reference_topk(xi, F.topk_count(xi.size, 0.1))
+        want = np.zeros_like(xi)
+        want[idx] = xi[idx]
+        np.testing.assert_array_equal(np.asarray(mapped[i]), want)

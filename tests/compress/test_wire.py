@@ -293,3 +293,85 @@ def test_host_api_does_not_import_jax():
         "assert 'jax' not in sys.modules, 'jax was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("codec, bad", [("fp32", np.float32(np.inf)), ("fp16", np.float16(np.nan)), ("bf16", None)])
+def test_non_finite_past_the_first_decode_chunk_is_found(codec, bad):
+    # the decoder converts and checks in chunks of _wire._CHUNK elements: the check covers all
+    from ravnest_jax.compress._wire import _CHUNK
+
+    n = 2 * _CHUNK + 3
+    if codec == "fp32":
+        vals = np.ones(n, "<f4")
+    elif codec == "fp16":
+        vals = np.ones(n, "<f2")
+    else:
+        vals = np.full(n, 0x3F80, "<u2")  # bf16 bits of 1.0
+    vals[-1] = bad if bad is not None else 0xFF80  # bf16 -inf
+    header = {"codec": codec, "leaves": [["w", [n], "float32", 0, 0]], "tree": GOOD_TREE}
+    assert "non-finite" in _raises_wire(_craft(header, vals.tobytes()))
+
+
+def test_dense_decoders_agree_with_numpy_on_every_bit_pattern():
+    # fp16: all 63488 finite half bit patterns; bf16: all finite bfloat16 bit patterns
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    half = bits[np.isfinite(bits.view(np.float16))]
+    header = {"codec": "fp16", "leaves": [["w", [half.size], "float32", 0, 0]], "tree": GOOD_TREE}
+    dec = C.decode(_craft(header, half.astype("<u2").tobytes()))["w"]
+    np.testing.assert_array_equal(dec.view(np.uint32), half.view(np.float16).astype(np.float32).view(np.uint32))
+    bf = bits[(bits & 0x7F80) != 0x7F80]
+    header = {"codec": "bf16", "leaves": [["w", [bf.size], "float32", 0, 0]], "tree": GOOD_TREE}
+    dec = C.decode(_craft(header, bf.astype("<u2").tobytes()))["w"]
+    np.testing.assert_array_equal(dec.view(np.uint32), bf.astype(np.uint32) << 16)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp4"])
+def test_block_decoder_agrees_with_the_generic_dequantize_on_every_byte(codec):
+    # the host decoder's tables and chunked passes give the values of _formats.dequantize
+    from ravnest_jax.compress import _formats as F
+
+    B = 4
+    codes = np.arange(256, dtype=np.uint8)
+    nb = codes.size // (B if codec == "int8" else B // 2)
+    n = nb * B - 1  # a padded last block
+    rng = np.random.default_rng(0)
+    if codec == "fp4":
+        scales = rng.integers(1, 200, nb).astype(np.uint8)
+    else:
+        scales = (rng.integers(0x3000, 0x4000, nb)).astype("<u2")
+    scales[0] = 0  # a zero block
+    header = {"codec": codec, "leaves": [["w", [n], "float32", B, 0]], "tree": GOOD_TREE}
+    dec = C.decode(_craft(header, scales.tobytes() + codes.tobytes()))["w"]
+    want = F.dequantize(np, F.CodecConfig(codec, B), (scales, codes), n)
+    np.testing.assert_array_equal(dec, want)
+
+
+@pytest.mark.parametrize("codec", C.CODECS)
+def test_chunks_are_the_message_and_stream_into_the_decoder(codec):
+    packed = C.host_pack(_tree(), codec)
+    chunks = C.packed_to_chunks(packed)
+    data = C.packed_to_bytes(packed)
+    assert b"".join(chunks) == data == C.encode(_tree(), codec)
+    assert all(isinstance(c, bytes) or c.readonly for c in chunks)
+    dec = C.StreamDecoder()
+    for c in chunks:
+        dec.feed(c)
+    out = dec.finish()
+    assert dec.finish() is out  # a second call: the same tree
+    ref = C.decode(data)
+    for a, b in [(out["layer0"]["w"], ref["layer0"]["w"]), (out["head"][0], ref["head"][0])]:
+        np.testing.assert_array_equal(a, b)
+        assert a.dtype == np.float32 and a.flags.writeable
+    # the fp32 leaves view the decoder's buffer: writing one leaves the others intact
+    out["layer0"]["w"][...] = 7.0
+    np.testing.assert_array_equal(out["layer0"]["b"], ref["layer0"]["b"])
+    np.testing.assert_array_equal(out["head"][0], ref["head"][0])
+
+
+def test_packed_to_chunks_refuses_non_finite_and_oversized():
+    packed = C.host_pack({"w": np.ones(100, np.float32)}, "fp32")
+    bad = C.Packed(packed.codec, packed.specs, packed.structure, packed.parts, (False,))
+    with pytest.raises(C.NonFiniteError):
+        C.packed_to_chunks(bad)
+    with pytest.raises(ValueError, match="max_bytes"):
+        C.packed_to_chunks(packed, max_bytes=100)
