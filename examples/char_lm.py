@@ -479,6 +479,8 @@ def run_peer(args: argparse.Namespace) -> dict:
                     r = restored
                 sync.load_state_dict(r.extra["sync"], round_mapping=False)
                 resumed_from = common
+                # every peer restored: start together, so that none is late for the first round
+                rj.sync.wait_for_info(swarm, "restarted_from", common, num_peers=args.min_peers, timeout=300)
         start_step = int(state.count)
         if joined or resumed_from is not None:  # the loss where this process takes over
             eval_start = evaluate(state.global_params)

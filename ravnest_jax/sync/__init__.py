@@ -8,3 +8,4 @@ from ._outer_sync import RoundMetrics as RoundMetrics
 from ._prometheus import PrometheusExporter as PrometheusExporter
 from ._restart import common_checkpoint_step as common_checkpoint_step
 from ._restart import running_peers as running_peers
+from ._restart import wait_for_info as wait_for_info

@@ -334,13 +334,17 @@ class OuterSync:
             self._round_clock = time.monotonic()
         self.step += 1
         step = self.step
-        if self._state_request and not self._pending:
-            self._serve_state(params, state)
         # merge what is due (oldest first), start what is due, merge what is due at once (tau=0)
         params, state = self._merge_due(params, state)
         for fragment in self._due(step):
             params, state = self._start(fragment, params, state)
-        return self._merge_due(params, state)
+        params, state = self._merge_due(params, state)
+        # Serve a requested state only now, with no round in flight: the state of this step
+        # after its round (if one was due) started and merged. Served before the round start,
+        # the receiver would continue after this step and never start or merge that round.
+        if self._state_request and not self._pending:
+            self._serve_state(params, state)
+        return params, state
 
     def _merge_due(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
         while self._pending and self._pending[0].due_step <= self.step:

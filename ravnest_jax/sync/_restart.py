@@ -130,3 +130,41 @@ def common_checkpoint_step(swarm: Any, steps: Iterable[int], *, num_peers: int,
     step = max(common)
     log.info("whole-swarm restart: %d peers agree on checkpoint step %d", len(lists), step)
     return step
+
+
+def wait_for_info(swarm: Any, key: str, value: Any, *, num_peers: int, timeout: float = 300.0,
+                  poll_seconds: float = 0.2) -> None:
+    """A barrier through the rendezvous: publishes ``info[key] = value`` and blocks until
+    ``num_peers`` live peers (this one included) publish the same value.
+
+    After a whole-swarm restart every peer restores the agreed checkpoint, which takes each a
+    different time; passing this barrier before the first inner step keeps a slow restore from
+    making that peer late for the first round (``Timeouts.part``).
+
+    Args:
+      swarm: a started ``rj.Swarm``.
+      key: the info key (str).
+      value: a JSON value every peer publishes alike (for example the agreed step).
+      num_peers: how many peers to wait for (int >= 1).
+      timeout: seconds.
+      poll_seconds: interval between asks to the rendezvous, seconds.
+
+    Raises:
+      ValueError: ``num_peers`` < 1.
+      TimeoutError: fewer than ``num_peers`` peers published ``value`` within ``timeout``.
+    """
+    if not isinstance(num_peers, int) or num_peers < 1:
+        raise ValueError(f"num_peers must be an int >= 1, got {num_peers!r}")
+    swarm.set_info({**swarm.info, key: value})
+    t0 = time.monotonic()
+    while True:
+        try:
+            peers = _alive_since(swarm.peers(), t0, swarm.peer_id)
+        except SwarmError as e:
+            log.info("waiting for the rendezvous: %r", e)
+            peers = []
+        if sum(1 for p in peers if p.info.get(key) == value) >= num_peers:
+            return
+        if time.monotonic() - t0 >= timeout:
+            raise TimeoutError(f"fewer than {num_peers} peers published {key}={value!r} after {timeout} s")
+        time.sleep(poll_seconds)

@@ -34,6 +34,17 @@ def test_every_peer_gets_the_newest_common_step():
 
 
 @pytest.mark.timeout(120)
+def test_wait_for_info_is_a_barrier():
+    with local_swarm(2) as (a, b):
+        with pytest.raises(TimeoutError, match="fewer than 2 peers"):
+            rj.sync.wait_for_info(a, "ready", 7, num_peers=2, timeout=1.0)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            other = pool.submit(rj.sync.wait_for_info, b, "ready", 7, num_peers=2, timeout=20)
+            rj.sync.wait_for_info(a, "ready", 7, num_peers=2, timeout=20)
+            other.result(timeout=20)
+
+
+@pytest.mark.timeout(120)
 def test_no_checkpoints_anywhere_is_a_fresh_start_and_disjoint_steps_raise():
     with local_swarm(2) as peers:
         assert _agree(peers, [[], []]) == [None, None]
