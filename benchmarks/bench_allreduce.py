@@ -89,6 +89,75 @@ def tcp_sender(args: argparse.Namespace) -> None:
         print(time.perf_counter() - t0, flush=True)
 
 
+# ----------------------------------------------------------------------------- emulated WAN
+def wan_rounds(mbit: float, rtt_ms: float, params: int, rounds: int, codec: str = "int4",
+               algorithm: str = "butterfly", peers: int = 2) -> dict:
+    """``peers`` Swarm objects (threads of this process) whose every byte, to each other and to
+    the rendezvous, crosses the throttling TCP proxy of ``benchmarks/_common.py``: each peer's
+    inbound traffic is its own line of ``mbit`` Mbit/s and ``rtt_ms / 2`` one-way delay, and so
+    is its outbound traffic; the rendezvous has its own pair of lines. Returns the round times."""
+    import threading
+
+    sys.path.insert(0, str(HERE))
+    from _common import LinkEmulator, free_port, rendezvous_thread
+
+    from ravnest_jax.swarm import Swarm, Timeouts
+
+    ports = [free_port() for _ in range(peers)]
+    rv_port = free_port()
+    # line 2i: into peer i, line 2i+1: out of peer i's server; last two: the rendezvous
+    routes = [(ports[i], 2 * i, 2 * i + 1) for i in range(peers)]
+    routes.append((rv_port, 2 * peers, 2 * peers + 1))
+    emu = LinkEmulator(routes, n_lines=2 * peers + 2)
+    emu.set_all(mbit, rtt_ms)
+    t = Timeouts(connect=10, part=60, grace=1, round=300, heartbeat=1, eviction=20)
+    rng = np.random.default_rng(0)
+    xs = [{"g": rng.standard_normal(params, dtype=np.float32) * 1e-3} for _ in range(peers)]
+    times: list[list[float]] = [[] for _ in range(peers)]
+    digests: list[list[str]] = [[] for _ in range(peers)]
+    errors: list[BaseException] = []
+    try:
+        with rendezvous_thread(TOKEN, port=rv_port, heartbeat=1, eviction=20):
+            url = f"http://127.0.0.1:{emu.ports[-1]}"
+            swarms = [Swarm(url, run_id="wan", token=TOKEN, codec=codec, algorithm=algorithm,
+                            listen=f"127.0.0.1:{ports[i]}", peer_id=f"p{i:02d}", timeouts=t,
+                            advertise=f"http://127.0.0.1:{emu.ports[i]}") for i in range(peers)]
+            try:
+                for s in swarms:
+                    s.start()
+                swarms[0].wait_for_peers(peers, timeout=60)
+                barrier = threading.Barrier(peers)
+
+                def run(i: int) -> None:
+                    try:
+                        for _ in range(rounds + 1):
+                            barrier.wait(timeout=600)
+                            _, rec = swarms[i].all_reduce(xs[i])
+                            times[i].append(rec.seconds)
+                            digests[i].append(rec.digest)
+                    except BaseException as e:  # noqa: BLE001
+                        errors.append(e)
+                        barrier.abort()
+
+                th = [threading.Thread(target=run, args=(i,)) for i in range(peers)]
+                for x in th:
+                    x.start()
+                for x in th:
+                    x.join(timeout=1800)
+            finally:
+                for s in swarms:
+                    s.close()
+    finally:
+        emu.close()
+    if errors:
+        raise errors[0]
+    per_round = [max(t_[i] for t_ in times) for i in range(1, rounds + 1)]  # skip the warm-up
+    return {"peers": peers, "mbit": mbit, "rtt_ms": rtt_ms, "params": params, "codec": codec,
+            "algorithm": algorithm, "round_s": statistics.median(per_round),
+            "round_s_all": per_round, "round_s_over_rtt": statistics.median(per_round) / (rtt_ms / 1e3) if rtt_ms else None,
+            "digests_equal": all(len({d[i] for d in digests}) == 1 for i in range(rounds + 1))}
+
+
 # ----------------------------------------------------------------------------- driver
 def run_child(mode: str, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, __file__, "--mode", mode, *extra],
