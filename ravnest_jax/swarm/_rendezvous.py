@@ -388,7 +388,17 @@ class Rendezvous:
                 contributors = set(att.group)
                 for g in got.values():
                     contributors &= g
-                if contributors:
+                if (att.number == 0 and 2 * len(contributors) <= n
+                        and any(len(g) > len(contributors) for g in got.values())):
+                    # Everybody is here (all voted) but the intersection kept at most half of
+                    # the group: typically a peer that reached the round late, whose own part
+                    # window was too short to receive the others' parts (with 2 peers that
+                    # made the *on-time* peer the one left out: a 1-contributor round). Try
+                    # once more with everyone; a second shortfall is taken as it is.
+                    decision = self._retry(run, rnd, att, voters, "most contributions were "
+                                           "late at some part owner: " + ",".join(
+                                               f"{k}:{len(g)}" for k, g in sorted(got.items())))
+                elif contributors:
                     decision = {"decision": "ok", "contributors": sorted(contributors)}
                 else:
                     decision = {"decision": "fail", "reason": "no contribution reached every "

@@ -33,7 +33,7 @@ def test_top_level_exports_swarm_lazily():
 
 def _headers(**kw):
     args = dict(method="PUT", path="/v1/runs/r/rounds/3/0/parts/1", run_id="r", peer="p",
-                round_=3, body_sha256="ab" * 32, extra="1.0|m")
+                round_=3, body_digest="ab" * 32, extra="1.0|m")
     args.update(kw)
     return _auth.sign("tok", **args)
 
