@@ -146,6 +146,7 @@ class Swarm(_StateMixin):
         self._attempts: dict[tuple[int, int], _Attempt] = {}
         self._last_round = -1
         self._current_round = -1
+        self._next: dict[str, Any] | None = None  # the next round, handed out with a commit
         self._nonces = _auth.NonceCache()
         self._closed = False
 
@@ -630,8 +631,22 @@ class Swarm(_StateMixin):
             deadline = t0 + self.timeouts.round
             stats = {"sent": 0, "received": 0}
             r, attempts, group = -1, 0, ()
+            arrive: asyncio.Task[Any] | None = None
             try:
-                begin = await self._begin(deadline, expected)
+                nxt, self._next = self._next, None
+                if (nxt is not None and self.peer_id in nxt["group"]
+                        and int(nxt["round"]) > self._last_round
+                        and (expected is None or expected == int(nxt["round"]))):
+                    # the rendezvous handed us this round's group with the last commit: start at
+                    # once; the begin request only marks our arrival (it starts the round's
+                    # clock) and, when its answer comes, tightens our part deadline
+                    begin = nxt
+                    # (left to finish in the background: cancelling it would close a
+                    # keep-alive connection to the rendezvous)
+                    arrive = self._spawn(self._arrival(
+                        min(deadline, time.monotonic() + self.timeouts.part), int(nxt["round"])))
+                else:
+                    begin = await self._begin(deadline, expected)
                 r, epoch = int(begin["round"]), str(begin["epoch"])
                 missed = expected is not None and r != expected
                 if missed:
@@ -649,7 +664,8 @@ class Swarm(_StateMixin):
                 while True:
                     attempts += 1
                     out = await self._attempt(r, a, group, addresses, epoch, vec, weight,
-                                              manifest, deadline, stats, part_left)
+                                              manifest, deadline, stats, part_left, arrive)
+                    arrive = None  # its answer only matters to the first attempt
                     if out[0] == "retry":
                         a, group = out[1], tuple(out[2])
                         part_left = self.timeouts.part
@@ -690,7 +706,8 @@ class Swarm(_StateMixin):
     async def _attempt(self, r: int, a: int, group: tuple[str, ...],
                        membership: dict[str, str], epoch: str,
                        vec: np.ndarray, weight: np.float32, manifest: str, deadline: float,
-                       stats: dict[str, int], part_left: float | None = None) -> tuple[Any, ...]:
+                       stats: dict[str, int], part_left: float | None = None,
+                       arrive: asyncio.Task[Any] | None = None) -> tuple[Any, ...]:
         if self.peer_id not in group:
             raise _RoundFail("not in the round's group")
         n = len(group)
@@ -723,10 +740,19 @@ class Swarm(_StateMixin):
                 st, membership[owner], k, data, _auth.body_digest(data), weight,
                 t_part - time.monotonic()))
             del data
+        complete = asyncio.ensure_future(st.complete.wait())
         try:
-            await asyncio.wait_for(st.complete.wait(), max(t_part - time.monotonic(), 0))
-        except asyncio.TimeoutError:
-            pass
+            while not complete.done():
+                left = t_part - time.monotonic()
+                if left <= 0:
+                    break
+                waits = {complete} | ({arrive} if arrive is not None and not arrive.done() else set())
+                done, _ = await asyncio.wait(waits, timeout=left,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if arrive is not None and arrive in done:
+                    t_part = min(t_part, self._arrived(arrive, r, t_part))
+        finally:
+            complete.cancel()
         st.closed = True
         # Optimistic all-gather: an owner that holds every member's part reduces over the whole
         # group and pushes the result now, while the gather vote decides the contributors; the
@@ -803,6 +829,7 @@ class Swarm(_StateMixin):
                 return ("retry", commit["attempt"], commit["group"])
             if commit["decision"] != "commit":
                 raise _RoundFail(commit.get("reason", "round failed"))
+            self._next = commit.get("next")
             if not ok:  # pragma: no cover - the rendezvous commits only if everyone is ok
                 raise _RoundFail("all-gather failed here")
             return ("ok", out, contributors, mine["total"], digest)
@@ -811,6 +838,22 @@ class Swarm(_StateMixin):
             for t in mine.get("pushes", ()):
                 if not t.done():
                     t.cancel()
+
+    async def _arrival(self, deadline: float, r: int) -> dict[str, Any]:
+        try:
+            return await self._begin(deadline, r)
+        except Exception as e:  # noqa: BLE001 - only a hint; the votes decide
+            log.info("%s: begin of round %d (arrival) failed: %r", self.peer_id, r, e)
+            return {}
+
+    def _arrived(self, arrive: asyncio.Task[Any], r: int, t_part: float) -> float:
+        """The part deadline after the answer to our begin (arrival) request of round ``r``."""
+        res = arrive.result()
+        if res.get("round") != r:
+            log.info("%s: rendezvous answered round %s to our arrival in %d", self.peer_id,
+                     res.get("round"), r)
+            return t_part
+        return time.monotonic() + float(res.get("part_left", self.timeouts.part))
 
     def _reduce_and_push(self, st: _Attempt, contributors: tuple[str, ...],
                          membership: dict[str, str], deadline: float,
