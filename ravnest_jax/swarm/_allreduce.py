@@ -42,16 +42,23 @@ def contributors_tag(contributors: Sequence[str]) -> str:
 
 
 def mean_of_scaled(parts: Mapping[str, tuple[np.float32, np.ndarray]],
-                   contributors: Sequence[str]) -> tuple[np.ndarray, np.float32]:
+                   contributors: Sequence[str],
+                   out: np.ndarray | None = None) -> tuple[np.ndarray, np.float32]:
     """Float32 ``sum_c s_c / sum_c w_c`` over ``contributors`` in sorted-id order, where
     ``parts[c] = (w_c, s_c)`` holds the already weighted part ``s_c = w_c * x_c`` (float32).
 
-    Leaves ``parts`` untouched (they may be needed again for another contributor set); one new
-    array, the result. Returns ``(mean, total_weight)``.
+    Leaves ``parts`` untouched (they may be needed again for another contributor set); the
+    result goes to ``out`` (a float32 buffer of the parts' shape that the caller reuses from
+    round to round: no fresh pages to fault in) or to a new array. Returns ``(mean,
+    total_weight)``.
     """
     order = sorted(contributors)
-    acc = parts[order[0]][1].copy() if len(order) == 1 else np.add(parts[order[0]][1],
-                                                                 parts[order[1]][1])
+    first = parts[order[0]][1]
+    acc = np.empty_like(first) if out is None else out
+    if len(order) == 1:
+        np.copyto(acc, first)
+    else:
+        np.add(first, parts[order[1]][1], out=acc)
     for c in order[2:]:
         np.add(acc, parts[c][1], out=acc)
     total = np.float32(0.0)

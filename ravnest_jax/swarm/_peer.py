@@ -147,6 +147,7 @@ class Swarm(_StateMixin):
         self._last_round = -1
         self._current_round = -1
         self._next: dict[str, Any] | None = None  # the next round, handed out with a commit
+        self._scratch = np.empty(0, np.float32)  # own weighted part + the mean, reused
         self._nonces = _auth.NonceCache()
         self._closed = False
 
@@ -722,7 +723,11 @@ class Swarm(_StateMixin):
         if self.algorithm == "ring":
             st.entered.set()
             return await self._ring_attempt(st, membership, epoch, vec, weight, deadline, stats)
-        st.received[self.peer_id] = (weight, np.multiply(vec[st.lo:st.hi], weight))
+        plen = st.hi - st.lo
+        if self._scratch.size < 2 * plen:  # reused from round to round: its pages stay mapped
+            self._scratch = np.empty(2 * plen, np.float32)
+        own = np.multiply(vec[st.lo:st.hi], weight, out=self._scratch[:plen])
+        st.received[self.peer_id] = (weight, own)
         if len(st.received) == n:
             st.complete.set()
         st.entered.set()
@@ -861,7 +866,9 @@ class Swarm(_StateMixin):
         """Reduce own part over ``contributors``, encode it once, and push it to every other
         member (tasks in ``mine["pushes"]``); ``mine`` also gets the tag, digest, total weight
         and the round's output buffer with this part filled in."""
-        mean, total = mean_of_scaled(st.received, contributors)
+        plen = st.hi - st.lo
+        mean, total = mean_of_scaled(st.received, contributors,
+                                     out=self._scratch[plen:2 * plen])
         tag = contributors_tag(contributors)
         data = encode_part(f"result{st.me}", mean, self.codec, **self.codec_options)
         digest = _auth.body_digest(data)
