@@ -209,6 +209,7 @@ def main() -> None:
     ap.add_argument("--algorithms", default="butterfly,ring")
     ap.add_argument("--algorithm", default="butterfly", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the JSON")
     # child arguments
     ap.add_argument("--url")
     ap.add_argument("--run-id")
@@ -234,6 +235,8 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        return plot(json.loads((out / "allreduce.json").read_text()), out / "allreduce.png")
     payloads = ([int(x) for x in args.payloads_mb.split(",")] if args.payloads_mb
                 else [16, 64] + ([256] if args.full else []))
     peers_list = [int(x) for x in args.peers_list.split(",")]
@@ -391,17 +394,18 @@ def plot(result: dict, path: Path) -> None:
                     title=f"emulated per-peer links {r0['mbit_per_peer']:g} Mbit/s in, "
                           f"{r0['payload_mb']} MB fp32")
         axes[2].legend(fontsize=7, title=f"2 peers 100 Mbit/s 100 ms int4 0.86M: {wtxt}",
-                       title_fontsize=7)
+                       title_fontsize=7, loc="upper left")
     if result.get("rss"):
         for i, s in enumerate(result["rss"]["rss_bytes_per_round"]):
             axes[3].plot(np.asarray(s) / MB, label=f"peer {i}")
         axes[3].set(xlabel="round", ylabel="RSS (MB)", ylim=(0, None),
                     title=f"RSS, 2 peers, {result['rss']['payload_mb']} MB payload")
         axes[3].legend()
-    la = result.get("loadavg_at_end") or [float("nan")]
-    fig.suptitle(f"ravnest_jax swarm all-reduce ({result['codec']}), "
-                 f"{result['machine']['cpus']} CPUs shared by all peers (load avg at end "
-                 f"{la[0]:.1f}), loopback", fontsize=10)
+    loads = [x for r in table + links for x in r.get("loadavg_before_after", [])]
+    lt = f"load avg {min(loads):.0f}-{max(loads):.0f} during the runs" if loads else ""
+    fig.suptitle(f"ravnest_jax swarm all-reduce ({result['codec']}): "
+                 f"{result['machine']['cpus']} CPUs shared by all peers and other jobs ({lt})",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
