@@ -448,7 +448,11 @@ class Rendezvous:
         at once instead of asking first (one round trip less on the critical path). Its part
         clock starts when the first member arrives; a peer that joins from now on waits for
         the round after it, as it would while a round runs."""
-        if run.latest != rnd.number:
+        if run.latest != rnd.number or len(rnd.attempts) > 1 or any(
+                e.suspect_since is not None for e in run.peers.values()):
+            # after a retry, or while a peer left out of one has not beaten again, the group
+            # of the next round is fixed when its first member asks (as without this): a peer
+            # that was left out must be able to come back at once, not one round later
             return None
         nxt = self._create_round(run, rnd.number, {"part_s": rnd.part_s, "grace_s": rnd.grace_s,
                                                   "max_attempts": rnd.max_attempts},
