@@ -3,6 +3,7 @@
     python benchmarks/bench_allreduce.py            # N in {2,4,8}, payload in {16,64} MB
     python benchmarks/bench_allreduce.py --full     # also 256 MB
     python benchmarks/bench_allreduce.py --rss-rounds 200   # memory check length
+    python benchmarks/bench_allreduce.py --wan-rounds 0     # skip the emulated-link runs
 
 For each (N, payload): one rendezvous and N peer processes, each averaging a float32 vector of
 ``payload`` bytes with ``Swarm.all_reduce`` (codec fp32). Reported per config: median round time
@@ -51,15 +52,18 @@ def worker(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     n = args.payload // 4
     rng = np.random.default_rng(args.seed)
-    x = {"g": rng.standard_normal(n, dtype=np.float32)}
+    x = {"g": rng.standard_normal(n, dtype=np.float32) * np.float32(args.scale)}
     t = Timeouts(connect=5, part=300, grace=2, round=900, heartbeat=2, eviction=30)
-    with Swarm(args.url, run_id=args.run_id, token=TOKEN, listen="127.0.0.1:0", timeouts=t,
-               peer_id=args.peer_id, codec=args.codec, algorithm=args.algorithm) as sw:
+    with Swarm(args.url, run_id=args.run_id, token=TOKEN, listen=f"127.0.0.1:{args.port}",
+               timeouts=t, peer_id=args.peer_id, codec=args.codec, algorithm=args.algorithm,
+               advertise=args.advertise) as sw:
         sw.wait_for_peers(args.peers, timeout=120)
         for i in range(args.rounds):
+            c0 = time.process_time()
             out, rec = sw.all_reduce(x, weight=1.0)
+            cpu = time.process_time() - c0  # every thread of this peer process
             del out
-            print(json.dumps({"i": i, "ok": rec.ok, "seconds": rec.seconds,
+            print(json.dumps({"i": i, "ok": rec.ok, "seconds": rec.seconds, "cpu_s": cpu,
                               "sent": rec.bytes_sent, "received": rec.bytes_received,
                               "contributors": len(rec.contributors), "digest": rec.digest,
                               "rss": rss_bytes()}), flush=True)
@@ -87,6 +91,19 @@ def tcp_sender(args: argparse.Namespace) -> None:
         s.sendall(data)
         assert s.recv(1) == b"k"
         print(time.perf_counter() - t0, flush=True)
+
+
+# ----------------------------------------------------------------------------- emulated links
+def summarize(res: list[list[dict]], rounds: int) -> dict:
+    """Round time = the slowest peer's, median over the rounds after the warm-up; CPU seconds =
+    each peer process's CPU time (all threads) in ``all_reduce``, mean over peers."""
+    per_round = [max(r[i]["seconds"] for r in res) for i in range(1, rounds)]
+    cpu = [statistics.mean(r[i]["cpu_s"] for r in res) for i in range(1, rounds)]
+    return {"round_s": statistics.median(per_round), "round_s_all": per_round,
+            "cpu_s_per_peer": statistics.median(cpu),
+            "digests_equal": all(len({r[i]["digest"] for r in res}) == 1 for i in range(rounds)),
+            "all_ok": all(e["ok"] for r in res for e in r),
+            "contributors_min": min(e["contributors"] for r in res for e in r)}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -131,15 +148,36 @@ def start_rendezvous(tmp: Path) -> tuple[subprocess.Popen[str], str]:
 
 
 def swarm_run(n: int, payload: int, rounds: int, codec: str, tmp: Path,
-              algorithm: str = "butterfly") -> list[list[dict]]:
+              algorithm: str = "butterfly", link: tuple[float, float] | None = None,
+              scale: float = 1.0) -> list[list[dict]]:
+    """N worker processes and a rendezvous; with ``link=(mbit, rtt_ms)`` every peer's inbound
+    traffic and the rendezvous' crosses the throttling proxy (see :func:`emulated_links`)."""
     rv, url = start_rendezvous(tmp)
     procs = []
+    emu = None
     try:
+        ports = [0] * n
+        advertise = [None] * n
+        if link is not None:
+            sys.path.insert(0, str(HERE))
+            from _common import LinkEmulator, free_port
+
+            ports = [free_port() for _ in range(n)]
+            rv_port = int(url.rsplit(":", 1)[1])
+            # line 2i: into peer i; 2i+1: its answers; the last two: to/from the rendezvous
+            routes = [(ports[i], 2 * i, 2 * i + 1) for i in range(n)]
+            routes.append((rv_port, 2 * n, 2 * n + 1))
+            emu = LinkEmulator(routes, n_lines=2 * n + 2)
+            emu.set_all(*link)
+            advertise = [f"http://127.0.0.1:{emu.ports[i]}" for i in range(n)]
+            url = f"http://127.0.0.1:{emu.ports[-1]}"
         for i in range(n):
             procs.append(run_child("worker", "--url", url, "--run-id", f"b{n}-{payload}",
                                    "--peer-id", f"p{i:02d}", "--seed", str(i), "--peers",
                                    str(n), "--payload", str(payload), "--rounds", str(rounds),
-                                   "--codec", codec, "--algorithm", algorithm))
+                                   "--codec", codec, "--algorithm", algorithm,
+                                   "--port", str(ports[i]), "--scale", str(scale),
+                                   *(["--advertise", advertise[i]] if advertise[i] else [])))
         results = []
         for p in procs:
             out, _ = p.communicate(timeout=3600)
@@ -154,6 +192,8 @@ def swarm_run(n: int, payload: int, rounds: int, codec: str, tmp: Path,
                 p.wait()
         rv.send_signal(signal.SIGTERM)
         rv.wait(timeout=30)
+        if emu is not None:
+            emu.close()
 
 
 def main() -> None:
@@ -169,6 +209,7 @@ def main() -> None:
     ap.add_argument("--algorithms", default="butterfly,ring")
     ap.add_argument("--algorithm", default="butterfly", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the JSON")
     # child arguments
     ap.add_argument("--url")
     ap.add_argument("--run-id")
@@ -177,6 +218,13 @@ def main() -> None:
     ap.add_argument("--peers", type=int, default=2)
     ap.add_argument("--payload", type=int, default=0)
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--advertise", default=None)
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--wan-rounds", type=int, default=6,
+                    help="rounds (after a warm-up) of each emulated-link measurement; 0: skip")
+    ap.add_argument("--link-mbit", type=float, default=100.0,
+                    help="per-peer inbound rate of the emulated-link scaling runs")
+    ap.add_argument("--link-payload-mb", type=int, default=8)
     args = ap.parse_args()
     if args.mode == "worker":
         return worker(args)
@@ -187,6 +235,8 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        return plot(json.loads((out / "allreduce.json").read_text()), out / "allreduce.png")
     payloads = ([int(x) for x in args.payloads_mb.split(",")] if args.payloads_mb
                 else [16, 64] + ([256] if args.full else []))
     peers_list = [int(x) for x in args.peers_list.split(",")]
@@ -196,26 +246,63 @@ def main() -> None:
         tcp_s = raw_tcp(payload)
         print(f"raw TCP {mb} MB: {tcp_s:.3f} s = {payload / tcp_s / MB:.0f} MB/s", flush=True)
         for n, algorithm in [(n, a) for a in args.algorithms.split(",") for n in peers_list]:
+            load0 = os.getloadavg()
             res = swarm_run(n, payload, args.rounds, args.codec, out, algorithm)
             # a round's time = the slowest peer's; skip the warm-up round
-            per_round = [max(r[i]["seconds"] for r in res) for i in range(1, args.rounds)]
-            digests_equal = all(len({r[i]["digest"] for r in res}) == 1
-                                for i in range(args.rounds))
-            rs = statistics.median(per_round)
-            row = {"algorithm": algorithm, "peers": n, "payload_mb": mb, "round_s": rs, "round_s_all": per_round,
+            sm = summarize(res, args.rounds)
+            rs = sm["round_s"]
+            row = {"algorithm": algorithm, "peers": n, "payload_mb": mb, **sm,
                    "goodput_mbps": payload / rs / MB, "raw_tcp_s": tcp_s,
                    "raw_tcp_mbps": payload / tcp_s / MB,
                    "goodput_vs_raw_tcp": tcp_s / rs,
                    "bytes_sent_per_peer": res[0][-1]["sent"],
                    "bytes_received_per_peer": res[0][-1]["received"],
-                   "digests_equal": digests_equal,
-                   "all_ok": all(e["ok"] for r in res for e in r)}
+                   "loadavg_before_after": [load0[0], os.getloadavg()[0]]}
             table.append(row)
             print(json.dumps(row), flush=True)
     for mb in payloads:
         for algorithm in args.algorithms.split(","):
             rows = {r["peers"]: r for r in table
                     if r["payload_mb"] == mb and r["algorithm"] == algorithm}
+            for r in rows.values():
+                r["round_s_vs_fewest_peers"] = r["round_s"] / rows[min(rows)]["round_s"]
+
+    wan = links = None
+    if args.wan_rounds:
+        # issue #5's operating point: 2 peers, 100 Mbit/s, 100 ms RTT, the int4 pseudo-gradient
+        # of the 0.86M-parameter char-LM of bench_utilization (random values of its scale)
+        wan = []
+        for algorithm in args.algorithms.split(","):
+            load0 = os.getloadavg()
+            res = swarm_run(2, 4 * 860_000, args.wan_rounds + 1, "int4", out, algorithm,
+                            link=(100.0, 100.0), scale=1e-3)
+            row = {"algorithm": algorithm, "peers": 2, "mbit": 100.0, "rtt_ms": 100.0,
+                   "params": 860_000, "codec": "int4", **summarize(res, args.wan_rounds + 1),
+                   "loadavg_before_after": [load0[0], os.getloadavg()[0]]}
+            row["round_s_over_rtt"] = row["round_s"] / 0.1
+            wan.append(row)
+            print(json.dumps(row), flush=True)
+        # per-peer emulated links (inbound rate limited, no delay): is the round time at fixed
+        # payload flat in N, as it would be with one peer per machine?
+        links = []
+        payload = args.link_payload_mb * MB
+        for algorithm in args.algorithms.split(","):
+            for n in peers_list:
+                load0 = os.getloadavg()
+                res = swarm_run(n, payload, args.wan_rounds + 1, "fp32", out, algorithm,
+                                link=(args.link_mbit, 0.0))
+                sm = summarize(res, args.wan_rounds + 1)
+                # a bandwidth-optimal all-reduce moves 2 (n - 1) / n of the payload into each
+                # peer: the lower bound of the round time over links of this rate
+                ideal = 2 * (n - 1) / n * payload * 8 / (args.link_mbit * 1e6)
+                row = {"algorithm": algorithm, "peers": n, "payload_mb": args.link_payload_mb,
+                       "mbit_per_peer": args.link_mbit, **sm, "bandwidth_bound_s": ideal,
+                       "round_s_vs_bound": sm["round_s"] / ideal,
+                       "loadavg_before_after": [load0[0], os.getloadavg()[0]]}
+                links.append(row)
+                print(json.dumps(row), flush=True)
+        for algorithm in args.algorithms.split(","):
+            rows = {r["peers"]: r for r in links if r["algorithm"] == algorithm}
             for r in rows.values():
                 r["round_s_vs_fewest_peers"] = r["round_s"] / rows[min(rows)]["round_s"]
 
@@ -235,6 +322,7 @@ def main() -> None:
 
     result = {
         "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "loadavg_at_end": os.getloadavg(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version(),
                     "note": "all peers, the rendezvous and the TCP baseline share this one "
@@ -248,6 +336,12 @@ def main() -> None:
                         "raw_tcp_mbps": "payload bytes / best one-way transfer time of the "
                                         "same bytes between two processes over loopback TCP"},
         "table": table, "rss": rss,
+        "emulated_wan": wan, "emulated_links": links,
+        "emulated_note": "through the throttling TCP proxy of benchmarks/_common.py (its own "
+                         "process): each peer's inbound traffic (every request body crosses "
+                         "the receiver's inbound line) and the rendezvous' have a rate and a "
+                         "one-way delay of RTT/2; uplinks are not limited; all processes still "
+                         "share this machine's cores",
     }
     (out / "allreduce.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "allreduce.png")
@@ -260,7 +354,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.8))
     table = result["table"]
     styles = {"butterfly": "o-", "ring": "s:"}
     for mb in sorted({r["payload_mb"] for r in table}):
@@ -276,20 +370,41 @@ def plot(result: dict, path: Path) -> None:
                          color=color, label=f"{algorithm} {mb} MB")
         axes[1].axhline(rows[0]["raw_tcp_mbps"], color=color, ls="--",
                         label=f"raw TCP {mb} MB")
+    axes[0].set_yscale("log")
     axes[1].set_yscale("log")
-    axes[0].set(xlabel="peers", ylabel="round time (s)", title="round time", xticks=[2, 4, 8])
-    axes[1].set(xlabel="peers", ylabel="MB/s (log)", title="goodput (payload / round time)",
-                xticks=[2, 4, 8])
+    axes[0].set(xlabel="peers", ylabel="round time (s, log)",
+                title="loopback: round time (slowest peer, median)", xticks=[2, 4, 8])
+    axes[1].set(xlabel="peers", ylabel="MB/s (log)",
+                title="loopback: goodput (payload / round time)", xticks=[2, 4, 8])
     axes[0].legend(fontsize=7)
     axes[1].legend(fontsize=7)
+    links = result.get("emulated_links") or []
+    for algorithm in sorted({r["algorithm"] for r in links}):
+        rows = sorted((r for r in links if r["algorithm"] == algorithm), key=lambda r: r["peers"])
+        line, = axes[2].plot([r["peers"] for r in rows], [r["round_s"] for r in rows],
+                             styles.get(algorithm, "o-"), label=algorithm)
+    if links:
+        rows = sorted({r["peers"]: r for r in links}.values(), key=lambda r: r["peers"])
+        axes[2].plot([r["peers"] for r in rows], [r["bandwidth_bound_s"] for r in rows], "k--",
+                     label="bound 2(n-1)/n * payload / rate")
+        r0 = links[0]
+        wan = result.get("emulated_wan") or []
+        wtxt = "; ".join(f"{w['algorithm']} {w['round_s']:.3f} s" for w in wan)
+        axes[2].set(xlabel="peers", ylabel="round time (s)", xticks=[2, 4, 8], ylim=(0, None),
+                    title=f"emulated per-peer links {r0['mbit_per_peer']:g} Mbit/s in, "
+                          f"{r0['payload_mb']} MB fp32")
+        axes[2].legend(fontsize=7, title=f"2 peers 100 Mbit/s 100 ms int4 0.86M: {wtxt}",
+                       title_fontsize=7, loc="upper left")
     if result.get("rss"):
         for i, s in enumerate(result["rss"]["rss_bytes_per_round"]):
-            axes[2].plot(np.asarray(s) / MB, label=f"peer {i}")
-        axes[2].set(xlabel="round", ylabel="RSS (MB)",
+            axes[3].plot(np.asarray(s) / MB, label=f"peer {i}")
+        axes[3].set(xlabel="round", ylabel="RSS (MB)", ylim=(0, None),
                     title=f"RSS, 2 peers, {result['rss']['payload_mb']} MB payload")
-        axes[2].legend()
-    fig.suptitle(f"ravnest_jax swarm all-reduce ({result['codec']}), "
-                 f"{result['machine']['cpus']} CPUs, loopback, all processes on one machine",
+        axes[3].legend()
+    loads = [x for r in table + links for x in r.get("loadavg_before_after", [])]
+    lt = f"load avg {min(loads):.0f}-{max(loads):.0f} during the runs" if loads else ""
+    fig.suptitle(f"ravnest_jax swarm all-reduce ({result['codec']}): "
+                 f"{result['machine']['cpus']} CPUs shared by all peers and other jobs ({lt})",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

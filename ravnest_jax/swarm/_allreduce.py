@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import msgpack
 import numpy as np
 
-CHUNK = 1 << 20  # bytes per streamed chunk
+CHUNK = 1 << 20  # bytes per streamed chunk (writes; reads take what the socket delivers)
 
 
 def part_bounds(total: int, n: int) -> list[tuple[int, int]]:
@@ -34,22 +34,48 @@ def max_message_bytes(length: int) -> int:
     return 4 * length + (1 << 20)
 
 
+def contributors_tag(contributors: Sequence[str]) -> str:
+    """Short digest of a contributor set (sorted ids): the tag a pushed result part carries, so
+    that a part reduced over another set (an optimistic one) is never mixed in."""
+    blob = "\n".join(sorted(contributors)).encode()
+    return hashlib.blake2b(blob, digest_size=8).hexdigest()
+
+
+def mean_of_scaled(parts: Mapping[str, tuple[np.float32, np.ndarray]],
+                   contributors: Sequence[str],
+                   out: np.ndarray | None = None) -> tuple[np.ndarray, np.float32]:
+    """Float32 ``sum_c s_c / sum_c w_c`` over ``contributors`` in sorted-id order, where
+    ``parts[c] = (w_c, s_c)`` holds the already weighted part ``s_c = w_c * x_c`` (float32).
+
+    Leaves ``parts`` untouched (they may be needed again for another contributor set); the
+    result goes to ``out`` (a float32 buffer of the parts' shape that the caller reuses from
+    round to round: no fresh pages to fault in) or to a new array. Returns ``(mean,
+    total_weight)``.
+    """
+    order = sorted(contributors)
+    first = parts[order[0]][1]
+    acc = np.empty_like(first) if out is None else out
+    if len(order) == 1:
+        np.copyto(acc, first)
+    else:
+        np.add(first, parts[order[1]][1], out=acc)
+    for c in order[2:]:
+        np.add(acc, parts[c][1], out=acc)
+    total = np.float32(0.0)
+    for c in order:
+        total = np.float32(total + np.float32(parts[c][0]))
+    np.divide(acc, total, out=acc)
+    return acc, total
+
+
 def weighted_mean(parts: Mapping[str, tuple[np.float32, np.ndarray]],
                   contributors: Sequence[str]) -> tuple[np.ndarray, np.float32]:
-    """Float32 weighted mean of ``parts[c]`` over ``contributors`` in sorted-id order.
+    """Float32 weighted mean of ``parts[c] = (w_c, x_c)`` over ``contributors`` in sorted-id
+    order (each ``x_c * w_c`` rounded to float32 first, as the swarm does on arrival).
 
     The fixed order makes the result bit-identical wherever it is computed. Returns
     ``(mean, total_weight)``.
     """
-    order = sorted(contributors)
-    first = parts[order[0]][1]
-    acc = np.zeros(first.shape, dtype=np.float32)
-    total = np.float32(0.0)
-    tmp = np.empty_like(acc)
-    for c in order:
-        w, x = parts[c]
-        np.multiply(x, np.float32(w), out=tmp)
-        acc += tmp
-        total = np.float32(total + np.float32(w))
-    acc /= total
-    return acc, total
+    scaled = {c: (parts[c][0], np.multiply(parts[c][1], np.float32(parts[c][0])))
+              for c in contributors}
+    return mean_of_scaled(scaled, contributors)

@@ -6,12 +6,14 @@ Every request between peers and to the rendezvous carries these headers:
 ``X-RJ-Round``      the round the request belongs to (``-`` when none)
 ``X-RJ-Time``       UNIX time of signing, seconds (float as text)
 ``X-RJ-Nonce``      16 random bytes, hex
-``X-RJ-Body``       SHA-256 of the body, hex (of ``b""`` for an empty body)
+``X-RJ-Body``       BLAKE3-256 of the body, hex (of ``b""`` for an empty body)
 ``X-RJ-Signature``  HMAC-SHA256(token, canonical string), hex
 
 The canonical string is ``method \\n path \\n run_id \\n round \\n peer \\n time \\n nonce \\n body
 \\n extra``.
-Signatures are compared with :func:`hmac.compare_digest`. Responses that carry a payload are
+The body digest is BLAKE3 (collision resistant like SHA-256, about twice as fast here: it is
+the one cryptographic pass over every payload byte, on both sides), computed incrementally as
+a body is streamed (:func:`body_hasher`). Signatures are compared with :func:`hmac.compare_digest`. Responses that carry a payload are
 signed the same way with the method ``RESPONSE`` so that a client can check who answered.
 """
 
@@ -23,6 +25,9 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
+from typing import Any
+
+import blake3
 
 H_PEER = "X-RJ-Peer"
 H_ROUND = "X-RJ-Round"
@@ -31,7 +36,20 @@ H_NONCE = "X-RJ-Nonce"
 H_BODY = "X-RJ-Body"
 H_SIG = "X-RJ-Signature"
 
-EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+def body_hasher() -> Any:
+    """A fresh incremental hasher of request/response bodies (``.update(chunk)``,
+    ``.hexdigest()``): BLAKE3, 32 bytes."""
+    return blake3.blake3()
+
+
+def body_digest(data: bytes | bytearray | memoryview) -> str:
+    """The body digest (hex) that ``X-RJ-Body`` carries: BLAKE3-256 of ``data``."""
+    return blake3.blake3(data).hexdigest()
+
+
+EMPTY_BODY = body_digest(b"")
 MAX_CLOCK_SKEW_S = 300.0
 
 
@@ -54,7 +72,7 @@ def _canonical(method: str, path: str, run_id: str, round_: str, peer: str, ts: 
 
 
 def sign(token: str | bytes, *, method: str, path: str, run_id: str, peer: str,
-         round_: int | str | None = None, body_sha256: str = EMPTY_SHA256,
+         round_: int | str | None = None, body_digest: str = EMPTY_BODY,
          extra: str = "") -> dict[str, str]:
     """Return the auth headers for one request (or, with ``method="RESPONSE"``, one response).
 
@@ -65,8 +83,8 @@ def sign(token: str | bytes, *, method: str, path: str, run_id: str, peer: str,
     nonce = secrets.token_hex(16)
     r = "-" if round_ is None else str(round_)
     mac = hmac.new(_token_bytes(token), _canonical(method, path, run_id, r, peer, ts, nonce,
-                                                    body_sha256, extra), hashlib.sha256).hexdigest()
-    return {H_PEER: peer, H_ROUND: r, H_TIME: ts, H_NONCE: nonce, H_BODY: body_sha256, H_SIG: mac}
+                                                    body_digest, extra), hashlib.sha256).hexdigest()
+    return {H_PEER: peer, H_ROUND: r, H_TIME: ts, H_NONCE: nonce, H_BODY: body_digest, H_SIG: mac}
 
 
 class NonceCache:
@@ -94,7 +112,7 @@ class NonceCache:
 def verify(token: str | bytes, headers: Mapping[str, str], *, method: str, path: str,
            run_id: str, nonces: NonceCache | None = None, extra: str = "",
            max_skew_s: float = MAX_CLOCK_SKEW_S) -> tuple[str, str, str]:
-    """Check the auth headers of a request; return ``(peer, round, body_sha256)``.
+    """Check the auth headers of a request; return ``(peer, round, body_digest)``.
 
     The body digest is only *claimed* here: the caller must hash the body it reads and compare it
     with :func:`digest_matches` before acting on it.

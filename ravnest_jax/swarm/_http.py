@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
@@ -28,7 +27,7 @@ def json_response(request: web.Request, token: bytes, run_id: str, me: str, payl
     body = json.dumps(payload, separators=(",", ":")).encode()
     headers = _auth.sign(token, method="RESPONSE", path=request.path, run_id=run_id, peer=me,
                          round_=request.headers.get(_auth.H_ROUND),
-                         body_sha256=hashlib.sha256(body).hexdigest())
+                         body_digest=_auth.body_digest(body))
     return web.Response(body=body, status=status, headers=headers,
                         content_type="application/json")
 
@@ -41,7 +40,7 @@ async def read_json_body(request: web.Request, claimed_sha: str) -> Any:
     if (request.content_length or 0) > JSON_LIMIT:
         raise web.HTTPRequestEntityTooLarge(max_size=JSON_LIMIT,
                                             actual_size=request.content_length or 0)
-    h = hashlib.sha256()
+    h = _auth.body_hasher()
     chunks = []
     n = 0
     async for chunk in request.content.iter_chunked(1 << 16):
@@ -73,7 +72,7 @@ async def signed_json(session: aiohttp.ClientSession, base_url: str, method: str
     """
     body = b"" if payload is None else json.dumps(payload, separators=(",", ":")).encode()
     headers = _auth.sign(token, method=method, path=path, run_id=run_id, peer=peer,
-                         round_=round_, body_sha256=hashlib.sha256(body).hexdigest())
+                         round_=round_, body_digest=_auth.body_digest(body))
     if body:
         headers["Content-Type"] = "application/json"
     async with session.request(method, base_url.rstrip("/") + path, data=body or None,
@@ -88,7 +87,7 @@ async def signed_json(session: aiohttp.ClientSession, base_url: str, method: str
         except _auth.AuthError as e:
             raise PermissionError(f"answer from {base_url} is not signed with the run token: {e}")
         if not _auth.digest_matches(resp.headers[_auth.H_BODY],
-                                    hashlib.sha256(data).hexdigest()):
+                                    _auth.body_digest(data)):
             raise PermissionError("answer body does not match its signature")
         return json.loads(data) if data else None
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
-import hashlib
 import json
 import logging
 import math
@@ -24,7 +23,8 @@ import numpy as np
 from aiohttp import web
 
 from . import _auth
-from ._allreduce import CHUNK, manifest_digest, max_message_bytes, part_bounds, weighted_mean
+from ._allreduce import CHUNK, contributors_tag, manifest_digest, max_message_bytes, \
+    mean_of_scaled, part_bounds
 from ._codec import NonFiniteError, PartDecoder, WireFormatError, check_codec, decode_part, \
     encode_part
 from ._http import HTTPStatusError, json_response, signed_json, stream_body
@@ -36,6 +36,7 @@ log = logging.getLogger("ravnest_jax.swarm")
 H_WEIGHT = "X-RJ-Weight"
 ABSTAIN_WEIGHT = 1e-30  # w + 1e-30 == w in float32 for any weight w >= 1e-22
 H_MANIFEST = "X-RJ-Manifest"
+H_CONTRIB = "X-RJ-Contributors"  # tag of the contributor set a pushed result part was reduced over
 ALGORITHMS = ("butterfly", "ring")
 SLOW_CHUNK = 256 * 1024  # chunk size when ``_send_chunk_delay`` is set (tests)
 READ_BUFSIZE = 1 << 22
@@ -49,17 +50,18 @@ class _Attempt:
         self.round, self.attempt = round_, attempt
         self.entered = asyncio.Event()
         self.complete = asyncio.Event()
-        self.result_ready = asyncio.Event()
         self.group: tuple[str, ...] = ()
         self.me = -1
         self.lo = self.hi = 0
         self.manifest = ""
         self.codec = ""
-        self.received: dict[str, tuple[np.float32, np.ndarray]] = {}
+        self.received: dict[str, tuple[np.float32, np.ndarray]] = {}  # sender -> (w, w * x)
         self.receiving: set[str] = set()
         self.closed = False
-        self.result: bytes | None = None
-        self.result_sha = ""
+        # all-gather: result parts pushed to us, by (part, contributor tag) -> (vec, digest)
+        self.results: dict[tuple[int, str], tuple[np.ndarray, str]] = {}
+        self.result_arrived = asyncio.Event()
+        self.gather_closed = False
         self.bytes_in = 0
         self.bytes_out = 0
         self.bounds: list[tuple[int, int]] = []
@@ -149,6 +151,8 @@ class Swarm(_StateMixin):
         self._attempts: dict[tuple[int, int], _Attempt] = {}
         self._last_round = -1
         self._current_round = -1
+        self._next: dict[str, Any] | None = None  # the next round, handed out with a commit
+        self._scratch = np.empty(0, np.float32)  # own weighted part + the mean, reused
         self._nonces = _auth.NonceCache()
         self._closed = False
         self._info: dict[str, Any] = {}
@@ -325,7 +329,7 @@ class Swarm(_StateMixin):
         app = web.Application(client_max_size=1 << 20)
         base = "/v1/runs/{run_id}/rounds/{round}/{attempt}"
         app.router.add_put(base + "/parts/{part}", self._h_put_part)
-        app.router.add_get(base + "/results/{part}", self._h_get_result)
+        app.router.add_put(base + "/results/{part}", self._h_put_result)
         app.router.add_put(base + "/ring/{phase}/{step}", self._h_put_ring)
         app.router.add_get("/health", self._h_health)
         app.router.add_get("/v1/runs/{run_id}/state", self._h_get_state)
@@ -361,9 +365,9 @@ class Swarm(_StateMixin):
         except Exception:  # noqa: BLE001 - the rendezvous may be gone
             pass
         for st in self._attempts.values():
-            st.closed = True
+            st.closed = st.gather_closed = True
             st.entered.set()
-            st.result_ready.set()
+            st.result_arrived.set()
         await self._runner.cleanup()
         await self._session.close()
         # let the connector's transports finish closing before the loop stops (aiohttp's
@@ -455,6 +459,33 @@ class Swarm(_StateMixin):
             raise web.HTTPConflict(text="peer is closing")
         return st
 
+    async def _read_part(self, request: web.Request, st: _Attempt, dec: PartDecoder,
+                         claimed: str, limit: int, stop: Callable[[], bool]) -> np.ndarray:
+        """Stream a signed part body into ``dec``: one pass that hashes (the signed body digest)
+        and decodes each chunk as the socket delivers it (no re-chunking, no whole-body copy).
+        Maps every failure to the HTTP error the sender gets."""
+        h = _auth.body_hasher()
+        try:
+            async for chunk, _ in request.content.iter_chunks():
+                h.update(chunk)
+                dec.feed(chunk)
+                if stop():
+                    raise web.HTTPConflict(text="too late")
+            if not _auth.digest_matches(claimed, h.hexdigest()):
+                raise web.HTTPUnauthorized(text="body does not match its signed digest")
+            return dec.finish()
+        except (WireFormatError, NonFiniteError) as e:
+            if dec.nbytes > limit:
+                raise web.HTTPRequestEntityTooLarge(max_size=limit,
+                                                    actual_size=dec.nbytes) from None
+            raise web.HTTPBadRequest(text=f"bad part: {e}") from None
+        except (aiohttp.ClientPayloadError, ConnectionError, asyncio.IncompleteReadError,
+                aiohttp.http_exceptions.HttpProcessingError) as e:
+            # the sender vanished mid-body (killed, network gone): nothing was stored
+            log.info("%s: body from %s cut off: %r", self.peer_id,
+                     request.headers.get(_auth.H_PEER), e)
+            raise web.HTTPBadRequest(text="body cut off") from None
+
     async def _h_put_part(self, request: web.Request) -> web.Response:
         weight_s = request.headers.get(H_WEIGHT, "")
         manifest = request.headers.get(H_MANIFEST, "")
@@ -486,28 +517,10 @@ class Swarm(_StateMixin):
         st.receiving.add(sender)
         try:
             dec = PartDecoder(name=f"part{k}", length=length, codec=st.codec, max_bytes=limit)
-            h = hashlib.sha256()
-            try:
-                async for chunk in request.content.iter_chunked(CHUNK):
-                    h.update(chunk)
-                    dec.feed(chunk)
-                    if st.closed:
-                        raise web.HTTPConflict(text="too late")
-                if not _auth.digest_matches(claimed, h.hexdigest()):
-                    raise web.HTTPUnauthorized(text="body does not match its signed digest")
-                vec = dec.finish()
-            except (WireFormatError, NonFiniteError) as e:
-                if dec.nbytes > limit:
-                    raise web.HTTPRequestEntityTooLarge(max_size=limit,
-                                                        actual_size=dec.nbytes) from None
-                raise web.HTTPBadRequest(text=f"bad part: {e}") from None
-            except (aiohttp.ClientPayloadError, ConnectionError, asyncio.IncompleteReadError,
-                    aiohttp.http_exceptions.HttpProcessingError) as e:
-                # the sender vanished mid-body (killed, network gone): nothing was stored
-                log.info("%s: part from %s cut off: %r", self.peer_id, sender, e)
-                raise web.HTTPBadRequest(text="body cut off") from None
+            vec = await self._read_part(request, st, dec, claimed, limit, lambda: st.closed)
             if st.closed:
                 raise web.HTTPConflict(text="too late: the reduce-scatter of this attempt is over")
+            np.multiply(vec, w, out=vec)  # weighted in place, once (the decoder's own array)
             st.received[sender] = (w, vec)
             st.bytes_in += dec.nbytes
             if len(st.received) == len(st.group):
@@ -516,54 +529,70 @@ class Swarm(_StateMixin):
             st.receiving.discard(sender)
         return json_response(request, self._token, self.run_id, self.peer_id, {"ok": True})
 
-    async def _h_get_result(self, request: web.Request) -> web.StreamResponse:
-        requester, _ = self._auth_request(request)
+    async def _h_put_result(self, request: web.Request) -> web.Response:
+        """All-gather: owner k pushes its reduced part k, tagged with the contributor set it
+        was reduced over; kept until this peer knows the round's contributors."""
+        tag = request.headers.get(H_CONTRIB, "")
+        manifest = request.headers.get(H_MANIFEST, "")
+        sender, claimed = self._auth_request(request, extra=f"{tag}|{manifest}")
         r, a, k = self._route_ints(request)
-        st = self._attempts.get((r, a))
-        if st is None or not st.entered.is_set():
-            raise web.HTTPNotFound(text="no such round here")
-        if k != st.me:
-            raise web.HTTPBadRequest(text=f"this peer owns part {st.me}, not {k}")
-        if requester not in st.group:
-            raise web.HTTPForbidden(text="requester is not in this round's group")
-        try:
-            await asyncio.wait_for(st.result_ready.wait(), self.timeouts.part)
-        except asyncio.TimeoutError:
-            raise web.HTTPGatewayTimeout(text="result part not ready") from None
-        if self._serve_delay:
-            await asyncio.sleep(self._serve_delay)
-        body = st.result
-        if body is None:
-            raise web.HTTPConflict(text="this attempt produced no result here")
-        headers = _auth.sign(self._token, method="RESPONSE", path=request.path,
-                             run_id=self.run_id, peer=self.peer_id, round_=r,
-                             body_sha256=st.result_sha)
-        resp = await stream_body(request, headers, body, CHUNK)
-        st.bytes_out += len(body)
-        return resp
+        st = await self._wait_entered(r, a)
+        if not 0 <= k < len(st.group) or k == st.me:
+            raise web.HTTPBadRequest(text=f"bad result part {k}")
+        if sender != st.group[k]:
+            raise web.HTTPForbidden(text="only the owner of a part pushes its result")
+        if manifest != st.manifest or st.algorithm != "butterfly" or not 1 <= len(tag) <= 64:
+            raise web.HTTPBadRequest(text="result does not match the round manifest")
+        if st.gather_closed:
+            raise web.HTTPConflict(text="too late: the all-gather of this attempt is over")
+        if (k, tag) in st.results:
+            raise web.HTTPConflict(text="duplicate result part")
+        lo, hi = st.bounds[k]
+        limit = max_message_bytes(hi - lo)
+        if request.content_length is not None and request.content_length > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit,
+                                                actual_size=request.content_length)
+        dec = PartDecoder(name=f"result{k}", length=hi - lo, codec=st.codec, max_bytes=limit)
+        vec = await self._read_part(request, st, dec, claimed, limit, lambda: st.gather_closed)
+        if st.gather_closed:
+            raise web.HTTPConflict(text="too late: the all-gather of this attempt is over")
+        st.results[(k, tag)] = (vec, claimed)
+        st.bytes_in += dec.nbytes
+        st.result_arrived.set()
+        return json_response(request, self._token, self.run_id, self.peer_id, {"ok": True})
 
     # ------------------------------------------------------------------ client side of a round
     def _url(self, group_addr: str, r: int, a: int, kind: str, k: int) -> tuple[str, str]:
         path = f"/v1/runs/{self.run_id}/rounds/{r}/{a}/{kind}/{k}"
         return group_addr.rstrip("/") + path, path
 
-    async def _send_part(self, st: _Attempt, addr: str, k: int, data: bytes, weight: np.float32,
-                         timeout: float) -> int:
+    async def _send_part(self, st: _Attempt, addr: str, k: int, data: bytes, digest: str,
+                         weight: np.float32, timeout: float) -> int:
         url, path = self._url(addr, st.round, st.attempt, "parts", k)
-        return await self._put(st, url, path, data, weight, timeout)
-
-    async def _put(self, st: _Attempt, url: str, path: str, data: bytes, weight: np.float32,
-                   timeout: float) -> int:
         weight_s = repr(float(weight))
+        return await self._put(st, url, path, data, digest, f"{weight_s}|{st.manifest}",
+                               {H_WEIGHT: weight_s, H_MANIFEST: st.manifest}, timeout)
+
+    async def _push_result(self, st: _Attempt, addr: str, data: bytes, digest: str, tag: str,
+                           timeout: float) -> int:
+        if self._serve_delay:  # test hook: a part owner slow to deliver its result
+            await asyncio.sleep(self._serve_delay)
+        url, path = self._url(addr, st.round, st.attempt, "results", st.me)
+        return await self._put(st, url, path, data, digest, f"{tag}|{st.manifest}",
+                               {H_CONTRIB: tag, H_MANIFEST: st.manifest}, timeout, slow=False)
+
+    async def _put(self, st: _Attempt, url: str, path: str, data: bytes, digest: str,
+                   extra: str, extra_headers: dict[str, str], timeout: float,
+                   slow: bool = True) -> int:
+        """One signed, streamed PUT of ``data`` (whose body digest is ``digest``) over the
+        session's keep-alive connections; returns the bytes sent once the receiver answered."""
         headers = _auth.sign(self._token, method="PUT", path=path, run_id=self.run_id,
-                             peer=self.peer_id, round_=st.round,
-                             body_sha256=hashlib.sha256(data).hexdigest(),
-                             extra=f"{weight_s}|{st.manifest}")
-        headers[H_WEIGHT] = weight_s
-        headers[H_MANIFEST] = st.manifest
+                             peer=self.peer_id, round_=st.round, body_digest=digest,
+                             extra=extra)
+        headers.update(extra_headers)
         headers["Content-Length"] = str(len(data))
         headers["Content-Type"] = "application/octet-stream"
-        delay = self._send_chunk_delay
+        delay = self._send_chunk_delay if slow else 0.0  # test hook: slow uploads of parts
 
         async def body() -> Any:
             mv = memoryview(data)
@@ -581,39 +610,6 @@ class Swarm(_StateMixin):
             if resp.status != 200:
                 raise HTTPStatusError(resp.status, text.decode(errors="replace"))
         return len(data)
-
-    async def _fetch_result(self, st: _Attempt, addr: str, k: int, timeout: float,
-                            out: np.ndarray) -> int:
-        url, path = self._url(addr, st.round, st.attempt, "results", k)
-        headers = _auth.sign(self._token, method="GET", path=path, run_id=self.run_id,
-                             peer=self.peer_id, round_=st.round)
-        lo, hi = st.bounds[k]
-        limit = max_message_bytes(hi - lo)
-        async with self._session.get(
-                url, headers=headers, ssl=self._client_ssl,
-                timeout=aiohttp.ClientTimeout(total=max(timeout, 0.05),
-                                              sock_connect=self.timeouts.connect)) as resp:
-            if resp.status != 200:
-                raise HTTPStatusError(resp.status, (await resp.content.read(4096)).decode(
-                    errors="replace"))
-            try:
-                _auth.verify(self._token, resp.headers, method="RESPONSE", path=path,
-                             run_id=self.run_id)
-            except _auth.AuthError as e:
-                raise PermissionError(f"result part {k} not signed with the run token: {e}")
-            if (resp.content_length or 0) > limit:
-                raise WireFormatError("result part too long")
-            dec = PartDecoder(name=f"result{k}", length=hi - lo, codec=st.codec,
-                              max_bytes=limit)
-            h = hashlib.sha256()
-            async for chunk in resp.content.iter_chunked(CHUNK):
-                h.update(chunk)
-                dec.feed(chunk)
-            if not _auth.digest_matches(resp.headers[_auth.H_BODY], h.hexdigest()):
-                raise PermissionError("result part does not match its signed digest")
-            out[lo:hi] = dec.finish()
-            st.part_shas[k] = h.hexdigest()
-            return dec.nbytes
 
     async def _vote(self, r: int, epoch: str, a: int, phase: str, data: dict[str, Any],
                     deadline: float) -> dict[str, Any]:
@@ -664,8 +660,22 @@ class Swarm(_StateMixin):
             deadline = t0 + self.timeouts.round
             stats = {"sent": 0, "received": 0}
             r, attempts, group = -1, 0, ()
+            arrive: asyncio.Task[Any] | None = None
             try:
-                begin = await self._begin(deadline, expected)
+                nxt, self._next = self._next, None
+                if (nxt is not None and self.peer_id in nxt["group"]
+                        and int(nxt["round"]) > self._last_round
+                        and (expected is None or expected == int(nxt["round"]))):
+                    # the rendezvous handed us this round's group with the last commit: start at
+                    # once; the begin request only marks our arrival (it starts the round's
+                    # clock) and, when its answer comes, tightens our part deadline
+                    begin = nxt
+                    # (left to finish in the background: cancelling it would close a
+                    # keep-alive connection to the rendezvous)
+                    arrive = self._spawn(self._arrival(
+                        min(deadline, time.monotonic() + self.timeouts.part), int(nxt["round"])))
+                else:
+                    begin = await self._begin(deadline, expected)
                 r, epoch = int(begin["round"]), str(begin["epoch"])
                 missed = expected is not None and r != expected
                 if missed:
@@ -683,7 +693,8 @@ class Swarm(_StateMixin):
                 while True:
                     attempts += 1
                     out = await self._attempt(r, a, group, addresses, epoch, vec, weight,
-                                              manifest, deadline, stats, part_left)
+                                              manifest, deadline, stats, part_left, arrive)
+                    arrive = None  # its answer only matters to the first attempt
                     if out[0] == "retry":
                         a, group = out[1], tuple(out[2])
                         part_left = self.timeouts.part
@@ -713,10 +724,10 @@ class Swarm(_StateMixin):
                     self._last_round = max(self._last_round, r)
                 for key in [key for key in self._attempts if key[0] <= self._last_round]:
                     st = self._attempts.pop(key)
-                    st.closed = True
+                    st.closed = st.gather_closed = True
                     st.received.clear()
-                    st.result = None
-                    st.result_ready.set()
+                    st.results.clear()
+                    st.result_arrived.set()
                 # a round leaves reference cycles (tasks, exceptions and their frames) that hold
                 # payload-sized buffers; collect the young generations now so RSS stays flat
                 gc.collect(GC_GENERATION)
@@ -724,7 +735,8 @@ class Swarm(_StateMixin):
     async def _attempt(self, r: int, a: int, group: tuple[str, ...],
                        membership: dict[str, str], epoch: str,
                        vec: np.ndarray, weight: np.float32, manifest: str, deadline: float,
-                       stats: dict[str, int], part_left: float | None = None) -> tuple[Any, ...]:
+                       stats: dict[str, int], part_left: float | None = None,
+                       arrive: asyncio.Task[Any] | None = None) -> tuple[Any, ...]:
         if self.peer_id not in group:
             raise _RoundFail("not in the round's group")
         n = len(group)
@@ -735,16 +747,20 @@ class Swarm(_StateMixin):
         bounds = part_bounds(vec.size, n)
         st.bounds = bounds
         st.lo, st.hi = bounds[st.me]
-        st.received[self.peer_id] = (weight, vec[st.lo:st.hi])
+        st.algorithm = self.algorithm
+        if self.algorithm == "ring":
+            st.entered.set()
+            return await self._ring_attempt(st, membership, epoch, vec, weight, deadline, stats)
+        plen = st.hi - st.lo
+        if self._scratch.size < 2 * plen:  # reused from round to round: its pages stay mapped
+            self._scratch = np.empty(2 * plen, np.float32)
+        own = np.multiply(vec[st.lo:st.hi], weight, out=self._scratch[:plen])
+        st.received[self.peer_id] = (weight, own)
         if len(st.received) == n:
             st.complete.set()
-        st.algorithm = self.algorithm
         st.entered.set()
-        if self.algorithm == "ring":
-            st.received.clear()
-            return await self._ring_attempt(st, membership, epoch, vec, weight, deadline, stats)
 
-        # phase 1: reduce-scatter -----------------------------------------------------------
+        # phase 1: reduce-scatter (push part k to owner k) -------------------------------------
         part_s = self.timeouts.part if part_left is None else min(part_left, self.timeouts.part)
         t_part = min(time.monotonic() + part_s, deadline)
         sends = {}
@@ -754,12 +770,30 @@ class Swarm(_StateMixin):
             lo, hi = bounds[k]
             data = encode_part(f"part{k}", vec[lo:hi], self.codec, **self.codec_options)
             sends[owner] = asyncio.ensure_future(self._send_part(
-                st, membership[owner], k, data, weight, t_part - time.monotonic()))
+                st, membership[owner], k, data, _auth.body_digest(data), weight,
+                t_part - time.monotonic()))
+            del data
+        complete = asyncio.ensure_future(st.complete.wait())
         try:
-            await asyncio.wait_for(st.complete.wait(), max(t_part - time.monotonic(), 0))
-        except asyncio.TimeoutError:
-            pass
+            while not complete.done():
+                left = t_part - time.monotonic()
+                if left <= 0:
+                    break
+                waits = {complete} | ({arrive} if arrive is not None and not arrive.done() else set())
+                done, _ = await asyncio.wait(waits, timeout=left,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if arrive is not None and arrive in done:
+                    t_part = min(t_part, self._arrived(arrive, r, t_part))
+        finally:
+            complete.cancel()
         st.closed = True
+        # Optimistic all-gather: an owner that holds every member's part reduces over the whole
+        # group and pushes the result now, while the gather vote decides the contributors; the
+        # pushed parts carry the contributor set's tag, so one reduced over another set than the
+        # decided one is never used (the owner then reduces and pushes again).
+        mine: dict[str, Any] = {}
+        if len(st.received) == n:
+            self._reduce_and_push(st, group, membership, deadline, mine)
         gather = await self._vote(r, epoch, a, "gather", {"received": sorted(st.received)},
                                   deadline)
         for owner, t in sends.items():
@@ -772,61 +806,112 @@ class Swarm(_StateMixin):
                 pass
             except Exception as e:  # noqa: BLE001 - the votes decide what counts
                 log.info("%s: part to %s failed: %r", self.peer_id, owner, e)
-        stats["received"] += st.bytes_in
-        if gather["decision"] == "retry":
+        try:
+            if gather["decision"] == "retry":
+                return ("retry", gather["attempt"], gather["group"])
+            if gather["decision"] != "ok":
+                raise _RoundFail(gather.get("reason", "round failed"))
+            contributors = list(gather["contributors"])
+            missing = [c for c in contributors if c not in st.received]
+            if missing:  # cannot happen with an honest rendezvous
+                raise _RoundFail(f"contributors {missing} not received here")
+            tag = contributors_tag(contributors)
+            if mine.get("tag") != tag:  # the optimistic result is not the round's
+                for t in mine.get("pushes", ()):
+                    t.cancel()
+                mine.clear()
+                self._reduce_and_push(st, tuple(contributors), membership, deadline, mine)
             st.received.clear()
-            return ("retry", gather["attempt"], gather["group"])
-        if gather["decision"] != "ok":
-            raise _RoundFail(gather.get("reason", "round failed"))
-        contributors = list(gather["contributors"])
-        missing = [c for c in contributors if c not in st.received]
-        if missing:  # cannot happen with an honest rendezvous
-            raise _RoundFail(f"contributors {missing} not received here")
 
-        # reduce own part, then phase 2: all-gather -------------------------------------------
-        mean, total = weighted_mean(st.received, contributors)
-        st.received.clear()
-        st.result = encode_part(f"result{st.me}", mean, self.codec, **self.codec_options)
-        st.result_sha = hashlib.sha256(st.result).hexdigest()
-        st.part_shas = {st.me: st.result_sha}
-        st.result_ready.set()
-        out = np.empty(vec.size, dtype=np.float32)
+            # phase 2: all-gather (result parts pushed to us by their owners) ------------------
+            out = mine.pop("out")
+            shas = {st.me: mine["digest"]}
+            t_gather = min(time.monotonic() + self.timeouts.part, deadline)
+            others = [k for k in range(n) if k != st.me]
+            while True:
+                have = [k for k in others if (k, tag) in st.results]
+                left = t_gather - time.monotonic()
+                if len(have) == len(others) or left <= 0:
+                    break
+                st.result_arrived.clear()
+                try:
+                    await asyncio.wait_for(st.result_arrived.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+            st.gather_closed = True
+            for k in have:
+                lo, hi = bounds[k]
+                part, shas[k] = st.results[(k, tag)]
+                out[lo:hi] = part
+            st.results.clear()
+            failed_owners = sorted(group[k] for k in others if k not in have)
+            ok = not failed_owners
+            if not ok:
+                log.info("%s: all-gather: no result part from %s", self.peer_id, failed_owners)
+            for t in mine.get("pushes", ()):  # delivered, or the commit vote says otherwise
+                if t.done() and not t.cancelled() and t.exception() is None:
+                    stats["sent"] += t.result()
+            stats["received"] += st.bytes_in
+            st.bytes_in = 0
+            # the result is a pure function of the encoded result parts: hash their digests
+            digest = result_digest([shas[k] for k in range(n)]) if ok else ""
+            commit = await self._vote(r, epoch, a, "commit", {"ok": ok, "digest": digest,
+                                                              "failed_owners": failed_owners},
+                                      deadline)
+            if commit["decision"] == "retry":
+                return ("retry", commit["attempt"], commit["group"])
+            if commit["decision"] != "commit":
+                raise _RoundFail(commit.get("reason", "round failed"))
+            self._next = commit.get("next")
+            if not ok:  # pragma: no cover - the rendezvous commits only if everyone is ok
+                raise _RoundFail("all-gather failed here")
+            return ("ok", out, contributors, mine["total"], digest)
+        finally:
+            st.gather_closed = True
+            for t in mine.get("pushes", ()):
+                if not t.done():
+                    t.cancel()
+
+    async def _arrival(self, deadline: float, r: int) -> dict[str, Any]:
+        try:
+            return await self._begin(deadline, r)
+        except Exception as e:  # noqa: BLE001 - only a hint; the votes decide
+            log.info("%s: begin of round %d (arrival) failed: %r", self.peer_id, r, e)
+            return {}
+
+    def _arrived(self, arrive: asyncio.Task[Any], r: int, t_part: float) -> float:
+        """The part deadline after the answer to our begin (arrival) request of round ``r``."""
+        res = arrive.result()
+        if res.get("round") != r:
+            log.info("%s: rendezvous answered round %s to our arrival in %d", self.peer_id,
+                     res.get("round"), r)
+            return t_part
+        return time.monotonic() + float(res.get("part_left", self.timeouts.part))
+
+    def _reduce_and_push(self, st: _Attempt, contributors: tuple[str, ...],
+                         membership: dict[str, str], deadline: float,
+                         mine: dict[str, Any]) -> None:
+        """Reduce own part over ``contributors``, encode it once, and push it to every other
+        member (tasks in ``mine["pushes"]``); ``mine`` also gets the tag, digest, total weight
+        and the round's output buffer with this part filled in."""
+        plen = st.hi - st.lo
+        mean, total = mean_of_scaled(st.received, contributors,
+                                     out=self._scratch[plen:2 * plen])
+        tag = contributors_tag(contributors)
+        data = encode_part(f"result{st.me}", mean, self.codec, **self.codec_options)
+        digest = _auth.body_digest(data)
+        out = np.empty(st.bounds[-1][1], dtype=np.float32)
         if self.codec == "fp32":  # lossless: decode(encode(mean)) == mean bit for bit
             out[st.lo:st.hi] = mean
         else:
-            out[st.lo:st.hi] = decode_part(st.result, name=f"result{st.me}",
-                                           length=st.hi - st.lo, codec=self.codec)
-        t_gather = min(time.monotonic() + self.timeouts.part, deadline)
-        fetches = [asyncio.ensure_future(self._fetch_result(
-            st, membership[owner], k, t_gather - time.monotonic(), out))
-            for k, owner in enumerate(group) if k != st.me and owner in membership]
-        if len(fetches) != n - 1:
-            fetches.append(asyncio.ensure_future(_raise(_RoundFail("a part owner's address is "
-                                                                   "unknown"))))
-        results = await asyncio.gather(*fetches, return_exceptions=True)
-        errors = [e for e in results if isinstance(e, BaseException)]
-        owners = [owner for k, owner in enumerate(group) if k != st.me and owner in membership]
-        failed_owners = sorted({owners[i] for i, x in enumerate(results[:len(owners)])
-                                if isinstance(x, BaseException)} |
-                               {g for g in group if g not in membership})
-        stats["received"] += sum(x for x in results if isinstance(x, int))
-        ok = not errors
-        if errors:
-            log.info("%s: all-gather failed: %r", self.peer_id, errors[0])
-        # the result is a pure function of the encoded result parts: hash their hashes
-        digest = result_digest([st.part_shas[k] for k in range(n)]) if ok else ""
-        commit = await self._vote(r, epoch, a, "commit", {"ok": ok, "digest": digest,
-                                                          "failed_owners": failed_owners},
-                                  deadline)
-        stats["sent"] += st.bytes_out
-        st.bytes_out = 0
-        if commit["decision"] == "retry":
-            return ("retry", commit["attempt"], commit["group"])
-        if commit["decision"] != "commit":
-            raise _RoundFail(commit.get("reason", "round failed"))
-        if not ok:  # pragma: no cover - the rendezvous commits only if everyone is ok
-            raise _RoundFail("all-gather failed here")
-        return ("ok", out, contributors, total, digest)
+            out[st.lo:st.hi] = decode_part(data, name=f"result{st.me}", length=st.hi - st.lo,
+                                           codec=self.codec)
+        del mean
+        t_end = min(time.monotonic() + self.timeouts.part, deadline)
+        mine.update(tag=tag, digest=digest, total=total, out=out, pushes=[
+            asyncio.ensure_future(self._push_result(st, membership[g], data, digest, tag,
+                                                    t_end - time.monotonic()))
+            for k, g in enumerate(st.group) if k != st.me and g in membership])
 
     # ------------------------------------------------------------------ ring variant
     async def _h_put_ring(self, request: web.Request) -> web.Response:
@@ -860,10 +945,10 @@ class Swarm(_StateMixin):
                                                 actual_size=request.content_length)
         dec = PartDecoder(name=f"ring{phase}{c}", length=hi - lo, codec=st.codec,
                           max_bytes=limit)
-        h = hashlib.sha256()
+        h = _auth.body_hasher()
         raw = bytearray() if phase == "ag" else None
         try:
-            async for chunk in request.content.iter_chunked(CHUNK):
+            async for chunk, _ in request.content.iter_chunks():
                 h.update(chunk)
                 dec.feed(chunk)
                 if raw is not None:
@@ -887,7 +972,10 @@ class Swarm(_StateMixin):
     async def _ring_send(self, st: _Attempt, addr: str, phase: str, step: int, data: bytes,
                          weight: np.float32, timeout: float) -> int:
         path = f"/v1/runs/{self.run_id}/rounds/{st.round}/{st.attempt}/ring/{phase}/{step}"
-        return await self._put(st, addr.rstrip("/") + path, path, data, weight, timeout)
+        weight_s = repr(float(weight))
+        return await self._put(st, addr.rstrip("/") + path, path, data, _auth.body_digest(data),
+                               f"{weight_s}|{st.manifest}",
+                               {H_WEIGHT: weight_s, H_MANIFEST: st.manifest}, timeout)
 
     async def _ring_attempt(self, st: _Attempt, membership: dict[str, str], epoch: str,
                             vec: np.ndarray, weight: np.float32, deadline: float,
@@ -924,7 +1012,7 @@ class Swarm(_StateMixin):
             lo, hi = bounds[c]
             out[lo:hi] = mean if self.codec == "fp32" else decode_part(
                 own, name=f"ringag{c}", length=hi - lo, codec=self.codec)
-            shas[c] = hashlib.sha256(own).hexdigest()
+            shas[c] = _auth.body_digest(own)
         except (asyncio.TimeoutError, aiohttp.ClientError, HTTPStatusError, PermissionError,
                 OSError) as e:
             log.info("%s: ring reduce-scatter failed: %r", self.peer_id, e)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -125,9 +124,9 @@ class _StateMixin:
                 raise PermissionError(f"state answer not signed with the run token: {e}") from None
             if (resp.content_length or 0) > self.max_state_bytes:
                 raise HTTPStatusError(502, "state larger than max_state_bytes")
-            h = hashlib.sha256()
+            h = _auth.body_hasher()
             buf = bytearray()
-            async for chunk in resp.content.iter_chunked(CHUNK):
+            async for chunk, _ in resp.content.iter_chunks():
                 h.update(chunk)
                 buf += chunk
                 if len(buf) > self.max_state_bytes:
@@ -155,7 +154,7 @@ class _StateMixin:
             raise web.HTTPNotFound(text="this peer has no state yet")
         body = bytes(out)
         headers = _auth.sign(self._token, method="RESPONSE", path=request.path, run_id=self.run_id,  # type: ignore[attr-defined]
-                             peer=self.peer_id, body_sha256=hashlib.sha256(body).hexdigest())  # type: ignore[attr-defined]
+                             peer=self.peer_id, body_digest=_auth.body_digest(body))  # type: ignore[attr-defined]
         return await stream_body(request, headers, body, CHUNK)
 
 

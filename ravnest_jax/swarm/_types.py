@@ -78,7 +78,7 @@ class RoundRecord:
       bytes_sent: body bytes this peer sent in the round.
       bytes_received: body bytes this peer received in the round.
       seconds: wall time of the round on this peer.
-      digest: blake2b-128 hex digest over the SHA-256 of every encoded result part, in part
+      digest: blake2b-128 hex digest over the body digest (BLAKE3) of every encoded result part, in part
         order: equal digests mean bit-identical results (empty when not ok).
       codec: the codec used on the wire.
       algorithm: ``"butterfly"`` or ``"ring"``.
@@ -113,7 +113,7 @@ class SwarmError(RuntimeError):
 
 
 def result_digest(part_sha256s: list[str]) -> str:
-    """Digest of a round's result: blake2b-128 over the SHA-256 of each encoded result part.
+    """Digest of a round's result: blake2b-128 over the body digest of each encoded result part.
 
     Every peer decodes the same encoded parts with the same code, so equal digests mean
     bit-identical float32 results (and hashing 32-byte hashes is free, unlike the payload).

@@ -7,8 +7,6 @@ themselves with the exact mean, and keep working afterwards.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-
 import aiohttp
 import pytest
 
@@ -61,8 +59,8 @@ async def _impostor(url: str) -> dict[str, int]:
             h = {}
             if sign:
                 h = _auth.sign(tok, method="PUT", path=p, run_id=run, peer=me, round_=r,
-                               body_sha256=hashlib.sha256(claimed if claimed is not None
-                                                          else body).hexdigest(),
+                               body_digest=_auth.body_digest(claimed if claimed is not None
+                                                             else body),
                                extra=f"1.0|{manifest}")
             h.update({"X-RJ-Weight": "1.0", "X-RJ-Manifest": manifest})
             if length is not None:

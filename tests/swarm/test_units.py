@@ -33,7 +33,7 @@ def test_top_level_exports_swarm_lazily():
 
 def _headers(**kw):
     args = dict(method="PUT", path="/v1/runs/r/rounds/3/0/parts/1", run_id="r", peer="p",
-                round_=3, body_sha256="ab" * 32, extra="1.0|m")
+                round_=3, body_digest="ab" * 32, extra="1.0|m")
     args.update(kw)
     return _auth.sign("tok", **args)
 
@@ -168,3 +168,66 @@ def test_lossy_part_roundtrip_keeps_shape(codec):
     x = np.random.default_rng(0).standard_normal(1000, dtype=np.float32)
     y = decode_part(encode_part("part3", x, codec), name="part3", length=1000, codec=codec)
     assert y.shape == (1000,) and y.dtype == np.float32 and np.isfinite(y).all()
+
+
+def _two_peer_round(rv, peers=("a", "b")):
+    import time as _time
+
+    from ravnest_jax.swarm._rendezvous import _Peer, _Run
+
+    run = _Run("r")
+    now = _time.monotonic()
+    for p in peers:
+        run.peers[p] = _Peer(p, f"http://127.0.0.1:1/{p}", now, now)
+    return run, rv._create_round(run, -1, {"part_s": 5.0, "grace_s": 1.0}, peers[0])
+
+
+def test_late_owner_gets_one_retry_instead_of_a_one_contributor_round():
+    """b reached the round late: its window was too short to receive a's part, while a got b's.
+    The intersection would keep only b (the late one); the rendezvous retries once with both,
+    and takes a second shortfall as it is."""
+    from ravnest_jax.swarm import Rendezvous
+
+    rv = Rendezvous("tok")
+    run, rnd = _two_peer_round(rv)
+    votes = {"a": {"received": ["a", "b"]}, "b": {"received": ["b"]}}
+    att = rnd.attempts[0]
+    att.votes["gather"] = dict(votes)
+    rv._decide(run, rnd, att, "gather")
+    d = att.decisions["gather"]
+    assert d["decision"] == "retry" and d["group"] == ["a", "b"], d
+    assert all(e.suspect_since is None for e in run.peers.values())  # nobody was left out
+    att1 = rnd.attempts[1]
+    att1.votes["gather"] = dict(votes)
+    rv._decide(run, rnd, att1, "gather")
+    assert att1.decisions["gather"] == {"decision": "ok", "contributors": ["b"]}
+
+
+def test_commit_hands_out_the_next_round_whose_clock_starts_at_arrival():
+    from ravnest_jax.swarm import Rendezvous
+
+    async def go():
+        rv = Rendezvous("tok")
+        run, rnd = _two_peer_round(rv)
+        att = rnd.attempts[0]
+        att.votes["gather"] = {p: {"received": ["a", "b"]} for p in "ab"}
+        rv._decide(run, rnd, att, "gather")
+        assert att.decisions["gather"] == {"decision": "ok", "contributors": ["a", "b"]}
+        att.votes["commit"] = {p: {"ok": True, "digest": "d"} for p in "ab"}
+        rv._decide(run, rnd, att, "commit")
+        d = att.decisions["commit"]
+        assert d["decision"] == "commit" and d["next"]["round"] == rnd.number + 1
+        assert d["next"]["group"] == ["a", "b"] and d["next"]["epoch"] == rv.epoch
+        nxt = run.rounds[rnd.number + 1].attempts[0]
+        assert not nxt.started
+        await asyncio.sleep(0.05)
+        nxt.arrive()
+        assert nxt.started and nxt.start >= nxt_created + 0.05 - 1e-3
+        nxt.arrive()  # later arrivals do not move the clock
+        return nxt
+
+    import asyncio
+    import time as _time
+
+    nxt_created = _time.monotonic()
+    asyncio.run(go())
