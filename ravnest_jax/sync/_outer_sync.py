@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import serialization
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ravnest_jax import compress
 from ravnest_jax.optim import DiLoCo, DiLoCoState, RoundSnapshot
@@ -106,17 +108,70 @@ class _Pending:
     float_bytes: int = 0
 
 
-def _flat(leaves: list) -> jax.Array:
-    return jnp.concatenate([jnp.ravel(jnp.asarray(x, jnp.float32)) for x in leaves]) if leaves else jnp.zeros(0)
+def _mesh_of(tree: Any) -> Mesh | None:
+    """The device mesh of the first leaf laid out over more than one device, else ``None``."""
+    for x in jax.tree.leaves(tree):
+        s = getattr(x, "sharding", None)
+        if isinstance(s, NamedSharding) and s.mesh.size > 1:
+            return s.mesh
+    return None
 
 
-def _unflat(vec: jax.Array, like: list) -> list:
+def _layout(params: Any, state: Any) -> tuple | None:
+    """A hashable description of how ``params`` and ``state`` lie on their mesh: ``(mesh,
+    params treedef, params shardings, state treedef, state shardings)``, with ``None`` for a leaf
+    that is not on that mesh (the compiler chooses); ``None`` when the params are on one device."""
+    mesh = _mesh_of(params)
+    if mesh is None:
+        return None
+
+    def on_mesh(tree: Any) -> tuple:
+        leaves, treedef = jax.tree.flatten(tree)
+        sh = tuple(
+            x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh else None
+            for x in leaves
+        )
+        return treedef, sh
+
+    return (mesh, *on_mesh(params), *on_mesh(state))
+
+
+def _spread(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Dim 0 spread over every device of ``mesh`` when it divides evenly, else replicated."""
+    if shape and shape[0] % mesh.size == 0:
+        return NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    return NamedSharding(mesh, P())
+
+
+def _encode_on_mesh(encode: Callable, mesh: Mesh | None, leaves: list, residual: Any, key: Any) -> tuple[Any, Any]:
+    """``encode(leaves, residual, key)`` (a ``device_encode``) inside jit, for leaves laid out on
+    ``mesh``: every device encodes the blocks of its own shards (XLA's partitioner) and the
+    packed parts come out spread over the devices, so that the device-to-host copy takes one
+    slice from each device and no device gathers the pseudo-gradient. (On a mesh with explicit
+    axes ``device_encode`` lays its outputs out the same way itself.)"""
+    if mesh is None or mesh.explicit_axes:
+        return encode(leaves, residual, key)
+    packed, new_res = encode(leaves, residual, key)
+    return jax.lax.with_sharding_constraint(packed, jax.tree.map(lambda a: _spread(mesh, a.shape), packed)), new_res
+
+
+def _split_host(vec: np.ndarray, like: list) -> list[np.ndarray]:
+    """A flat host vector cut into arrays shaped like ``like`` (views, C order)."""
     out, off = [], 0
     for x in like:
-        n = int(np.prod(x.shape, dtype=np.int64))
-        out.append(vec[off : off + n].reshape(x.shape).astype(jnp.float32))
+        n = int(np.prod(np.shape(x), dtype=np.int64))
+        out.append(vec[off : off + n].reshape(np.shape(x)))
         off += n
     return out
+
+
+def _put_like(arrays: list, like: list) -> list:
+    """Host arrays onto the devices with the layouts of ``like`` (each device receives its own
+    shard straight from the host)."""
+    return [
+        jax.device_put(a, x.sharding) if isinstance(x, jax.Array) else jnp.asarray(a)
+        for a, x in zip(arrays, like)
+    ]
 
 
 class OuterSync:
@@ -236,7 +291,9 @@ class OuterSync:
         self.failed_rounds = 0
         self.resyncs = 0
         self._pending: collections.deque[_Pending] = collections.deque()
-        self._residual: dict[int, jax.Array] = {}
+        # per fragment: the error-feedback residual, a list of float32 leaves laid out like the
+        # params (or a flat host vector restored from a checkpoint, cut into leaves at the next round)
+        self._residual: dict[int, list | np.ndarray] = {}
         self._last_round_step: dict[int, int] = {}
         self._window_start = time.perf_counter()
         self._window_stall = 0.0
@@ -254,38 +311,48 @@ class OuterSync:
         self._jit_cache: dict[tuple, Callable] = {}
 
     # ------------------------------------------------------------------ jitted pieces
-    def _fn(self, name: str, fragment: int) -> Callable:
-        key = (name, fragment)
+    def _fn(self, name: str, fragment: int, layout: tuple | None = None) -> Callable:
+        """The jitted round function ``name`` for ``fragment`` and a params/state ``layout``
+        (from :func:`_layout`; ``None`` on one device): on a mesh the merged params and state
+        come back with exactly the shardings they had."""
+        key = (name, fragment, layout)
         fn = self._jit_cache.get(key)
         if fn is not None:
             return fn
         tx = self.tx
         frag = None if tx.fragments == 1 else fragment
         codec, opts = self.codec, self.codec_options
+        mesh = None if layout is None else layout[0]
+        params_sh = state_sh = None
+        if layout is not None:
+            params_sh = jax.tree.unflatten(layout[1], list(layout[2]))
+            state_sh = jax.tree.unflatten(layout[3], list(layout[4]))
 
         if name == "start":
 
+            def encode(leaves, residual, key):
+                return compress.device_encode(leaves, codec, key=key, residual=residual, **opts)
+
             def start(params, state, residual, key):
+                # one packed leaf per pseudo-gradient leaf (blocks never straddle two leaves, so
+                # every shard of a leaf encodes on its own device); the host concatenates them
                 snap = tx.round_start(params, state, frag)
-                flat = _flat(jax.tree.leaves(snap.pseudo_gradient))
-                packed, new_res = compress.device_encode(
-                    {"pg": flat}, codec, key=key, residual=None if residual is None else {"pg": residual}, **opts
-                )
-                return snap, packed, None if new_res is None else new_res["pg"]
+                leaves = list(jax.tree.leaves(snap.pseudo_gradient))
+                packed, new_res = _encode_on_mesh(encode, mesh, leaves, residual, key)
+                return snap, packed, new_res
 
             fn = jax.jit(start)
         elif name == "merge":
             keep = self.mode != "blocking"
 
-            def merge(params, state, mean_flat, snap, alpha):
-                like = jax.tree.leaves(snap.pseudo_gradient)
-                mean = jax.tree.unflatten(jax.tree.structure(snap.pseudo_gradient), _unflat(mean_flat, like))
+            def merge(params, state, mean_leaves, snap, alpha):
+                mean = jax.tree.unflatten(jax.tree.structure(snap.pseudo_gradient), list(mean_leaves))
                 params, state = tx.round_merge(
                     params, state, mean, snap, fragment=frag, alpha=alpha, keep_local_progress=keep
                 )
                 return params, state, device_digest((state.global_params, state.outer_state))
 
-            fn = jax.jit(merge)
+            fn = jax.jit(merge, out_shardings=(params_sh, state_sh, None))
         elif name == "speculate":
 
             def speculate(params, state, snap):
@@ -306,7 +373,7 @@ class OuterSync:
                 # a separate buffer: the params may be donated by the next train step
                 return new_params, jax.tree.map(lambda a: a + jnp.zeros_like(a), g)
 
-            fn = jax.jit(speculate)
+            fn = jax.jit(speculate, out_shardings=(params_sh, None))
         else:  # pragma: no cover
             raise KeyError(name)
         self._jit_cache[key] = fn
@@ -350,17 +417,18 @@ class OuterSync:
     def warmup(self, params: Any, state: DiLoCoState) -> None:
         """Compiles the round functions ahead of time (they otherwise compile at the first round
         boundary, which would make this peer late for its first round). Runs nothing."""
+        layout = _layout(params, state)
         for fragment in range(self.tx.fragments):
-            n = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in self._ids(params, fragment))
-            residual = jax.ShapeDtypeStruct((n,), jnp.float32) if self.error_feedback and self._lossy else None
+            like = self._ids(params, fragment)
+            f32 = [jax.ShapeDtypeStruct(np.shape(x), jnp.float32, sharding=getattr(x, "sharding", None)) for x in like]
+            residual = f32 if self.error_feedback and self._lossy else None
             key = jax.random.fold_in(self._key, 0)
-            start = self._fn("start", fragment)
+            start = self._fn("start", fragment, layout)
             snap, _, _ = jax.eval_shape(start, params, state, residual, key)
             start.lower(params, state, residual, key).compile()
-            mean = jax.ShapeDtypeStruct((n,), jnp.float32)
-            self._fn("merge", fragment).lower(params, state, mean, snap, self.alpha).compile()
+            self._fn("merge", fragment, layout).lower(params, state, f32, snap, self.alpha).compile()
             if self.mode == "eager":
-                self._fn("speculate", fragment).lower(params, state, snap).compile()
+                self._fn("speculate", fragment, layout).lower(params, state, snap).compile()
 
     def flush(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
         """Waits for every round in flight and merges it now (for example before a checkpoint
@@ -402,7 +470,13 @@ class OuterSync:
         for f in range(self.tx.fragments):
             n = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in self._ids(params, f))
             r = self._residual.get(f)
-            residual[str(f)] = np.zeros((n,), np.float32) if r is None else np.asarray(r, np.float32)
+            if r is None:
+                residual[str(f)] = np.zeros((n,), np.float32)
+            elif isinstance(r, list):  # per leaf, on the devices: one flat vector in leaf order
+                host = jax.device_get(r)
+                residual[str(f)] = np.concatenate([np.ravel(np.asarray(a, np.float32)) for a in host]) if host else np.zeros((0,), np.float32)
+            else:
+                residual[str(f)] = np.asarray(r, np.float32)
         base = self._swarm_base if self._swarm_base is not None else (-1, -1)
         return {
             "step": np.int64(-1 if self.step is None else self.step),
@@ -421,8 +495,9 @@ class OuterSync:
         self.rounds_started = int(d["rounds_started"])
         base = [int(x) for x in np.asarray(d.get("swarm_base", (-1, -1))).reshape(-1)]
         self._swarm_base = (base[0], base[1]) if len(base) == 2 and base[0] >= 0 else None
+        # flat host vectors; _start cuts them into leaves with the params' layouts
         self._residual = {
-            int(f): jnp.asarray(r, jnp.float32) for f, r in d.get("residual", {}).items() if np.any(np.asarray(r))
+            int(f): np.asarray(r, np.float32) for f, r in d.get("residual", {}).items() if np.any(np.asarray(r))
         }
         self._pending.clear()
 
@@ -509,7 +584,8 @@ class OuterSync:
                     f"downloaded state leaf {i} is {np.asarray(b).dtype}{list(np.shape(b))}, "
                     f"expected {getattr(a, 'dtype', '?')}{list(np.shape(a))}: not this model/optimizer"
                 )
-        new_state = jax.tree.unflatten(treedef, [jnp.asarray(b) for b in leaves])
+        # each leaf goes back with the layout of the state it replaces (sharded peers stay sharded)
+        new_state = jax.tree.unflatten(treedef, _put_like([np.asarray(b) for b in leaves], like))
         # a copy: params and the anchor must not share buffers (the train step may donate both)
         params = jax.tree.map(lambda g, p: jnp.array(g, dtype=p.dtype, copy=True), new_state.global_params, params)
         self.step, self.rounds_started = step, started
@@ -533,14 +609,16 @@ class OuterSync:
         seq = self.rounds_started
         self.rounds_started += 1
         residual = None
+        layout = _layout(params, state)
         if self.error_feedback and self._lossy:
+            like = self._ids(params, fragment)
             residual = self._residual.get(fragment)
             if residual is None:
-                ids = self._ids(params, fragment)
-                n = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in ids)
-                residual = jnp.zeros((n,), jnp.float32)
+                residual = _put_like([np.zeros(np.shape(x), np.float32) for x in like], like)
+            elif not isinstance(residual, list):  # restored from a checkpoint: a flat host vector
+                residual = _put_like(_split_host(np.asarray(residual, np.float32), like), like)
         key = jax.random.fold_in(self._key, seq)
-        snap, packed, new_res = self._fn("start", fragment)(params, state, residual, key)
+        snap, packed, new_res = self._fn("start", fragment, layout)(params, state, residual, key)
         if new_res is not None:
             self._residual[fragment] = new_res
         for leaf in jax.tree.leaves(packed):
@@ -552,7 +630,7 @@ class OuterSync:
         future = self._pool.submit(self._exchange, packed, weight, expected, seq)
         spec = None
         if self.mode == "eager":
-            params, spec = self._fn("speculate", fragment)(params, state, snap)
+            params, spec = self._fn("speculate", fragment, layout)(params, state, snap)
         pending = _Pending(
             seq=seq,
             fragment=fragment,
@@ -576,9 +654,10 @@ class OuterSync:
         """Background thread: device->host, bytes, all-reduce. Returns (mean, record, payload
         bytes, float32 bytes, seconds the result took)."""
         t0 = time.perf_counter()
-        host = jax.device_get(packed)
+        host = jax.device_get(packed)  # each device's slices of the packed parts, once
         data = compress.packed_to_bytes(host)  # raises NonFiniteError for a diverged peer
-        vec = compress.decode(data)["pg"]
+        leaves = compress.decode(data)
+        vec = np.concatenate([np.ravel(np.asarray(a, np.float32)) for a in leaves]) if leaves else np.zeros((0,), np.float32)
         kwargs = {} if expected is None else {"round": expected}
         fut = self.swarm.all_reduce_async({"pg": vec}, weight=weight, **kwargs)
         try:
@@ -613,8 +692,10 @@ class OuterSync:
         exchange_seconds = now - p.started
         if error is None:
             snap = p.snapshot if p.spec_params is None else p.snapshot._replace(params=p.spec_params)
-            params, state, digest = self._fn("merge", p.fragment)(
-                params, state, jnp.asarray(mean), snap, self.alpha
+            like = jax.tree.leaves(p.snapshot.pseudo_gradient)
+            mean_leaves = _put_like(_split_host(mean, like), like)  # the same layout as the params
+            params, state, digest = self._fn("merge", p.fragment, _layout(params, state))(
+                params, state, mean_leaves, snap, self.alpha
             )
             m = RoundMetrics(
                 round=p.seq, fragment=p.fragment, step=p.step, merged_at_step=self.step, ok=True,
@@ -669,8 +750,8 @@ class OuterSync:
             return params, state
         if p.spec_params is not None:
             snap = p.snapshot._replace(params=p.spec_params)
-            own = _flat(jax.tree.leaves(p.snapshot.pseudo_gradient))
-            params, state, _ = self._fn("merge", p.fragment)(params, state, own, snap, self.alpha)
+            own = list(jax.tree.leaves(p.snapshot.pseudo_gradient))
+            params, state, _ = self._fn("merge", p.fragment, _layout(params, state))(params, state, own, snap, self.alpha)
         return params, state
 
     def _needs_resync(self, exc: BaseException | None) -> bool:
