@@ -43,11 +43,17 @@ def mesh(axis_type: AxisType = AxisType.Explicit, devices: int = 4):
 
 
 def param_shardings(m, layout: str, params: dict) -> dict:
-    """Full-rank specs (``P("data", None)``, not ``P("data")``): jit outputs spell them so."""
+    """Specs spelled as jit outputs spell them, so that ``==`` holds after a step: full rank
+    (``P("data", None)``) on a mesh with explicit axes, trailing ``None`` dropped
+    (``P("data")``, ``P()``) on one with automatic axes."""
+    explicit = bool(m.explicit_axes)
+
     def one(x):
-        if layout == "replicated":
-            return NamedSharding(m, P(*[None] * x.ndim))
-        return NamedSharding(m, P("data", *[None] * (x.ndim - 1)))
+        dims = [None] * x.ndim if layout == "replicated" else ["data", *[None] * (x.ndim - 1)]
+        if not explicit:
+            while dims and dims[-1] is None:
+                dims.pop()
+        return NamedSharding(m, P(*dims))
 
     return jax.tree.map(one, params)
 
