@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import serialization
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -166,12 +167,19 @@ def _split_host(vec: np.ndarray, like: list) -> list[np.ndarray]:
 
 
 def _put_like(arrays: list, like: list) -> list:
-    """Host arrays onto the devices with the layouts of ``like`` (each device receives its own
-    shard straight from the host)."""
-    return [
-        jax.device_put(a, x.sharding) if isinstance(x, jax.Array) else jnp.asarray(a)
-        for a, x in zip(arrays, like)
-    ]
+    """Host arrays onto the devices with the layouts of ``like``: each device receives its own
+    shard straight from the host. With devices of other processes in the layout (a peer over
+    several processes), every process passes the same host arrays and fills its own devices."""
+    out = []
+    for a, x in zip(arrays, like):
+        if not isinstance(x, jax.Array):
+            out.append(jnp.asarray(a))
+        elif x.sharding.is_fully_addressable:
+            out.append(jax.device_put(a, x.sharding))
+        else:
+            a = np.asarray(a)
+            out.append(jax.make_array_from_callback(a.shape, x.sharding, lambda idx, a=a: a[idx]))
+    return out
 
 
 class OuterSync:
@@ -218,10 +226,23 @@ class OuterSync:
       resync: ``f() -> bytes | None`` that downloads the current state from a live peer, used
         after a failed round; default: the swarm's ``fetch_state`` when it has one.
       seed: PRNG seed of stochastic rounding.
+      codec: the swarm's codec. Needed only on the processes of a peer that spans several
+        processes (``jax.distributed``) other than process 0: they pass ``swarm=None`` and
+        encode with process 0 (docs/multi-device.md); elsewhere it must equal ``swarm.codec``.
+
+    A peer may span several processes (hosts) joined by ``jax.distributed``: every process runs
+    the same training loop and the same ``OuterSync`` calls; only process 0 holds the swarm. At
+    a round boundary the processes encode the pseudo-gradient on their devices and gather the
+    packed (compressed) parts to the host of every process (``process_allgather``); process 0
+    sends them to the swarm; when the round is due it broadcasts the mean to the others
+    (``broadcast_one_to_all``) and every process merges its own shards. A multi-process peer
+    does not serve or download state (no resync): a failed round is skipped.
 
     Raises:
       ValueError: a bad mode, overlap, alpha, samples_per_step, sync_every_seconds, a tx with
-        ``axis_name`` set, or a swarm without ``all_reduce_async``.
+        ``axis_name`` set, a swarm without ``all_reduce_async`` (``None`` is accepted only on the
+        processes other than 0 of a multi-process peer, with ``codec``), a ``codec`` that is not
+        the swarm's.
     """
 
     def __init__(
@@ -239,13 +260,25 @@ class OuterSync:
         on_round: Callable[[RoundMetrics], None] | None = None,
         resync: Callable[[], bytes | None] | None = None,
         seed: int = 0,
+        codec: str | None = None,
     ):
         if not isinstance(tx, DiLoCo):
             raise ValueError("tx must be the transformation returned by rj.diloco")
         if tx.axis_name is not None:
             raise ValueError("tx: OuterSync drives rounds from the host; build it with axis_name=None")
-        if not hasattr(swarm, "all_reduce_async"):
+        self._processes = jax.process_count()
+        self._leader = jax.process_index() == 0
+        if swarm is None and not (self._processes > 1 and not self._leader):
+            raise ValueError(
+                "swarm must be an rj.Swarm; None only on the processes other than 0 of a peer that "
+                "spans several processes (jax.distributed)"
+            )
+        if swarm is None and codec is None:
+            raise ValueError("codec must be given with swarm=None (the codec of process 0's swarm)")
+        if swarm is not None and not hasattr(swarm, "all_reduce_async"):
             raise ValueError("swarm must provide all_reduce_async(tree, weight=...) (an rj.Swarm)")
+        if swarm is not None and codec is not None and codec != getattr(swarm, "codec", "fp32"):
+            raise ValueError(f"codec {codec!r} is not the swarm's codec {getattr(swarm, 'codec', 'fp32')!r}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or overlap_steps < 0:
@@ -275,7 +308,7 @@ class OuterSync:
         self.overlap_steps = overlap_steps if mode != "blocking" else 0
         self.alpha = float(alpha)
         self.error_feedback = bool(error_feedback)
-        self.codec = getattr(swarm, "codec", "fp32")
+        self.codec = codec if swarm is None else getattr(swarm, "codec", "fp32")
         self.codec_options = dict(codec_options or {})
         self.samples_per_step = float(samples_per_step)
         self.sync_every_seconds = sync_every_seconds
@@ -534,6 +567,10 @@ class OuterSync:
     def _serve_state(self, params: Any, state: DiLoCoState) -> None:
         with self._lock:
             requests, self._state_request = self._state_request, []
+        if self._processes > 1:
+            for r in requests:
+                r.set_exception(RuntimeError("a peer over several processes does not serve its state"))
+            return
         copy = jax.tree.map(lambda a: a + jnp.zeros_like(a) if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.number) else a, state)
         step = self.step
         base = self._swarm_base
@@ -621,13 +658,22 @@ class OuterSync:
         snap, packed, new_res = self._fn("start", fragment, layout)(params, state, residual, key)
         if new_res is not None:
             self._residual[fragment] = new_res
-        for leaf in jax.tree.leaves(packed):
-            leaf.copy_to_host_async()
+        if self._processes > 1:
+            # a peer over several processes: the packed parts (compressed) to every host, here,
+            # in the training thread (a collective: all processes issue it in the same order)
+            packed = multihost_utils.process_allgather(packed, tiled=True)
+        else:
+            for leaf in jax.tree.leaves(packed):
+                leaf.copy_to_host_async()
         steps_done = self.step - self._last_round_step.get(fragment, self._first_step)
         self._last_round_step[fragment] = self.step
         weight = max(steps_done, 1) * self.samples_per_step
         expected = None if self._swarm_base is None else self._swarm_base[0] + (seq - self._swarm_base[1])
-        future = self._pool.submit(self._exchange, packed, weight, expected, seq)
+        if self.swarm is not None:
+            future = self._pool.submit(self._exchange, packed, weight, expected, seq)
+        else:  # not process 0 of a multi-process peer: the mean comes from process 0 at the merge
+            future = concurrent.futures.Future()
+            future.set_result(None)
         spec = None
         if self.mode == "eager":
             params, spec = self._fn("speculate", fragment, layout)(params, state, snap)
@@ -676,12 +722,15 @@ class OuterSync:
         error = None
         exc: BaseException | None = None
         try:
-            mean, record, payload_bytes, float_bytes, _ = p.future.result()
+            result = p.future.result()
+            mean, record, payload_bytes, float_bytes = (None, None, 0, 0) if result is None else result[:4]
         except Exception as e:  # noqa: BLE001 - a failed round is reported, then resynced
             exc = e
             error = f"{type(e).__name__}: {e}"
             mean = record = None
             payload_bytes = float_bytes = 0
+        if self._processes > 1:
+            mean, error = self._share_result(p, mean, error)
         stall = time.perf_counter() - t0
         self.stall_seconds += stall
         self._window_stall += stall
@@ -722,6 +771,16 @@ class OuterSync:
             self.on_round(m)
         return params, state
 
+    def _share_result(self, p: _Pending, mean: np.ndarray | None, error: str | None) -> tuple[np.ndarray | None, str | None]:
+        """A peer over several processes: process 0 tells the others whether the round worked
+        and sends them the mean (two broadcasts, in the training thread of every process)."""
+        ok = multihost_utils.broadcast_one_to_all(np.asarray([error is None], np.int32))
+        if not int(np.asarray(ok).reshape(-1)[0]):
+            return None, error or "the round failed on process 0 of this peer"
+        n = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in jax.tree.leaves(p.snapshot.pseudo_gradient))
+        buf = mean if self._leader else np.zeros((n,), np.float32)
+        return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(buf, np.float32)), np.float32), None
+
     def _after_failure(
         self, p: _Pending, exc: BaseException | None, params: Any, state: DiLoCoState
     ) -> tuple[Any, DiLoCoState]:
@@ -732,7 +791,7 @@ class OuterSync:
         round, whose speculative anchor the params already stand on, is applied with the local
         pseudo-gradient (a swarm of one)."""
         data = None
-        if self._resync_fn is not None and self._needs_resync(exc):
+        if self._resync_fn is not None and self._processes == 1 and self._needs_resync(exc):
             fetch = self._state_pool.submit(self._resync_fn)
             deadline = time.monotonic() + 300.0
             while not fetch.done() and time.monotonic() < deadline:
