@@ -74,6 +74,14 @@ def device_encode(
     ``packed_to_bytes(packed)`` on the host (jax-free) gives the message, which equals
     ``encode(tree, codec, ...)`` byte for byte for the deterministic codecs.
 
+    Leaves sharded over a device mesh (``NamedSharding``) are encoded where they lie: blocks are
+    cut per leaf, so each device encodes the blocks of its own shard (a leaf whose shard is not a
+    whole number of blocks is re-laid out between the devices by XLA; ``topk`` sorts whole
+    leaves). The bytes are those of the unsharded leaves. On a mesh with explicit axes the codec
+    math runs with the axes made automatic, the packed parts come back spread over the devices
+    along their only axis (replicated when their length does not divide by the device count) and
+    the new residual with the layout of its leaf.
+
     Args:
       tree: nested dicts (str keys), lists, tuples of float arrays (float32, bfloat16, float16).
       codec: one of ``CODECS``.
