@@ -172,7 +172,9 @@ def _put_like(arrays: list, like: list) -> list:
     several processes), every process passes the same host arrays and fills its own devices."""
     out = []
     for a, x in zip(arrays, like):
-        if not isinstance(x, jax.Array):
+        if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding) or x.sharding.mesh.size == 1:
+            # one device: an uncommitted array, as before (committing it would change the
+            # committedness of everything the merge returns and recompile the train step)
             out.append(jnp.asarray(a))
         elif x.sharding.is_fully_addressable:
             out.append(jax.device_put(a, x.sharding))
@@ -385,7 +387,7 @@ class OuterSync:
                 )
                 return params, state, device_digest((state.global_params, state.outer_state))
 
-            fn = jax.jit(merge, out_shardings=(params_sh, state_sh, None))
+            fn = jax.jit(merge) if layout is None else jax.jit(merge, out_shardings=(params_sh, state_sh, None))
         elif name == "speculate":
 
             def speculate(params, state, snap):
@@ -406,7 +408,7 @@ class OuterSync:
                 # a separate buffer: the params may be donated by the next train step
                 return new_params, jax.tree.map(lambda a: a + jnp.zeros_like(a), g)
 
-            fn = jax.jit(speculate, out_shardings=(params_sh, None))
+            fn = jax.jit(speculate) if layout is None else jax.jit(speculate, out_shardings=(params_sh, None))
         else:  # pragma: no cover
             raise KeyError(name)
         self._jit_cache[key] = fn
@@ -453,7 +455,7 @@ class OuterSync:
         layout = _layout(params, state)
         for fragment in range(self.tx.fragments):
             like = self._ids(params, fragment)
-            f32 = [jax.ShapeDtypeStruct(np.shape(x), jnp.float32, sharding=getattr(x, "sharding", None)) for x in like]
+            f32 = [jax.ShapeDtypeStruct(np.shape(x), jnp.float32, sharding=None if layout is None else x.sharding) for x in like]
             residual = f32 if self.error_feedback and self._lossy else None
             key = jax.random.fold_in(self._key, 0)
             start = self._fn("start", fragment, layout)

@@ -62,6 +62,13 @@ def place(tree, shardings):
     return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, shardings)
 
 
+def state_on_mesh(state, m):
+    """``tx.init`` leaves its scalars (step counts) on one device; a jitted step returns them on
+    the mesh. Put them there from the start, so that the layouts never change (and nothing is
+    compiled twice)."""
+    return jax.tree.map(lambda x: x if getattr(x.sharding, "mesh", None) == m else jax.device_put(x, NamedSharding(m, P())), state)
+
+
 def on_mesh(tree, m) -> object:
     """The shardings of ``tree``'s leaves that lie on mesh ``m`` (``None`` for the others)."""
     return jax.tree.map(lambda x: x.sharding if getattr(x.sharding, "mesh", None) == m else None, tree)

@@ -47,16 +47,22 @@ def main() -> None:
 
     params = jax.tree.map(lambda x, s: put(np.asarray(x), s), init_params(), sh)
     tx = rj.diloco(optax.adam(2e-2), sync_every=h)
-    state = tx.init(params)
+    # the scalars tx.init leaves on one device go on the mesh, as the jitted step returns them
+    state = jax.tree.map(lambda x: x if getattr(x.sharding, "mesh", None) == m else put(np.asarray(x), NamedSharding(m, P())),
+                         tx.init(params))
     step = make_step(tx, params, state, m, gather=True)
+    x0, y0 = batch(0, 0)
+    jax.block_until_ready(step(params, state, put(x0, data_sh), put(y0, data_sh)))  # compile now
     swarm = None
     if pid == 0:
         swarm = rj.Swarm(url, run_id="md-mp", token=TOKEN, codec="int4", listen="127.0.0.1:0",
                          timeouts=FAST, peer_id="multiprocess")
-        swarm.start()
-        swarm.wait_for_peers(2, timeout=60)
     try:
         with rj.OuterSync(tx, swarm, mode="delayed", overlap_steps=1, codec="int4") as sync:
+            sync.warmup(params, state)  # every process compiles the round functions before round 0
+            if swarm is not None:
+                swarm.start()
+                swarm.wait_for_peers(2, timeout=60)
             for t in range(steps):
                 x, y = batch(0, t)
                 params, state, _ = step(params, state, put(x, data_sh), put(y, data_sh))
@@ -74,6 +80,7 @@ def main() -> None:
                 "layout_kept": kept,
                 "global_digest": digest_hex(device_digest(state.global_params)),
                 "addressable_devices": len(jax.local_devices()),
+                "compiles": [step._cache_size()] + [fn._cache_size() for fn in sync._jit_cache.values()],
             }
     finally:
         if swarm is not None:

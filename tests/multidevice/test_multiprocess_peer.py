@@ -59,6 +59,7 @@ def test_two_process_peer_is_one_swarm_member():
     assert len(ours) == 2 and all(m.group_size == 2 for m in mine["metrics"])
     for r in res:
         assert r["addressable_devices"] == 2 and r["failed"] == 0 and r["layout_kept"]
+        assert r["compiles"] == [1, 1, 1]  # the inner step and each round function compiled once
         assert r["digests"] == ours  # both processes and the other peer: the same global state
     assert res[0]["group_sizes"] == [2, 2]
     assert res[0]["global_digest"] == res[1]["global_digest"]

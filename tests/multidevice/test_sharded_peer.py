@@ -18,7 +18,7 @@ from ravnest_jax.sync import OuterSync, device_digest, digest_hex
 
 from sync._local import local_swarm
 
-from ._model import batch, init_params, make_step, mesh, param_shardings, place
+from ._model import batch, init_params, make_step, mesh, param_shardings, place, state_on_mesh
 
 H, STEPS = 4, 10  # rounds start at steps 4 and 8 and merge one step later (tau = 1): 2 rounds
 
@@ -33,9 +33,13 @@ def _run_peer(swarm, data_peer, *, layout=None, axis_type=AxisType.Explicit, spl
         params = place(params, shardings)
         # data parallel: the batch split over the devices (else every device sees all of it)
         data_sh = NamedSharding(m, P("data", None) if split_batch else P(None, None))
-    state = tx.init(params)
+    state = tx.init(params) if m is None else state_on_mesh(tx.init(params), m)
     gather = layout == "fsdp" and axis_type == AxisType.Explicit
     step = make_step(tx, params, state, m, gather) if layout is not None else make_step(tx)
+    x0, y0 = batch(data_peer, 0)
+    if data_sh is not None:
+        x0, y0 = jax.device_put(x0, data_sh), jax.device_put(y0, data_sh)
+    jax.block_until_ready(step(params, state, x0, y0))  # compile before the first round's clock
     with OuterSync(tx, swarm, mode=mode, overlap_steps=1) as sync:
         sync.warmup(params, state)
         for t in range(STEPS):
@@ -46,7 +50,9 @@ def _run_peer(swarm, data_peer, *, layout=None, axis_type=AxisType.Explicit, spl
             params, state = sync(params, state)
         params, state = sync.flush(params, state)
         metrics = [r for r in sync.metrics if r.ok]
-    return {"params": params, "state": state, "metrics": metrics, "shardings": shardings}
+        # compilations: the inner step and every round function once, whatever the layout
+        compiles = [step._cache_size()] + [fn._cache_size() for fn in sync._jit_cache.values()]
+    return {"params": params, "state": state, "metrics": metrics, "shardings": shardings, "compiles": compiles}
 
 
 def _assert_layout_kept(result):
@@ -86,6 +92,7 @@ def test_sharded_peer_matches_unsharded_peer(unsharded_reference, layout, axis_t
         r = _run_peer(peer, 0, layout=layout, axis_type=axis_type, split_batch=split_batch)
     assert len(r["metrics"]) == 2 == len(unsharded_reference["metrics"])
     _assert_layout_kept(r)
+    assert r["compiles"] == [1, 1, 1] == unsharded_reference["compiles"], (r["compiles"], unsharded_reference["compiles"])
     got = jax.device_get((r["params"], r["state"].global_params, r["state"].outer_state))
     ref = (unsharded_reference["params"], unsharded_reference["state"].global_params,
            unsharded_reference["state"].outer_state)
@@ -113,6 +120,7 @@ def test_swarm_of_a_4_device_peer_and_a_1_device_peer_agrees():
     assert all(m.group_size == 2 for m in r0["metrics"] + r1["metrics"])
     assert [m.result_digest for m in r0["metrics"]] == [m.result_digest for m in r1["metrics"]]
     _assert_layout_kept(r0)
+    assert r0["compiles"] == [1, 1, 1] == r1["compiles"]
     for a, b in zip(jax.tree.leaves(jax.device_get(r0["state"].global_params)),
                     jax.tree.leaves(jax.device_get(r1["state"].global_params))):
         np.testing.assert_array_equal(a, b)
