@@ -71,10 +71,10 @@ def mode_tau(mode: str) -> int:
 
 
 def check_mode(mode: str) -> str:
-    if mode in MODES or (mode.startswith(("delayed_tau", "eager_tau")) and mode.rsplit("_tau", 1)[1].isdigit()
+    if mode in MODES or (mode.startswith(("delayed_tau", "eager_tau", "fragments_int4_tau")) and mode.rsplit("_tau", 1)[1].isdigit()
                          and mode_tau(mode) >= 1):
         return mode
-    raise argparse.ArgumentTypeError(f"unknown mode {mode!r}: one of {MODES} or delayed_tauN / eager_tauN")
+    raise argparse.ArgumentTypeError(f"unknown mode {mode!r}: one of {MODES} or delayed_tauN / eager_tauN / fragments_int4_tauN")
 
 
 def needed_bandwidth(bws: list[float], utils: list[float], target: float) -> str | float:
@@ -119,7 +119,7 @@ def run_mode(mode: str, args, swarms, links, emu, model, log) -> list[dict]:
             updates, state = inner.update(grads, state, params)
             return optax.apply_updates(params, updates), state
     else:
-        tx = rj.diloco(inner, sync_every=h, fragments=args.fragments if mode == "fragments_int4" else 1)
+        tx = rj.diloco(inner, sync_every=h, fragments=args.fragments if mode.startswith("fragments_int4") else 1)
 
         @jax.jit
         def train_step(params, state, tokens):
@@ -270,7 +270,7 @@ def main() -> int:
     ap.add_argument("--bandwidths", type=float, nargs="+", default=[10, 30, 100, 300, 1000], help="Mbit/s")
     ap.add_argument("--rtts", type=float, nargs="+", default=[0, 50, 200], help="ms")
     ap.add_argument("--modes", nargs="+", default=list(MODES), type=check_mode,
-                    help=f"of {MODES}, or delayed_tauN / eager_tauN (overlap N steps, int4, F=1)")
+                    help=f"of {MODES}, or delayed_tauN / eager_tauN (overlap N steps, int4, F=1) / fragments_int4_tauN")
     ap.add_argument("--step-seconds", type=float, default=0.15, help="emulated inner-step time")
     ap.add_argument("--sync-every", type=int, default=50)
     ap.add_argument("--fragments", type=int, default=2)

@@ -497,35 +497,59 @@ def run_peer(args: argparse.Namespace) -> dict:
     train_step.lower(params, state, tokens0).compile()
     sync.warmup(params, state)
     eval_start = evaluate(state.global_params)
+    if args.join_when_exists:
+        _emit(args, event="ready")
+        while not Path(args.join_when_exists).exists():
+            time.sleep(0.05)
     ckpt = None
     resumed_from = None
+    save_every = args.checkpoint_every or args.sync_every
     if args.checkpoint_dir:
-        ckpt = rj.Checkpointer(args.checkpoint_dir, max_to_keep=3, save_interval_steps=args.checkpoint_every or args.sync_every,
+        # saves happen between rounds (no exchange in flight), at most every `save_every` steps;
+        # with overlapped rounds that is `--overlap-steps` after a round boundary
+        ckpt = rj.Checkpointer(args.checkpoint_dir, max_to_keep=3, save_interval_steps=1,
                                metadata={"run_id": args.run_id, "peer": peer_id, "example": "char_lm"})
-        restored = ckpt.restore(params=params, opt_state=state, extra={"sync": sync.state_dict(params)})
+        blank = {"sync": sync.state_dict(params)}
+        restored = ckpt.restore(params=params, opt_state=state, extra=blank)
         if restored is not None:
             params, state = restored.params, restored.opt_state
             sync.load_state_dict(restored.extra["sync"])
             resumed_from = restored.step
             print(f"resumed from {args.checkpoint_dir} at step {restored.step}", file=sys.stderr)
-    if args.join_when_exists:
-        _emit(args, event="ready")
-        while not Path(args.join_when_exists).exists():
-            time.sleep(0.05)
+        swarm.set_info({"checkpoint_steps": ckpt.all_steps()})
     with swarm, sync:
         swarm.serve_state(sync.request_state)
+        if args.min_peers > 1:
+            swarm.wait_for_peers(args.min_peers, timeout=300)
         joined = False
-        if any(p.last_round >= 0 for p in swarm.peers() if p.peer_id != swarm.peer_id):
+        if rj.sync.running_peers(swarm, wait_seconds=2 * timeouts.heartbeat + 1.0):
             # a running swarm (also one that moved on while this peer was down): its global
             # state replaces ours (a restored anchor would be stale), with the schedule step of
             # the swarm's progress
-            data = swarm.fetch_state(timeout=120)
+            try:
+                data = swarm.fetch_state(timeout=120)
+            except rj.swarm.SwarmError as e:
+                print(f"could not download the swarm's state ({e}); continuing from the local state", file=sys.stderr)
+                data = None
             if data:
                 params, state = sync.load_state_bytes(data, params, state)
                 joined = True
-        if args.min_peers > 1:
-            swarm.wait_for_peers(args.min_peers, timeout=300)
+        if not joined and ckpt is not None and args.min_peers > 1:
+            # a whole swarm restarting: every peer continues from the newest checkpoint all of
+            # them have (a peer killed early may lack the later ones)
+            common = rj.sync.common_checkpoint_step(swarm, ckpt.all_steps(), num_peers=args.min_peers, timeout=300)
+            if common is not None:
+                if common != resumed_from:
+                    r = ckpt.restore(common, params=params, opt_state=state, extra=blank)
+                    params, state = r.params, r.opt_state
+                    print(f"whole-swarm restart: continuing from step {common}, the newest checkpoint of every peer", file=sys.stderr)
+                else:
+                    r = restored
+                sync.load_state_dict(r.extra["sync"], round_mapping=False)
+                resumed_from = common
         start_step = int(state.count)
+        if joined or resumed_from is not None:  # the loss where this process takes over
+            eval_start = evaluate(state.global_params)
         _emit(args, event="start", peer=swarm.peer_id, step=start_step, eval_loss=eval_start, params=int(n_params), joined=joined)
         bar = None
         if not args.json_events and not args.no_progress:
@@ -534,14 +558,15 @@ def run_peer(args: argparse.Namespace) -> dict:
             bar = tqdm(total=args.max_steps, initial=start_step, desc=f"peer {swarm.peer_id}", dynamic_ncols=True)
         t0 = t_step = time.perf_counter()
         last_loss = None
-        t = start_step
+        t = last_saved = start_step
         while t < args.max_steps:
             tokens = put_batch(sample_batch(train, np.random.default_rng([data_seed, t]), args.batch_size, cfg.seq_len))
             params, state, value = train_step(params, state, tokens)
             params, state = sync(params, state)
             t_prev, t = t, sync.step  # steps done; a resync may move this peer to the swarm's step
-            if ckpt is not None and sync.pending == 0:
-                ckpt.save(t, params=params, opt_state=state, extra={"sync": sync.state_dict(params)})
+            if ckpt is not None and sync.pending == 0 and t - last_saved >= save_every:
+                ckpt.save(t, params=params, opt_state=state, extra={"sync": sync.state_dict(params)}, force=True)
+                last_saved = t
             if args.min_step_seconds > 0:
                 value.block_until_ready()
                 time.sleep(max(0.0, args.min_step_seconds - (time.perf_counter() - t_step)))
@@ -693,6 +718,10 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
                     bar.set_postfix(loss=f"{np.mean(list(losses.values())):.3f}", rounds=rounds)
             elif ev.get("event") == "round" and i == 0:
                 rounds += 1
+                if args.no_progress:  # a line per round for logs (the bar shows it otherwise)
+                    loss = f", mean train loss {np.mean(list(losses.values())):.3f}" if losses else ""
+                    print(f"round {ev['round']} at step {ev['step']}: {'ok' if ev['ok'] else 'failed'}, "
+                          f"{ev['group_size']} peers{loss}", flush=True)
             elif ev.get("event") == "result":
                 results[i] = ev["result"]
         bar.close()

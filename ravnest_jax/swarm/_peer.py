@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import gc
 import hashlib
+import json
 import logging
 import math
 import secrets
@@ -100,6 +101,9 @@ class Swarm(_StateMixin):
       ssl: server-side ``ssl.SSLContext`` (serve HTTPS; then advertise an ``https://`` URL).
       client_ssl: passed to aiohttp as ``ssl=`` for outgoing requests (an ``SSLContext`` that
         trusts the peers' certificates, or ``None`` for the defaults).
+      info: a small JSON-serialisable dict (at most 4096 bytes as JSON) this peer publishes
+        through the rendezvous; other peers see it as :attr:`PeerInfo.info`. Used to agree on a
+        common checkpoint when a whole swarm restarts. Change it with :meth:`set_info`.
 
     Raises:
       ValueError: bad arguments (unknown codec, empty token, bad listen address).
@@ -112,6 +116,7 @@ class Swarm(_StateMixin):
                  timeouts: Timeouts | None = None, peer_id: str | None = None,
                  algorithm: str = "butterfly",
                  ssl: _ssl.SSLContext | None = None, client_ssl: Any = None,
+                 info: dict[str, Any] | None = None,
                  _send_chunk_delay: float = 0.0, _serve_delay: float = 0.0):
         check_codec(codec, codec_options)
         self.codec_options = dict(codec_options or {})
@@ -146,6 +151,28 @@ class Swarm(_StateMixin):
         self._current_round = -1
         self._nonces = _auth.NonceCache()
         self._closed = False
+        self._info: dict[str, Any] = {}
+        self.set_info(info or {})
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """A copy of the JSON object this peer publishes (see ``info`` and :meth:`set_info`)."""
+        return dict(self._info)
+
+    def set_info(self, info: dict[str, Any]) -> None:
+        """Replaces the JSON object this peer publishes (see ``info``); the rendezvous has it
+        after the next heartbeat (at once when called before the swarm starts).
+
+        Raises:
+          ValueError: ``info`` is not a dict that serialises to at most 4096 bytes of JSON.
+        """
+        try:
+            size = len(json.dumps(info, separators=(",", ":"))) if isinstance(info, dict) else -1
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"info must be JSON-serialisable: {e}") from None
+        if not 0 <= size <= 4096:
+            raise ValueError("info must be a dict of at most 4096 bytes as JSON")
+        self._info = dict(info)
 
     # ------------------------------------------------------------------ lifecycle (caller thread)
     def __enter__(self) -> Swarm:
@@ -267,7 +294,7 @@ class Swarm(_StateMixin):
         except Exception as e:
             raise SwarmError(f"rendezvous unreachable: {e}") from e
         return [PeerInfo(p["peer_id"], p["address"], p["last_round"],
-                         p["seconds_since_heartbeat"]) for p in data["peers"]]
+                         p["seconds_since_heartbeat"], dict(p.get("info") or {})) for p in data["peers"]]
 
     def wait_for_peers(self, n: int, timeout: float = 60.0) -> list[PeerInfo]:
         """Block until at least ``n`` live peers (this one included) are registered.
@@ -365,7 +392,8 @@ class Swarm(_StateMixin):
         return f"{scheme}://{host}:{self.port}"
 
     def _hello(self) -> dict[str, Any]:
-        return {"peer_id": self.peer_id, "address": self.address, "last_round": self._last_round}
+        return {"peer_id": self.peer_id, "address": self.address, "last_round": self._last_round,
+                "info": self._info}
 
     async def _rv(self, method: str, path: str, payload: Any, total: float,
                   round_: int | None = None) -> Any:

@@ -7,8 +7,8 @@ epoch is answered ``fail``) and the next round starts after the highest round an
 HTTP API (every ``/v1`` request is signed, see :mod:`._auth`; answers are signed too):
 
 ``GET  /health``                                   ``{"ok": true, "epoch": ...}`` (no auth)
-``POST /v1/runs/{run}/join``       ``{peer_id, address, last_round}``
-``POST /v1/runs/{run}/heartbeat``  ``{peer_id, address, last_round}`` (registers if unknown)
+``POST /v1/runs/{run}/join``       ``{peer_id, address, last_round, info?}``
+``POST /v1/runs/{run}/heartbeat``  ``{peer_id, address, last_round, info?}`` (registers if unknown)
 ``POST /v1/runs/{run}/leave``      ``{peer_id}``
 ``GET  /v1/runs/{run}/peers``                      live peers
 ``GET  /v1/runs/{run}/status``                     peers, membership version, recent rounds
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import secrets
 import signal
@@ -38,6 +39,7 @@ log = logging.getLogger("ravnest_jax.swarm.rendezvous")
 KEEP_ROUNDS = 32
 MAX_PEERS_PER_RUN = 4096
 MAX_RUNS = 1024
+MAX_INFO_BYTES = 4096  # a peer's published info object, as compact JSON
 
 
 @dataclasses.dataclass
@@ -48,6 +50,7 @@ class _Peer:
     last_seen: float
     last_round: int = -1
     suspect_since: float | None = None  # left out of a retry; cleared by its next heartbeat
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -171,10 +174,14 @@ class Rendezvous:
     def _reply(self, request: web.Request, run: _Run, payload: Any) -> web.Response:
         return json_response(request, self.token, run.run_id, "rendezvous", payload)
 
-    def _touch(self, run: _Run, peer: str, p: dict[str, Any]) -> tuple[_Peer, bool]:
+    def _touch(self, run: _Run, peer: str, p: dict[str, Any], *, joining: bool = False) -> tuple[_Peer, bool]:
         address = p.get("address")
         if not isinstance(address, str) or not address.startswith(("http://", "https://")):
             raise web.HTTPBadRequest(text="address must be an http(s) URL")
+        info = p.get("info")
+        if info is not None and (not isinstance(info, dict)
+                                 or len(json.dumps(info, separators=(",", ":"))) > MAX_INFO_BYTES):
+            raise web.HTTPBadRequest(text=f"info must be a JSON object of at most {MAX_INFO_BYTES} bytes")
         now = time.monotonic()
         e = run.peers.get(peer)
         new = e is None
@@ -187,12 +194,19 @@ class Rendezvous:
         elif e.address != address:
             e.address = address
             run.version += 1
+        if joining and not new:
+            # a new process of a known peer id: it takes no part in a round created before now
+            # (that round's work of its previous process is lost)
+            e.joined = now
+            run.version += 1
         e.last_seen = now
+        if info is not None:
+            e.info = info
         if e.suspect_since is not None and now > e.suspect_since:
             e.suspect_since = None
         lr = p.get("last_round")
         if isinstance(lr, int):
-            e.last_round = max(e.last_round, lr)
+            e.last_round = lr if joining else max(e.last_round, lr)
             run.max_reported_round = max(run.max_reported_round, lr)
         return e, new
 
@@ -209,7 +223,8 @@ class Rendezvous:
                 "heartbeat_s": self.heartbeat_s, "eviction_s": self.eviction_s,
                 "peers": [{"peer_id": e.peer_id, "address": e.address,
                            "last_round": e.last_round,
-                           "seconds_since_heartbeat": round(now - e.last_seen, 3)}
+                           "seconds_since_heartbeat": round(now - e.last_seen, 3),
+                           "info": e.info}
                           for e in self._live(run)]}
 
     # -- membership ----------------------------------------------------------------------
@@ -218,7 +233,9 @@ class Rendezvous:
 
     async def _join(self, request: web.Request) -> web.Response:
         run, peer, p = await self._auth(request)
-        self._touch(run, peer, p)
+        # a join is a (re)started peer process: its last round is what it says now, not what an
+        # earlier process of the same id reported
+        self._touch(run, peer, p, joining=True)
         return self._reply(request, run, self._membership(run))
 
     async def _heartbeat(self, request: web.Request) -> web.Response:
@@ -279,10 +296,14 @@ class Rendezvous:
         deadline = time.monotonic() + wait_s
         while True:
             rnd = run.rounds.get(run.latest) if run.latest is not None else None
-            live = {e.peer_id for e in self._live(run)}
+            # members of the round still alive: processes that joined before it was created
+            live = {e.peer_id for e in self._live(run) if rnd is None or e.joined <= rnd.created}
             over = rnd is not None and (rnd.outcome != "running" or not (
                 live - {peer}) & set(rnd.attempts[max(rnd.attempts)].group))
-            if rnd is None or over or (peer in rnd.attempts[0].group and after >= rnd.number):
+            me = run.peers.get(peer)
+            member = rnd is not None and peer in rnd.attempts[0].group and (
+                me is None or me.joined <= rnd.created)
+            if rnd is None or over or (member and after >= rnd.number):
                 # just (re)started: give every live peer one heartbeat to re-register first
                 settle = self.boot + 2 * self.heartbeat_s - time.monotonic()
                 if settle > 0:
@@ -292,7 +313,8 @@ class Rendezvous:
                 rnd = self._create_round(run, after, p, peer)
                 async with run.new_round:
                     run.new_round.notify_all()
-            if peer in rnd.attempts[0].group and after < rnd.number:
+                member = peer in rnd.attempts[0].group
+            if member and after < rnd.number:
                 group = rnd.attempts[0].group
                 # the part phase ends at the same moment for everyone: the attempt's start plus
                 # part_s, whenever a peer arrives (a late arrival has less time, not more)

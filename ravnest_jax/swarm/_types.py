@@ -52,12 +52,15 @@ class PeerInfo:
       address: the advertised base URL, e.g. ``"http://10.0.0.5:7000"``.
       last_round: the last round the peer finished (``-1`` before its first).
       seconds_since_heartbeat: age of its last heartbeat, seconds.
+      info: the small JSON object the peer publishes (``Swarm(info=...)``, ``Swarm.set_info``),
+        for example the steps of its checkpoints; ``{}`` if none.
     """
 
     peer_id: str
     address: str
     last_round: int
     seconds_since_heartbeat: float
+    info: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,3 +6,5 @@ from ._outer_sync import MODES as MODES
 from ._outer_sync import OuterSync as OuterSync
 from ._outer_sync import RoundMetrics as RoundMetrics
 from ._prometheus import PrometheusExporter as PrometheusExporter
+from ._restart import common_checkpoint_step as common_checkpoint_step
+from ._restart import running_peers as running_peers

@@ -520,8 +520,17 @@ class OuterSync:
             "residual": residual,
         }
 
-    def load_state_dict(self, d: dict) -> None:
-        """Restores what :meth:`state_dict` returned (for example from an ``rj.Checkpointer``)."""
+    def load_state_dict(self, d: dict, *, round_mapping: bool = True) -> None:
+        """Restores what :meth:`state_dict` returned (for example from an ``rj.Checkpointer``).
+
+        Args:
+          d: the dict :meth:`state_dict` returned.
+          round_mapping: keep the saved mapping from this driver's exchanges to the swarm's
+            round numbers. Pass ``False`` when the whole swarm restarts from a common
+            checkpoint (:func:`common_checkpoint_step`): the rendezvous may have numbered
+            rounds on since, so the mapping is learned afresh from the first round, which every
+            restarted peer enters together.
+        """
         step = int(d["step"])
         self.step = None if step < 0 else step
         if self.step is not None:
@@ -529,7 +538,7 @@ class OuterSync:
             self._last_round_step = {f: self.step for f in range(self.tx.fragments)}
         self.rounds_started = int(d["rounds_started"])
         base = [int(x) for x in np.asarray(d.get("swarm_base", (-1, -1))).reshape(-1)]
-        self._swarm_base = (base[0], base[1]) if len(base) == 2 and base[0] >= 0 else None
+        self._swarm_base = (base[0], base[1]) if round_mapping and len(base) == 2 and base[0] >= 0 else None
         # flat host vectors; _start cuts them into leaves with the params' layouts
         self._residual = {
             int(f): np.asarray(r, np.float32) for f, r in d.get("residual", {}).items() if np.any(np.asarray(r))
@@ -804,6 +813,13 @@ class OuterSync:
                 data = fetch.result(timeout=max(deadline - time.monotonic(), 0.0))
             except Exception as e:  # noqa: BLE001 - no live peer: keep training alone
                 log.warning("resync failed: %s; continuing with the local state", e)
+            else:
+                if data is None and self._swarm_base is not None:
+                    # no other live peer: nobody to be inconsistent with. The rendezvous may
+                    # number rounds past this peer's saved mapping (a peer resumed alone from a
+                    # checkpoint); learn the mapping afresh instead of missing every round
+                    log.info("no live peer to resync from: the round mapping is learned anew")
+                    self._swarm_base = None
         if data:
             params, state = self.load_state_bytes(data, params, state)
             self.resyncs += 1
