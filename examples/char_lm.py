@@ -9,6 +9,9 @@ Three ways to run it:
   rounds, bytes each peer sent next to what data-parallel training would have sent,
   compute utilisation, stalls. Ctrl+C stops all of it.
 - ``--rendezvous URL --run-id ID --token-file F``: one peer, for separate machines.
+- with either: ``--devices N [--layout replicated|fsdp]``: each peer trains over N local devices
+  (the batch split over them, params replicated or split FSDP-style); without accelerators N CPU
+  devices are made (docs/multi-device.md).
 - neither (``--simulate``): the replica simulation: N DiLoCo replicas in one process
   (``jax.vmap`` over a replica axis, each replica with its own data shard), for H in
   ``--sync-every-list``, against synchronous data-parallel training with the same inner
@@ -18,6 +21,7 @@ Text: the ``.py`` files of the running interpreter's standard library (every mac
 split by file into train and eval, or any text file given with ``--text`` (last 10% is eval).
 
     python examples/char_lm.py --local-peers 4            # a local swarm of 4 peer processes
+    python examples/char_lm.py --local-peers 2 --devices 2 --layout fsdp   # 2 peers x 2 devices
     python examples/char_lm.py --simulate                 # 4 replicas, H in {1, 10, 50} vs data-parallel
     python examples/char_lm.py --rendezvous http://host:8765 --run-id exp1 --token-file token
 
@@ -356,6 +360,63 @@ def run_simulation(args: argparse.Namespace) -> dict:
 
 
 # ------------------------------------------------------------------------------- swarm: a peer
+def force_cpu_devices(n: int) -> None:
+    """Lets the CPU backend show ``n`` devices (for ``--devices n`` without accelerators). Must
+    run before any jax use; without effect on GPU/TPU backends, and once jax has started."""
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # the backend is already up (for example in a test process)
+        pass
+
+
+def peer_mesh(n: int):
+    """The peer's local device mesh: ``n`` devices on one ``"data"`` axis (automatic axes: XLA
+    partitions the model code as it is), or ``None`` for one device.
+
+    Raises:
+      ValueError: fewer than ``n`` local devices.
+    """
+    import jax
+    from jax.sharding import AxisType
+
+    if n == 1:
+        return None
+    devices = jax.local_devices()
+    if len(devices) < n:
+        raise ValueError(f"--devices {n}: this process has {len(devices)} local {jax.default_backend()} devices")
+    return jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,), devices=devices[:n])
+
+
+def place_on_mesh(mesh, layout: str, params, state):
+    """Lays params and optimizer state out on the peer's mesh and returns ``(params, state,
+    put_batch)``; ``put_batch(tokens)`` splits a batch over the devices (data parallel).
+
+    ``layout="replicated"``: every device holds all params; ``"fsdp"``: every leaf is split along
+    its first axis when that divides evenly (else replicated), and XLA gathers it where used.
+    Without a mesh everything stays where it is.
+    """
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if mesh is None:
+        return params, state, lambda tokens: tokens
+    n = mesh.size
+
+    def spec(x):
+        if layout == "fsdp" and x.ndim and x.shape[0] % n == 0:
+            return NamedSharding(mesh, P("data"))
+        return NamedSharding(mesh, P())
+
+    params = jax.device_put(params, jax.tree.map(spec, params))
+    # the optimizer state like the params (moments, anchor, outer momentum); scalars replicated
+    state = jax.device_put(state, jax.tree.map(spec, state))
+    data = NamedSharding(mesh, P("data"))
+    return params, state, lambda tokens: jax.device_put(tokens, data)
+
+
 def _emit(args: argparse.Namespace, **event) -> None:
     """One JSON line on stdout for the launcher (``--json-events``)."""
     if args.json_events:
@@ -389,6 +450,8 @@ def run_peer(args: argparse.Namespace) -> dict:
 
     if args.parent_pid:
         _watch_parent(args.parent_pid)
+    if args.devices > 1:
+        force_cpu_devices(args.devices)
     token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("RAVNEST_TOKEN", "")
     if not token:
         raise ValueError("--token-file: no token (or set RAVNEST_TOKEN)")
@@ -399,12 +462,18 @@ def run_peer(args: argparse.Namespace) -> dict:
     loss_fn = make_loss(graphdef)
     tx = rj.diloco(inner_optimizer(args.lr, args.schedule_steps or args.max_steps), sync_every=args.sync_every,
                    fragments=args.fragments)
+    mesh = peer_mesh(args.devices)
+    state = tx.init(params)
+    params, state, put_batch = place_on_mesh(mesh, args.layout, params, state)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, state, tokens):
+    def step(params, state, tokens):
         value, grads = jax.value_and_grad(loss_fn)(params, tokens)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, value
+
+    # on a mesh the step keeps the layouts of params and state (XLA would otherwise choose)
+    layouts = None if mesh is None else (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, state), None)
+    train_step = jax.jit(step, donate_argnums=(0, 1), out_shardings=layouts)
 
     n_params = sum(x.size for x in jax.tree.leaves(params))
     timeouts = Timeouts(part=args.part_timeout, round=max(4 * args.part_timeout, 30.0), heartbeat=1.0, eviction=5.0)
@@ -424,8 +493,7 @@ def run_peer(args: argparse.Namespace) -> dict:
     mode = "blocking" if args.overlap_steps == 0 and args.mode != "eager" else args.mode
     sync = rj.OuterSync(tx, swarm, mode=mode, overlap_steps=args.overlap_steps, alpha=args.alpha,
                         samples_per_step=args.batch_size, on_round=on_round)
-    state = tx.init(params)
-    tokens0 = sample_batch(train, np.random.default_rng([data_seed, 0]), args.batch_size, cfg.seq_len)
+    tokens0 = put_batch(sample_batch(train, np.random.default_rng([data_seed, 0]), args.batch_size, cfg.seq_len))
     train_step.lower(params, state, tokens0).compile()
     sync.warmup(params, state)
     eval_start = evaluate(state.global_params)
@@ -494,7 +562,7 @@ def run_peer(args: argparse.Namespace) -> dict:
         last_loss = None
         t = last_saved = start_step
         while t < args.max_steps:
-            tokens = sample_batch(train, np.random.default_rng([data_seed, t]), args.batch_size, cfg.seq_len)
+            tokens = put_batch(sample_batch(train, np.random.default_rng([data_seed, t]), args.batch_size, cfg.seq_len))
             params, state, value = train_step(params, state, tokens)
             params, state = sync(params, state)
             t_prev, t = t, sync.step  # steps done; a resync may move this peer to the swarm's step
@@ -528,6 +596,8 @@ def run_peer(args: argparse.Namespace) -> dict:
     steps_done = args.max_steps - start_step
     return {
         "peer": peer_id,
+        "devices": 1 if mesh is None else mesh.size,
+        "layout": "single" if mesh is None else args.layout,
         "joined_running_swarm": joined,
         "resumed_from_step": resumed_from,
         "start_step": start_step,
@@ -553,7 +623,7 @@ def run_peer(args: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------------------- swarm: a launcher
 _FORWARD = ("text", "sync_every", "max_steps", "batch_size", "seq_len", "d_model", "layers", "heads", "lr", "codec",
             "overlap_steps", "mode", "alpha", "fragments", "eval_batches", "seed", "part_timeout", "log_every",
-            "min_step_seconds", "checkpoint_every", "schedule_steps")
+            "min_step_seconds", "checkpoint_every", "schedule_steps", "devices", "layout")
 
 
 def _forward_flags(args: argparse.Namespace) -> list[str]:
@@ -772,6 +842,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--checkpoint-every", type=_positive_int, default=None, help="steps between checkpoints (default: --sync-every)")
     s.add_argument("--schedule-steps", type=_positive_int, default=None,
                    help="length of the learning-rate schedule (default: --max-steps; fix it to resume a run further)")
+    s.add_argument("--devices", type=_positive_int, default=1,
+                   help="local devices of each peer: the batch is split over them (data parallel); on a "
+                        "machine without accelerators this many CPU devices are made")
+    s.add_argument("--layout", choices=["replicated", "fsdp"], default="replicated",
+                   help="with --devices > 1: params replicated on every device, or split along their first axis")
     s.add_argument("--json-events", action="store_true", help=argparse.SUPPRESS)
     s.add_argument("--join-when-exists", default=None, help=argparse.SUPPRESS)  # tests: join on cue
     s.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
@@ -791,6 +866,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--mode eager needs --overlap-steps >= 1")
     if args.rendezvous and not (args.token_file or os.environ.get("RAVNEST_TOKEN")):
         p.error("--rendezvous needs --token-file (or $RAVNEST_TOKEN)")
+    if args.devices > 1 and not (args.local_peers or args.rendezvous):
+        p.error("--devices applies to swarm peers (--local-peers / --rendezvous)")
+    if args.batch_size % args.devices:
+        p.error(f"--batch-size ({args.batch_size}) must be a multiple of --devices ({args.devices})")
     if not (args.local_peers or args.rendezvous):
         args.simulate = True
     elif args.codec is None:

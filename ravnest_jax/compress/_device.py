@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from . import _formats as F
 from . import _tree
@@ -98,6 +100,14 @@ def device_encode(
     ``packed_to_bytes(packed)`` on the host (jax-free) gives the message, which equals
     ``encode(tree, codec, ...)`` byte for byte for the deterministic codecs.
 
+    Leaves sharded over a device mesh (``NamedSharding``) are encoded where they lie: blocks are
+    cut per leaf, so each device encodes the blocks of its own shard (a leaf whose shard is not a
+    whole number of blocks is re-laid out between the devices by XLA; ``topk`` sorts whole
+    leaves). The bytes are those of the unsharded leaves. On a mesh with explicit axes the codec
+    math runs with the axes made automatic, the packed parts come back spread over the devices
+    along their only axis (replicated when their length does not divide by the device count) and
+    the new residual with the layout of its leaf.
+
     Args:
       tree: nested dicts (str keys), lists, tuples of float arrays (float32, bfloat16, float16).
       codec: one of ``CODECS``.
@@ -119,6 +129,55 @@ def device_encode(
     cfg = F.resolve(codec, **options)
     if cfg.stochastic and key is None:
         raise ValueError("stochastic=True needs a PRNG key: device_encode(..., key=jax.random.key(0))")
+    mesh = _explicit_mesh(jax.tree.leaves(tree))
+    if mesh is not None:
+        return _encode_explicit(mesh, cfg, tree, key, residual)
+    return _encode(cfg, tree, key, residual)
+
+
+def _explicit_mesh(leaves: list) -> Any:
+    """The mesh of the first leaf sharded over a mesh with explicit axes, else ``None``."""
+    for x in leaves:
+        try:
+            s = jax.typeof(x).sharding
+        except TypeError:
+            continue
+        if isinstance(s, NamedSharding) and s.mesh.explicit_axes:
+            return s.mesh
+    return None
+
+
+def _encode_explicit(mesh: Any, cfg: F.CodecConfig, tree: Any, key: Any, residual: Any) -> tuple[Packed, Any]:
+    """Leaves sharded over a mesh with explicit axes: the blockwise reshapes of the codec math
+    have no explicit sharding rule, so it runs with the axes made automatic (XLA partitions it:
+    each device encodes the blocks of its own shard). The packed parts come back spread over the
+    devices along their only axis (replicated when their length does not divide evenly), the new
+    residual with the layout of its leaf."""
+    leaves, _, structure = _tree.flatten(tree)
+
+    def plain(t: Any) -> Any:
+        return None if t is None else jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), t)
+
+    packed_shape, _ = jax.eval_shape(lambda t, r: _encode(cfg, t, key, r), plain(tree), plain(residual))
+    axes = tuple(mesh.axis_names)
+
+    def spread(s: Any) -> NamedSharding:
+        even = s.shape and s.shape[0] % mesh.size == 0
+        return NamedSharding(mesh, P(axes) if even else P())
+
+    packed_sh = jax.tree.map(spread, packed_shape)
+    res_sh = None
+    if residual is not None:
+        specs = []
+        for x in leaves:
+            s = jax.typeof(x).sharding
+            specs.append(NamedSharding(mesh, s.spec if isinstance(s, NamedSharding) else P()))
+        res_sh = _tree.unflatten(structure, specs)
+    fn = jax.sharding.auto_axes(lambda t, r: _encode(cfg, t, key, r), out_sharding=(packed_sh, res_sh))
+    return fn(tree, residual)
+
+
+def _encode(cfg: F.CodecConfig, tree: Any, key: Any, residual: Any) -> tuple[Packed, Any]:
     leaves, names, structure = _tree.flatten(tree)
     res = None
     if residual is not None:

@@ -140,6 +140,11 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
     pure and jittable, and the fragment schedule (:meth:`fragment_leaf_ids`,
     :meth:`fragment_offset`, :meth:`due_fragments`). Its static configuration is available as
     ``inner``, ``outer``, ``sync_every``, ``axis_name`` and ``fragments``.
+
+    The round functions are elementwise in every leaf, so they take params laid out over a
+    local device mesh (``jax.sharding.NamedSharding``: replicated, FSDP-style, any spec) as
+    they are: each device computes its own shards, no collective runs, the results keep the
+    input layouts and are bit-identical to a single-device run (docs/multi-device.md).
     """
 
     # NamedTuple subclasses without __slots__ get a __dict__: it holds the static config.

@@ -25,6 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import serialization
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ravnest_jax import compress
 from ravnest_jax.optim import DiLoCo, DiLoCoState, RoundSnapshot
@@ -106,16 +109,78 @@ class _Pending:
     float_bytes: int = 0
 
 
-def _flat(leaves: list) -> jax.Array:
-    return jnp.concatenate([jnp.ravel(jnp.asarray(x, jnp.float32)) for x in leaves]) if leaves else jnp.zeros(0)
+def _mesh_of(tree: Any) -> Mesh | None:
+    """The device mesh of the first leaf laid out over more than one device, else ``None``."""
+    for x in jax.tree.leaves(tree):
+        s = getattr(x, "sharding", None)
+        if isinstance(s, NamedSharding) and s.mesh.size > 1:
+            return s.mesh
+    return None
 
 
-def _unflat(vec: jax.Array, like: list) -> list:
+def _layout(params: Any, state: Any) -> tuple | None:
+    """A hashable description of how ``params`` and ``state`` lie on their mesh: ``(mesh,
+    params treedef, params shardings, state treedef, state shardings)``, with ``None`` for a leaf
+    that is not on that mesh (the compiler chooses); ``None`` when the params are on one device."""
+    mesh = _mesh_of(params)
+    if mesh is None:
+        return None
+
+    def on_mesh(tree: Any) -> tuple:
+        leaves, treedef = jax.tree.flatten(tree)
+        sh = tuple(
+            x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh else None
+            for x in leaves
+        )
+        return treedef, sh
+
+    return (mesh, *on_mesh(params), *on_mesh(state))
+
+
+def _spread(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Dim 0 spread over every device of ``mesh`` when it divides evenly, else replicated."""
+    if shape and shape[0] % mesh.size == 0:
+        return NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    return NamedSharding(mesh, P())
+
+
+def _encode_on_mesh(encode: Callable, mesh: Mesh | None, leaves: list, residual: Any, key: Any) -> tuple[Any, Any]:
+    """``encode(leaves, residual, key)`` (a ``device_encode``) inside jit, for leaves laid out on
+    ``mesh``: every device encodes the blocks of its own shards (XLA's partitioner) and the
+    packed parts come out spread over the devices, so that the device-to-host copy takes one
+    slice from each device and no device gathers the pseudo-gradient. (On a mesh with explicit
+    axes ``device_encode`` lays its outputs out the same way itself.)"""
+    if mesh is None or mesh.explicit_axes:
+        return encode(leaves, residual, key)
+    packed, new_res = encode(leaves, residual, key)
+    return jax.lax.with_sharding_constraint(packed, jax.tree.map(lambda a: _spread(mesh, a.shape), packed)), new_res
+
+
+def _split_host(vec: np.ndarray, like: list) -> list[np.ndarray]:
+    """A flat host vector cut into arrays shaped like ``like`` (views, C order)."""
     out, off = [], 0
     for x in like:
-        n = int(np.prod(x.shape, dtype=np.int64))
-        out.append(vec[off : off + n].reshape(x.shape).astype(jnp.float32))
+        n = int(np.prod(np.shape(x), dtype=np.int64))
+        out.append(vec[off : off + n].reshape(np.shape(x)))
         off += n
+    return out
+
+
+def _put_like(arrays: list, like: list) -> list:
+    """Host arrays onto the devices with the layouts of ``like``: each device receives its own
+    shard straight from the host. With devices of other processes in the layout (a peer over
+    several processes), every process passes the same host arrays and fills its own devices."""
+    out = []
+    for a, x in zip(arrays, like):
+        if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding) or x.sharding.mesh.size == 1:
+            # one device: an uncommitted array, as before (committing it would change the
+            # committedness of everything the merge returns and recompile the train step)
+            out.append(jnp.asarray(a))
+        elif x.sharding.is_fully_addressable:
+            out.append(jax.device_put(a, x.sharding))
+        else:
+            a = np.asarray(a)
+            out.append(jax.make_array_from_callback(a.shape, x.sharding, lambda idx, a=a: a[idx]))
     return out
 
 
@@ -163,10 +228,23 @@ class OuterSync:
       resync: ``f() -> bytes | None`` that downloads the current state from a live peer, used
         after a failed round; default: the swarm's ``fetch_state`` when it has one.
       seed: PRNG seed of stochastic rounding.
+      codec: the swarm's codec. Needed only on the processes of a peer that spans several
+        processes (``jax.distributed``) other than process 0: they pass ``swarm=None`` and
+        encode with process 0 (docs/multi-device.md); elsewhere it must equal ``swarm.codec``.
+
+    A peer may span several processes (hosts) joined by ``jax.distributed``: every process runs
+    the same training loop and the same ``OuterSync`` calls; only process 0 holds the swarm. At
+    a round boundary the processes encode the pseudo-gradient on their devices and gather the
+    packed (compressed) parts to the host of every process (``process_allgather``); process 0
+    sends them to the swarm; when the round is due it broadcasts the mean to the others
+    (``broadcast_one_to_all``) and every process merges its own shards. A multi-process peer
+    does not serve or download state (no resync): a failed round is skipped.
 
     Raises:
       ValueError: a bad mode, overlap, alpha, samples_per_step, sync_every_seconds, a tx with
-        ``axis_name`` set, or a swarm without ``all_reduce_async``.
+        ``axis_name`` set, a swarm without ``all_reduce_async`` (``None`` is accepted only on the
+        processes other than 0 of a multi-process peer, with ``codec``), a ``codec`` that is not
+        the swarm's.
     """
 
     def __init__(
@@ -184,13 +262,25 @@ class OuterSync:
         on_round: Callable[[RoundMetrics], None] | None = None,
         resync: Callable[[], bytes | None] | None = None,
         seed: int = 0,
+        codec: str | None = None,
     ):
         if not isinstance(tx, DiLoCo):
             raise ValueError("tx must be the transformation returned by rj.diloco")
         if tx.axis_name is not None:
             raise ValueError("tx: OuterSync drives rounds from the host; build it with axis_name=None")
-        if not hasattr(swarm, "all_reduce_async"):
+        self._processes = jax.process_count()
+        self._leader = jax.process_index() == 0
+        if swarm is None and not (self._processes > 1 and not self._leader):
+            raise ValueError(
+                "swarm must be an rj.Swarm; None only on the processes other than 0 of a peer that "
+                "spans several processes (jax.distributed)"
+            )
+        if swarm is None and codec is None:
+            raise ValueError("codec must be given with swarm=None (the codec of process 0's swarm)")
+        if swarm is not None and not hasattr(swarm, "all_reduce_async"):
             raise ValueError("swarm must provide all_reduce_async(tree, weight=...) (an rj.Swarm)")
+        if swarm is not None and codec is not None and codec != getattr(swarm, "codec", "fp32"):
+            raise ValueError(f"codec {codec!r} is not the swarm's codec {getattr(swarm, 'codec', 'fp32')!r}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or overlap_steps < 0:
@@ -220,7 +310,7 @@ class OuterSync:
         self.overlap_steps = overlap_steps if mode != "blocking" else 0
         self.alpha = float(alpha)
         self.error_feedback = bool(error_feedback)
-        self.codec = getattr(swarm, "codec", "fp32")
+        self.codec = codec if swarm is None else getattr(swarm, "codec", "fp32")
         self.codec_options = dict(codec_options or {})
         self.samples_per_step = float(samples_per_step)
         self.sync_every_seconds = sync_every_seconds
@@ -236,7 +326,9 @@ class OuterSync:
         self.failed_rounds = 0
         self.resyncs = 0
         self._pending: collections.deque[_Pending] = collections.deque()
-        self._residual: dict[int, jax.Array] = {}
+        # per fragment: the error-feedback residual, a list of float32 leaves laid out like the
+        # params (or a flat host vector restored from a checkpoint, cut into leaves at the next round)
+        self._residual: dict[int, list | np.ndarray] = {}
         self._last_round_step: dict[int, int] = {}
         self._window_start = time.perf_counter()
         self._window_stall = 0.0
@@ -254,38 +346,48 @@ class OuterSync:
         self._jit_cache: dict[tuple, Callable] = {}
 
     # ------------------------------------------------------------------ jitted pieces
-    def _fn(self, name: str, fragment: int) -> Callable:
-        key = (name, fragment)
+    def _fn(self, name: str, fragment: int, layout: tuple | None = None) -> Callable:
+        """The jitted round function ``name`` for ``fragment`` and a params/state ``layout``
+        (from :func:`_layout`; ``None`` on one device): on a mesh the merged params and state
+        come back with exactly the shardings they had."""
+        key = (name, fragment, layout)
         fn = self._jit_cache.get(key)
         if fn is not None:
             return fn
         tx = self.tx
         frag = None if tx.fragments == 1 else fragment
         codec, opts = self.codec, self.codec_options
+        mesh = None if layout is None else layout[0]
+        params_sh = state_sh = None
+        if layout is not None:
+            params_sh = jax.tree.unflatten(layout[1], list(layout[2]))
+            state_sh = jax.tree.unflatten(layout[3], list(layout[4]))
 
         if name == "start":
 
+            def encode(leaves, residual, key):
+                return compress.device_encode(leaves, codec, key=key, residual=residual, **opts)
+
             def start(params, state, residual, key):
+                # one packed leaf per pseudo-gradient leaf (blocks never straddle two leaves, so
+                # every shard of a leaf encodes on its own device); the host concatenates them
                 snap = tx.round_start(params, state, frag)
-                flat = _flat(jax.tree.leaves(snap.pseudo_gradient))
-                packed, new_res = compress.device_encode(
-                    {"pg": flat}, codec, key=key, residual=None if residual is None else {"pg": residual}, **opts
-                )
-                return snap, packed, None if new_res is None else new_res["pg"]
+                leaves = list(jax.tree.leaves(snap.pseudo_gradient))
+                packed, new_res = _encode_on_mesh(encode, mesh, leaves, residual, key)
+                return snap, packed, new_res
 
             fn = jax.jit(start)
         elif name == "merge":
             keep = self.mode != "blocking"
 
-            def merge(params, state, mean_flat, snap, alpha):
-                like = jax.tree.leaves(snap.pseudo_gradient)
-                mean = jax.tree.unflatten(jax.tree.structure(snap.pseudo_gradient), _unflat(mean_flat, like))
+            def merge(params, state, mean_leaves, snap, alpha):
+                mean = jax.tree.unflatten(jax.tree.structure(snap.pseudo_gradient), list(mean_leaves))
                 params, state = tx.round_merge(
                     params, state, mean, snap, fragment=frag, alpha=alpha, keep_local_progress=keep
                 )
                 return params, state, device_digest((state.global_params, state.outer_state))
 
-            fn = jax.jit(merge)
+            fn = jax.jit(merge) if layout is None else jax.jit(merge, out_shardings=(params_sh, state_sh, None))
         elif name == "speculate":
 
             def speculate(params, state, snap):
@@ -306,7 +408,7 @@ class OuterSync:
                 # a separate buffer: the params may be donated by the next train step
                 return new_params, jax.tree.map(lambda a: a + jnp.zeros_like(a), g)
 
-            fn = jax.jit(speculate)
+            fn = jax.jit(speculate) if layout is None else jax.jit(speculate, out_shardings=(params_sh, None))
         else:  # pragma: no cover
             raise KeyError(name)
         self._jit_cache[key] = fn
@@ -354,17 +456,18 @@ class OuterSync:
     def warmup(self, params: Any, state: DiLoCoState) -> None:
         """Compiles the round functions ahead of time (they otherwise compile at the first round
         boundary, which would make this peer late for its first round). Runs nothing."""
+        layout = _layout(params, state)
         for fragment in range(self.tx.fragments):
-            n = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in self._ids(params, fragment))
-            residual = jax.ShapeDtypeStruct((n,), jnp.float32) if self.error_feedback and self._lossy else None
+            like = self._ids(params, fragment)
+            f32 = [jax.ShapeDtypeStruct(np.shape(x), jnp.float32, sharding=None if layout is None else x.sharding) for x in like]
+            residual = f32 if self.error_feedback and self._lossy else None
             key = jax.random.fold_in(self._key, 0)
-            start = self._fn("start", fragment)
+            start = self._fn("start", fragment, layout)
             snap, _, _ = jax.eval_shape(start, params, state, residual, key)
             start.lower(params, state, residual, key).compile()
-            mean = jax.ShapeDtypeStruct((n,), jnp.float32)
-            self._fn("merge", fragment).lower(params, state, mean, snap, self.alpha).compile()
+            self._fn("merge", fragment, layout).lower(params, state, f32, snap, self.alpha).compile()
             if self.mode == "eager":
-                self._fn("speculate", fragment).lower(params, state, snap).compile()
+                self._fn("speculate", fragment, layout).lower(params, state, snap).compile()
 
     def flush(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
         """Waits for every round in flight and merges it now (for example before a checkpoint
@@ -406,7 +509,13 @@ class OuterSync:
         for f in range(self.tx.fragments):
             n = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in self._ids(params, f))
             r = self._residual.get(f)
-            residual[str(f)] = np.zeros((n,), np.float32) if r is None else np.asarray(r, np.float32)
+            if r is None:
+                residual[str(f)] = np.zeros((n,), np.float32)
+            elif isinstance(r, list):  # per leaf, on the devices: one flat vector in leaf order
+                host = jax.device_get(r)
+                residual[str(f)] = np.concatenate([np.ravel(np.asarray(a, np.float32)) for a in host]) if host else np.zeros((0,), np.float32)
+            else:
+                residual[str(f)] = np.asarray(r, np.float32)
         base = self._swarm_base if self._swarm_base is not None else (-1, -1)
         return {
             "step": np.int64(-1 if self.step is None else self.step),
@@ -434,8 +543,9 @@ class OuterSync:
         self.rounds_started = int(d["rounds_started"])
         base = [int(x) for x in np.asarray(d.get("swarm_base", (-1, -1))).reshape(-1)]
         self._swarm_base = (base[0], base[1]) if round_mapping and len(base) == 2 and base[0] >= 0 else None
+        # flat host vectors; _start cuts them into leaves with the params' layouts
         self._residual = {
-            int(f): jnp.asarray(r, jnp.float32) for f, r in d.get("residual", {}).items() if np.any(np.asarray(r))
+            int(f): np.asarray(r, np.float32) for f, r in d.get("residual", {}).items() if np.any(np.asarray(r))
         }
         self._pending.clear()
 
@@ -472,6 +582,10 @@ class OuterSync:
     def _serve_state(self, params: Any, state: DiLoCoState) -> None:
         with self._lock:
             requests, self._state_request = self._state_request, []
+        if self._processes > 1:
+            for r in requests:
+                r.set_exception(RuntimeError("a peer over several processes does not serve its state"))
+            return
         copy = jax.tree.map(lambda a: a + jnp.zeros_like(a) if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.number) else a, state)
         step = self.step
         base = self._swarm_base
@@ -522,7 +636,8 @@ class OuterSync:
                     f"downloaded state leaf {i} is {np.asarray(b).dtype}{list(np.shape(b))}, "
                     f"expected {getattr(a, 'dtype', '?')}{list(np.shape(a))}: not this model/optimizer"
                 )
-        new_state = jax.tree.unflatten(treedef, [jnp.asarray(b) for b in leaves])
+        # each leaf goes back with the layout of the state it replaces (sharded peers stay sharded)
+        new_state = jax.tree.unflatten(treedef, _put_like([np.asarray(b) for b in leaves], like))
         # a copy: params and the anchor must not share buffers (the train step may donate both)
         params = jax.tree.map(lambda g, p: jnp.array(g, dtype=p.dtype, copy=True), new_state.global_params, params)
         self.step, self.rounds_started = step, started
@@ -546,26 +661,37 @@ class OuterSync:
         seq = self.rounds_started
         self.rounds_started += 1
         residual = None
+        layout = _layout(params, state)
         if self.error_feedback and self._lossy:
+            like = self._ids(params, fragment)
             residual = self._residual.get(fragment)
             if residual is None:
-                ids = self._ids(params, fragment)
-                n = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in ids)
-                residual = jnp.zeros((n,), jnp.float32)
+                residual = _put_like([np.zeros(np.shape(x), np.float32) for x in like], like)
+            elif not isinstance(residual, list):  # restored from a checkpoint: a flat host vector
+                residual = _put_like(_split_host(np.asarray(residual, np.float32), like), like)
         key = jax.random.fold_in(self._key, seq)
-        snap, packed, new_res = self._fn("start", fragment)(params, state, residual, key)
+        snap, packed, new_res = self._fn("start", fragment, layout)(params, state, residual, key)
         if new_res is not None:
             self._residual[fragment] = new_res
-        for leaf in jax.tree.leaves(packed):
-            leaf.copy_to_host_async()
+        if self._processes > 1:
+            # a peer over several processes: the packed parts (compressed) to every host, here,
+            # in the training thread (a collective: all processes issue it in the same order)
+            packed = multihost_utils.process_allgather(packed, tiled=True)
+        else:
+            for leaf in jax.tree.leaves(packed):
+                leaf.copy_to_host_async()
         steps_done = self.step - self._last_round_step.get(fragment, self._first_step)
         self._last_round_step[fragment] = self.step
         weight = max(steps_done, 1) * self.samples_per_step
         expected = None if self._swarm_base is None else self._swarm_base[0] + (seq - self._swarm_base[1])
-        future = self._pool.submit(self._exchange, packed, weight, expected, seq)
+        if self.swarm is not None:
+            future = self._pool.submit(self._exchange, packed, weight, expected, seq)
+        else:  # not process 0 of a multi-process peer: the mean comes from process 0 at the merge
+            future = concurrent.futures.Future()
+            future.set_result(None)
         spec = None
         if self.mode == "eager":
-            params, spec = self._fn("speculate", fragment)(params, state, snap)
+            params, spec = self._fn("speculate", fragment, layout)(params, state, snap)
         pending = _Pending(
             seq=seq,
             fragment=fragment,
@@ -589,9 +715,10 @@ class OuterSync:
         """Background thread: device->host, bytes, all-reduce. Returns (mean, record, payload
         bytes, float32 bytes, seconds the result took)."""
         t0 = time.perf_counter()
-        host = jax.device_get(packed)
+        host = jax.device_get(packed)  # each device's slices of the packed parts, once
         data = compress.packed_to_bytes(host)  # raises NonFiniteError for a diverged peer
-        vec = compress.decode(data)["pg"]
+        leaves = compress.decode(data)
+        vec = np.concatenate([np.ravel(np.asarray(a, np.float32)) for a in leaves]) if leaves else np.zeros((0,), np.float32)
         kwargs = {} if expected is None else {"round": expected}
         fut = self.swarm.all_reduce_async({"pg": vec}, weight=weight, **kwargs)
         try:
@@ -610,12 +737,15 @@ class OuterSync:
         error = None
         exc: BaseException | None = None
         try:
-            mean, record, payload_bytes, float_bytes, _ = p.future.result()
+            result = p.future.result()
+            mean, record, payload_bytes, float_bytes = (None, None, 0, 0) if result is None else result[:4]
         except Exception as e:  # noqa: BLE001 - a failed round is reported, then resynced
             exc = e
             error = f"{type(e).__name__}: {e}"
             mean = record = None
             payload_bytes = float_bytes = 0
+        if self._processes > 1:
+            mean, error = self._share_result(p, mean, error)
         stall = time.perf_counter() - t0
         self.stall_seconds += stall
         self._window_stall += stall
@@ -626,8 +756,10 @@ class OuterSync:
         exchange_seconds = now - p.started
         if error is None:
             snap = p.snapshot if p.spec_params is None else p.snapshot._replace(params=p.spec_params)
-            params, state, digest = self._fn("merge", p.fragment)(
-                params, state, jnp.asarray(mean), snap, self.alpha
+            like = jax.tree.leaves(p.snapshot.pseudo_gradient)
+            mean_leaves = _put_like(_split_host(mean, like), like)  # the same layout as the params
+            params, state, digest = self._fn("merge", p.fragment, _layout(params, state))(
+                params, state, mean_leaves, snap, self.alpha
             )
             m = RoundMetrics(
                 round=p.seq, fragment=p.fragment, step=p.step, merged_at_step=self.step, ok=True,
@@ -654,6 +786,16 @@ class OuterSync:
             self.on_round(m)
         return params, state
 
+    def _share_result(self, p: _Pending, mean: np.ndarray | None, error: str | None) -> tuple[np.ndarray | None, str | None]:
+        """A peer over several processes: process 0 tells the others whether the round worked
+        and sends them the mean (two broadcasts, in the training thread of every process)."""
+        ok = multihost_utils.broadcast_one_to_all(np.asarray([error is None], np.int32))
+        if not int(np.asarray(ok).reshape(-1)[0]):
+            return None, error or "the round failed on process 0 of this peer"
+        n = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in jax.tree.leaves(p.snapshot.pseudo_gradient))
+        buf = mean if self._leader else np.zeros((n,), np.float32)
+        return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(buf, np.float32)), np.float32), None
+
     def _after_failure(
         self, p: _Pending, exc: BaseException | None, params: Any, state: DiLoCoState
     ) -> tuple[Any, DiLoCoState]:
@@ -664,7 +806,7 @@ class OuterSync:
         round, whose speculative anchor the params already stand on, is applied with the local
         pseudo-gradient (a swarm of one)."""
         data = None
-        if self._resync_fn is not None and self._needs_resync(exc):
+        if self._resync_fn is not None and self._processes == 1 and self._needs_resync(exc):
             fetch = self._state_pool.submit(self._resync_fn)
             deadline = time.monotonic() + 300.0
             while not fetch.done() and time.monotonic() < deadline:
@@ -689,8 +831,8 @@ class OuterSync:
             return params, state
         if p.spec_params is not None:
             snap = p.snapshot._replace(params=p.spec_params)
-            own = _flat(jax.tree.leaves(p.snapshot.pseudo_gradient))
-            params, state, _ = self._fn("merge", p.fragment)(params, state, own, snap, self.alpha)
+            own = list(jax.tree.leaves(p.snapshot.pseudo_gradient))
+            params, state, _ = self._fn("merge", p.fragment, _layout(params, state))(params, state, own, snap, self.alpha)
         return params, state
 
     def _needs_resync(self, exc: BaseException | None) -> bool:

@@ -55,3 +55,49 @@ def test_simulation_end_to_end_writes_summary(tmp_path):
     assert results["diloco_h12"]["outer_rounds"] == 2
     for r in results.values():  # every run learned something at equal tokens
         assert np.isfinite(r["eval_loss"]) and r["eval_loss"] < summary["eval_loss_at_init"] - 0.5
+
+
+def test_devices_flag_validation(capsys):
+    assert char_lm.parse_args(["--local-peers", "2", "--devices", "2", "--batch-size", "4"]).devices == 2
+    for bad in (["--local-peers", "2", "--devices", "3", "--batch-size", "4"],  # batch not divisible
+                ["--devices", "2"]):  # the simulation has no peers
+        with pytest.raises(SystemExit) as e:
+            char_lm.parse_args(bad)
+        assert e.value.code == 2
+    assert "--devices" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", ["replicated", "fsdp"])
+def test_peer_mesh_layouts_and_a_kept_layout(layout):
+    """The peer's mesh over 4 (forced CPU) devices: params and state laid out, the batch split,
+    and one DiLoCo inner step with pinned output shardings keeps the layouts."""
+    import jax
+    import optax
+
+    import ravnest_jax as rj
+
+    cfg = char_lm.ModelConfig(d_model=32, num_layers=1, num_heads=2, seq_len=16)
+    graphdef, params = char_lm.build_model(cfg)
+    tx = rj.diloco(optax.adam(1e-3), sync_every=4)
+    mesh = char_lm.peer_mesh(4)
+    assert mesh.size == 4 and char_lm.peer_mesh(1) is None
+    with pytest.raises(ValueError, match="--devices"):
+        char_lm.peer_mesh(len(jax.local_devices()) + 1)
+    params, state, put_batch = char_lm.place_on_mesh(mesh, layout, params, tx.init(params))
+    specs = {x.sharding.spec for x in jax.tree.leaves(params)}
+    if layout == "replicated":
+        assert specs == {jax.sharding.PartitionSpec()}
+    else:  # e.g. the (256, 32) embedding and the (16, 32) positions split over the 4 devices
+        assert jax.sharding.PartitionSpec("data") in specs
+    tokens = put_batch(np.zeros((8, cfg.seq_len + 1), np.int32))
+    assert tokens.sharding.spec == jax.sharding.PartitionSpec("data")
+    loss = char_lm.make_loss(graphdef)
+
+    def step(p, s, t):
+        g = jax.grad(loss)(p, t)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    layouts = (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, state))
+    p2, s2 = jax.jit(step, out_shardings=layouts)(params, state, tokens)
+    assert jax.tree.map(lambda x: x.sharding, (p2, s2)) == layouts
