@@ -22,6 +22,16 @@ def _alive_since(peers: list, since: float, me: str) -> list:
     return [p for p in peers if p.peer_id == me or now - p.seconds_since_heartbeat > since]
 
 
+def _poll_alive(swarm: Any, since: float) -> list:
+    """The run's peers alive since ``since`` (see :func:`_alive_since`); ``[]`` while the
+    rendezvous cannot be reached (the callers poll until their own deadline)."""
+    try:
+        return _alive_since(swarm.peers(), since, swarm.peer_id)
+    except SwarmError as e:
+        log.info("waiting for the rendezvous: %r", e)
+        return []
+
+
 def running_peers(swarm: Any, *, wait_seconds: float = 3.0, poll_seconds: float = 0.2) -> list:
     """The other peers of the run that are training: they finished a round in their current
     process and are alive (they heartbeat after this call begins).
@@ -100,13 +110,9 @@ def common_checkpoint_step(swarm: Any, steps: Iterable[int], *, num_peers: int,
     t0 = time.monotonic()
     deadline = t0 + timeout
     while True:
-        try:
-            # only peers seen alive since this call began: the entry of a killed process holds
-            # the steps of that process, which may be gone
-            peers = _alive_since(swarm.peers(), t0, swarm.peer_id)
-        except SwarmError as e:
-            log.info("waiting for the rendezvous: %r", e)
-            peers = []
+        # only peers seen alive since this call began: the entry of a killed process holds the
+        # steps of that process, which may be gone
+        peers = _poll_alive(swarm, t0)
         if any(p.last_round >= 0 for p in peers if p.peer_id != swarm.peer_id):
             return None
         published = {p.peer_id: p.info.get(INFO_KEY) for p in peers}
@@ -158,11 +164,7 @@ def wait_for_info(swarm: Any, key: str, value: Any, *, num_peers: int, timeout: 
     swarm.set_info({**swarm.info, key: value})
     t0 = time.monotonic()
     while True:
-        try:
-            peers = _alive_since(swarm.peers(), t0, swarm.peer_id)
-        except SwarmError as e:
-            log.info("waiting for the rendezvous: %r", e)
-            peers = []
+        peers = _poll_alive(swarm, t0)
         if sum(1 for p in peers if p.info.get(key) == value) >= num_peers:
             return
         if time.monotonic() - t0 >= timeout:

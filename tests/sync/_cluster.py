@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "char_lm.py"
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
-        "--eval-batches", "1", "--lr", "1e-2", "--log-every", "1"]
+        "--eval-batches", "1", "--lr", "1e-2", "--log-every", "1", "--schedule-steps", "200"]
 
 
 class Cluster:

@@ -13,7 +13,7 @@ import pytest
 from ._cluster import cluster, digests_by_step  # noqa: F401 - cluster is a fixture
 
 ARGS = ["--sync-every", "5", "--codec", "int4", "--overlap-steps", "1", "--part-timeout", "3",
-        "--min-step-seconds", "0.1", "--schedule-steps", "60"]
+        "--min-step-seconds", "0.1"]
 
 
 def _steps_on_disk(d: Path) -> set[int]:
