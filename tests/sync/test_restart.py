@@ -103,3 +103,25 @@ def test_running_peers_sees_a_training_swarm_but_not_a_dead_entry():
 
 def asyncio_tasks(swarm):
     return [t for t in asyncio.all_tasks(swarm._loop) if "_heartbeat_loop" in repr(t.get_coro())]
+
+
+@pytest.mark.timeout(60)
+def test_rendezvous_refuses_bad_info_with_400():
+    import aiohttp
+
+    from ravnest_jax.swarm._http import signed_json
+
+    async def join(url, info):
+        async with aiohttp.ClientSession() as s:
+            try:
+                await signed_json(s, url, "POST", "/v1/runs/r/join", token=TOKEN.encode(), run_id="r", peer="x",
+                                  payload={"peer_id": "x", "address": "http://127.0.0.1:9", "last_round": -1, "info": info},
+                                  timeout=aiohttp.ClientTimeout(total=10))
+            except Exception as e:  # noqa: BLE001
+                return getattr(e, "status", repr(e))
+            return 200
+
+    with rendezvous_thread() as url:
+        assert asyncio.run(join(url, {"checkpoint_steps": [1, 2]})) == 200
+        assert asyncio.run(join(url, ["not", "an", "object"])) == 400
+        assert asyncio.run(join(url, {"x": "y" * 5000})) == 400
