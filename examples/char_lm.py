@@ -506,7 +506,7 @@ def run_peer(args: argparse.Namespace) -> dict:
     save_every = args.checkpoint_every or args.sync_every
     if args.checkpoint_dir:
         # saves happen between rounds (no exchange in flight), at most every `save_every` steps;
-        # with overlapped rounds that is `--overlap-steps` after a round boundary
+        # with overlapped rounds that is once the round merged (tau steps after its boundary)
         ckpt = rj.Checkpointer(args.checkpoint_dir, max_to_keep=3, save_interval_steps=1,
                                metadata={"run_id": args.run_id, "peer": peer_id, "example": "char_lm"})
         blank = {"sync": sync.state_dict(params)}
@@ -611,6 +611,7 @@ def run_peer(args: argparse.Namespace) -> dict:
         "bytes_sent": summary["bytes_sent"],
         "bytes_received": summary["bytes_received"],
         "stall_seconds": summary["stall_seconds"],
+        "mean_overlap_steps": summary["mean_overlap_steps"],
         "compute_utilisation": summary["compute_utilisation"],
         "wall_seconds": wall,
         "final_global_digest": final_digest,
@@ -760,11 +761,11 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
     digests = {r["final_global_digest"] for r in results}
     same_rounds = len({tuple(r["round_digests"]) for r in results}) == 1
     print()
-    print(f"| {'peer':<6} | {'eval start':>10} | {'eval end':>8} | {'rounds':>6} | {'sent MB':>8} | {'DP would send MB':>16} | {'utilisation':>11} | {'stall s':>7} |")
-    print(f"|{'-' * 8}|{'-' * 12}|{'-' * 10}|{'-' * 8}|{'-' * 10}|{'-' * 18}|{'-' * 13}|{'-' * 9}|")
+    print(f"| {'peer':<6} | {'eval start':>10} | {'eval end':>8} | {'rounds':>6} | {'sent MB':>8} | {'DP would send MB':>16} | {'utilisation':>11} | {'stall s':>7} | {'mean tau':>8} |")
+    print(f"|{'-' * 8}|{'-' * 12}|{'-' * 10}|{'-' * 8}|{'-' * 10}|{'-' * 18}|{'-' * 13}|{'-' * 9}|{'-' * 10}|")
     for r in results:
         print(f"| {r['peer']:<6} | {r['eval_loss_start']:10.4f} | {r['eval_loss_end']:8.4f} | {r['rounds']:6d} | "
-              f"{r['bytes_sent'] / 1e6:8.2f} | {dp_bytes / 1e6:16.1f} | {r['compute_utilisation']:11.3f} | {r['stall_seconds']:7.2f} |")
+              f"{r['bytes_sent'] / 1e6:8.2f} | {dp_bytes / 1e6:16.1f} | {r['compute_utilisation']:11.3f} | {r['stall_seconds']:7.2f} | {r['mean_overlap_steps']:8.1f} |")
     print(f"\nglobal params identical on all peers: {'yes' if len(digests) == 1 else 'NO'} "
           f"(digest {sorted(digests)[0][:16]}...); per-round digests identical: {'yes' if same_rounds else 'NO'}")
     return {
@@ -777,6 +778,18 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
         "global_digests_equal": len(digests) == 1,
         "round_digests_equal": same_rounds,
     }
+
+
+def _overlap(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'auto', got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'auto', got {value!r}")
+    return n
 
 
 def _positive_int(value: str) -> int:
@@ -824,7 +837,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--max-steps", type=_positive_int, default=600, help="inner steps of each peer")
     s.add_argument("--sync-every", type=_positive_int, default=50, help="H, inner steps per outer round")
     p.add_argument("--codec", default=None, help="pseudo-gradient codec (default: int4 in a swarm, none in the simulation)")
-    s.add_argument("--overlap-steps", type=int, default=1, help="tau: inner steps a round's exchange overlaps (0: blocking)")
+    s.add_argument("--overlap-steps", type=_overlap, default="auto",
+                   help="tau: inner steps a round's exchange overlaps (0: blocking; 'auto': enough steps to "
+                        "cover the measured exchange time, per round)")
     s.add_argument("--mode", choices=["delayed", "eager", "blocking"], default="delayed", help="outer-sync mode")
     s.add_argument("--alpha", type=float, default=0.0, help="mixing weight of local params at a late merge")
     s.add_argument("--fragments", type=_positive_int, default=1, help="streaming fragments F")
@@ -856,14 +871,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
     if args.local_peers and args.rendezvous:
         p.error("--local-peers and --rendezvous exclude each other")
-    if args.overlap_steps < 0:
-        p.error("--overlap-steps must be >= 0")
     if not 0.0 <= args.alpha <= 1.0:
         p.error("--alpha must be in [0, 1]")
-    if (args.local_peers or args.rendezvous) and args.overlap_steps >= args.sync_every // args.fragments:
+    gap = args.sync_every // args.fragments
+    if (args.local_peers or args.rendezvous) and args.overlap_steps != "auto" and args.overlap_steps >= gap:
         p.error("--overlap-steps must be smaller than --sync-every / --fragments")
-    if args.mode == "eager" and args.overlap_steps < 1:
+    if (args.local_peers or args.rendezvous) and args.overlap_steps == "auto" and gap < 2:
+        p.error("--overlap-steps auto needs --sync-every / --fragments >= 2")
+    if args.mode == "eager" and args.overlap_steps == 0:
         p.error("--mode eager needs --overlap-steps >= 1")
+    if args.mode == "blocking" and args.overlap_steps == "auto":
+        args.overlap_steps = 0
     if args.rendezvous and not (args.token_file or os.environ.get("RAVNEST_TOKEN")):
         p.error("--rendezvous needs --token-file (or $RAVNEST_TOKEN)")
     if args.devices > 1 and not (args.local_peers or args.rendezvous):

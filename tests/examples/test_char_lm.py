@@ -67,6 +67,19 @@ def test_devices_flag_validation(capsys):
     assert "--devices" in capsys.readouterr().err
 
 
+def test_overlap_flag(capsys):
+    assert char_lm.parse_args(["--local-peers", "2"]).overlap_steps == "auto"
+    assert char_lm.parse_args(["--local-peers", "2", "--overlap-steps", "3"]).overlap_steps == 3
+    assert char_lm.parse_args(["--local-peers", "2", "--mode", "blocking"]).overlap_steps == 0
+    for bad in (["--local-peers", "2", "--overlap-steps", "soon"], ["--local-peers", "2", "--overlap-steps", "-1"],
+                ["--local-peers", "2", "--overlap-steps", "50"],  # not below H
+                ["--local-peers", "2", "--mode", "eager", "--overlap-steps", "0"]):
+        with pytest.raises(SystemExit) as e:
+            char_lm.parse_args(bad)
+        assert e.value.code == 2
+    assert "--overlap-steps" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("layout", ["replicated", "fsdp"])
 def test_peer_mesh_layouts_and_a_kept_layout(layout):
     """The peer's mesh over 4 (forced CPU) devices: params and state laid out, the batch split,

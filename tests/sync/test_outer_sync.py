@@ -172,6 +172,19 @@ def test_bad_config_raises_value_error():
         OuterSync(tx, object())
     with pytest.raises(ValueError, match="samples_per_step"):
         OuterSync(tx, Fake(), samples_per_step=0)
+    with pytest.raises(ValueError, match="blocking"):
+        OuterSync(tx, Fake(), mode="blocking", overlap_steps="auto")
+    with pytest.raises(ValueError, match="overlap_steps"):
+        OuterSync(tx, Fake(), overlap_steps="soon")
+    with pytest.raises(ValueError, match="max_overlap_steps"):
+        OuterSync(tx, Fake(), overlap_steps="auto", max_overlap_steps=4)
+    with pytest.raises(ValueError, match="max_overlap_steps"):
+        OuterSync(tx, Fake(), overlap_steps=1, max_overlap_steps=2)
+    # the default cap of "auto": H / 10, below the steps between round starts
+    assert OuterSync(rj.diloco(optax.sgd(0.1), sync_every=50), Fake(), overlap_steps="auto").max_overlap_steps == 5
+    assert OuterSync(rj.diloco(optax.sgd(0.1), sync_every=50, fragments=5), Fake(),
+                     overlap_steps="auto").max_overlap_steps == 5
+    assert OuterSync(tx, Fake(), overlap_steps="auto").max_overlap_steps == 1
 
 
 @pytest.mark.timeout(240)
@@ -288,3 +301,51 @@ def test_time_based_rounds_weight_by_samples():
         # the same rounds, the same mean, the same global state, despite unequal step counts
         assert a.result_digest == b.result_digest and a.group_size == 2
         assert a.state_digest == b.state_digest
+
+
+@pytest.mark.timeout(180)
+def test_auto_overlap_hides_the_exchange_and_keeps_the_state_identical():
+    """overlap_steps="auto": each peer picks tau from its own exchange and step times (here
+    5 ms steps, so a round on loopback takes several). Peer 0 caps tau at 9, peer 1 at 2, so the two merge
+    at different steps; still every round's global state is identical. Once a round has been
+    measured, peer 0 covers the exchange with its steps and rarely waits."""
+    import time
+
+    results = {}
+    with local_swarm(2, codec="int4") as peers:
+
+        def peer(i, swarm, cap):
+            tx = rj.diloco(optax.adam(2e-2), sync_every=10)
+            step = _make_step(tx)
+            params = _init()
+            state = tx.init(params)
+            with OuterSync(tx, swarm, mode="delayed", overlap_steps="auto", max_overlap_steps=cap) as sync:
+                jax.block_until_ready(step(params, state, *_batch(i, 0)))  # compile outside the clock
+                sync.warmup(params, state)
+                for t in range(70):
+                    params, state, _ = step(params, state, *_batch(i, t))
+                    jax.block_until_ready(params)
+                    time.sleep(0.005)
+                    params, state = sync(params, state)
+                params, state = sync.flush(params, state)
+                results[i] = {"metrics": list(sync.metrics), "global": jax.device_get(state.global_params)}
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futs = [pool.submit(peer, 0, peers[0], 9), pool.submit(peer, 1, peers[1], 2)]
+            for f in futs:
+                f.result(timeout=150)
+    a, b = results[0]["metrics"], results[1]["metrics"]
+    assert len(a) == len(b) == 7 and all(m.ok for m in a + b)
+    assert [m.state_digest for m in a] == [m.state_digest for m in b]
+    for x, y in zip(jax.tree.leaves(results[0]["global"]), jax.tree.leaves(results[1]["global"])):
+        np.testing.assert_array_equal(x, y)
+    a, b = a[:-1], b[:-1]  # the last round is merged by flush() at its boundary
+    for m in a + b:
+        assert m.overlap_steps == m.merged_at_step - m.step
+    assert a[0].overlap_steps == b[0].overlap_steps == 1  # nothing measured yet
+    assert all(1 <= m.overlap_steps <= 9 for m in a) and all(1 <= m.overlap_steps <= 2 for m in b)
+    taus = [m.overlap_steps for m in a[1:]]
+    assert min(taus) >= 2 and any(t > 2 for t in taus), taus  # a round takes several 5 ms steps
+    # covered: the training loop waited for far less than the exchanges took
+    assert sum(m.stall_seconds for m in a[2:]) < 0.5 * sum(m.exchange_seconds for m in a[2:]), (
+        [round(m.stall_seconds, 3) for m in a], [round(m.exchange_seconds, 3) for m in a])
