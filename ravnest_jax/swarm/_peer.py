@@ -152,6 +152,7 @@ class Swarm(_StateMixin):
         self._last_round = -1
         self._current_round = -1
         self._next: dict[str, Any] | None = None  # the next round, handed out with a commit
+        self._diverged: set[str] = set()  # peers the last round found diverged: no state source
         self._scratch = np.empty(0, np.float32)  # own weighted part + the mean, reused
         self._nonces = _auth.NonceCache()
         self._closed = False
@@ -243,8 +244,8 @@ class Swarm(_StateMixin):
         return self.all_reduce_async(tree, weight=weight).result(
             timeout=self.timeouts.round + self.timeouts.connect + 30)
 
-    def all_reduce_async(self, tree: Any, *, weight: float = 1.0,
-                         round: int | None = None) -> concurrent.futures.Future[tuple[Any, RoundRecord]]:
+    def all_reduce_async(self, tree: Any, *, weight: float = 1.0, round: int | None = None,
+                         state: tuple[int, str] | None = None) -> concurrent.futures.Future[tuple[Any, RoundRecord]]:
         """Like :meth:`all_reduce` but returns at once with a ``concurrent.futures.Future``.
 
         The future's result is ``(mean_tree, record)``; it raises :class:`RoundFailed`. Rounds
@@ -254,12 +255,25 @@ class Swarm(_StateMixin):
         schedule (``rj.OuterSync`` does). If the swarm has moved past it (this peer was too late)
         the future fails at once with :class:`RoundFailed` instead of mixing the contribution
         into a later round. ``None``: the next round.
+
+        ``state``: ``(round, digest)``, the digest (a string of 1-128 chars) of this peer's
+        global state after it merged that earlier round (``rj.OuterSync`` sends its
+        ``RoundMetrics.state_digest``). The rendezvous compares the digests of the round's
+        peers: a peer whose digest differs from the one most peers hold has diverged; its
+        contribution is left out of the mean (butterfly; a ring cannot leave it out) and its
+        own round fails (``RoundFailed``, ``record.diverged`` names it), so that it downloads
+        the state again. ``record.diverged`` lists such peers on every peer.
         """
         if self._loop is None or self._closed:
             raise RuntimeError("Swarm is not running (use it as a context manager)")
         w = float(weight)
         if not (math.isfinite(w) and w > 0):
             raise ValueError(f"weight must be finite and > 0, got {weight!r}")
+        if state is not None:
+            if not (isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], int)
+                    and isinstance(state[1], str) and 0 < len(state[1]) <= 128):
+                raise ValueError(f"state must be (round: int, digest: str of 1-128 chars), got {state!r}")
+            state = (int(state[0]), state[1])
         names, leaves, unflatten = flatten(tree)
         if not leaves:
             raise ValueError("tree has no leaves")
@@ -272,7 +286,7 @@ class Swarm(_StateMixin):
         offsets = np.cumsum([0] + sizes)
 
         out: concurrent.futures.Future[tuple[Any, RoundRecord]] = concurrent.futures.Future()
-        inner = asyncio.run_coroutine_threadsafe(self._round(vec, np.float32(w), manifest, round),
+        inner = asyncio.run_coroutine_threadsafe(self._round(vec, np.float32(w), manifest, round, state),
                                                  self._loop)
 
         def done(f: concurrent.futures.Future[tuple[np.ndarray, RoundRecord]]) -> None:
@@ -649,8 +663,9 @@ class Swarm(_StateMixin):
             except (HTTPStatusError, PermissionError) as e:
                 raise _RoundFail(f"rendezvous refused the round: {e}") from e
 
-    async def _round(self, vec: np.ndarray, weight: np.float32,
-                     manifest: str, expected: int | None = None) -> tuple[np.ndarray, RoundRecord]:
+    async def _round(self, vec: np.ndarray, weight: np.float32, manifest: str,
+                     expected: int | None = None,
+                     state: tuple[int, str] | None = None) -> tuple[np.ndarray, RoundRecord]:
         me = asyncio.current_task()
         if me is not None:  # so that close() cancels a round in flight
             self._tasks.add(me)
@@ -660,6 +675,7 @@ class Swarm(_StateMixin):
             deadline = t0 + self.timeouts.round
             stats = {"sent": 0, "received": 0}
             r, attempts, group = -1, 0, ()
+            diverged: tuple[str, ...] = ()
             arrive: asyncio.Task[Any] | None = None
             try:
                 nxt, self._next = self._next, None
@@ -693,7 +709,7 @@ class Swarm(_StateMixin):
                 while True:
                     attempts += 1
                     out = await self._attempt(r, a, group, addresses, epoch, vec, weight,
-                                              manifest, deadline, stats, part_left, arrive)
+                                              manifest, deadline, stats, part_left, arrive, state)
                     arrive = None  # its answer only matters to the first attempt
                     if out[0] == "retry":
                         a, group = out[1], tuple(out[2])
@@ -702,22 +718,26 @@ class Swarm(_StateMixin):
                         if self.peer_id not in group:
                             raise _RoundFail("left out of the retry group (too late)")
                         continue
-                    _, res, contributors, total, digest = out
+                    _, res, contributors, total, digest, diverged = out
                     if missed:
                         raise _RoundFail(f"missed round {expected}: the swarm is at round {r}")
+                    if self.peer_id in diverged:
+                        raise _RoundFail(f"diverged: this peer's global state after round {state[0] if state else '?'} "
+                                         "differs from the swarm's; its contribution was left out")
                     rec = RoundRecord(round=r, ok=True, attempts=attempts, group=group,
                                       contributors=tuple(contributors),
                                       total_weight=float(total), bytes_sent=stats["sent"],
                                       bytes_received=stats["received"],
                                       seconds=time.monotonic() - t0, digest=digest,
-                                      codec=self.codec, algorithm=self.algorithm)
+                                      codec=self.codec, algorithm=self.algorithm,
+                                      diverged=tuple(diverged))
                     return res, rec
             except _RoundFail as e:
                 rec = RoundRecord(round=r, ok=False, attempts=attempts, group=group,
                                   contributors=(), total_weight=0.0, bytes_sent=stats["sent"],
                                   bytes_received=stats["received"],
                                   seconds=time.monotonic() - t0, digest="", codec=self.codec,
-                                  algorithm=self.algorithm, error=str(e))
+                                  algorithm=self.algorithm, error=str(e), diverged=tuple(diverged))
                 raise RoundFailed(rec) from None
             finally:
                 if r >= 0:
@@ -736,7 +756,8 @@ class Swarm(_StateMixin):
                        membership: dict[str, str], epoch: str,
                        vec: np.ndarray, weight: np.float32, manifest: str, deadline: float,
                        stats: dict[str, int], part_left: float | None = None,
-                       arrive: asyncio.Task[Any] | None = None) -> tuple[Any, ...]:
+                       arrive: asyncio.Task[Any] | None = None,
+                       state: tuple[int, str] | None = None) -> tuple[Any, ...]:
         if self.peer_id not in group:
             raise _RoundFail("not in the round's group")
         n = len(group)
@@ -750,7 +771,7 @@ class Swarm(_StateMixin):
         st.algorithm = self.algorithm
         if self.algorithm == "ring":
             st.entered.set()
-            return await self._ring_attempt(st, membership, epoch, vec, weight, deadline, stats)
+            return await self._ring_attempt(st, membership, epoch, vec, weight, deadline, stats, state)
         plen = st.hi - st.lo
         if self._scratch.size < 2 * plen:  # reused from round to round: its pages stay mapped
             self._scratch = np.empty(2 * plen, np.float32)
@@ -794,8 +815,10 @@ class Swarm(_StateMixin):
         mine: dict[str, Any] = {}
         if len(st.received) == n:
             self._reduce_and_push(st, group, membership, deadline, mine)
-        gather = await self._vote(r, epoch, a, "gather", {"received": sorted(st.received)},
-                                  deadline)
+        vote: dict[str, Any] = {"received": sorted(st.received)}
+        if state is not None:
+            vote["state"] = list(state)
+        gather = await self._vote(r, epoch, a, "gather", vote, deadline)
         for owner, t in sends.items():
             if not t.done():
                 t.cancel()
@@ -812,6 +835,8 @@ class Swarm(_StateMixin):
             if gather["decision"] != "ok":
                 raise _RoundFail(gather.get("reason", "round failed"))
             contributors = list(gather["contributors"])
+            diverged = tuple(str(d) for d in gather.get("diverged") or ())
+            self._diverged = set(diverged)
             missing = [c for c in contributors if c not in st.received]
             if missing:  # cannot happen with an honest rendezvous
                 raise _RoundFail(f"contributors {missing} not received here")
@@ -865,7 +890,7 @@ class Swarm(_StateMixin):
             self._next = commit.get("next")
             if not ok:  # pragma: no cover - the rendezvous commits only if everyone is ok
                 raise _RoundFail("all-gather failed here")
-            return ("ok", out, contributors, mine["total"], digest)
+            return ("ok", out, contributors, mine["total"], digest, diverged)
         finally:
             st.gather_closed = True
             for t in mine.get("pushes", ()):
@@ -979,7 +1004,8 @@ class Swarm(_StateMixin):
 
     async def _ring_attempt(self, st: _Attempt, membership: dict[str, str], epoch: str,
                             vec: np.ndarray, weight: np.float32, deadline: float,
-                            stats: dict[str, int]) -> tuple[Any, ...]:
+                            stats: dict[str, int],
+                            state: tuple[int, str] | None = None) -> tuple[Any, ...]:
         r, a, group, n, i = st.round, st.attempt, st.group, len(st.group), st.me
         right = membership.get(group[(i + 1) % n], "")
         bounds = st.bounds
@@ -1017,13 +1043,16 @@ class Swarm(_StateMixin):
                 OSError) as e:
             log.info("%s: ring reduce-scatter failed: %r", self.peer_id, e)
             complete = False
-        gather = await self._vote(r, epoch, a, "gather",
-                                  {"received": list(group) if complete else [], "ring": True},
-                                  deadline)
+        vote: dict[str, Any] = {"received": list(group) if complete else [], "ring": True}
+        if state is not None:
+            vote["state"] = list(state)
+        gather = await self._vote(r, epoch, a, "gather", vote, deadline)
         if gather["decision"] == "retry":
             return ("retry", gather["attempt"], gather["group"])
         if gather["decision"] != "ok":
             raise _RoundFail(gather.get("reason", "round failed"))
+        diverged = tuple(str(d) for d in gather.get("diverged") or ())
+        self._diverged = set(diverged)
         # all-gather: forward the encoded final parts as they are, n - 1 steps
         ok = True
         try:
@@ -1055,7 +1084,7 @@ class Swarm(_StateMixin):
             return ("retry", commit["attempt"], commit["group"])
         if commit["decision"] != "commit":
             raise _RoundFail(commit.get("reason", "round failed"))
-        return ("ok", out, list(group), total, digest)
+        return ("ok", out, list(group), total, digest, diverged)
 
 
 async def _raise(e: BaseException) -> None:

@@ -360,6 +360,11 @@ class Rendezvous:
             raise web.HTTPBadRequest(text="bad vote") from None
         if phase not in ("gather", "commit") or not isinstance(data, dict):
             raise web.HTTPBadRequest(text="bad vote")
+        state = data.get("state")
+        if state is not None and not (
+                isinstance(state, list) and len(state) == 2 and isinstance(state[0], int)
+                and not isinstance(state[0], bool) and isinstance(state[1], str) and 0 < len(state[1]) <= 128):
+            raise web.HTTPBadRequest(text="state must be [round, digest]: an int and a string of 1-128 chars")
         rnd = run.rounds.get(number)
         if p.get("epoch") != self.epoch or rnd is None:
             return self._reply(request, run, {
@@ -396,6 +401,7 @@ class Rendezvous:
         voters = tuple(sorted(votes))
         everyone = set(voters) >= set(att.group)
         decision: dict[str, Any]
+        diverged: list[str] = []
         if phase == "gather":
             att.gather_decided_at = time.monotonic()
             n = len(att.group)
@@ -404,8 +410,10 @@ class Rendezvous:
             # better) is the problem, not the senders: retry without it rather than keep only
             # the senders that reached it (n >= 3; with 2 peers the fault cannot be placed)
             unreachable = {k for k, g in got.items() if 2 * len(g) <= n} if n >= 3 else set()
+            diverged = diverged_peers({k: v.get("state") for k, v in votes.items()})
             if any(v.get("ring") for v in votes.values()):
                 # a ring's partial sums hold everybody: all complete, or retry the survivors
+                # (a diverged peer cannot be taken out of them: it is only told to resync)
                 if everyone and all(g >= set(att.group) for g in got.values()):
                     decision = {"decision": "ok", "contributors": sorted(att.group)}
                 else:
@@ -429,8 +437,10 @@ class Rendezvous:
                     decision = self._retry(run, rnd, att, voters, "most contributions were "
                                            "late at some part owner: " + ",".join(
                                                f"{k}:{len(g)}" for k, g in sorted(got.items())))
-                elif contributors:
-                    decision = {"decision": "ok", "contributors": sorted(contributors)}
+                elif contributors - set(diverged):
+                    # a peer whose global state differs from the swarm's computed its
+                    # pseudo-gradient against a wrong anchor: left out, and told to resync
+                    decision = {"decision": "ok", "contributors": sorted(contributors - set(diverged))}
                 else:
                     decision = {"decision": "fail", "reason": "no contribution reached every "
                                 "part owner"}
@@ -457,6 +467,8 @@ class Rendezvous:
                                        tuple(v for v in voters if v not in blamed),
                                        f"all-gather incomplete (missing {missing}, failed {bad}, "
                                        f"unreachable owners {sorted(blamed)})")
+        if phase == "gather" and decision["decision"] == "ok" and diverged:
+            decision["diverged"] = diverged
         if decision["decision"] == "fail":
             rnd.outcome = "failed"
         att.decisions[phase] = decision
@@ -500,6 +512,33 @@ class Rendezvous:
             return {"decision": "fail", "reason": reason + "; no attempts left"}
         rnd.attempts[nxt] = _Attempt(nxt, voters, time.monotonic())
         return {"decision": "retry", "attempt": nxt, "group": list(voters), "reason": reason}
+
+
+def diverged_peers(states: dict[str, Any]) -> list[str]:
+    """Peers whose global state differs from the swarm's, from the ``[round, digest]`` each
+    voter reported for the state after its last merged round (``None``: not reported).
+
+    Compared among the peers that report the most recent round reported by at least two: the
+    digest most of them hold is the swarm's (a tie goes to the digest of the smallest peer id
+    among the tied ones); every other peer reporting that round has diverged. Returns their
+    sorted ids (empty when fewer than two peers report a common round).
+    """
+    reported = {p: (int(s[0]), str(s[1])) for p, s in states.items() if s is not None}
+    counts: dict[int, int] = {}
+    for r, _ in reported.values():
+        counts[r] = counts.get(r, 0) + 1
+    common = [r for r, c in counts.items() if c >= 2]
+    if not common:
+        return []
+    r = max(common)
+    same = {p: d for p, (rr, d) in reported.items() if rr == r}
+    tally: dict[str, int] = {}
+    for d in same.values():
+        tally[d] = tally.get(d, 0) + 1
+    top = max(tally.values())
+    tied = {d for d, c in tally.items() if c == top}
+    winner = same[min(p for p, d in same.items() if d in tied)]
+    return sorted(p for p, d in same.items() if d != winner)
 
 
 async def serve(host: str, port: int, token: str | bytes, *, heartbeat_s: float = 2.0,

@@ -49,8 +49,8 @@ class _StateMixin:
     def fetch_state(self, timeout: float = 120.0) -> bytes | None:
         """Downloads the current global state from a live peer of the run.
 
-        Tries the other live peers, most advanced first (by their last round), until one
-        answers.
+        Tries the other live peers, most advanced first (by their last round; peers the last
+        round found diverged last), until one answers.
 
         Args:
           timeout: overall deadline, seconds.
@@ -94,7 +94,9 @@ class _StateMixin:
         others = [p for p in members["peers"] if p["peer_id"] != self.peer_id]  # type: ignore[attr-defined]
         if not others:
             return None
-        others.sort(key=lambda p: (-int(p.get("last_round", -1)), p["peer_id"]))
+        # most advanced first; a peer the last round found diverged only as a last resort
+        avoid = getattr(self, "_diverged", set())
+        others.sort(key=lambda p: (p["peer_id"] in avoid, -int(p.get("last_round", -1)), p["peer_id"]))
         errors = []
         while True:
             for p in others:

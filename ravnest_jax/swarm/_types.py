@@ -83,6 +83,9 @@ class RoundRecord:
       codec: the codec used on the wire.
       algorithm: ``"butterfly"`` or ``"ring"``.
       error: why the round failed, or ``None``.
+      diverged: peers whose reported global state (``all_reduce_async(..., state=...)``)
+        differed from the swarm's in this round: their contributions were left out
+        (butterfly) and their own round failed, so that they download the state again.
     """
 
     round: int
@@ -98,6 +101,7 @@ class RoundRecord:
     codec: str
     algorithm: str = "butterfly"
     error: str | None = None
+    diverged: tuple[str, ...] = ()
 
 
 class RoundFailed(RuntimeError):

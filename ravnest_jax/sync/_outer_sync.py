@@ -350,6 +350,8 @@ class OuterSync:
         self._exchange_history: collections.deque[float] = collections.deque(maxlen=4)
         self._tau_clock: tuple[float, int, float] | None = None
         self._step_seconds: float | None = None
+        # (swarm round, state digest) after the last merged round: sent with the next exchange
+        self._last_state: tuple[int, str] | None = None
         self.alpha = float(alpha)
         self.error_feedback = bool(error_feedback)
         self.codec = codec if swarm is None else getattr(swarm, "codec", "fp32")
@@ -592,6 +594,8 @@ class OuterSync:
             int(f): np.asarray(r, np.float32) for f, r in d.get("residual", {}).items() if np.any(np.asarray(r))
         }
         self._pending.clear()
+        self._last_state = None
+        self._tau_clock = None
 
     def close(self) -> None:
         """Stops the background worker (rounds in flight are abandoned). Idempotent."""
@@ -690,6 +694,8 @@ class OuterSync:
         self._pending.clear()
         self._last_round_step = {f: step for f in range(self.tx.fragments)}
         self._round_clock = time.monotonic()
+        self._last_state = None  # the next merged round's digest is the first one to compare
+        self._tau_clock = None  # the step counter jumped
         return params, new_state
 
     # ------------------------------------------------------------------ rounds
@@ -731,7 +737,7 @@ class OuterSync:
         weight = max(steps_done, 1) * self.samples_per_step
         expected = None if self._swarm_base is None else self._swarm_base[0] + (seq - self._swarm_base[1])
         if self.swarm is not None:
-            future = self._pool.submit(self._exchange, packed, weight, expected, seq)
+            future = self._pool.submit(self._exchange, packed, weight, expected, seq, self._last_state)
         else:  # not process 0 of a multi-process peer: the mean comes from process 0 at the merge
             future = concurrent.futures.Future()
             future.set_result(None)
@@ -779,7 +785,8 @@ class OuterSync:
             return leaves
         return [leaves[i] for i in self.tx.fragment_leaf_ids(fragment, len(leaves))]
 
-    def _exchange(self, packed: Any, weight: float, expected: int | None, seq: int) -> tuple[np.ndarray, Any, int, int, float]:
+    def _exchange(self, packed: Any, weight: float, expected: int | None, seq: int,
+                  state: tuple[int, str] | None = None) -> tuple[np.ndarray, Any, int, int, float]:
         """Background thread: device->host, bytes, all-reduce. Returns (mean, record, payload
         bytes, float32 bytes, seconds the result took)."""
         t0 = time.perf_counter()
@@ -787,7 +794,9 @@ class OuterSync:
         data = compress.packed_to_bytes(host)  # raises NonFiniteError for a diverged peer
         leaves = compress.decode(data)
         vec = np.concatenate([np.ravel(np.asarray(a, np.float32)) for a in leaves]) if leaves else np.zeros((0,), np.float32)
-        kwargs = {} if expected is None else {"round": expected}
+        kwargs: dict[str, Any] = {} if expected is None else {"round": expected}
+        if state is not None:  # the rendezvous compares it with the other peers' (divergence)
+            kwargs["state"] = state
         fut = self.swarm.all_reduce_async({"pg": vec}, weight=weight, **kwargs)
         try:
             mean, record = fut.result()
@@ -842,6 +851,8 @@ class OuterSync:
                 result_digest=str(getattr(record, "digest", "")), state_digest=digest_hex(digest),
                 overlap_steps=self.step - p.step,
             )
+            if m.swarm_round >= 0:
+                self._last_state = (m.swarm_round, m.state_digest)
         else:
             self.failed_rounds += 1
             log.warning("round %d (fragment %d) failed on this peer: %s", p.seq, p.fragment, error)

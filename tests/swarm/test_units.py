@@ -231,3 +231,37 @@ def test_commit_hands_out_the_next_round_whose_clock_starts_at_arrival():
 
     nxt_created = _time.monotonic()
     asyncio.run(go())
+
+
+def test_diverged_peers_is_the_minority_of_the_latest_common_round():
+    from ravnest_jax.swarm._rendezvous import diverged_peers
+
+    assert diverged_peers({}) == []
+    assert diverged_peers({"a": [3, "x"], "b": None}) == []  # nothing to compare with
+    assert diverged_peers({"a": [3, "x"], "b": [3, "x"], "c": [3, "x"]}) == []
+    assert diverged_peers({"a": [3, "x"], "b": [3, "y"], "c": [3, "x"]}) == ["b"]
+    assert diverged_peers({"a": [3, "y"], "b": [3, "x"], "c": [3, "x"], "d": None}) == ["a"]
+    # a tie goes to the digest of the smallest peer id among the tied
+    assert diverged_peers({"b": [3, "x"], "a": [3, "y"]}) == ["b"]
+    assert diverged_peers({"a": [3, "x"], "b": [3, "y"], "c": [3, "z"], "d": [3, "z"]}) == ["a", "b"]
+    # compared at the latest round that two peers report; another round is not comparable
+    assert diverged_peers({"a": [4, "x"], "b": [4, "y"], "c": [4, "x"], "d": [2, "q"]}) == ["b"]
+    assert diverged_peers({"a": [5, "x"], "b": [4, "y"], "c": [4, "y"]}) == []
+
+
+def test_a_diverged_peer_is_left_out_of_the_contributors_and_named():
+    from ravnest_jax.swarm import Rendezvous
+
+    rv = Rendezvous("tok")
+    run, rnd = _two_peer_round(rv, peers=("a", "b", "c"))
+    att = rnd.attempts[0]
+    att.votes["gather"] = {p: {"received": list("abc"), "state": [7, "d1" if p != "c" else "d2"]} for p in "abc"}
+    rv._decide(run, rnd, att, "gather")
+    assert att.decisions["gather"] == {"decision": "ok", "contributors": ["a", "b"], "diverged": ["c"]}
+    # a ring cannot leave it out of the partial sums: it is only named
+    rnd2 = rv._create_round(run, rnd.number, {"part_s": 5.0, "grace_s": 1.0}, "a")
+    att2 = rnd2.attempts[0]
+    att2.votes["gather"] = {p: {"received": list("abc"), "ring": True, "state": [7, "d1" if p != "c" else "d2"]}
+                            for p in "abc"}
+    rv._decide(run, rnd2, att2, "gather")
+    assert att2.decisions["gather"] == {"decision": "ok", "contributors": ["a", "b", "c"], "diverged": ["c"]}

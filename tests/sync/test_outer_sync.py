@@ -349,3 +349,52 @@ def test_auto_overlap_hides_the_exchange_and_keeps_the_state_identical():
     # covered: the training loop waited for far less than the exchanges took
     assert sum(m.stall_seconds for m in a[2:]) < 0.5 * sum(m.exchange_seconds for m in a[2:]), (
         [round(m.stall_seconds, 3) for m in a], [round(m.exchange_seconds, 3) for m in a])
+
+
+@pytest.mark.timeout(180)
+def test_a_diverged_peer_is_left_out_and_resyncs():
+    """Each round the peers send the digest of their global state after the previous round;
+    the rendezvous compares them. Peer 2's global params are corrupted in memory after a merge:
+    the next merge gives it another digest, the round after that leaves its contribution out
+    and fails on it, and it downloads the state from a live peer; from then on it agrees."""
+    import time
+
+    tx = rj.diloco(optax.adam(2e-2), sync_every=4)
+    step = _make_step(tx)
+
+    def peer(i, swarm):
+        params = _init()
+        state = tx.init(params)
+        with OuterSync(tx, swarm, mode="delayed", overlap_steps=1,
+                       resync=lambda: swarm.fetch_state(timeout=10)) as sync:
+            swarm.serve_state(sync.request_state)
+            for t in range(40):
+                params, state, _ = step(params, state, *_batch(i, t))
+                time.sleep(0.01)
+                params, state = sync(params, state)
+                if i == 2 and t == 9:  # a bit flip in the anchor (global params), after round 1 merged
+                    g = dict(state.global_params)
+                    g["b1"] = g["b1"].at[0].add(1e-3)
+                    state = state._replace(global_params=g)
+            params, state = sync.flush(params, state)
+            return {"metrics": list(sync.metrics), "resyncs": sync.resyncs}
+
+    with local_swarm(3) as peers:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            res = [f.result(timeout=150) for f in [pool.submit(peer, i, s) for i, s in enumerate(peers)]]
+    bad = res[2]["metrics"]
+    log = [(m.round, m.swarm_round, m.ok, m.error) for m in bad]
+    first = next(m for m in bad if not m.ok)
+    assert "diverged" in first.error and first.round == 3, log  # found in the round after the bad merge
+    assert res[2]["resyncs"] >= 1
+    # the others completed every round; the one that found the divergence left peer 2 out
+    for r in res[:2]:
+        assert all(m.ok for m in r["metrics"])
+        assert next(m for m in r["metrics"] if m.round == first.round).group_size == 2
+        assert all(m.group_size == 3 for m in r["metrics"] if m.round < first.round)
+    assert [m.state_digest for m in res[0]["metrics"]] == [m.state_digest for m in res[1]["metrics"]]
+    # after its resync, every round peer 2 completes has the swarm's state again
+    ref = {m.swarm_round: m.state_digest for m in res[0]["metrics"]}
+    after = [m for m in bad if m.ok and m.round > first.round]
+    assert len(after) >= 2, log
+    assert all(m.state_digest == ref[m.swarm_round] for m in after), log
