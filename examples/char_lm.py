@@ -780,26 +780,22 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
     }
 
 
-def _overlap(value: str) -> int | str:
-    if value == "auto":
-        return value
+def _int_at_least(value: str, low: int, what: str) -> int:
     try:
         n = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'auto', got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'auto', got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}") from None
+    if n < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}")
     return n
+
+
+def _overlap(value: str) -> int | str:
+    return value if value == "auto" else _int_at_least(value, 0, "an integer >= 0 or 'auto'")
 
 
 def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
+    return _int_at_least(value, 1, "a positive integer")
 
 
 def _positive_float(value: str) -> float:
