@@ -112,13 +112,24 @@ def run_child(mode: str, *extra: str) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, text=True)
 
 
-def raw_tcp(payload: int, repeats: int = 3) -> float:
-    """Best of ``repeats`` one-way transfers of ``payload`` bytes between two processes (s)."""
+def raw_tcp(payload: int, repeats: int = 3, link: tuple[float, float] | None = None) -> float:
+    """Best of ``repeats`` one-way transfers of ``payload`` bytes between two processes (s),
+    from the sender's first byte to the receiver's 1-byte acknowledgement. With ``link=(mbit,
+    rtt_ms)`` the connection crosses a throttling proxy of :func:`swarm_run`'s kind (the same
+    ``LinkEmulator``, one line each way, both set to that rate and RTT)."""
     times = []
     for _ in range(repeats):
         rx = run_child("tcp-rx", "--payload", str(payload))
+        emu = None
         try:
             port = rx.stdout.readline().strip()  # type: ignore[union-attr]
+            if link is not None:
+                sys.path.insert(0, str(HERE))
+                from _common import LinkEmulator
+
+                emu = LinkEmulator([(int(port), 0, 1)], n_lines=2)
+                emu.set_all(*link)
+                port = str(emu.ports[0])
             tx = run_child("tcp-tx", "--payload", str(payload), "--port", port)
             out, _ = tx.communicate(timeout=600)
             times.append(float(out.strip()))
@@ -128,7 +139,14 @@ def raw_tcp(payload: int, repeats: int = 3) -> float:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+            if emu is not None:
+                emu.close()
     return min(times)
+
+
+def bus_factor(n: int) -> float:
+    """Bytes each peer must receive (and send) at least in an all-reduce, per payload byte."""
+    return 2 * (n - 1) / n
 
 
 def start_rendezvous(tmp: Path) -> tuple[subprocess.Popen[str], str]:
@@ -233,6 +251,8 @@ def main() -> None:
     if args.mode == "tcp-tx":
         return tcp_sender(args)
 
+    from ravnest_jax.swarm._allreduce import RING_SEGMENT_BYTES
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.replot:
@@ -252,9 +272,11 @@ def main() -> None:
             sm = summarize(res, args.rounds)
             rs = sm["round_s"]
             row = {"algorithm": algorithm, "peers": n, "payload_mb": mb, **sm,
-                   "goodput_mbps": payload / rs / MB, "raw_tcp_s": tcp_s,
+                   "goodput_mbps": payload / rs / MB,
+                   "bus_goodput_mbps": payload * bus_factor(n) / rs / MB, "raw_tcp_s": tcp_s,
                    "raw_tcp_mbps": payload / tcp_s / MB,
                    "goodput_vs_raw_tcp": tcp_s / rs,
+                   "bus_goodput_vs_raw_tcp": bus_factor(n) * tcp_s / rs,
                    "bytes_sent_per_peer": res[0][-1]["sent"],
                    "bytes_received_per_peer": res[0][-1]["received"],
                    "loadavg_before_after": [load0[0], os.getloadavg()[0]]}
@@ -286,6 +308,9 @@ def main() -> None:
         # payload flat in N, as it would be with one peer per machine?
         links = []
         payload = args.link_payload_mb * MB
+        link_tcp_s = raw_tcp(payload, link=(args.link_mbit, 0.0))
+        print(f"raw TCP over the emulated link {args.link_payload_mb} MB: {link_tcp_s:.3f} s = "
+              f"{payload / link_tcp_s / MB:.2f} MB/s", flush=True)
         for algorithm in args.algorithms.split(","):
             for n in peers_list:
                 load0 = os.getloadavg()
@@ -295,9 +320,15 @@ def main() -> None:
                 # a bandwidth-optimal all-reduce moves 2 (n - 1) / n of the payload into each
                 # peer: the lower bound of the round time over links of this rate
                 ideal = 2 * (n - 1) / n * payload * 8 / (args.link_mbit * 1e6)
+                rs = sm["round_s"]
                 row = {"algorithm": algorithm, "peers": n, "payload_mb": args.link_payload_mb,
                        "mbit_per_peer": args.link_mbit, **sm, "bandwidth_bound_s": ideal,
-                       "round_s_vs_bound": sm["round_s"] / ideal,
+                       "round_s_vs_bound": rs / ideal,
+                       "goodput_mbps": payload / rs / MB,
+                       "bus_goodput_mbps": payload * bus_factor(n) / rs / MB,
+                       "raw_over_link_s": link_tcp_s,
+                       "raw_over_link_mbps": payload / link_tcp_s / MB,
+                       "bus_goodput_vs_raw_over_link": bus_factor(n) * link_tcp_s / rs,
                        "loadavg_before_after": [load0[0], os.getloadavg()[0]]}
                 links.append(row)
                 print(json.dumps(row), flush=True)
@@ -332,9 +363,26 @@ def main() -> None:
         "codec": args.codec,
         "definitions": {"round_s": "median over rounds (after one warm-up) of the slowest "
                                    "peer's all_reduce wall time",
-                        "goodput_mbps": "payload bytes / round_s / 1e6",
-                        "raw_tcp_mbps": "payload bytes / best one-way transfer time of the "
-                                        "same bytes between two processes over loopback TCP"},
+                        "goodput_mbps": "algorithm bandwidth: payload bytes / round_s / 1e6",
+                        "bus_goodput_mbps": "bus bandwidth (NCCL's busbw): payload bytes * "
+                                            "2 (n - 1) / n / round_s / 1e6, the bytes each peer "
+                                            "must receive at least in an all-reduce of n peers "
+                                            "per second; comparable with a link's raw rate",
+                        "raw_tcp_mbps": "payload bytes / best of 3 one-way transfers of the "
+                                        "same bytes between two processes over loopback TCP "
+                                        "(first byte sent to a 1-byte acknowledgement)",
+                        "goodput_vs_raw_tcp": "goodput_mbps / raw_tcp_mbps",
+                        "bus_goodput_vs_raw_tcp": "bus_goodput_mbps / raw_tcp_mbps",
+                        "raw_over_link_mbps": "emulated links: payload bytes / best of 3 "
+                                              "one-way transfers of the same bytes between two "
+                                              "processes through the same throttling proxy "
+                                              "(LinkEmulator, same rate and RTT as a peer's "
+                                              "line), measured in the same run: the physical "
+                                              "limit of one link",
+                        "bus_goodput_vs_raw_over_link": "bus_goodput_mbps / raw_over_link_mbps "
+                                                        "(1.0 = every peer's inbound link "
+                                                        "busy with useful bytes all round)"},
+        "ring_segment_bytes": RING_SEGMENT_BYTES,
         "table": table, "rss": rss,
         "emulated_wan": wan, "emulated_links": links,
         "emulated_note": "through the throttling TCP proxy of benchmarks/_common.py (its own "
@@ -368,6 +416,10 @@ def plot(result: dict, path: Path) -> None:
             color = line.get_color()
             axes[1].plot(ns, [r["goodput_mbps"] for r in rows], styles.get(algorithm, "o-"),
                          color=color, label=f"{algorithm} {mb} MB")
+            if all("bus_goodput_mbps" in r for r in rows):
+                axes[1].plot(ns, [r["bus_goodput_mbps"] for r in rows],
+                             styles.get(algorithm, "o-"), color=color, alpha=0.35,
+                             label=f"{algorithm} {mb} MB bus")
         axes[1].axhline(rows[0]["raw_tcp_mbps"], color=color, ls="--",
                         label=f"raw TCP {mb} MB")
     axes[0].set_yscale("log")
@@ -375,7 +427,7 @@ def plot(result: dict, path: Path) -> None:
     axes[0].set(xlabel="peers", ylabel="round time (s, log)",
                 title="loopback: round time (slowest peer, median)", xticks=[2, 4, 8])
     axes[1].set(xlabel="peers", ylabel="MB/s (log)",
-                title="loopback: goodput (payload / round time)", xticks=[2, 4, 8])
+                title="loopback: goodput (payload / round time; faint: bus)", xticks=[2, 4, 8])
     axes[0].legend(fontsize=7)
     axes[1].legend(fontsize=7)
     links = result.get("emulated_links") or []
@@ -387,6 +439,10 @@ def plot(result: dict, path: Path) -> None:
         rows = sorted({r["peers"]: r for r in links}.values(), key=lambda r: r["peers"])
         axes[2].plot([r["peers"] for r in rows], [r["bandwidth_bound_s"] for r in rows], "k--",
                      label="bound 2(n-1)/n * payload / rate")
+        if all("raw_over_link_s" in r for r in rows):
+            axes[2].plot([r["peers"] for r in rows],
+                         [2 * (r["peers"] - 1) / r["peers"] * r["raw_over_link_s"] for r in rows],
+                         "k:", label="2(n-1)/n * raw TCP over the same link (measured)")
         r0 = links[0]
         wan = result.get("emulated_wan") or []
         wtxt = "; ".join(f"{w['algorithm']} {w['round_s']:.3f} s" for w in wan)
