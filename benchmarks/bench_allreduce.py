@@ -35,6 +35,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 TOKEN = "bench-token"
 MB = 1_000_000
+RING_SEGMENT = 0  # --ring-segment-bytes, handed to every worker (0: the library's default)
 
 
 def rss_bytes() -> int:
@@ -56,7 +57,9 @@ def worker(args: argparse.Namespace) -> None:
     t = Timeouts(connect=5, part=300, grace=2, round=900, heartbeat=2, eviction=30)
     with Swarm(args.url, run_id=args.run_id, token=TOKEN, listen=f"127.0.0.1:{args.port}",
                timeouts=t, peer_id=args.peer_id, codec=args.codec, algorithm=args.algorithm,
-               advertise=args.advertise) as sw:
+               advertise=args.advertise,
+               **({"ring_segment_bytes": args.ring_segment_bytes}
+                  if args.ring_segment_bytes else {})) as sw:
         sw.wait_for_peers(args.peers, timeout=120)
         for i in range(args.rounds):
             c0 = time.process_time()
@@ -194,6 +197,7 @@ def swarm_run(n: int, payload: int, rounds: int, codec: str, tmp: Path,
                                    "--peer-id", f"p{i:02d}", "--seed", str(i), "--peers",
                                    str(n), "--payload", str(payload), "--rounds", str(rounds),
                                    "--codec", codec, "--algorithm", algorithm,
+                                   "--ring-segment-bytes", str(RING_SEGMENT),
                                    "--port", str(ports[i]), "--scale", str(scale),
                                    *(["--advertise", advertise[i]] if advertise[i] else [])))
         results = []
@@ -243,7 +247,11 @@ def main() -> None:
     ap.add_argument("--link-mbit", type=float, default=100.0,
                     help="per-peer inbound rate of the emulated-link scaling runs")
     ap.add_argument("--link-payload-mb", type=int, default=8)
+    ap.add_argument("--ring-segment-bytes", type=int, default=0,
+                    help="Swarm(ring_segment_bytes=...) of the ring runs (0: the default)")
     args = ap.parse_args()
+    global RING_SEGMENT
+    RING_SEGMENT = args.ring_segment_bytes
     if args.mode == "worker":
         return worker(args)
     if args.mode == "tcp-rx":
@@ -251,14 +259,17 @@ def main() -> None:
     if args.mode == "tcp-tx":
         return tcp_sender(args)
 
-    from ravnest_jax.swarm._allreduce import RING_SEGMENT_BYTES
+    try:
+        from ravnest_jax.swarm._allreduce import RING_SEGMENT_BYTES
+    except ImportError:  # an older library (A/B runs): the unpipelined ring
+        RING_SEGMENT_BYTES = None
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.replot:
         return plot(json.loads((out / "allreduce.json").read_text()), out / "allreduce.png")
-    payloads = ([int(x) for x in args.payloads_mb.split(",")] if args.payloads_mb
-                else [16, 64] + ([256] if args.full else []))
+    payloads = ([int(x) for x in args.payloads_mb.split(",") if int(x)] if args.payloads_mb
+                else [16, 64] + ([256] if args.full else []))  # "0": no loopback runs
     peers_list = [int(x) for x in args.peers_list.split(",")]
     table = []
     for mb in payloads:
@@ -382,7 +393,7 @@ def main() -> None:
                         "bus_goodput_vs_raw_over_link": "bus_goodput_mbps / raw_over_link_mbps "
                                                         "(1.0 = every peer's inbound link "
                                                         "busy with useful bytes all round)"},
-        "ring_segment_bytes": RING_SEGMENT_BYTES,
+        "ring_segment_bytes": args.ring_segment_bytes or RING_SEGMENT_BYTES,
         "table": table, "rss": rss,
         "emulated_wan": wan, "emulated_links": links,
         "emulated_note": "through the throttling TCP proxy of benchmarks/_common.py (its own "

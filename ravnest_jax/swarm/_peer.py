@@ -963,7 +963,8 @@ class Swarm(_StateMixin):
         dec = PartDecoder(name=f"ring{phase}{c}.{j}", length=hi - lo, codec=st.codec,
                           max_bytes=limit)
         h = _auth.body_hasher()
-        raw = bytearray() if phase == "ag" else None  # forwarded unchanged to the right
+        # all-gather messages are forwarded unchanged to the right, except at the last step
+        raw = bytearray() if phase == "ag" and step < n - 2 else None
         st.ring_receiving.add(key)
         try:
             async for chunk, _ in request.content.iter_chunks():
@@ -995,10 +996,12 @@ class Swarm(_StateMixin):
         return json_response(request, self._token, self.run_id, self.peer_id, {"ok": True})
 
     async def _ring_send(self, st: _Attempt, addr: str, phase: str, step: int, j: int,
-                         data: Any, weight: np.float32, timeout: float) -> int:
+                         data: Any, weight: np.float32, timeout: float,
+                         digest: str | None = None) -> int:
         """One signed PUT of segment ``j`` of ring step ``step``; ``data`` is the encoded bytes
         or a function that encodes them (called once a send slot is free, so that at most
-        ``RING_INFLIGHT`` encoded messages wait per peer)."""
+        ``RING_INFLIGHT`` encoded messages wait per peer); ``digest``: its body digest when
+        known (a forwarded message: no second hash pass)."""
         path = (f"/v1/runs/{self.run_id}/rounds/{st.round}/{st.attempt}/ring/{phase}/{step}"
                 f"/{j}")
         weight_s = repr(float(weight))
@@ -1007,7 +1010,7 @@ class Swarm(_StateMixin):
             if callable(data):
                 data = data()
             return await self._put(st, addr.rstrip("/") + path, path, data,
-                                   _auth.body_digest(data), f"{weight_s}|{st.manifest}",
+                                   digest or _auth.body_digest(data), f"{weight_s}|{st.manifest}",
                                    {H_WEIGHT: weight_s, H_MANIFEST: st.manifest},
                                    t_end - time.monotonic())
 
@@ -1099,7 +1102,7 @@ class Swarm(_StateMixin):
             out[lo:hi] = mean if self.codec == "fp32" else decode_part(
                 data, name=f"ringag{c}.{j}", length=hi - lo, codec=self.codec)
             shas[(c, j)] = _auth.body_digest(data)
-            own[j], totals[j] = data, acc_w
+            own[j], totals[j] = (data, shas[(c, j)]), acc_w
 
         complete = True
         try:
@@ -1123,10 +1126,10 @@ class Swarm(_StateMixin):
         t_ag = min(time.monotonic() + self.timeouts.part, deadline)
 
         async def all_gather(j: int, send: Callable[[Any], None]) -> None:
-            cur = own.pop(j)
+            cur, sha = own.pop(j)
             for s in range(n - 1):
                 send(self._ring_send(st, right, "ag", s, j, cur, np.float32(1.0),
-                                     t_ag - time.monotonic()))
+                                     t_ag - time.monotonic(), sha))
                 await wait("ag", s, j, t_ag)
                 _, part, cur, sha = st.ring_inbox.pop(("ag", s, j))
                 k = (i - s) % n

@@ -9,6 +9,7 @@ import pytest
 
 from ravnest_jax.swarm import RoundFailed, Swarm, Timeouts
 from ravnest_jax.swarm._allreduce import part_bounds, ring_segments
+from ravnest_jax.swarm._http import HTTPStatusError
 
 from .conftest import TOKEN
 
@@ -99,12 +100,12 @@ def test_pipelined_ring_lossy_codec_within_bound(cluster):
 class _CorruptOnce(Swarm):
     """Flips one byte of one reduce-scatter segment in the first attempt."""
 
-    async def _ring_send(self, st, addr, phase, step, j, data, weight, timeout):
+    async def _ring_send(self, st, addr, phase, step, j, data, weight, timeout, digest=None):
         if st.attempt == 0 and phase == "rs" and step == 0 and j == 1:
             raw = bytearray(data() if callable(data) else data)
             raw[len(raw) // 2] ^= 0xFF
             data = bytes(raw)
-        return await super()._ring_send(st, addr, phase, step, j, data, weight, timeout)
+        return await super()._ring_send(st, addr, phase, step, j, data, weight, timeout, digest)
 
 
 @pytest.mark.timeout(60)
@@ -135,3 +136,38 @@ def test_ring_peers_with_another_segment_size_refuse_each_other(cluster):
     with pytest.raises(ValueError):
         Swarm(url, run_id="segs", token=TOKEN, algorithm="ring", ring_segment_bytes=0)
 
+
+
+class _Probe(Swarm):
+    """After its first segment of the first attempt is answered, sends it again (409), to a
+    segment index out of range (400), and an oversize all-gather body (413); records the
+    statuses."""
+
+    statuses: dict[str, int]
+
+    async def _ring_send(self, st, addr, phase, step, j, data, weight, timeout, digest=None):
+        sent = await super()._ring_send(st, addr, phase, step, j, data, weight, timeout, digest)
+        if st.attempt == 0 and phase == "rs" and step == 0 and j == 0:
+            data = data() if callable(data) else data
+            lo, hi = st.segments[0][0]
+            big = b"\0" * (4 * (hi - lo) + (1 << 20) + 1)  # to a message not yet sent
+            for name, ph, jj, body in [("duplicate", "rs", 0, data),
+                                       ("bad_segment", "rs", len(st.segments[0]), data),
+                                       ("oversize", "ag", 0, big)]:
+                try:
+                    await super()._ring_send(st, addr, ph, step, jj, body, weight, timeout)
+                    self.statuses[name] = 200
+                except HTTPStatusError as e:
+                    self.statuses[name] = e.status
+        return sent
+
+
+@pytest.mark.timeout(60)
+def test_pipelined_ring_refuses_duplicate_bad_and_oversize_segments(cluster):
+    url = cluster.rendezvous()
+    _Probe.statuses = {}
+    res, exp, _ = _run(url, 2, 1001, cls=_Probe)
+    assert _Probe.statuses == {"duplicate": 409, "bad_segment": 400, "oversize": 413}
+    recs = [rec for _, rec in res]
+    assert all(r.ok and r.attempts == 1 for r in recs) and len({r.digest for r in recs}) == 1
+    np.testing.assert_allclose(_flat(res[0][0]), exp, rtol=1e-6, atol=1e-6)
