@@ -1,4 +1,4 @@
-"""Pure helpers of the butterfly all-reduce: part bounds, manifests, float32 reduction."""
+"""Pure helpers of the all-reduce: part bounds, ring segments, manifests, float32 reduction."""
 
 from __future__ import annotations
 
