@@ -7,8 +7,11 @@
 
 For each (N, payload): one rendezvous and N peer processes, each averaging a float32 vector of
 ``payload`` bytes with ``Swarm.all_reduce`` (codec fp32). Reported per config: median round time
-(s), goodput = payload bytes / round time (MB/s), and the same payload sent once over a raw TCP
-socket between two processes, measured in the same run (the physical limit of this machine).
+(s), goodput = payload bytes / round time (MB/s, "algorithm bandwidth"), bus goodput = payload
+* 2(n-1)/n / round time (the bytes each peer must receive at least, NCCL's "bus bandwidth"), and
+the same payload sent once over a raw TCP socket between two processes, measured in the same run
+(the physical limit of this machine). The emulated-link part also sends the payload once through
+the same throttling proxy line (same rate and RTT) and reports bus goodput / that raw rate.
 A second part runs ``--rss-rounds`` rounds and records every peer's RSS after each round.
 
 Writes ``benchmarks/results/allreduce.json`` and ``allreduce.png``. All processes share this
