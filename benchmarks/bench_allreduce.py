@@ -7,8 +7,11 @@
 
 For each (N, payload): one rendezvous and N peer processes, each averaging a float32 vector of
 ``payload`` bytes with ``Swarm.all_reduce`` (codec fp32). Reported per config: median round time
-(s), goodput = payload bytes / round time (MB/s), and the same payload sent once over a raw TCP
-socket between two processes, measured in the same run (the physical limit of this machine).
+(s), goodput = payload bytes / round time (MB/s, "algorithm bandwidth"), bus goodput = payload
+* 2(n-1)/n / round time (the bytes each peer must receive at least, NCCL's "bus bandwidth"), and
+the same payload sent once over a raw TCP socket between two processes, measured in the same run
+(the physical limit of this machine). The emulated-link part also sends the payload once through
+the same throttling proxy line (same rate and RTT) and reports bus goodput / that raw rate.
 A second part runs ``--rss-rounds`` rounds and records every peer's RSS after each round.
 
 Writes ``benchmarks/results/allreduce.json`` and ``allreduce.png``. All processes share this
@@ -35,6 +38,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 TOKEN = "bench-token"
 MB = 1_000_000
+RING_SEGMENT = 0  # --ring-segment-bytes, handed to every worker (0: the library's default)
 
 
 def rss_bytes() -> int:
@@ -56,7 +60,9 @@ def worker(args: argparse.Namespace) -> None:
     t = Timeouts(connect=5, part=300, grace=2, round=900, heartbeat=2, eviction=30)
     with Swarm(args.url, run_id=args.run_id, token=TOKEN, listen=f"127.0.0.1:{args.port}",
                timeouts=t, peer_id=args.peer_id, codec=args.codec, algorithm=args.algorithm,
-               advertise=args.advertise) as sw:
+               advertise=args.advertise,
+               **({"ring_segment_bytes": args.ring_segment_bytes}
+                  if args.ring_segment_bytes else {})) as sw:
         sw.wait_for_peers(args.peers, timeout=120)
         for i in range(args.rounds):
             c0 = time.process_time()
@@ -112,13 +118,24 @@ def run_child(mode: str, *extra: str) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, text=True)
 
 
-def raw_tcp(payload: int, repeats: int = 3) -> float:
-    """Best of ``repeats`` one-way transfers of ``payload`` bytes between two processes (s)."""
+def raw_tcp(payload: int, repeats: int = 3, link: tuple[float, float] | None = None) -> float:
+    """Best of ``repeats`` one-way transfers of ``payload`` bytes between two processes (s),
+    from the sender's first byte to the receiver's 1-byte acknowledgement. With ``link=(mbit,
+    rtt_ms)`` the connection crosses a throttling proxy of :func:`swarm_run`'s kind (the same
+    ``LinkEmulator``, one line each way, both set to that rate and RTT)."""
     times = []
     for _ in range(repeats):
         rx = run_child("tcp-rx", "--payload", str(payload))
+        emu = None
         try:
             port = rx.stdout.readline().strip()  # type: ignore[union-attr]
+            if link is not None:
+                sys.path.insert(0, str(HERE))
+                from _common import LinkEmulator
+
+                emu = LinkEmulator([(int(port), 0, 1)], n_lines=2)
+                emu.set_all(*link)
+                port = str(emu.ports[0])
             tx = run_child("tcp-tx", "--payload", str(payload), "--port", port)
             out, _ = tx.communicate(timeout=600)
             times.append(float(out.strip()))
@@ -128,7 +145,14 @@ def raw_tcp(payload: int, repeats: int = 3) -> float:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+            if emu is not None:
+                emu.close()
     return min(times)
+
+
+def bus_factor(n: int) -> float:
+    """Bytes each peer must receive (and send) at least in an all-reduce, per payload byte."""
+    return 2 * (n - 1) / n
 
 
 def start_rendezvous(tmp: Path) -> tuple[subprocess.Popen[str], str]:
@@ -176,6 +200,7 @@ def swarm_run(n: int, payload: int, rounds: int, codec: str, tmp: Path,
                                    "--peer-id", f"p{i:02d}", "--seed", str(i), "--peers",
                                    str(n), "--payload", str(payload), "--rounds", str(rounds),
                                    "--codec", codec, "--algorithm", algorithm,
+                                   "--ring-segment-bytes", str(RING_SEGMENT),
                                    "--port", str(ports[i]), "--scale", str(scale),
                                    *(["--advertise", advertise[i]] if advertise[i] else [])))
         results = []
@@ -225,7 +250,11 @@ def main() -> None:
     ap.add_argument("--link-mbit", type=float, default=100.0,
                     help="per-peer inbound rate of the emulated-link scaling runs")
     ap.add_argument("--link-payload-mb", type=int, default=8)
+    ap.add_argument("--ring-segment-bytes", type=int, default=0,
+                    help="Swarm(ring_segment_bytes=...) of the ring runs (0: the default)")
     args = ap.parse_args()
+    global RING_SEGMENT
+    RING_SEGMENT = args.ring_segment_bytes
     if args.mode == "worker":
         return worker(args)
     if args.mode == "tcp-rx":
@@ -233,12 +262,17 @@ def main() -> None:
     if args.mode == "tcp-tx":
         return tcp_sender(args)
 
+    try:
+        from ravnest_jax.swarm._allreduce import RING_SEGMENT_BYTES
+    except ImportError:  # an older library (A/B runs): the unpipelined ring
+        RING_SEGMENT_BYTES = None
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.replot:
         return plot(json.loads((out / "allreduce.json").read_text()), out / "allreduce.png")
-    payloads = ([int(x) for x in args.payloads_mb.split(",")] if args.payloads_mb
-                else [16, 64] + ([256] if args.full else []))
+    payloads = ([int(x) for x in args.payloads_mb.split(",") if int(x)] if args.payloads_mb
+                else [16, 64] + ([256] if args.full else []))  # "0": no loopback runs
     peers_list = [int(x) for x in args.peers_list.split(",")]
     table = []
     for mb in payloads:
@@ -252,9 +286,11 @@ def main() -> None:
             sm = summarize(res, args.rounds)
             rs = sm["round_s"]
             row = {"algorithm": algorithm, "peers": n, "payload_mb": mb, **sm,
-                   "goodput_mbps": payload / rs / MB, "raw_tcp_s": tcp_s,
+                   "goodput_mbps": payload / rs / MB,
+                   "bus_goodput_mbps": payload * bus_factor(n) / rs / MB, "raw_tcp_s": tcp_s,
                    "raw_tcp_mbps": payload / tcp_s / MB,
                    "goodput_vs_raw_tcp": tcp_s / rs,
+                   "bus_goodput_vs_raw_tcp": bus_factor(n) * tcp_s / rs,
                    "bytes_sent_per_peer": res[0][-1]["sent"],
                    "bytes_received_per_peer": res[0][-1]["received"],
                    "loadavg_before_after": [load0[0], os.getloadavg()[0]]}
@@ -286,6 +322,9 @@ def main() -> None:
         # payload flat in N, as it would be with one peer per machine?
         links = []
         payload = args.link_payload_mb * MB
+        link_tcp_s = raw_tcp(payload, link=(args.link_mbit, 0.0))
+        print(f"raw TCP over the emulated link {args.link_payload_mb} MB: {link_tcp_s:.3f} s = "
+              f"{payload / link_tcp_s / MB:.2f} MB/s", flush=True)
         for algorithm in args.algorithms.split(","):
             for n in peers_list:
                 load0 = os.getloadavg()
@@ -295,9 +334,15 @@ def main() -> None:
                 # a bandwidth-optimal all-reduce moves 2 (n - 1) / n of the payload into each
                 # peer: the lower bound of the round time over links of this rate
                 ideal = 2 * (n - 1) / n * payload * 8 / (args.link_mbit * 1e6)
+                rs = sm["round_s"]
                 row = {"algorithm": algorithm, "peers": n, "payload_mb": args.link_payload_mb,
                        "mbit_per_peer": args.link_mbit, **sm, "bandwidth_bound_s": ideal,
-                       "round_s_vs_bound": sm["round_s"] / ideal,
+                       "round_s_vs_bound": rs / ideal,
+                       "goodput_mbps": payload / rs / MB,
+                       "bus_goodput_mbps": payload * bus_factor(n) / rs / MB,
+                       "raw_over_link_s": link_tcp_s,
+                       "raw_over_link_mbps": payload / link_tcp_s / MB,
+                       "bus_goodput_vs_raw_over_link": bus_factor(n) * link_tcp_s / rs,
                        "loadavg_before_after": [load0[0], os.getloadavg()[0]]}
                 links.append(row)
                 print(json.dumps(row), flush=True)
@@ -332,9 +377,26 @@ def main() -> None:
         "codec": args.codec,
         "definitions": {"round_s": "median over rounds (after one warm-up) of the slowest "
                                    "peer's all_reduce wall time",
-                        "goodput_mbps": "payload bytes / round_s / 1e6",
-                        "raw_tcp_mbps": "payload bytes / best one-way transfer time of the "
-                                        "same bytes between two processes over loopback TCP"},
+                        "goodput_mbps": "algorithm bandwidth: payload bytes / round_s / 1e6",
+                        "bus_goodput_mbps": "bus bandwidth (NCCL's busbw): payload bytes * "
+                                            "2 (n - 1) / n / round_s / 1e6, the bytes each peer "
+                                            "must receive at least in an all-reduce of n peers "
+                                            "per second; comparable with a link's raw rate",
+                        "raw_tcp_mbps": "payload bytes / best of 3 one-way transfers of the "
+                                        "same bytes between two processes over loopback TCP "
+                                        "(first byte sent to a 1-byte acknowledgement)",
+                        "goodput_vs_raw_tcp": "goodput_mbps / raw_tcp_mbps",
+                        "bus_goodput_vs_raw_tcp": "bus_goodput_mbps / raw_tcp_mbps",
+                        "raw_over_link_mbps": "emulated links: payload bytes / best of 3 "
+                                              "one-way transfers of the same bytes between two "
+                                              "processes through the same throttling proxy "
+                                              "(LinkEmulator, same rate and RTT as a peer's "
+                                              "line), measured in the same run: the physical "
+                                              "limit of one link",
+                        "bus_goodput_vs_raw_over_link": "bus_goodput_mbps / raw_over_link_mbps "
+                                                        "(1.0 = every peer's inbound link "
+                                                        "busy with useful bytes all round)"},
+        "ring_segment_bytes": args.ring_segment_bytes or RING_SEGMENT_BYTES,
         "table": table, "rss": rss,
         "emulated_wan": wan, "emulated_links": links,
         "emulated_note": "through the throttling TCP proxy of benchmarks/_common.py (its own "
@@ -368,6 +430,10 @@ def plot(result: dict, path: Path) -> None:
             color = line.get_color()
             axes[1].plot(ns, [r["goodput_mbps"] for r in rows], styles.get(algorithm, "o-"),
                          color=color, label=f"{algorithm} {mb} MB")
+            if all("bus_goodput_mbps" in r for r in rows):
+                axes[1].plot(ns, [r["bus_goodput_mbps"] for r in rows],
+                             styles.get(algorithm, "o-"), color=color, alpha=0.35,
+                             label=f"{algorithm} {mb} MB bus")
         axes[1].axhline(rows[0]["raw_tcp_mbps"], color=color, ls="--",
                         label=f"raw TCP {mb} MB")
     axes[0].set_yscale("log")
@@ -375,7 +441,7 @@ def plot(result: dict, path: Path) -> None:
     axes[0].set(xlabel="peers", ylabel="round time (s, log)",
                 title="loopback: round time (slowest peer, median)", xticks=[2, 4, 8])
     axes[1].set(xlabel="peers", ylabel="MB/s (log)",
-                title="loopback: goodput (payload / round time)", xticks=[2, 4, 8])
+                title="loopback: goodput (payload / round time; faint: bus)", xticks=[2, 4, 8])
     axes[0].legend(fontsize=7)
     axes[1].legend(fontsize=7)
     links = result.get("emulated_links") or []
@@ -387,6 +453,10 @@ def plot(result: dict, path: Path) -> None:
         rows = sorted({r["peers"]: r for r in links}.values(), key=lambda r: r["peers"])
         axes[2].plot([r["peers"] for r in rows], [r["bandwidth_bound_s"] for r in rows], "k--",
                      label="bound 2(n-1)/n * payload / rate")
+        if all("raw_over_link_s" in r for r in rows):
+            axes[2].plot([r["peers"] for r in rows],
+                         [2 * (r["peers"] - 1) / r["peers"] * r["raw_over_link_s"] for r in rows],
+                         "k:", label="2(n-1)/n * raw TCP over the same link (measured)")
         r0 = links[0]
         wan = result.get("emulated_wan") or []
         wtxt = "; ".join(f"{w['algorithm']} {w['round_s']:.3f} s" for w in wan)

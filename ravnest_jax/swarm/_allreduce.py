@@ -1,4 +1,4 @@
-"""Pure helpers of the butterfly all-reduce: part bounds, manifests, float32 reduction."""
+"""Pure helpers of the all-reduce: part bounds, ring segments, manifests, float32 reduction."""
 
 from __future__ import annotations
 
@@ -79,3 +79,21 @@ def weighted_mean(parts: Mapping[str, tuple[np.float32, np.ndarray]],
     scaled = {c: (parts[c][0], np.multiply(parts[c][1], np.float32(parts[c][0])))
               for c in contributors}
     return mean_of_scaled(scaled, contributors)
+
+
+RING_SEGMENT_BYTES = 1 << 20  # float32 bytes per pipelined ring segment (default)
+
+
+def ring_segments(bounds: Sequence[tuple[int, int]],
+                  segment_bytes: int = RING_SEGMENT_BYTES) -> list[list[tuple[int, int]]]:
+    """The pipelined ring's segments of every part: ``out[c][j] = (lo, hi)`` (absolute).
+
+    Every part is cut into the same number S of contiguous segments (``part_bounds``), S =
+    ceil(longest part / segment elements), at least 1 and at most the shortest part's length
+    (no empty segment unless a part is empty). A pure function of the round's bounds and
+    ``segment_bytes`` (which is part of the ring's manifest), so every peer agrees on it.
+    """
+    seg = max(1, int(segment_bytes) // 4)
+    lengths = [hi - lo for lo, hi in bounds]
+    s = max(1, min(-(-max(lengths) // seg), min(lengths)))
+    return [[(lo + a, lo + b) for a, b in part_bounds(hi - lo, s)] for lo, hi in bounds]

@@ -23,8 +23,8 @@ import numpy as np
 from aiohttp import web
 
 from . import _auth
-from ._allreduce import CHUNK, contributors_tag, manifest_digest, max_message_bytes, \
-    mean_of_scaled, part_bounds
+from ._allreduce import CHUNK, RING_SEGMENT_BYTES, contributors_tag, manifest_digest, \
+    max_message_bytes, mean_of_scaled, part_bounds, ring_segments
 from ._codec import NonFiniteError, PartDecoder, WireFormatError, check_codec, decode_part, \
     encode_part
 from ._http import HTTPStatusError, json_response, signed_json, stream_body
@@ -38,6 +38,7 @@ ABSTAIN_WEIGHT = 1e-30  # w + 1e-30 == w in float32 for any weight w >= 1e-22
 H_MANIFEST = "X-RJ-Manifest"
 H_CONTRIB = "X-RJ-Contributors"  # tag of the contributor set a pushed result part was reduced over
 ALGORITHMS = ("butterfly", "ring")
+RING_INFLIGHT = 4  # ring PUTs in flight per peer at most (the others wait, not yet encoded)
 SLOW_CHUNK = 256 * 1024  # chunk size when ``_send_chunk_delay`` is set (tests)
 READ_BUFSIZE = 1 << 22
 GC_GENERATION = 1  # collected after every round (cheap: young objects only)  # bytes buffered per connection before reading pauses
@@ -67,11 +68,15 @@ class _Attempt:
         self.bounds: list[tuple[int, int]] = []
         self.algorithm = "butterfly"
         self.part_shas: dict[int, str] = {}
-        self.ring_inbox: dict[tuple[str, int], tuple[Any, ...]] = {}
-        self._ring_events: dict[tuple[str, int], asyncio.Event] = {}
+        # ring: segments[c][j] = (lo, hi) of segment j of part c; messages by (phase, step, j)
+        self.segments: list[list[tuple[int, int]]] = [[(0, 0)]]
+        self.ring_inbox: dict[tuple[str, int, int], tuple[Any, ...]] = {}
+        self.ring_seen: set[tuple[str, int, int]] = set()  # every message stored (409 again)
+        self.ring_receiving: set[tuple[str, int, int]] = set()
+        self._ring_events: dict[tuple[str, int, int], asyncio.Event] = {}
 
-    def ring_event(self, phase: str, step: int) -> asyncio.Event:
-        return self._ring_events.setdefault((phase, step), asyncio.Event())
+    def ring_event(self, phase: str, step: int, seg: int) -> asyncio.Event:
+        return self._ring_events.setdefault((phase, step, seg), asyncio.Event())
 
 
 class _RoundFail(Exception):
@@ -99,6 +104,9 @@ class Swarm(_StateMixin):
       algorithm: ``"butterfly"`` (default: reduce-scatter to part owners, then all-gather) or
         ``"ring"`` (2(n - 1) neighbour steps; any failure retries the whole attempt without the
         peers that did not vote). All peers of a run must use the same one.
+      ring_segment_bytes: the pipelined ring cuts every part into segments of about this many
+        float32 bytes (default 1 MiB), each its own message; part of the ring's round manifest,
+        so all peers of a run must use the same value.
       peer_id: this peer's id (default: random); rounds order peers by id.
       ssl: server-side ``ssl.SSLContext`` (serve HTTPS; then advertise an ``https://`` URL).
       client_ssl: passed to aiohttp as ``ssl=`` for outgoing requests (an ``SSLContext`` that
@@ -116,7 +124,7 @@ class Swarm(_StateMixin):
                  codec: str = "fp32", codec_options: dict[str, Any] | None = None,
                  listen: str = "0.0.0.0:0", advertise: str | None = None,
                  timeouts: Timeouts | None = None, peer_id: str | None = None,
-                 algorithm: str = "butterfly",
+                 algorithm: str = "butterfly", ring_segment_bytes: int = RING_SEGMENT_BYTES,
                  ssl: _ssl.SSLContext | None = None, client_ssl: Any = None,
                  info: dict[str, Any] | None = None,
                  _send_chunk_delay: float = 0.0, _serve_delay: float = 0.0):
@@ -125,6 +133,9 @@ class Swarm(_StateMixin):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self.algorithm = algorithm
+        if not (isinstance(ring_segment_bytes, int) and ring_segment_bytes >= 4):
+            raise ValueError(f"ring_segment_bytes must be an int >= 4, got {ring_segment_bytes!r}")
+        self.ring_segment_bytes = ring_segment_bytes
         if not run_id or "/" in run_id:
             raise ValueError("run_id must be non-empty and contain no '/'")
         self.rendezvous_url = rendezvous_url.rstrip("/")
@@ -281,7 +292,9 @@ class Swarm(_StateMixin):
         if not np.isfinite(vec).all():
             raise ValueError("tree holds NaN or infinity")
         shapes = [x.shape for x in leaves]
-        manifest = manifest_digest(names, shapes, f"{self.codec}/{self.algorithm}")
+        wire = f"{self.codec}/{self.algorithm}" + (
+            f"/{self.ring_segment_bytes}" if self.algorithm == "ring" else "")
+        manifest = manifest_digest(names, shapes, wire)
         sizes = [x.size for x in leaves]
         offsets = np.cumsum([0] + sizes)
 
@@ -340,11 +353,12 @@ class Swarm(_StateMixin):
             read_bufsize=READ_BUFSIZE)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._round_lock = asyncio.Lock()
+        self._ring_slots = asyncio.Semaphore(RING_INFLIGHT)
         app = web.Application(client_max_size=1 << 20)
         base = "/v1/runs/{run_id}/rounds/{round}/{attempt}"
         app.router.add_put(base + "/parts/{part}", self._h_put_part)
         app.router.add_put(base + "/results/{part}", self._h_put_result)
-        app.router.add_put(base + "/ring/{phase}/{step}", self._h_put_ring)
+        app.router.add_put(base + "/ring/{phase}/{step}/{seg}", self._h_put_ring)
         app.router.add_get("/health", self._h_health)
         app.router.add_get("/v1/runs/{run_id}/state", self._h_get_state)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
@@ -770,6 +784,7 @@ class Swarm(_StateMixin):
         st.lo, st.hi = bounds[st.me]
         st.algorithm = self.algorithm
         if self.algorithm == "ring":
+            st.segments = ring_segments(bounds, self.ring_segment_bytes)
             st.entered.set()
             return await self._ring_attempt(st, membership, epoch, vec, weight, deadline, stats, state)
         plen = st.hi - st.lo
@@ -940,16 +955,17 @@ class Swarm(_StateMixin):
 
     # ------------------------------------------------------------------ ring variant
     async def _h_put_ring(self, request: web.Request) -> web.Response:
+        """One segment of one ring step from the left neighbour, streamed into its decoder."""
         weight_s = request.headers.get(H_WEIGHT, "")
         manifest = request.headers.get(H_MANIFEST, "")
         sender, claimed = self._auth_request(request, extra=f"{weight_s}|{manifest}")
         phase = request.match_info["phase"]
         try:
-            r, a, step = (int(request.match_info["round"]), int(request.match_info["attempt"]),
-                          int(request.match_info["step"]))
+            r, a, step, j = (int(request.match_info["round"]), int(request.match_info["attempt"]),
+                             int(request.match_info["step"]), int(request.match_info["seg"]))
             w = np.float32(float(weight_s))
         except ValueError:
-            raise web.HTTPBadRequest(text="bad round, attempt, step or weight") from None
+            raise web.HTTPBadRequest(text="bad round, attempt, step, segment or weight") from None
         if phase not in ("rs", "ag") or not (np.isfinite(w) and w > 0):
             raise web.HTTPBadRequest(text="bad phase or weight")
         st = await self._wait_entered(r, a)
@@ -958,87 +974,165 @@ class Swarm(_StateMixin):
             raise web.HTTPBadRequest(text="part does not match the round manifest")
         if sender != st.group[(st.me - 1) % n]:
             raise web.HTTPForbidden(text="only the left neighbour sends ring messages")
-        if not 0 <= step < n - 1:
-            raise web.HTTPBadRequest(text="bad ring step")
-        if (phase, step) in st.ring_inbox or st.closed:
+        if not 0 <= step < n - 1 or not 0 <= j < len(st.segments[0]):
+            raise web.HTTPBadRequest(text="bad ring step or segment")
+        key = (phase, step, j)
+        if key in st.ring_seen or key in st.ring_receiving or st.closed:
             raise web.HTTPConflict(text="duplicate or late ring message")
         c = (st.me - 1 - step) % n if phase == "rs" else (st.me - step) % n
-        lo, hi = st.bounds[c]
+        lo, hi = st.segments[c][j]
         limit = max_message_bytes(hi - lo)
         if request.content_length is not None and request.content_length > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit,
                                                 actual_size=request.content_length)
-        dec = PartDecoder(name=f"ring{phase}{c}", length=hi - lo, codec=st.codec,
+        dec = PartDecoder(name=f"ring{phase}{c}.{j}", length=hi - lo, codec=st.codec,
                           max_bytes=limit)
         h = _auth.body_hasher()
-        raw = bytearray() if phase == "ag" else None
+        # all-gather messages are forwarded unchanged to the right, except at the last step
+        raw = bytearray() if phase == "ag" and step < n - 2 else None
+        st.ring_receiving.add(key)
         try:
             async for chunk, _ in request.content.iter_chunks():
                 h.update(chunk)
                 dec.feed(chunk)
                 if raw is not None:
                     raw += chunk
+                if st.closed:
+                    raise web.HTTPConflict(text="too late")
             if not _auth.digest_matches(claimed, h.hexdigest()):
                 raise web.HTTPUnauthorized(text="body does not match its signed digest")
             vec = dec.finish()
         except (WireFormatError, NonFiniteError) as e:
+            if dec.nbytes > limit:
+                raise web.HTTPRequestEntityTooLarge(max_size=limit,
+                                                    actual_size=dec.nbytes) from None
             raise web.HTTPBadRequest(text=f"bad ring message: {e}") from None
         except (aiohttp.ClientPayloadError, ConnectionError, asyncio.IncompleteReadError,
                 aiohttp.http_exceptions.HttpProcessingError):
             raise web.HTTPBadRequest(text="body cut off") from None
+        finally:
+            st.ring_receiving.discard(key)
         if st.closed:
             raise web.HTTPConflict(text="too late")
-        st.ring_inbox[(phase, step)] = (w, vec, bytes(raw) if raw is not None else b"",
-                                        h.hexdigest())
+        st.ring_seen.add(key)
+        st.ring_inbox[key] = (w, vec, raw if raw is not None else b"", h.hexdigest())
         st.bytes_in += dec.nbytes
-        st.ring_event(phase, step).set()
+        st.ring_event(phase, step, j).set()
         return json_response(request, self._token, self.run_id, self.peer_id, {"ok": True})
 
-    async def _ring_send(self, st: _Attempt, addr: str, phase: str, step: int, data: bytes,
-                         weight: np.float32, timeout: float) -> int:
-        path = f"/v1/runs/{self.run_id}/rounds/{st.round}/{st.attempt}/ring/{phase}/{step}"
+    async def _ring_send(self, st: _Attempt, addr: str, phase: str, step: int, j: int,
+                         data: Any, weight: np.float32, timeout: float,
+                         digest: str | None = None) -> int:
+        """One signed PUT of segment ``j`` of ring step ``step``; ``data`` is the encoded bytes
+        or a function that encodes them (called once a send slot is free, so that at most
+        ``RING_INFLIGHT`` encoded messages wait per peer); ``digest``: its body digest when
+        known (a forwarded message: no second hash pass)."""
+        path = (f"/v1/runs/{self.run_id}/rounds/{st.round}/{st.attempt}/ring/{phase}/{step}"
+                f"/{j}")
         weight_s = repr(float(weight))
-        return await self._put(st, addr.rstrip("/") + path, path, data, _auth.body_digest(data),
-                               f"{weight_s}|{st.manifest}",
-                               {H_WEIGHT: weight_s, H_MANIFEST: st.manifest}, timeout)
+        t_end = time.monotonic() + timeout
+        async with self._ring_slots:
+            if callable(data):
+                data = data()
+            return await self._put(st, addr.rstrip("/") + path, path, data,
+                                   digest or _auth.body_digest(data), f"{weight_s}|{st.manifest}",
+                                   {H_WEIGHT: weight_s, H_MANIFEST: st.manifest},
+                                   t_end - time.monotonic())
+
+    async def _ring_phase(self, st: _Attempt, t_end: float, segment: Callable[..., Any],
+                          stats: dict[str, int]) -> None:
+        """Run ``segment(j, send)`` for every segment j concurrently (the pipeline: segment j
+        moves on to its next step as soon as its own message of this step has arrived) until
+        all are done and every PUT they started (``send(coro)``) was answered. Raises the first
+        failure of any of them, or ``asyncio.TimeoutError`` at ``t_end``; cancels the rest."""
+        loop = asyncio.get_running_loop()
+        failed: asyncio.Future[BaseException] = loop.create_future()
+        sends: list[asyncio.Future[int]] = []
+
+        def watch(t: asyncio.Future[Any]) -> None:
+            if not t.cancelled() and t.exception() is not None and not failed.done():
+                failed.set_result(t.exception())  # type: ignore[arg-type]
+
+        def send(coro: Any) -> None:
+            t = asyncio.ensure_future(coro)
+            t.add_done_callback(watch)
+            sends.append(t)
+
+        tasks = [asyncio.ensure_future(segment(j, send)) for j in range(len(st.segments[0]))]
+        for t in tasks:
+            t.add_done_callback(watch)
+        try:
+            while True:
+                pending = [t for t in (*tasks, *sends) if not t.done()]
+                if failed.done():
+                    raise failed.result()
+                if not pending:
+                    return
+                left = t_end - time.monotonic()
+                if left <= 0:
+                    raise asyncio.TimeoutError("ring phase deadline")
+                await asyncio.wait([failed, *pending], timeout=left,
+                                   return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (*tasks, *sends):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(*tasks, *sends, return_exceptions=True)
+            stats["sent"] += sum(t.result() for t in sends
+                                 if not t.cancelled() and t.exception() is None)
 
     async def _ring_attempt(self, st: _Attempt, membership: dict[str, str], epoch: str,
                             vec: np.ndarray, weight: np.float32, deadline: float,
                             stats: dict[str, int],
                             state: tuple[int, str] | None = None) -> tuple[Any, ...]:
+        """Pipelined ring: every part is cut into S segments (``st.segments``), each segment its
+        own encoded message and PUT; segment j of step s + 1 leaves as soon as segment j of step
+        s has arrived (and, in the reduce-scatter, been added), while later segments of step s
+        are still on the wire. Per element the float32 arithmetic is the unsegmented ring's."""
         r, a, group, n, i = st.round, st.attempt, st.group, len(st.group), st.me
         right = membership.get(group[(i + 1) % n], "")
-        bounds = st.bounds
+        segs = st.segments
         out = np.empty(vec.size, dtype=np.float32)
-        shas: dict[int, str] = {}
-        total = np.float32(0.0)
-        complete = True
-        c = i
-        try:
-            # reduce-scatter: pass partial weighted sums to the right, n - 1 steps
-            t_end = min(time.monotonic() + self.timeouts.part, deadline)
-            lo, hi = bounds[c]
+        shas: dict[tuple[int, int], str] = {}
+        own: dict[int, bytes] = {}
+        totals: dict[int, np.float32] = {}
+        opts = self.codec_options
+
+        def wait(phase: str, s: int, j: int, t_end: float) -> Any:
+            return asyncio.wait_for(st.ring_event(phase, s, j).wait(),
+                                    max(t_end - time.monotonic(), 0))
+
+        t_rs = min(time.monotonic() + self.timeouts.part, deadline)
+
+        async def reduce_scatter(j: int, send: Callable[[Any], None]) -> None:
+            # partial weighted sums of segment j of one part, passed to the right, n - 1 steps
+            c = i
+            lo, hi = segs[c][j]
             num = vec[lo:hi] * weight
             acc_w = weight
             for s in range(n - 1):
-                data = encode_part(f"ringrs{c}", num, self.codec, **self.codec_options)
-                send = asyncio.ensure_future(self._ring_send(st, right, "rs", s, data, acc_w,
-                                                             t_end - time.monotonic()))
-                await asyncio.wait_for(st.ring_event("rs", s).wait(),
-                                       max(t_end - time.monotonic(), 0))
-                stats["sent"] += await send
-                in_w, in_num, _, _ = st.ring_inbox[("rs", s)]
+                send(self._ring_send(
+                    st, right, "rs", s, j,
+                    lambda c=c, num=num: encode_part(f"ringrs{c}.{j}", num, self.codec, **opts),
+                    acc_w, t_rs - time.monotonic()))
+                await wait("rs", s, j, t_rs)
+                in_w, in_num, _, _ = st.ring_inbox.pop(("rs", s, j))
                 c = (i - s - 1) % n
-                lo, hi = bounds[c]
-                num = in_num + vec[lo:hi] * weight
+                lo, hi = segs[c][j]
+                num = np.multiply(vec[lo:hi], weight)
+                np.add(in_num, num, out=num)  # in_num + w * x, as the unsegmented ring
                 acc_w = np.float32(in_w + weight)
-            total = acc_w
-            mean = num / acc_w
-            own = encode_part(f"ringag{c}", mean, self.codec, **self.codec_options)
-            lo, hi = bounds[c]
+            mean = np.divide(num, acc_w, out=num)
+            data = encode_part(f"ringag{c}.{j}", mean, self.codec, **opts)
+            lo, hi = segs[c][j]
             out[lo:hi] = mean if self.codec == "fp32" else decode_part(
-                own, name=f"ringag{c}", length=hi - lo, codec=self.codec)
-            shas[c] = _auth.body_digest(own)
+                data, name=f"ringag{c}.{j}", length=hi - lo, codec=self.codec)
+            shas[(c, j)] = _auth.body_digest(data)
+            own[j], totals[j] = (data, shas[(c, j)]), acc_w
+
+        complete = True
+        try:
+            await self._ring_phase(st, t_rs, reduce_scatter, stats)
         except (asyncio.TimeoutError, aiohttp.ClientError, HTTPStatusError, PermissionError,
                 OSError) as e:
             log.info("%s: ring reduce-scatter failed: %r", self.peer_id, e)
@@ -1053,30 +1147,36 @@ class Swarm(_StateMixin):
             raise _RoundFail(gather.get("reason", "round failed"))
         diverged = tuple(str(d) for d in gather.get("diverged") or ())
         self._diverged = set(diverged)
-        # all-gather: forward the encoded final parts as they are, n - 1 steps
+        if not complete:  # cannot happen with an honest rendezvous
+            raise _RoundFail("ring: gather decided ok without this peer's parts")
+        total = totals[0]
+
+        # all-gather: forward the encoded final segments unchanged as they arrive, n - 1 steps
+        t_ag = min(time.monotonic() + self.timeouts.part, deadline)
+
+        async def all_gather(j: int, send: Callable[[Any], None]) -> None:
+            cur, sha = own.pop(j)
+            for s in range(n - 1):
+                send(self._ring_send(st, right, "ag", s, j, cur, np.float32(1.0),
+                                     t_ag - time.monotonic(), sha))
+                await wait("ag", s, j, t_ag)
+                _, part, cur, sha = st.ring_inbox.pop(("ag", s, j))
+                k = (i - s) % n
+                lo, hi = segs[k][j]
+                out[lo:hi] = part
+                shas[(k, j)] = sha
+
         ok = True
         try:
-            t_end = min(time.monotonic() + self.timeouts.part, deadline)
-            cur = own
-            for s in range(n - 1):
-                send = asyncio.ensure_future(self._ring_send(st, right, "ag", s, cur,
-                                                             np.float32(1.0),
-                                                             t_end - time.monotonic()))
-                await asyncio.wait_for(st.ring_event("ag", s).wait(),
-                                       max(t_end - time.monotonic(), 0))
-                stats["sent"] += await send
-                _, part, cur, sha = st.ring_inbox[("ag", s)]
-                k = (i - s) % n
-                lo, hi = bounds[k]
-                out[lo:hi] = part
-                shas[k] = sha
+            await self._ring_phase(st, t_ag, all_gather, stats)
         except (asyncio.TimeoutError, aiohttp.ClientError, HTTPStatusError, PermissionError,
                 OSError) as e:
             log.info("%s: ring all-gather failed: %r", self.peer_id, e)
             ok = False
         stats["received"] += st.bytes_in
         st.bytes_in = 0
-        digest = result_digest([shas[k] for k in range(n)]) if ok else ""
+        digest = result_digest([shas[(k, j)] for k in range(n)
+                                for j in range(len(segs[0]))]) if ok else ""
         commit = await self._vote(r, epoch, a, "commit", {"ok": ok, "digest": digest,
                                                           "failed_owners": []}, deadline)
         st.ring_inbox.clear()

@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("--serve-delay", type=float, default=0.0)
     p.add_argument("--advertise", default=None)
     p.add_argument("--algorithm", default="butterfly")
+    p.add_argument("--ring-segment-bytes", type=int, default=1 << 20)
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
@@ -65,7 +66,7 @@ def main() -> None:
     time.sleep(args.start_delay)
     with Swarm(args.url, run_id=args.run_id, token=args.token, codec=args.codec,
                listen="127.0.0.1:0", timeouts=t, peer_id=args.peer_id, advertise=args.advertise,
-               algorithm=args.algorithm,
+               algorithm=args.algorithm, ring_segment_bytes=args.ring_segment_bytes,
                _send_chunk_delay=args.send_delay, _serve_delay=args.serve_delay) as sw:
         print(json.dumps({"event": "ready", "port": sw.port, "pid": os.getpid()}), flush=True)
         if args.expect_peers:

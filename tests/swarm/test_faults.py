@@ -112,7 +112,8 @@ def test_unreachable_peer_is_left_out_not_everybody_else(cluster):
 def test_ring_survives_a_peer_killed_mid_round(cluster):
     peers = {"a": (1, 1.0), "b": (2, 2.0), "c": (3, 3.0), "d": (4, 4.0)}
     procs = _launch(cluster, peers, {"c": {"send_delay": 1.0}}, size=SIZE, rounds=2,
-                    expect_peers=4, part_timeout=2.0, algorithm="ring")
+                    expect_peers=4, part_timeout=2.0, algorithm="ring",
+                    ring_segment_bytes=64 * 1024)  # parts of ~200 kB: 4 segments
     time.sleep(0.8)
     procs["c"].kill9()
     live = {k: v for k, v in procs.items() if k != "c"}
