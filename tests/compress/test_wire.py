@@ -375,3 +375,33 @@ def test_packed_to_chunks_refuses_non_finite_and_oversized():
         C.packed_to_chunks(bad)
     with pytest.raises(ValueError, match="max_bytes"):
         C.packed_to_chunks(packed, max_bytes=100)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "fp16", "int4"])
+def test_decoded_and_encoded_arrays_are_freed_without_the_garbage_collector(codec):
+    # no reference cycle (a self-recursive closure in the tree helpers was one) keeps a decoded
+    # leaf, or an encoded input, alive after its last user: big buffers return to the allocator
+    import gc
+    import weakref
+
+    x = np.linspace(-1, 1, 1000, dtype=np.float32)
+    data = C.encode({"w": x.copy()}, codec)
+    gc.disable()
+    try:
+        out = C.decode(data)["w"]
+        ref = weakref.ref(out)
+        del out
+        assert ref() is None
+        dec = C.StreamDecoder()
+        dec.feed(data)
+        out = dec.finish()["w"]
+        ref = weakref.ref(out)
+        del out, dec
+        assert ref() is None
+        y = x.copy()
+        ref = weakref.ref(y)
+        C.encode({"w": y}, codec)
+        del y
+        assert ref() is None
+    finally:
+        gc.enable()
