@@ -319,3 +319,40 @@ def test_large_leaf_within_bound(codec, stochastic):
     opts = {"block_size": 64} if codec in F.BLOCK_CODECS else {}
     dec = C.decode(C.encode({"w": x}, codec, stochastic=stochastic, seed=0, **opts))["w"]
     check_bound(codec, x, dec, block=64, stochastic=stochastic)
+
+
+def _e2m1_codes_by_rounding(a):
+    """The codes of the rounding formulation (the device encoder's and the stochastic path's)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return F._e2m1_round(np, np.asarray(a, np.float32), None)
+
+
+def test_e2m1_comparison_count_is_round_half_to_even():
+    # every float32 in [2**-3, 8) (all 6 * 2**23 of them) and the neighbourhoods of 0 and of the
+    # decision points: the comparison count equals rounding half to even on the E2M1 grid
+    lo, hi = np.float32(0.125).view(np.uint32), np.float32(8.0).view(np.uint32)
+    a = np.arange(lo, hi, dtype=np.uint32).view(np.float32)
+    np.testing.assert_array_equal(F._e2m1_round_nearest_even(np, a), _e2m1_codes_by_rounding(a))
+    b = np.concatenate([np.arange(0, 1 << 16, dtype=np.uint32).view(np.float32),
+                        np.float32([0.0, 6.0, 6.5, 7.0, 8.0, 100.0])])
+    for t, _ in F._E2M1_DECISIONS + ((2.0, True), (4.0, True), (6.0, True)):
+        tb = int(np.float32(t).view(np.uint32))
+        b = np.concatenate([b, np.arange(tb - 64, tb + 65, dtype=np.uint32).view(np.float32)])
+    np.testing.assert_array_equal(F._e2m1_round_nearest_even(np, b), _e2m1_codes_by_rounding(b))
+
+
+@pytest.mark.parametrize("B", [2, 32, 64])
+def test_block_absmax_from_bits_is_max_of_abs(B):
+    rng = np.random.default_rng(B)
+    x = (rng.standard_normal(64 * B) * 10.0 ** rng.integers(-40, 38, 64 * B)).astype(np.float32)
+    x[:B] = -0.0
+    x[B : 2 * B] = np.float32(-3.0)
+    xb = x.reshape(-1, B)
+    got = F._block_absmax(np, xb)
+    np.testing.assert_array_equal(got, np.abs(xb).max(axis=1))
+    assert got.dtype == np.float32 and got[0].view(np.uint32) == 0
+    for bad in (np.nan, -np.nan, np.inf, -np.inf):
+        y = xb.copy()
+        y[5, 1] = bad
+        r = F._block_absmax(np, y)
+        assert (np.isnan(r[5]) if np.isnan(bad) else r[5] == np.inf) and not r[5] <= F.MAX_ABS
