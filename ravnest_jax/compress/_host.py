@@ -26,12 +26,68 @@ def _leaf_array(leaf: Any, name: str) -> tuple[np.ndarray, str]:
 
 
 _CHUNK = 1 << 17  # elements per numpy pass, so that the temporaries stay in the CPU caches
+_F16_CHUNK = 1 << 16
+
+_MAX_ABS_BITS = np.uint32(np.float32(F.MAX_ABS).view(np.uint32))
+_FP16_MAX_BITS = np.uint32(np.float32(F.FP16_MAX).view(np.uint32))  # 0x477FE000
+_HALF_NORMAL_BITS = np.uint32(np.float32(2.0**-14).view(np.uint32))  # smallest normal half
+_HALF_REBIAS = np.uint32(((15 - 127) << 23) + 0xFFF & 0xFFFFFFFF)  # exponent 127 -> 15, + 0xfff
+_HALF_DENORM_MAGIC = np.float32(0.5)  # f + 0.5 rounds f to a multiple of 2**-24 (half ulp)
+_HALF_DENORM_BITS = np.uint32(np.float32(0.5).view(np.uint32))
+
+
+def _host_fp16(x: np.ndarray) -> tuple[bool, np.ndarray]:
+    """fp16 parts of a flat float32 leaf: ``F.quantize``'s ``clip(x, -65504, 65504)`` cast to
+    IEEE half bits (round half to even), by integer arithmetic on the float32 bits in L2-sized
+    chunks with reused scratch arrays (numpy's own float32 -> float16 cast runs at ~0.45 GB/s
+    on one core; this ~2.3x faster). The same bits as the cast (tested on every half, every
+    midpoint between two halves and their neighbours): for ``|x| >= 2**-14`` the exponent is
+    rebiased and the mantissa rounded by adding ``0xfff`` plus the lowest kept bit before the
+    shift by 13; below, a float32 add of 0.5 rounds ``|x|`` to a multiple of the half subnormal
+    spacing ``2**-24`` (needs float32 subnormals not flushed to zero, numpy's default).
+
+    Returns ``(ok, bits)``: ``ok`` False for NaN, Inf or ``|x| > 2**127`` (checked on the same
+    ``|x|`` bits), ``bits`` a ``(n,)`` ``<u2`` array.
+    """
+    n = x.shape[0]
+    out = np.empty(n, np.dtype("<u2"))
+    m = min(n, _F16_CHUNK)
+    a_buf, t_buf, s_buf = (np.empty(m, np.uint32) for _ in range(3))
+    mask_buf = np.empty(m, np.bool_)
+    u = x.view(np.uint32)
+    for i in range(0, n, _F16_CHUNK):
+        j = min(n, i + _F16_CHUNK)
+        k = j - i
+        a, t, s, sub, ub = a_buf[:k], t_buf[:k], s_buf[:k], mask_buf[:k], u[i:j]
+        np.bitwise_and(ub, np.uint32(0x7FFFFFFF), out=a)  # |x|
+        if int(a.max()) > _MAX_ABS_BITS:  # NaN bits lie above Inf's
+            return False, out
+        np.minimum(a, _FP16_MAX_BITS, out=a)  # the clip to 65504
+        np.right_shift(a, np.uint32(13), out=t)
+        np.bitwise_and(t, np.uint32(1), out=t)  # the lowest kept mantissa bit: ties to even
+        np.add(t, a, out=t)
+        np.add(t, _HALF_REBIAS, out=t)
+        np.right_shift(t, np.uint32(13), out=t)
+        np.less(a, _HALF_NORMAL_BITS, out=sub)
+        if sub.any():
+            f = s.view(np.float32)
+            np.add(a.view(np.float32), _HALF_DENORM_MAGIC, out=f)
+            np.subtract(s, _HALF_DENORM_BITS, out=s)
+            np.copyto(t, s, where=sub)
+        np.right_shift(ub, np.uint32(16), out=s)
+        np.bitwise_and(s, np.uint32(0x8000), out=s)  # the sign
+        np.bitwise_or(t, s, out=t)
+        np.copyto(out[i:j], t, casting="unsafe")  # < 2**16: the low half
+    return True, out
 
 
 def _host_quantize(cfg: F.CodecConfig, x: np.ndarray, noise: Any) -> tuple[bool, tuple[np.ndarray, ...]]:
     """``F.quantize`` with numpy, chunk by chunk for long leaves (blocks are independent, so the
     parts are the same as in one pass; only the stochastic noise is drawn chunk by chunk)."""
     n = x.shape[0]
+    if cfg.codec == "fp16":
+        ok, bits = _host_fp16(x)
+        return ok, (bits,)
     if cfg.codec in ("fp32", "topk") or n <= 2 * _CHUNK:
         ok, parts = F.quantize(np, cfg, x, noise=noise, topk_indices=F.np_topk_indices)
         return bool(ok), tuple(parts)

@@ -356,3 +356,43 @@ def test_block_absmax_from_bits_is_max_of_abs(B):
         y[5, 1] = bad
         r = F._block_absmax(np, y)
         assert (np.isnan(r[5]) if np.isnan(bad) else r[5] == np.inf) and not r[5] <= F.MAX_ABS
+
+
+def _fp16_by_cast(x):
+    with np.errstate(over="ignore", invalid="ignore"):
+        ok, (bits,) = F.quantize(np, F.resolve("fp16"), np.asarray(x, np.float32))
+    return bool(ok), bits
+
+
+def test_host_fp16_bits_equal_the_half_cast_at_every_rounding_boundary():
+    # every finite half, every midpoint between two neighbouring halves, 3 float32 ulps either
+    # side of both, the saturation edge and tiny values: the integer fast path of the host
+    # encoder gives numpy's cast (the math of _formats.quantize) bit for bit
+    from ravnest_jax.compress._host import _host_fp16
+
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    halves = np.unique(halves[np.isfinite(halves)])
+    mids = ((halves[1:].astype(np.float64) + halves[:-1]) / 2).astype(np.float32)
+    base = np.concatenate([halves, mids]).view(np.uint32).astype(np.int64)
+    cands = [np.clip(base + d, 0, 0xFF7FFFFF).astype(np.uint32).view(np.float32) for d in range(-3, 4)]
+    cands.append(np.float32([65504, 65505, 65519, 65520, 65536, 1e9, -1e9, 2.0**127, -(2.0**127), 0.0, -0.0,
+                             2.0**-25, -(2.0**-25), 2.0**-24 * 1.5, 2.0**-149, -(2.0**-149)]))
+    x = np.concatenate(cands)
+    ok, got = _host_fp16(x)
+    want_ok, want = _fp16_by_cast(x)
+    assert ok and want_ok
+    np.testing.assert_array_equal(got, want)
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 0xFFFFFFFF), min_size=1, max_size=200), st.integers(0, 3))
+def test_host_fp16_bits_on_random_bit_patterns(words, spread):
+    from ravnest_jax.compress._host import _host_fp16
+
+    x = np.asarray(words, np.uint32).view(np.float32)
+    x = np.tile(x, 1 + spread * 400)  # also across chunks of the fast path
+    ok, got = _host_fp16(x)
+    want_ok, want = _fp16_by_cast(x)
+    assert ok == want_ok
+    if ok:
+        np.testing.assert_array_equal(got, want)
