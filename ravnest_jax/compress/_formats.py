@@ -362,13 +362,18 @@ def _quantize_int(xp, cfg, xb, noise):
     inv = xp.where(s > 0, xp.float32(1.0) / xp.where(s > 0, s, xp.float32(1.0)), 0.0).astype(xp.float32)
     s_bits, inv = _materialize(xp, (s_bits, inv))
     y = xp.clip(xb * inv[:, None], -qmax, qmax)
-    q = _round_to_int(xp, y, noise)
-    if noise is not None:
-        q = xp.clip(q, -qmax, qmax)
-    if cfg.codec == "int8":
-        codes = q.astype(xp.int8).view(xp.uint8)
+    if noise is None:
+        # the stored byte straight from the rounding add: bits(y + M + c) = bits(M) + c + q, and
+        # bits(M) ends in a zero byte, so the low byte is q + c (mod 256): int8's two's-complement
+        # q (c = 0) or int4's q + 8 (c = 8; M + 8 is even, so ties still go to even q). Two
+        # passes fewer than rounding to int32 and converting.
+        c = 0.0 if cfg.codec == "int8" else 8.0
+        codes = (y + xp.float32(_ROUND_MAGIC + c)).view(xp.uint32).astype(xp.uint8)
     else:
-        codes = pack_nibbles(xp, (q + 8).astype(xp.uint8))
+        q = xp.clip(_round_to_int(xp, y, noise), -qmax, qmax)
+        codes = q.astype(xp.int8).view(xp.uint8) if cfg.codec == "int8" else (q + 8).astype(xp.uint8)
+    if cfg.codec == "int4":
+        codes = pack_nibbles(xp, codes)
     return ok, (s_bits, codes.reshape(-1))
 
 
