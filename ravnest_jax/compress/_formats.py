@@ -395,7 +395,7 @@ def _quantize_fp4(xp, cfg, xb, noise):
         mag = _e2m1_round_nearest_even(np, a)  # the same codes, several times faster in numpy
     else:
         mag = _e2m1_round(xp, a, noise)
-    codes = mag | ((y < 0).astype(xp.uint8) << 3)
+    codes = mag | ((y < 0).astype(xp.uint8) * xp.uint8(8))  # numpy's uint8 << is ~3x slower
     return ok, (s_code, pack_nibbles(xp, codes).reshape(-1))
 
 
