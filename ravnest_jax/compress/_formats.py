@@ -224,6 +224,25 @@ def bf16_bits_to_f32(xp: Any, bits: Any) -> Any:
     return (bits.astype(xp.uint32) << 16).view(xp.float32)
 
 
+_F16_TO_F32_SCALE = 2.0**112  # 2**(127 - 15): float32 exponent bias minus the half's
+
+
+def fp16_bits_to_f32(xp: Any, bits: Any) -> Any:
+    """IEEE half bits (uint16) -> float32 by integer and float bit arithmetic (the host decoder's
+    fast path; exact for every finite half, subnormals included).
+
+    The sign goes to bit 31 and the 15 exponent and mantissa bits to bits 13..27 (the float32
+    whose bits those are is the half's value times ``2**-112``, exactly: a normal half keeps its
+    exponent field, a subnormal becomes a float32 subnormal), then one multiply by ``2**112``
+    (exact) rescales it. Halves with exponent 31 (Inf, NaN) come out *finite*, as
+    ``+-2**16 * (1 + m / 1024)`` with magnitude ``>= 65536 > FP16_MAX``: a caller must reject
+    ``|v| > FP16_MAX`` (the decoder does; no valid encode produces those bits). Assumes
+    subnormal float32 operands are not flushed to zero (numpy never sets DAZ/FTZ).
+    """
+    u = (bits.view(xp.int16).astype(xp.int32) << 13) & xp.int32(-0x70000001)  # 0x8FFFFFFF
+    return u.view(xp.float32) * xp.float32(_F16_TO_F32_SCALE)
+
+
 def pack_nibbles(xp: Any, codes: Any) -> Any:
     """``(..., 2m)`` uint8 codes < 16 -> ``(2m * ... / 2,)`` bytes; element ``2i`` in the low nibble.
 
@@ -302,7 +321,17 @@ def _materialize(xp: Any, a: Any) -> Any:
 
 
 def _block_absmax(xp: Any, xb: Any) -> Any:
-    # max(max, -min): no |x| temporary; NaN propagates (then the leaf is flagged, not encoded).
+    """``(nb, B)`` float32 -> ``(nb,)`` largest ``|x|`` of each block; NaN propagates (then the
+    leaf is flagged, not encoded); ``-0.0`` counts as ``0.0``.
+
+    numpy: the max of the uint32 bits of ``|x|`` (sign bit cleared; non-negative floats order as
+    their bits, a NaN's bits lie above Inf's): one integer reduction instead of a max and a min,
+    2.3x faster for B = 32. XLA: ``max(max, -min)`` (it fuses the float reductions into one
+    vectorised pass; an integer reduction of the bitcast was 5x slower). The same values.
+    """
+    if xp is np:
+        bits = xb.view(np.uint32) & np.uint32(0x7FFFFFFF)
+        return np.max(bits, axis=1).view(np.float32)
     return xp.maximum(xp.max(xb, axis=1), -xp.min(xb, axis=1))
 
 
@@ -333,13 +362,18 @@ def _quantize_int(xp, cfg, xb, noise):
     inv = xp.where(s > 0, xp.float32(1.0) / xp.where(s > 0, s, xp.float32(1.0)), 0.0).astype(xp.float32)
     s_bits, inv = _materialize(xp, (s_bits, inv))
     y = xp.clip(xb * inv[:, None], -qmax, qmax)
-    q = _round_to_int(xp, y, noise)
-    if noise is not None:
-        q = xp.clip(q, -qmax, qmax)
-    if cfg.codec == "int8":
-        codes = q.astype(xp.int8).view(xp.uint8)
+    if noise is None:
+        # the stored byte straight from the rounding add: bits(y + M + c) = bits(M) + c + q, and
+        # bits(M) ends in a zero byte, so the low byte is q + c (mod 256): int8's two's-complement
+        # q (c = 0) or int4's q + 8 (c = 8; M + 8 is even, so ties still go to even q). Two
+        # passes fewer than rounding to int32 and converting.
+        c = 0.0 if cfg.codec == "int8" else 8.0
+        codes = (y + xp.float32(_ROUND_MAGIC + c)).view(xp.uint32).astype(xp.uint8)
     else:
-        codes = pack_nibbles(xp, (q + 8).astype(xp.uint8))
+        q = xp.clip(_round_to_int(xp, y, noise), -qmax, qmax)
+        codes = q.astype(xp.int8).view(xp.uint8) if cfg.codec == "int8" else (q + 8).astype(xp.uint8)
+    if cfg.codec == "int4":
+        codes = pack_nibbles(xp, codes)
     return ok, (s_bits, codes.reshape(-1))
 
 
@@ -357,15 +391,50 @@ def _quantize_fp4(xp, cfg, xb, noise):
     s_code, inv = _materialize(xp, (s_code, inv))
     y = xb * inv[:, None]  # exact: power-of-two scaling, |y| <= 6 (up to the rounding of amax / 6)
     a = xp.abs(y)
-    # E2M1 grid: spacing 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]. m = round(a / spacing) and the
-    # code of m * spacing is m + (0, 2, 4) in those ranges (codes 0..7 = 0, .5, 1, 1.5, 2, 3, 4, 6).
+    if noise is None and xp is np:
+        mag = _e2m1_round_nearest_even(np, a)  # the same codes, several times faster in numpy
+    else:
+        mag = _e2m1_round(xp, a, noise)
+    codes = mag | ((y < 0).astype(xp.uint8) * xp.uint8(8))  # numpy's uint8 << is ~3x slower
+    return ok, (s_code, pack_nibbles(xp, codes).reshape(-1))
+
+
+def _e2m1_round(xp: Any, a: Any, noise: Any) -> Any:
+    """float32 magnitudes ``a >= 0`` (``<= 6`` up to rounding) -> uint8 E2M1 magnitude codes
+    0..7: half to even (``noise=None``) or ``floor(. + noise)``, saturating at code 7.
+
+    E2M1 grid: spacing 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]. m = round(a / spacing) and the
+    code of m * spacing is m + (0, 2, 4) in those ranges (codes 0..7 = 0, .5, 1, 1.5, 2, 3, 4, 6).
+    """
     lt2 = a < 2.0
     lt4 = a < 4.0
     inv_step = xp.where(lt2, xp.float32(2.0), xp.where(lt4, xp.float32(1.0), xp.float32(0.5)))
     m = _round_to_int(xp, a * inv_step, noise)
-    mag = xp.minimum(m + xp.where(lt2, 0, xp.where(lt4, 2, 4)), 7).astype(xp.uint8)
-    codes = mag | xp.where(y < 0, 8, 0).astype(xp.uint8)
-    return ok, (s_code, pack_nibbles(xp, codes).reshape(-1))
+    off = xp.where(lt2, xp.int32(0), xp.where(lt4, xp.int32(2), xp.int32(4)))
+    return xp.minimum(m + off, xp.int32(7)).astype(xp.uint8)
+
+
+# Round-half-to-even on the E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7): the code of
+# a is the number of these decision points it passes. Between two grid values the midpoint goes
+# to the one with the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4,
+# 5 -> 4), hence ``>`` at the midpoints below an even code and ``>=`` below an odd one; above 6
+# everything is 6 (code 7). The same codes as rounding a / spacing (0.5 on [0, 2), 1 on [2, 4),
+# 2 on [4, 6]) half to even and adding 0, 2, 4, with a clamp at 7.
+_E2M1_DECISIONS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def _e2m1_round_nearest_even(xp: Any, a: Any) -> Any:
+    """float32 magnitudes ``a >= 0`` -> uint8 E2M1 magnitude codes 0..7 (round half to even,
+    saturating at code 7): the codes of ``_e2m1_round(xp, a, None)`` (tested on every float32 in
+    [1/8, 8) and around each decision point) with compares and uint8 adds only, 7x faster in
+    numpy than its float round and int32 selects. The host encoder's path; XLA runs
+    ``_e2m1_round`` (it fuses that into a faster loop). NaN -> 0."""
+    mag = None
+    for t, inclusive in _E2M1_DECISIONS:
+        hit = (a >= xp.float32(t)) if inclusive else (a > xp.float32(t))
+        hit = hit.astype(xp.uint8)
+        mag = hit if mag is None else mag + hit
+    return mag
 
 
 def quantize(
@@ -424,7 +493,8 @@ def dequantize(xp: Any, cfg: CodecConfig, parts: tuple[Any, ...], n: int) -> Any
 
     The host decoder (:mod:`._wire`) computes the same values with lookup tables built from the
     functions used here (:func:`int_code_values`, :func:`e2m1_code_values`,
-    :func:`unpack_nibbles`), so the math exists once.
+    :func:`unpack_nibbles`), so the math exists once; its fp16 decode is
+    :func:`fp16_bits_to_f32` (tested equal to the half cast on all 65536 bit patterns).
     """
     codec = cfg.codec
     if codec == "fp32":

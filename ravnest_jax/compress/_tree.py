@@ -24,28 +24,7 @@ def flatten(tree: Any) -> tuple[list[Any], list[str], Any]:
     """
     leaves: list[Any] = []
     names: list[str] = []
-
-    def rec(node: Any, path: tuple[str, ...], depth: int) -> Any:
-        if depth > MAX_DEPTH:
-            raise ValueError(f"pytree nested deeper than {MAX_DEPTH} levels")
-        if isinstance(node, Mapping):
-            items = []
-            for key in node:
-                if not isinstance(key, str):
-                    raise ValueError(f"dict keys must be str, got {key!r} at {'/'.join(path) or '<root>'}")
-            for key in sorted(node):
-                items.append((key, rec(node[key], path + (key,), depth + 1)))
-            return ("d", tuple(items))
-        if isinstance(node, (list, tuple)):
-            kind = "l" if isinstance(node, list) else "t"
-            return (kind, tuple(rec(v, path + (str(i),), depth + 1) for i, v in enumerate(node)))
-        if node is None:
-            raise ValueError(f"None leaf at {'/'.join(path) or '<root>'}; pseudo-gradient leaves must be arrays")
-        leaves.append(node)
-        names.append("/".join(path))
-        return len(leaves) - 1
-
-    structure = rec(tree, (), 0)
+    structure = _flatten_rec(tree, (), 0, leaves, names)
     if len(set(names)) != len(names):
         seen: set[str] = set()
         dup = next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
@@ -53,19 +32,46 @@ def flatten(tree: Any) -> tuple[list[Any], list[str], Any]:
     return leaves, names, structure
 
 
+# The recursions are module-level functions that get the output lists as arguments: a nested
+# ``def rec`` that calls itself is a reference cycle (function -> closure cell -> function) that
+# keeps the lists, and so every leaf array, alive until the cyclic garbage collector runs (a
+# decoded 64 MiB leaf then outlived its last user, and the next decode paid fresh page faults).
+
+
+def _flatten_rec(node: Any, path: tuple[str, ...], depth: int, leaves: list[Any], names: list[str]) -> Any:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"pytree nested deeper than {MAX_DEPTH} levels")
+    if isinstance(node, Mapping):
+        items = []
+        for key in node:
+            if not isinstance(key, str):
+                raise ValueError(f"dict keys must be str, got {key!r} at {'/'.join(path) or '<root>'}")
+        for key in sorted(node):
+            items.append((key, _flatten_rec(node[key], path + (key,), depth + 1, leaves, names)))
+        return ("d", tuple(items))
+    if isinstance(node, (list, tuple)):
+        kind = "l" if isinstance(node, list) else "t"
+        return (kind, tuple(_flatten_rec(v, path + (str(i),), depth + 1, leaves, names) for i, v in enumerate(node)))
+    if node is None:
+        raise ValueError(f"None leaf at {'/'.join(path) or '<root>'}; pseudo-gradient leaves must be arrays")
+    leaves.append(node)
+    names.append("/".join(path))
+    return len(leaves) - 1
+
+
 def unflatten(structure: Any, leaves: list[Any]) -> Any:
     """Inverse of :func:`flatten`: dicts, lists and tuples around ``leaves``."""
+    return _unflatten_rec(structure, leaves)
 
-    def rec(node: Any) -> Any:
-        if isinstance(node, int):
-            return leaves[node]
-        kind, children = node
-        if kind == "d":
-            return {k: rec(v) for k, v in children}
-        vals = [rec(v) for v in children]
-        return vals if kind == "l" else tuple(vals)
 
-    return rec(structure)
+def _unflatten_rec(node: Any, leaves: list[Any]) -> Any:
+    if isinstance(node, int):
+        return leaves[node]
+    kind, children = node
+    if kind == "d":
+        return {k: _unflatten_rec(v, leaves) for k, v in children}
+    vals = [_unflatten_rec(v, leaves) for v in children]
+    return vals if kind == "l" else tuple(vals)
 
 
 def structure_to_wire(structure: Any) -> Any:

@@ -167,4 +167,5 @@ def flatten(tree: Any) -> tuple[list[str], list[np.ndarray], Callable[[list[np.n
         return leaf
 
     build = rec(tree, "")
+    del rec  # break the cycle rec -> its closure cell -> rec, which held ``leaves`` until a GC pass
     return names, leaves, build

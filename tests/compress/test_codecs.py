@@ -319,3 +319,80 @@ def test_large_leaf_within_bound(codec, stochastic):
     opts = {"block_size": 64} if codec in F.BLOCK_CODECS else {}
     dec = C.decode(C.encode({"w": x}, codec, stochastic=stochastic, seed=0, **opts))["w"]
     check_bound(codec, x, dec, block=64, stochastic=stochastic)
+
+
+def _e2m1_codes_by_rounding(a):
+    """The codes of the rounding formulation (the device encoder's and the stochastic path's)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return F._e2m1_round(np, np.asarray(a, np.float32), None)
+
+
+def test_e2m1_comparison_count_is_round_half_to_even():
+    # every float32 in [2**-3, 8) (all 6 * 2**23 of them) and the neighbourhoods of 0 and of the
+    # decision points: the comparison count equals rounding half to even on the E2M1 grid
+    lo, hi = np.float32(0.125).view(np.uint32), np.float32(8.0).view(np.uint32)
+    a = np.arange(lo, hi, dtype=np.uint32).view(np.float32)
+    np.testing.assert_array_equal(F._e2m1_round_nearest_even(np, a), _e2m1_codes_by_rounding(a))
+    b = np.concatenate([np.arange(0, 1 << 16, dtype=np.uint32).view(np.float32),
+                        np.float32([0.0, 6.0, 6.5, 7.0, 8.0, 100.0])])
+    for t, _ in F._E2M1_DECISIONS + ((2.0, True), (4.0, True), (6.0, True)):
+        tb = int(np.float32(t).view(np.uint32))
+        b = np.concatenate([b, np.arange(tb - 64, tb + 65, dtype=np.uint32).view(np.float32)])
+    np.testing.assert_array_equal(F._e2m1_round_nearest_even(np, b), _e2m1_codes_by_rounding(b))
+
+
+@pytest.mark.parametrize("B", [2, 32, 64])
+def test_block_absmax_from_bits_is_max_of_abs(B):
+    rng = np.random.default_rng(B)
+    x = (rng.standard_normal(64 * B) * 10.0 ** rng.integers(-40, 38, 64 * B)).astype(np.float32)
+    x[:B] = -0.0
+    x[B : 2 * B] = np.float32(-3.0)
+    xb = x.reshape(-1, B)
+    got = F._block_absmax(np, xb)
+    np.testing.assert_array_equal(got, np.abs(xb).max(axis=1))
+    assert got.dtype == np.float32 and got[0].view(np.uint32) == 0
+    for bad in (np.nan, -np.nan, np.inf, -np.inf):
+        y = xb.copy()
+        y[5, 1] = bad
+        r = F._block_absmax(np, y)
+        assert (np.isnan(r[5]) if np.isnan(bad) else r[5] == np.inf) and not r[5] <= F.MAX_ABS
+
+
+def _fp16_by_cast(x):
+    with np.errstate(over="ignore", invalid="ignore"):
+        ok, (bits,) = F.quantize(np, F.resolve("fp16"), np.asarray(x, np.float32))
+    return bool(ok), bits
+
+
+def test_host_fp16_bits_equal_the_half_cast_at_every_rounding_boundary():
+    # every finite half, every midpoint between two neighbouring halves, 3 float32 ulps either
+    # side of both, the saturation edge and tiny values: the integer fast path of the host
+    # encoder gives numpy's cast (the math of _formats.quantize) bit for bit
+    from ravnest_jax.compress._host import _host_fp16
+
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    halves = np.unique(halves[np.isfinite(halves)])
+    mids = ((halves[1:].astype(np.float64) + halves[:-1]) / 2).astype(np.float32)
+    base = np.concatenate([halves, mids]).view(np.uint32).astype(np.int64)
+    cands = [np.clip(base + d, 0, 0xFF7FFFFF).astype(np.uint32).view(np.float32) for d in range(-3, 4)]
+    cands.append(np.float32([65504, 65505, 65519, 65520, 65536, 1e9, -1e9, 2.0**127, -(2.0**127), 0.0, -0.0,
+                             2.0**-25, -(2.0**-25), 2.0**-24 * 1.5, 2.0**-149, -(2.0**-149)]))
+    x = np.concatenate(cands)
+    ok, got = _host_fp16(x)
+    want_ok, want = _fp16_by_cast(x)
+    assert ok and want_ok
+    np.testing.assert_array_equal(got, want)
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 0xFFFFFFFF), min_size=1, max_size=200), st.integers(0, 3))
+def test_host_fp16_bits_on_random_bit_patterns(words, spread):
+    from ravnest_jax.compress._host import _host_fp16
+
+    x = np.asarray(words, np.uint32).view(np.float32)
+    x = np.tile(x, 1 + spread * 400)  # also across chunks of the fast path
+    ok, got = _host_fp16(x)
+    want_ok, want = _fp16_by_cast(x)
+    assert ok == want_ok
+    if ok:
+        np.testing.assert_array_equal(got, want)

@@ -257,3 +257,32 @@ def test_simulated_topk_under_shard_map_equals_vmap():
         want = np.zeros_like(xi)
         want[idx] = xi[idx]
         np.testing.assert_array_equal(np.asarray(mapped[i]), want)
+
+
+@pytest.mark.parametrize("where", ["one-device", "vmap", "explicit-mesh", "auto-mesh"])
+def test_topk_host_callback_on_every_layout(where):
+    # the CPU backend selects the top k in a zero-copy host callback (buffer_callback): the same
+    # indices and bytes as the host encoder for plain, vmapped and mesh-sharded leaves
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(7)
+    tree = {"a": rng.standard_normal((64, 32)).astype(np.float32), "b": rng.standard_normal(300_001).astype(np.float32)}
+    want = C.encode(tree, "topk", fraction=0.03)
+    enc = _encoder("topk", fraction=0.03)
+    if where == "vmap":
+        both = jax.tree.map(lambda x: jnp.stack([x, -x]), tree)
+        packed, _ = jax.jit(jax.vmap(functools.partial(C.device_encode, codec="topk", fraction=0.03)))(both)
+        first = jax.tree.map(lambda p: p[0], packed)
+        second = jax.tree.map(lambda p: p[1], packed)
+        assert C.packed_to_bytes(jax.device_get(first)) == want
+        assert C.packed_to_bytes(jax.device_get(second)) == C.encode(jax.tree.map(np.negative, tree), "topk", fraction=0.03)
+        return
+    if where.endswith("mesh"):
+        axis = AxisType.Explicit if where == "explicit-mesh" else AxisType.Auto
+        m = jax.make_mesh((4,), ("data",), axis_types=(axis,), devices=jax.devices()[:4])
+        tree = {"a": jax.device_put(tree["a"], NamedSharding(m, P("data", None))),
+                "b": jax.device_put(tree["b"][:300_000], NamedSharding(m, P("data")))}
+        want = C.encode(jax.device_get(tree), "topk", fraction=0.03)
+    packed, _ = enc(tree)
+    assert C.packed_to_bytes(jax.device_get(packed)) == want

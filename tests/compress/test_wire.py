@@ -375,3 +375,62 @@ def test_packed_to_chunks_refuses_non_finite_and_oversized():
         C.packed_to_chunks(bad)
     with pytest.raises(ValueError, match="max_bytes"):
         C.packed_to_chunks(packed, max_bytes=100)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "fp16", "int4"])
+def test_decoded_and_encoded_arrays_are_freed_without_the_garbage_collector(codec):
+    # no reference cycle (a self-recursive closure in the tree helpers was one) keeps a decoded
+    # leaf, or an encoded input, alive after its last user: big buffers return to the allocator
+    import gc
+    import weakref
+
+    x = np.linspace(-1, 1, 1000, dtype=np.float32)
+    data = C.encode({"w": x.copy()}, codec)
+    gc.disable()
+    try:
+        out = C.decode(data)["w"]
+        ref = weakref.ref(out)
+        del out
+        assert ref() is None
+        dec = C.StreamDecoder()
+        dec.feed(data)
+        out = dec.finish()["w"]
+        ref = weakref.ref(out)
+        del out, dec
+        assert ref() is None
+        y = x.copy()
+        ref = weakref.ref(y)
+        C.encode({"w": y}, codec)
+        del y
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_fp16_decode_by_bit_arithmetic_on_every_bit_pattern():
+    # all 65536 half bit patterns: the finite ones decode exactly as numpy's half cast (and as
+    # _formats.fp16_bits_to_f32), every Inf/NaN pattern (exponent 31) is refused, alone or mixed in
+    from ravnest_jax.compress import _formats as F
+
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    want = bits.view(np.float16).astype(np.float32)
+    finite = np.isfinite(want)
+    fast = F.fp16_bits_to_f32(np, bits)
+    np.testing.assert_array_equal(fast[finite].view(np.uint32), want[finite].view(np.uint32))
+    assert np.all(np.abs(fast[~finite]) > F.FP16_MAX)
+    half = bits[finite]
+    header = {"codec": "fp16", "leaves": [["w", [half.size], "float32", 0, 0]], "tree": GOOD_TREE}
+    dec = C.decode(_craft(header, half.astype("<u2").tobytes()))["w"]
+    np.testing.assert_array_equal(dec.view(np.uint32), want[finite].view(np.uint32))
+    for bad in bits[~finite][:: 97].tolist() + [0x7C00, 0xFC00, 0x7FFF, 0xFFFF, 0x7C01]:
+        vals = np.full(300, 0x3C00, "<u2")  # 1.0
+        vals[123] = bad
+        header = {"codec": "fp16", "leaves": [["w", [300], "float32", 0, 0]], "tree": GOOD_TREE}
+        assert "non-finite" in _raises_wire(_craft(header, vals.tobytes()))
+
+
+@SETTINGS
+@given(st.lists(st.floats(-65504, 65504, width=16), min_size=1, max_size=300))
+def test_fp16_roundtrip_is_the_half_cast(values):
+    x = np.asarray(values, np.float32)
+    np.testing.assert_array_equal(C.decode(C.encode({"w": x}, "fp16"))["w"], x.astype(np.float16).astype(np.float32))
