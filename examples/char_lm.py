@@ -673,7 +673,7 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, **(extra_env or {})})
         procs.append(p)
         threading.Thread(target=pump, args=(p.stdout, name, True), daemon=True).start()
-        threading.Thread(target=pump, args=(p.stderr, name, False), daemon=True).start()
+        threading.Thread(target=pump, args=(p.stderr, name + ":stderr", False), daemon=True).start()
         return p
 
     try:
@@ -683,7 +683,8 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
         deadline = time.monotonic() + 30
         while url is None:
             if rv.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the rendezvous did not start:\n" + "".join(tails.get("rendezvous", [])))
+                raise RuntimeError("the rendezvous did not start:\n" + "".join(tails.get("rendezvous", []))
+                                   + "".join(tails.get("rendezvous:stderr", [])))
             text = "".join(tails.get("rendezvous", []))
             if "listening on " in text:
                 url = text.split("listening on ", 1)[1].split()[0]
@@ -728,10 +729,19 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
             elif ev.get("event") == "result":
                 results[i] = ev["result"]
         bar.close()
+        failed = {}
         for i, p in enumerate(peers):
-            if p.wait() != 0 or i not in results:
-                raise RuntimeError(f"peer{i} exited with status {p.returncode}:\n" + "".join(tails.get(f"peer{i}", [])))
-        results = [results[i] for i in range(n)]
+            rc = p.wait()
+            if rc != 0 or i not in results:
+                how = (f"was killed by {signal.Signals(-rc).name}" if rc < 0 else
+                       f"exited with status {rc}" if rc else "exited without a result")
+                err = [ln.rstrip() for ln in tails.get(f"peer{i}:stderr", []) if ln.strip()][-5:]
+                failed[f"peer{i}"] = f"{how} after step {steps[i]}" + "".join(f"\n    {ln}" for ln in err)
+        for name, why in failed.items():
+            print(f"{name} {why}", file=sys.stderr)
+        if len(failed) == n:
+            raise RuntimeError("no peer finished")
+        results = [results[i] for i in range(n) if f"peer{i}" not in failed]
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the peers and the rendezvous", file=sys.stderr)
         raise
@@ -758,6 +768,8 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
     # data-parallel reference: a ring all-reduce of float32 gradients every step sends
     # 2 (N - 1) / N * 4 * params bytes per peer per step
     dp_bytes = 2 * (n - 1) / n * 4 * params * args.max_steps
+    if failed:
+        print(f"\n{len(failed)} of {n} peers did not finish (above); the {len(results)} that did:")
     digests = {r["final_global_digest"] for r in results}
     same_rounds = len({tuple(r["round_digests"]) for r in results}) == 1
     print()
@@ -777,6 +789,7 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
         "data_parallel_bytes_per_peer": dp_bytes,
         "global_digests_equal": len(digests) == 1,
         "round_digests_equal": same_rounds,
+        "failed_peers": failed,
     }
 
 
@@ -863,6 +876,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     args = p.parse_args(argv)
+    from ravnest_jax.compress import CODECS
+
+    if args.codec is not None and args.codec not in CODECS:
+        p.error(f"--codec must be one of {', '.join(CODECS)}, got {args.codec!r}")
     if args.d_model % args.heads:
         p.error(f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
     if args.local_peers and args.rendezvous:
@@ -895,7 +912,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.local_peers:
-            summary = run_local_swarm(args)
+            try:
+                summary = run_local_swarm(args)
+            except RuntimeError as e:  # the local swarm could not run: say why, no traceback
+                print(f"error: {e}", file=sys.stderr)
+                return 1
         elif args.rendezvous:
             summary = {"peer_result": run_peer(args)}
             _emit(args, event="result", result=summary["peer_result"])
@@ -908,7 +929,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.summary_json).write_text(json.dumps(summary, indent=2, default=str))
         print(f"\nwrote {args.summary_json}")
-    return 0
+    return 1 if summary.get("failed_peers") else 0
 
 
 if __name__ == "__main__":

@@ -18,13 +18,38 @@ TOKEN_ENV = "RAVNEST_TOKEN"
 
 def _read_token(args: argparse.Namespace) -> str:
     if args.token_file:
-        with open(args.token_file, encoding="utf-8") as f:
-            token = f.read().strip()
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SystemExit(f"error: --token-file {args.token_file}: {e}") from None
+        if not token:
+            raise SystemExit(f"error: --token-file {args.token_file} is empty")
     else:
         token = os.environ.get(TOKEN_ENV, "").strip()
     if not token:
         raise SystemExit(f"error: no token: pass --token-file FILE or set ${TOKEN_ENV}")
     return token
+
+
+def _positive_float(value: str) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}") from None
+    if not (v > 0 and v < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}")
+    return v
+
+
+def _port(value: str) -> int:
+    try:
+        v = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port in 0-65535, got {value!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0-65535, got {value!r}")
+    return v
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -44,13 +69,18 @@ def _exit_with_parent(parent_pid: int) -> None:
 def _cmd_rendezvous(args: argparse.Namespace) -> int:
     from ravnest_jax.swarm._rendezvous import serve  # no jax import
 
+    if args.eviction <= args.heartbeat:
+        raise SystemExit(f"error: --eviction ({args.eviction}) must be longer than --heartbeat ({args.heartbeat})")
     if args.exit_with_parent:
         _exit_with_parent(os.getppid())
     token = _read_token(args)
     ctx = None
     if args.certfile:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ctx.load_cert_chain(args.certfile, args.keyfile)
+        try:
+            ctx.load_cert_chain(args.certfile, args.keyfile)
+        except (OSError, ssl.SSLError) as e:
+            raise SystemExit(f"error: --certfile/--keyfile: {e}") from None
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s")
     scheme = "https" if ctx else "http"
@@ -68,6 +98,8 @@ def _cmd_rendezvous(args: argparse.Namespace) -> int:
                           eviction_s=args.eviction, ssl_context=ctx, ready=ready))
     except KeyboardInterrupt:  # pragma: no cover - signal handlers normally catch it
         pass
+    except OSError as e:  # the address is taken, not ours, ...
+        raise SystemExit(f"error: cannot listen on {args.host}:{args.port}: {e}") from None
     return 0
 
 
@@ -107,11 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
         "with Ctrl+C or SIGTERM.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     r.add_argument("--host", default="0.0.0.0", help="address to bind (0.0.0.0: all)")
-    r.add_argument("--port", type=int, default=8765, help="TCP port (0: any free port)")
+    r.add_argument("--port", type=_port, default=8765, help="TCP port (0: any free port)")
     r.add_argument("--token-file", help=f"file holding the run token (else ${TOKEN_ENV})")
-    r.add_argument("--heartbeat", type=float, default=2.0,
+    r.add_argument("--heartbeat", type=_positive_float, default=2.0,
                    help="heartbeat interval peers are told to use, seconds")
-    r.add_argument("--eviction", type=float, default=10.0,
+    r.add_argument("--eviction", type=_positive_float, default=10.0,
                    help="drop a peer silent for this long, seconds")
     r.add_argument("--certfile", help="PEM certificate: serve HTTPS (with --keyfile)")
     r.add_argument("--keyfile", help="PEM private key for --certfile")
@@ -127,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("url", help="rendezvous URL, e.g. http://10.0.0.1:8765")
     st.add_argument("--run-id", required=True)
     st.add_argument("--token-file", help=f"file holding the run token (else ${TOKEN_ENV})")
-    st.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    st.add_argument("--timeout", type=_positive_float, default=10.0, help="seconds")
     st.set_defaults(func=_cmd_status)
     return p
 

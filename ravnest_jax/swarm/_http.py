@@ -55,7 +55,7 @@ async def read_json_body(request: web.Request, claimed_sha: str) -> Any:
         return None
     try:
         return json.loads(b"".join(chunks))
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
         raise web.HTTPBadRequest(text="body is not JSON") from None
 
 

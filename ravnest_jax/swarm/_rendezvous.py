@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import secrets
 import signal
 import ssl as _ssl
@@ -297,8 +298,12 @@ class Rendezvous:
         run, peer, p = await self._auth(request)
         self._touch(run, peer, p)
         after = p.get("after", -1)
-        if not isinstance(after, int):
+        if not isinstance(after, int) or isinstance(after, bool):
             raise web.HTTPBadRequest(text="after must be an int")
+        for name in ("wait_s", "part_s", "grace_s", "max_attempts"):
+            v = p.get(name, 0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise web.HTTPBadRequest(text=f"{name} must be a finite number")
         wait_s = float(min(max(p.get("wait_s", 30.0), 0.0), 3600.0))
         deadline = time.monotonic() + wait_s
         while True:
@@ -356,7 +361,7 @@ class Rendezvous:
             attempt = int(p["attempt"])
             phase = str(p["phase"])
             data = p.get("data") or {}
-        except (KeyError, ValueError, TypeError):
+        except (KeyError, ValueError, TypeError, OverflowError):
             raise web.HTTPBadRequest(text="bad vote") from None
         if phase not in ("gather", "commit") or not isinstance(data, dict):
             raise web.HTTPBadRequest(text="bad vote")

@@ -73,7 +73,8 @@ def test_overlap_flag(capsys):
     assert char_lm.parse_args(["--local-peers", "2", "--mode", "blocking"]).overlap_steps == 0
     for bad in (["--local-peers", "2", "--overlap-steps", "soon"], ["--local-peers", "2", "--overlap-steps", "-1"],
                 ["--local-peers", "2", "--overlap-steps", "50"],  # not below H
-                ["--local-peers", "2", "--mode", "eager", "--overlap-steps", "0"]):
+                ["--local-peers", "2", "--mode", "eager", "--overlap-steps", "0"],
+                ["--local-peers", "2", "--codec", "int5"]):
         with pytest.raises(SystemExit) as e:
             char_lm.parse_args(bad)
         assert e.value.code == 2

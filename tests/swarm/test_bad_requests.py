@@ -13,7 +13,7 @@ import pytest
 from ravnest_jax.swarm import _auth
 from ravnest_jax.swarm._allreduce import part_bounds
 from ravnest_jax.swarm._codec import encode_part
-from ravnest_jax.swarm._http import signed_json
+from ravnest_jax.swarm._http import HTTPStatusError, signed_json
 
 from ._expect import check_round
 from .conftest import TOKEN
@@ -129,3 +129,51 @@ def test_bad_requests_are_refused_without_effect(cluster):
     for i in range(2):
         ev = {pid: p.rounds()[i] for pid, p in procs.items()}
         check_round(peers, ev, i, SIZE, ["a", "b"])
+
+
+@pytest.mark.timeout(60)
+def test_malformed_rendezvous_requests_get_400_and_it_keeps_serving(cluster):
+    """Signed (token-holding) but malformed requests to a real rendezvous: JSON nested deeper
+    than Python's stack, non-numeric or non-finite deadlines in a begin, a vote whose attempt
+    overflows an int, a malformed state digest: each is a 400, and the rendezvous keeps
+    serving."""
+    run, me, token = "bad", "p0", TOKEN.encode()
+
+    async def go(url: str) -> dict[str, int]:
+        timeout = aiohttp.ClientTimeout(total=20)
+        out: dict[str, int] = {}
+        async with aiohttp.ClientSession() as s:
+
+            async def call(name: str, path: str, payload) -> None:
+                try:
+                    await signed_json(s, url, "POST", f"/v1/runs/{run}{path}", token=token, run_id=run,
+                                      peer=me, payload=payload, timeout=timeout)
+                    out[name] = 200
+                except HTTPStatusError as e:
+                    out[name] = e.status
+
+            await call("join", "/join", {"peer_id": me, "address": "http://127.0.0.1:9"})
+            body = b"[" * 100_000 + b"]" * 100_000
+            path = f"/v1/runs/{run}/heartbeat"
+            headers = _auth.sign(token, method="POST", path=path, run_id=run, peer=me,
+                                 body_digest=_auth.body_digest(body))
+            async with s.post(url + path, data=body, headers=headers) as r:
+                out["deep_json"] = r.status
+            hello = {"peer_id": me, "address": "http://127.0.0.1:9", "after": -1}
+            await call("wait_s_str", "/rounds/begin", {**hello, "wait_s": "x"})
+            await call("part_s_str", "/rounds/begin", {**hello, "part_s": "x"})
+            await call("max_attempts_null", "/rounds/begin", {**hello, "max_attempts": None, "wait_s": 0})
+            await call("grace_s_inf", "/rounds/begin", {**hello, "grace_s": float("inf")})
+            await call("after_bool", "/rounds/begin", {**hello, "after": True})
+            vote = {"peer_id": me, "epoch": "e", "phase": "gather", "data": {}}
+            await call("attempt_overflow", "/rounds/0/vote", {**vote, "attempt": 1e400})
+            await call("bad_state", "/rounds/0/vote", {**vote, "attempt": 0, "data": {"state": [True, "d"]}})
+            async with s.get(f"{url}/health") as r:
+                out["health"] = r.status
+        return out
+
+    url = cluster.rendezvous()
+    statuses = asyncio.run(go(url))
+    assert statuses == {"join": 200, "deep_json": 400, "wait_s_str": 400, "part_s_str": 400,
+                        "max_attempts_null": 400, "grace_s_inf": 400, "after_bool": 400,
+                        "attempt_overflow": 400, "bad_state": 400, "health": 200}, statuses

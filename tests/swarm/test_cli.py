@@ -28,6 +28,33 @@ def test_missing_token_is_an_error(monkeypatch):
     assert out.returncode != 0 and "token" in out.stderr
 
 
+@pytest.mark.parametrize("args,words", [
+    (["--token-file", "/nonexistent/token"], ["--token-file", "No such file"]),
+    (["--token-file", "EMPTY"], ["--token-file", "empty"]),
+    (["--heartbeat", "-1"], ["--heartbeat", "number > 0"]),
+    (["--heartbeat", "nan"], ["--heartbeat", "number > 0"]),
+    (["--heartbeat", "5", "--eviction", "2"], ["--eviction", "--heartbeat"]),
+    (["--port", "99999"], ["--port", "0-65535"]),
+    (["--certfile", "/nonexistent/cert.pem"], ["--certfile"]),
+])
+def test_bad_rendezvous_flags_give_one_clear_line(tmp_path, capsys, args, words):
+    from ravnest_jax.cli import main
+
+    empty = tmp_path / "empty"
+    empty.write_text("  \n")
+    token = tmp_path / "token"
+    token.write_text("t0k3n")
+    args = [str(empty) if a == "EMPTY" else a for a in args]
+    if "--token-file" not in args:
+        args = ["--token-file", str(token), *args]
+    with pytest.raises(SystemExit) as e:
+        main(["rendezvous", "--port", "0", *args] if "--port" not in args else ["rendezvous", *args])
+    msg = str(e.value.code) + capsys.readouterr().err
+    assert e.value.code != 0 and "Traceback" not in msg
+    for w in words:
+        assert w in msg, msg
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_rendezvous_and_peer_cleanly(cluster, sig):
