@@ -635,13 +635,16 @@ class OuterSync:
                 r.set_exception(RuntimeError("a peer over several processes does not serve its state"))
             return
         copy = jax.tree.map(lambda a: a + jnp.zeros_like(a) if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.number) else a, state)
-        step = self.step
-        base = self._swarm_base
+        # everything the message holds is taken now, in the training thread: the worker may run
+        # after this peer started its next round (a rounds_started read there paired the state of
+        # step s with the round counter of step s + 1, and the joiner contributed a pseudo-
+        # gradient against a stale anchor to the wrong round)
+        step, started, base = self.step, self.rounds_started, self._swarm_base
 
         def work():
             leaves = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(copy))]
             return serialization.msgpack_serialize(
-                {"format": "ravnest-state-v1", "step": int(step), "rounds_started": int(self.rounds_started),
+                {"format": "ravnest-state-v1", "step": int(step), "rounds_started": int(started),
                  "swarm_base": list(base) if base is not None else [], "leaves": leaves}
             )
 

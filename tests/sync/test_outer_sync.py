@@ -398,3 +398,36 @@ def test_a_diverged_peer_is_left_out_and_resyncs():
     after = [m for m in bad if m.ok and m.round > first.round]
     assert len(after) >= 2, log
     assert all(m.state_digest == ref[m.swarm_round] for m in after), log
+
+
+def test_served_state_is_the_state_of_the_step_it_was_asked_at():
+    """The state message is built in a worker thread that may run after the training thread
+    has moved on (here: started another round): its step, round counter and round mapping are
+    all those of the moment it was served (a round counter read later paired the state of step
+    s with the counter of step s + 1, and a joiner then fed a pseudo-gradient against a stale
+    anchor into the wrong round)."""
+    import threading
+
+    from flax import serialization
+
+    class Fake:
+        codec = "fp32"
+
+        def all_reduce_async(self, tree, *, weight):  # pragma: no cover - never called
+            raise AssertionError
+
+    tx = rj.diloco(optax.sgd(0.1), sync_every=4)
+    params = _init()
+    state = tx.init(params)
+    with OuterSync(tx, Fake(), mode="delayed", overlap_steps=1) as sync:
+        sync.step, sync.rounds_started, sync._swarm_base = 29, 5, (3, 0)
+        gate = threading.Event()
+        sync._state_pool.submit(gate.wait, 10)  # the worker is busy ...
+        fut = sync.request_state()
+        sync._serve_state(params, state)
+        sync.step, sync.rounds_started, sync._swarm_base = 30, 6, (4, 1)  # ... while training goes on
+        gate.set()
+        d = serialization.msgpack_restore(fut.result(timeout=10))
+    assert (int(d["step"]), int(d["rounds_started"])) == (29, 5)
+    base = d["swarm_base"]
+    assert [int(x) for x in (base.values() if isinstance(base, dict) else base)] == [3, 0]
