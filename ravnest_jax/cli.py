@@ -32,24 +32,22 @@ def _read_token(args: argparse.Namespace) -> str:
     return token
 
 
-def _positive_float(value: str) -> float:
+def _checked(value: str, cast, ok, what: str):
     try:
-        v = float(value)
+        v = cast(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}") from None
-    if not (v > 0 and v < float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}") from None
+    if not ok(v):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}")
     return v
+
+
+def _positive_float(value: str) -> float:
+    return _checked(value, float, lambda v: 0 < v < float("inf"), "a number > 0")
 
 
 def _port(value: str) -> int:
-    try:
-        v = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port in 0-65535, got {value!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in 0-65535, got {value!r}")
-    return v
+    return _checked(value, int, lambda v: 0 <= v <= 65535, "a port in 0-65535")
 
 
 def _exit_with_parent(parent_pid: int) -> None:
