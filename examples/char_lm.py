@@ -420,7 +420,7 @@ def place_on_mesh(mesh, layout: str, params, state):
 def _emit(args: argparse.Namespace, **event) -> None:
     """One JSON line on stdout for the launcher (``--json-events``)."""
     if args.json_events:
-        print(json.dumps(event), flush=True)
+        print(json.dumps({**event, "t": round(time.time(), 3)}), flush=True)
 
 
 def _watch_parent(parent_pid: int) -> None:

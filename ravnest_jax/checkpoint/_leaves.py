@@ -188,6 +188,15 @@ def abstract(target: PyTree, saved: list[dict[str, Any]], item: str) -> tuple[Py
     return jax.tree.unflatten(treedef, out), records
 
 
+def _like_target(x: jax.Array, t: Any) -> jax.Array:
+    """``x`` uncommitted when the target array is: orbax places every restored array on its
+    sharding (committed), and jit keys its compilation cache on committedness, so a train step
+    compiled for fresh (uncommitted) arrays would compile again after a resume."""
+    if isinstance(t, jax.Array) and not t.committed and isinstance(x, jax.Array) and x.committed:
+        return jnp.asarray(np.asarray(x))  # one host copy: only for single-device, uncommitted targets
+    return x
+
+
 def decode(restored: PyTree, target: PyTree, records: list[dict[str, Any]], saved: list[dict[str, Any]]) -> PyTree:
     """Turns orbax's restored tree back into the kinds of ``target`` (same treedef)."""
     leaves = jax.tree.leaves(restored)
@@ -199,7 +208,7 @@ def decode(restored: PyTree, target: PyTree, records: list[dict[str, Any]], save
             impl = srec.get("impl") or rec.get("impl")
             out.append(jax.random.wrap_key_data(x, impl=impl) if impl else jax.random.wrap_key_data(x))
         elif kind == ARRAY:
-            out.append(x)
+            out.append(_like_target(x, t))
         elif kind == NUMPY:
             out.append(np.asarray(x, dtype=t.dtype))
         elif kind == NPSCALAR:

@@ -176,9 +176,9 @@ def _put_like(arrays: list, like: list) -> list:
     several processes), every process passes the same host arrays and fills its own devices."""
     out = []
     for a, x in zip(arrays, like):
-        if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding) or x.sharding.mesh.size == 1:
-            # one device: an uncommitted array, as before (committing it would change the
-            # committedness of everything the merge returns and recompile the train step)
+        if not isinstance(x, jax.Array) or not x.committed:
+            # placed like `like`: jit keys its cache on committedness, so committing an array
+            # that was not would recompile the train step (and the other way round)
             out.append(jnp.asarray(a))
         elif x.sharding.is_fully_addressable:
             out.append(jax.device_put(a, x.sharding))

@@ -288,3 +288,40 @@ def test_explicit_corrupt_step_and_all_corrupt_raise(tmp_path: Path) -> None:
             with pytest.raises(CheckpointError, match="no readable checkpoint"):
                 ckpt.restore(params=params, opt_state=state)
         assert len([w for w in record if w.category is CorruptCheckpointWarning]) == 2
+
+
+def test_a_train_step_does_not_compile_again_after_a_restore(tmp_path: Path) -> None:
+    """jit keys its cache on committedness: restored arrays must be placed like the targets
+    (fresh arrays are uncommitted, orbax commits what it restores), or the resumed run pays a
+    compilation of every jitted function on its first call (seconds per function)."""
+    params = small_params()
+    tx, state = small_state(params)
+    x = jnp.ones((2, 3))
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, state, x):
+        grads = jax.grad(lambda p: jnp.sum((x @ p["dense"]["w"] + p["dense"]["b"]) ** 2)
+                         + jnp.sum(p["emb"].astype(jnp.float32)))(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    ck = rj.Checkpointer(tmp_path / "ck", save_interval_steps=1)
+    try:
+        params, state = step(params, state, x)
+        ck.save(1, params=params, opt_state=state, force=True)
+        ck.wait()
+        params, state = step(params, state, x)
+        assert step._cache_size() == 1
+        blank_params = small_params()
+        r = ck.restore(params=blank_params, opt_state=tx.init(blank_params))
+        for a, b in zip(jax.tree.leaves((blank_params, tx.init(blank_params))), jax.tree.leaves((r.params, r.opt_state))):
+            assert a.committed == b.committed and a.sharding == b.sharding
+        step(r.params, r.opt_state, x)
+        assert step._cache_size() == 1
+        # a target placed on a device explicitly stays committed
+        dev = jax.devices()[0]
+        placed = jax.device_put(blank_params, dev)
+        r2 = ck.restore(params=placed, opt_state=jax.device_put(tx.init(blank_params), dev))
+        assert all(leaf.committed for leaf in jax.tree.leaves(r2.params))
+    finally:
+        ck.close()
