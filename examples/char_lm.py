@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import logging
 import os
 import platform
 import sys
@@ -591,8 +592,8 @@ def run_peer(args: argparse.Namespace) -> dict:
             bar.close()
         eval_end = evaluate(state.global_params)
         summary = sync.summary()
-        final_digest = digest_hex(device_digest(state.global_params))
-        local_digest = digest_hex(device_digest((params, state)))
+        # the digest of the last merge (no compilation at exit); computed only after a resync
+        final_digest = sync.global_state_digest or digest_hex(device_digest((state.global_params, state.outer_state)))
     steps_done = args.max_steps - start_step
     return {
         "peer": peer_id,
@@ -615,7 +616,6 @@ def run_peer(args: argparse.Namespace) -> dict:
         "compute_utilisation": summary["compute_utilisation"],
         "wall_seconds": wall,
         "final_global_digest": final_digest,
-        "final_local_state_digest": local_digest,
         "round_digests": [r["state_digest"] for r in rounds_log if r["ok"]],
         "round_log": rounds_log,
     }
@@ -624,7 +624,7 @@ def run_peer(args: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------------------- swarm: a launcher
 _FORWARD = ("text", "sync_every", "max_steps", "batch_size", "seq_len", "d_model", "layers", "heads", "lr", "codec",
             "overlap_steps", "mode", "alpha", "fragments", "eval_batches", "seed", "part_timeout", "log_every",
-            "min_step_seconds", "checkpoint_every", "schedule_steps", "devices", "layout")
+            "min_step_seconds", "checkpoint_every", "schedule_steps", "devices", "layout", "log_level")
 
 
 def _forward_flags(args: argparse.Namespace) -> list[str]:
@@ -778,7 +778,7 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
     for r in results:
         print(f"| {r['peer']:<6} | {r['eval_loss_start']:10.4f} | {r['eval_loss_end']:8.4f} | {r['rounds']:6d} | "
               f"{r['bytes_sent'] / 1e6:8.2f} | {dp_bytes / 1e6:16.1f} | {r['compute_utilisation']:11.3f} | {r['stall_seconds']:7.2f} | {r['mean_overlap_steps']:8.1f} |")
-    print(f"\nglobal params identical on all peers: {'yes' if len(digests) == 1 else 'NO'} "
+    print(f"\nglobal state (params and outer optimizer state) identical on all peers: {'yes' if len(digests) == 1 else 'NO'} "
           f"(digest {sorted(digests)[0][:16]}...); per-round digests identical: {'yes' if same_rounds else 'NO'}")
     return {
         "mode": "local_swarm",
@@ -875,6 +875,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--join-when-exists", default=None, help=argparse.SUPPRESS)  # tests: join on cue
     s.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="log level of the ravnest_jax loggers (INFO shows round retries and resyncs)")
     args = p.parse_args(argv)
     from ravnest_jax.compress import CODECS
 
@@ -910,6 +912,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("ravnest_jax").setLevel(args.log_level)
     try:
         if args.local_peers:
             try:

@@ -41,6 +41,7 @@ ALGORITHMS = ("butterfly", "ring")
 RING_INFLIGHT = 4  # ring PUTs in flight per peer at most (the others wait, not yet encoded)
 SLOW_CHUNK = 256 * 1024  # chunk size when ``_send_chunk_delay`` is set (tests)
 READ_BUFSIZE = 1 << 22
+MAX_EARLY_PARTS = 64  # part requests at most that wait for this peer to begin their round
 GC_GENERATION = 1  # collected after every round (cheap: young objects only)  # bytes buffered per connection before reading pauses
 
 
@@ -162,6 +163,7 @@ class Swarm(_StateMixin):
         self._attempts: dict[tuple[int, int], _Attempt] = {}
         self._last_round = -1
         self._current_round = -1
+        self._early_parts = 0  # requests waiting for this peer to begin their round
         self._next: dict[str, Any] | None = None  # the next round, handed out with a commit
         self._diverged: set[str] = set()  # peers the last round found diverged: no state source
         self._scratch = np.empty(0, np.float32)  # own weighted part + the mean, reused
@@ -474,6 +476,22 @@ class Swarm(_StateMixin):
 
     async def _wait_entered(self, r: int, a: int) -> _Attempt:
         st = self._attempts.get((r, a))
+        if st is None and r > max(self._current_round, self._last_round) + 2 and r > self._last_round:
+            # Further ahead than this peer has seen: a new process (joined, restarted) learns the
+            # swarm's round number only from its own begin, which may answer a moment after a
+            # faster member's part arrives. Wait for it (bounded in time and in number of such
+            # requests) rather than refuse the part and be dropped from the round as unreachable.
+            if self._early_parts >= MAX_EARLY_PARTS:
+                raise web.HTTPConflict(text=f"round {r} is not open here")
+            self._early_parts += 1
+            try:
+                until = time.monotonic() + self.timeouts.part
+                while (r > max(self._current_round, self._last_round) + 2 and (r, a) not in self._attempts
+                       and time.monotonic() < until):
+                    await asyncio.sleep(0.01)
+            finally:
+                self._early_parts -= 1
+            st = self._attempts.get((r, a))
         if st is None:
             if r <= self._last_round or r > max(self._current_round, self._last_round) + 2:
                 raise web.HTTPConflict(text=f"round {r} is not open here")
@@ -707,6 +725,9 @@ class Swarm(_StateMixin):
                 else:
                     begin = await self._begin(deadline, expected)
                 r, epoch = int(begin["round"]), str(begin["epoch"])
+                log.debug("%s: round %d attempt %s with %s, %.3f s after the call%s", self.peer_id, r,
+                          begin.get("attempt"), begin.get("group"), time.monotonic() - t0,
+                          " (handed with the last commit)" if begin is nxt else "")
                 missed = expected is not None and r != expected
                 if missed:
                     # Too late for `expected`; this peer is in round r's group, so it takes part
@@ -1074,10 +1095,12 @@ class Swarm(_StateMixin):
                 await asyncio.wait([failed, *pending], timeout=left,
                                    return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for t in (*tasks, *sends):
-                if not t.done():
+            # a segment task that ends while we cancel may still start a send: repeat until
+            # every task is done (segment tasks start no sends once done, so this ends)
+            while rest := [t for t in (*tasks, *sends) if not t.done()]:
+                for t in rest:
                     t.cancel()
-            await asyncio.gather(*tasks, *sends, return_exceptions=True)
+                await asyncio.gather(*rest, return_exceptions=True)
             stats["sent"] += sum(t.result() for t in sends
                                  if not t.cancelled() and t.exception() is None)
 

@@ -352,6 +352,7 @@ class OuterSync:
         self._step_seconds: float | None = None
         # (swarm round, state digest) after the last merged round: sent with the next exchange
         self._last_state: tuple[int, str] | None = None
+        self._state_digest: str | None = None
         self.alpha = float(alpha)
         self.error_feedback = bool(error_feedback)
         self.codec = codec if swarm is None else getattr(swarm, "codec", "fp32")
@@ -521,6 +522,14 @@ class OuterSync:
         return params, state
 
     @property
+    def global_state_digest(self) -> str | None:
+        """Hex digest (32 characters) of ``(state.global_params, state.outer_state)`` after the
+        last merged round: the value every live peer reports as ``RoundMetrics.state_digest``,
+        computed inside the jitted merge (no extra device work or compilation). None before the
+        first merge, and after ``load_state_dict`` or a state download until the next merge."""
+        return self._state_digest
+
+    @property
     def pending(self) -> int:
         """Rounds in flight (started, not merged)."""
         return len(self._pending)
@@ -595,6 +604,7 @@ class OuterSync:
         }
         self._pending.clear()
         self._last_state = None
+        self._state_digest = None
         self._tau_clock = None
 
     def close(self) -> None:
@@ -698,6 +708,7 @@ class OuterSync:
         self._last_round_step = {f: step for f in range(self.tx.fragments)}
         self._round_clock = time.monotonic()
         self._last_state = None  # the next merged round's digest is the first one to compare
+        self._state_digest = None
         self._tau_clock = None  # the step counter jumped
         return params, new_state
 
@@ -854,6 +865,7 @@ class OuterSync:
                 result_digest=str(getattr(record, "digest", "")), state_digest=digest_hex(digest),
                 overlap_steps=self.step - p.step,
             )
+            self._state_digest = m.state_digest
             if m.swarm_round >= 0:
                 self._last_state = (m.swarm_round, m.state_digest)
         else:

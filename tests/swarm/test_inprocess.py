@@ -117,3 +117,28 @@ def test_tls_between_peers_and_to_the_rendezvous(cluster, tmp_path):
                    timeouts=Timeouts(connect=0.5, part=0.5, grace=0.1, round=2.0,
                                      heartbeat=0.3, eviction=1.0)):
             pass
+
+
+@pytest.mark.timeout(60)
+def test_a_new_process_that_begins_its_round_late_is_not_dropped(cluster):
+    """A fresh Swarm (a restarted or joining process) learns the swarm's round number from its
+    own begin. A member that begins first pushes its part at once; the fresh peer's server must
+    hold that part until its own begin answers, not refuse it as a round it does not know (which
+    made the others drop it as unreachable: a lost round after every whole-swarm restart)."""
+    import time
+
+    url = cluster.rendezvous()
+    x = {"x": np.ones(1024, np.float32)}
+    with _swarm(url, "a") as a:
+        for _ in range(4):  # the run is at round 3 or later: far ahead of a new process's -1
+            assert a.all_reduce(x)[1].ok
+        with _swarm(url, "b") as b:
+            a.wait_for_peers(2, timeout=10)
+            fa = a.all_reduce_async({"x": np.full(1024, 1.0, np.float32)})
+            time.sleep(1.0)  # a is in round 4 and has pushed b's part before b begins
+            fb = b.all_reduce_async({"x": np.full(1024, 3.0, np.float32)})
+            (ra, reca), (rb, recb) = fa.result(20), fb.result(20)
+            # one attempt: b's part was not refused (before, b was voted unreachable: a retry)
+            assert reca.round == recb.round and reca.attempts == recb.attempts == 1, (reca, recb)
+            assert reca.contributors == recb.contributors == ("a", "b")
+            np.testing.assert_allclose(rb["x"], 2.0)

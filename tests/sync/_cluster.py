@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "char_lm.py"
-TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
+TINY = ["--log-level", "DEBUG", "--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
         "--eval-batches", "1", "--lr", "1e-2", "--log-every", "1", "--schedule-steps", "200"]
 
 
@@ -33,7 +33,7 @@ class Cluster:
         port_file = tmp / "port"
         self.rendezvous = subprocess.Popen(
             [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port", "0",
-             "--port-file", str(port_file), "--token-file", str(self.token_file), "--quiet",
+             "--port-file", str(port_file), "--token-file", str(self.token_file),
              "--heartbeat", "0.5", "--eviction", "6"],
             stdout=subprocess.DEVNULL, stderr=self._open(tmp / "rendezvous.log"))
         deadline = time.monotonic() + 30
