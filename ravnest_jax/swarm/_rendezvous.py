@@ -15,6 +15,11 @@ HTTP API (every ``/v1`` request is signed, see :mod:`._auth`; answers are signed
 ``POST /v1/runs/{run}/rounds/begin`` ``{peer_id, address, after, part_s, grace_s, max_attempts,
 wait_s}`` -> ``{epoch, round, attempt, group}``
 ``POST /v1/runs/{run}/rounds/{r}/vote`` ``{peer_id, epoch, attempt, phase, data}`` -> decision
+
+A process that joins a run which has had rounds is on *standby* until it first asks for a round:
+it is in no new round's group meanwhile (it is downloading the swarm's state, or restoring a
+checkpoint), so a join costs the others no part deadline. When the first to ask after joining
+finds no other peer ready (the whole swarm restarted), every live peer is in the round.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ class _Peer:
     last_seen: float
     last_round: int = -1
     suspect_since: float | None = None  # left out of a retry; cleared by its next heartbeat
+    # joined a run that has had rounds, and has not asked for one yet (it is downloading the
+    # swarm's state, or restoring a checkpoint): in no new round's group until it asks
+    standby: bool = False
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -206,6 +214,8 @@ class Rendezvous:
             # (that round's work of its previous process is lost)
             e.joined = now
             run.version += 1
+        if joining:
+            e.standby = run.latest is not None
         e.last_seen = now
         if info is not None:
             e.info = info
@@ -229,7 +239,7 @@ class Rendezvous:
         return {"epoch": self.epoch, "version": run.version,
                 "heartbeat_s": self.heartbeat_s, "eviction_s": self.eviction_s,
                 "peers": [{"peer_id": e.peer_id, "address": e.address,
-                           "last_round": e.last_round,
+                           "last_round": e.last_round, "standby": e.standby,
                            "seconds_since_heartbeat": round(now - e.last_seen, 3),
                            "info": e.info}
                           for e in self._live(run)]}
@@ -276,9 +286,15 @@ class Rendezvous:
 
     # -- rounds --------------------------------------------------------------------------
     def _create_round(self, run: _Run, after: int, p: dict[str, Any], asker: str,
-                      ahead: bool = False) -> _Round:
+                      ahead: bool = False, first_ask: bool = False) -> _Round:
         number = max(-1 if run.latest is None else run.latest, after, run.max_reported_round) + 1
-        group = tuple(e.peer_id for e in self._live(run, for_group=True))
+        live = self._live(run, for_group=True)
+        ready = [e for e in live if not e.standby]
+        if first_ask and not any(e.peer_id != asker for e in ready):
+            # the first ask of a process that joined with nobody else ready: the whole swarm is
+            # coming back (restarted from checkpoints), so every live peer is in the round
+            ready = live
+        group = tuple(e.peer_id for e in ready)
         if not group:  # e.g. only suspects left: the asker itself is alive
             group = (asker,)
         now = time.monotonic()
@@ -296,7 +312,8 @@ class Rendezvous:
 
     async def _begin(self, request: web.Request) -> web.Response:
         run, peer, p = await self._auth(request)
-        self._touch(run, peer, p)
+        me, _ = self._touch(run, peer, p)
+        first_ask, me.standby = me.standby, False
         after = p.get("after", -1)
         if not isinstance(after, int) or isinstance(after, bool):
             raise web.HTTPBadRequest(text="after must be an int")
@@ -322,7 +339,7 @@ class Rendezvous:
                     await asyncio.sleep(settle)
                     self._touch(run, peer, p)
                     continue
-                rnd = self._create_round(run, after, p, peer)
+                rnd = self._create_round(run, after, p, peer, first_ask=first_ask)
                 async with run.new_round:
                     run.new_round.notify_all()
                 member = peer in rnd.attempts[0].group
@@ -341,7 +358,7 @@ class Rendezvous:
             left = min(deadline, stale_at) - time.monotonic()
             if left <= 0:
                 if time.monotonic() >= stale_at:  # that round is long over: start the next
-                    rnd = self._create_round(run, max(after, rnd.number), p, peer)
+                    rnd = self._create_round(run, max(after, rnd.number), p, peer, first_ask=first_ask)
                     async with run.new_round:
                         run.new_round.notify_all()
                     continue

@@ -121,10 +121,11 @@ def test_tls_between_peers_and_to_the_rendezvous(cluster, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_a_new_process_that_begins_its_round_late_is_not_dropped(cluster):
-    """A fresh Swarm (a restarted or joining process) learns the swarm's round number from its
-    own begin. A member that begins first pushes its part at once; the fresh peer's server must
-    hold that part until its own begin answers, not refuse it as a round it does not know (which
-    made the others drop it as unreachable: a lost round after every whole-swarm restart)."""
+    """A fresh Swarm (a restarted process) learns the swarm's round number from its own begin.
+    After a whole-swarm restart a member that begins first pushes its part at once; the other
+    new process's server must hold that part until its own begin answers, not refuse it as a
+    round it does not know (which made the others drop it as unreachable: a lost round and a
+    resync after every whole-swarm restart)."""
     import time
 
     url = cluster.rendezvous()
@@ -132,13 +133,55 @@ def test_a_new_process_that_begins_its_round_late_is_not_dropped(cluster):
     with _swarm(url, "a") as a:
         for _ in range(4):  # the run is at round 3 or later: far ahead of a new process's -1
             assert a.all_reduce(x)[1].ok
-        with _swarm(url, "b") as b:
-            a.wait_for_peers(2, timeout=10)
-            fa = a.all_reduce_async({"x": np.full(1024, 1.0, np.float32)})
-            time.sleep(1.0)  # a is in round 4 and has pushed b's part before b begins
-            fb = b.all_reduce_async({"x": np.full(1024, 3.0, np.float32)})
-            (ra, reca), (rb, recb) = fa.result(20), fb.result(20)
-            # one attempt: b's part was not refused (before, b was voted unreachable: a retry)
-            assert reca.round == recb.round and reca.attempts == recb.attempts == 1, (reca, recb)
-            assert reca.contributors == recb.contributors == ("a", "b")
-            np.testing.assert_allclose(rb["x"], 2.0)
+    with _swarm(url, "a") as a, _swarm(url, "b") as b:  # the whole swarm, restarted
+        a.wait_for_peers(2, timeout=10)
+        fa = a.all_reduce_async({"x": np.full(1024, 1.0, np.float32)})
+        time.sleep(1.0)  # a is in the round and has pushed b's part before b begins
+        fb = b.all_reduce_async({"x": np.full(1024, 3.0, np.float32)})
+        (ra, reca), (rb, recb) = fa.result(20), fb.result(20)
+        # one attempt: b's part was not refused (before, b was voted unreachable: a retry)
+        assert reca.round == recb.round and reca.attempts == recb.attempts == 1, (reca, recb)
+        assert reca.contributors == recb.contributors == ("a", "b")
+        np.testing.assert_allclose(rb["x"], 2.0)
+
+
+@pytest.mark.timeout(90)
+def test_a_joining_process_costs_the_running_swarm_no_deadline(cluster):
+    """A process that joins a run with rounds behind it (downloading state, say) is on standby:
+    rounds created before it first asks leave it out, so the others do not wait out a part
+    deadline for it; its first ask puts it in the next round. When a whole swarm comes back
+    (every process new), the first round has all of them."""
+    import time
+
+    url = cluster.rendezvous()
+    x = {"x": np.ones(256, np.float32)}
+    with _swarm(url, "a") as a, _swarm(url, "b") as b:
+        a.wait_for_peers(2, timeout=10)
+        ra, rb = a.all_reduce_async(x), b.all_reduce_async(x)
+        assert ra.result(20)[1].group == ("a", "b") and rb.result(20)[1].ok
+        with _swarm(url, "c") as c:
+            a.wait_for_peers(3, timeout=10)
+            standby = {p["peer_id"]: p["standby"] for p in a.status()["peers"]}
+            assert standby == {"a": False, "b": False, "c": True}, standby
+            t0 = time.monotonic()
+            ra, rb = a.all_reduce_async(x), b.all_reduce_async(x)
+            reca, recb = ra.result(20)[1], rb.result(20)[1]
+            assert reca.ok and reca.group == ("a", "b") and reca.attempts == 1, reca
+            assert time.monotonic() - t0 < T.part, "the others waited for the joining process"
+            # c asks now: it waits for the next round the rendezvous creates (one created
+            # ahead at the last commit may still leave it out), and is in it with the others
+            fc = c.all_reduce_async(x)
+            for _ in range(4):
+                ra, rb = a.all_reduce_async(x), b.all_reduce_async(x)
+                reca = ra.result(20)[1]
+                rb.result(20)
+                if len(reca.group) == 3:
+                    break
+            recc = fc.result(20)[1]
+            assert recc.ok and recc.group == reca.group == ("a", "b", "c") and reca.attempts == 1, (reca, recc)
+    # the whole swarm comes back: three new processes, the run's rounds behind them
+    with _swarm(url, "a") as a, _swarm(url, "b") as b, _swarm(url, "c") as c:
+        a.wait_for_peers(3, timeout=10)
+        fs = [s.all_reduce_async(x) for s in (a, b, c)]
+        recs = [f.result(20)[1] for f in fs]
+        assert all(r.ok and r.group == ("a", "b", "c") and r.attempts == 1 for r in recs), recs
