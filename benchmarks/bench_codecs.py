@@ -29,14 +29,19 @@ system, so page faults count; on one core CPU time <= wall time, and the differe
 core spent on other processes of a shared machine). Medians are stored too, and the load
 average before and after, because the numbers depend on it.
 
-New buffers matter at this size: glibc serves allocations above 32 MiB with fresh ``mmap``s, so
-XLA's output buffers and the ``bytes`` of ``packed_to_bytes`` are faulted in 4 KiB pages on
-every call (numpy asks for transparent huge pages itself), which ``jit_copy`` and
-``bytes_copy`` show. ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc >= 2.35, THP in
-``madvise`` mode) makes malloc ask for huge pages too; the JSON records the setting.
+New buffers matter at this size: glibc serves allocations above its mmap threshold with fresh
+``mmap``s, faulted in 4 KiB pages on every call (numpy asks for transparent huge pages itself),
+which ``jit_copy`` and ``bytes_copy`` (one 64 MiB buffer each) show. ``device_encode`` therefore
+hands large parts out as slices of at most ``SEGMENT_BYTES`` (8 MiB), and, as every peer does
+(``OuterSync`` and ``Swarm`` call ``rj.compress.tune_host_allocator``), this benchmark fixes
+glibc's mmap threshold at 32 MiB and its trim threshold at 256 MiB so that those slices are
+reused from the heap; ``--keep-malloc`` measures with glibc's defaults instead.
+``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc >= 2.35, THP in ``madvise`` mode) makes malloc
+ask for huge pages too; the JSON records both settings.
 
 Usage:
   python benchmarks/bench_codecs.py                 # 2**24 elements (64 MiB), one core
+  python benchmarks/bench_codecs.py --keep-malloc --out results/codecs_keep_malloc.json
   GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python benchmarks/bench_codecs.py --out results/x.json
   python benchmarks/bench_codecs.py --size 4194304 --repeats 3 --out /tmp/codecs.json
 """
@@ -58,6 +63,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--all-cores", action="store_true", help="do not pin to one core")
     p.add_argument("--codecs", default="fp32,fp16,bf16,int8,int4,fp4,topk")
+    p.add_argument("--keep-malloc", action="store_true",
+                   help="leave glibc malloc as it is (a peer calls rj.compress.tune_host_allocator)")
     p.add_argument(
         "--out",
         default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "codecs.json"),
@@ -84,6 +91,9 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import ravnest_jax.compress as C  # noqa: E402
+
+# what every peer does when it creates its OuterSync / Swarm (round buffers reused from the heap)
+ALLOCATOR = None if ARGS.keep_malloc else C.tune_host_allocator()
 
 
 class _Timing:
@@ -236,6 +246,7 @@ def main() -> None:
             "jax": jax.__version__,
             "jax_backend": jax.default_backend(),
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+            "host_allocator": ALLOCATOR or "glibc defaults (--keep-malloc)",
             "transparent_hugepage": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
             "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(),
@@ -289,7 +300,8 @@ def plot(result: dict, path: str) -> None:
     ax.set_xticks(xs, [f"{r['codec']}\n{r['ratio']:.3f}x" for r in rows])
     ax.set_ylabel("GB/s of float32 input (log)")
     m = result["machine"]
-    tun = m.get("glibc_tunables") or "default glibc malloc"
+    tun = m.get("glibc_tunables") or ("tune_host_allocator" if isinstance(m.get("host_allocator"), dict)
+                                      else "default glibc malloc")
     ax.set_title(
         f"codecs on one core ({m['cpu_model']}), 2^{int(np.log2(result['size_elements']))} float32, "
         f"min of {result['repeats']}; {tun}; load {m['loadavg_before'][0]:.1f}",

@@ -25,6 +25,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._alloc import host_allocator_settings as host_allocator_settings
+from ._alloc import tune_host_allocator as tune_host_allocator
 from ._errors import NonFiniteError as NonFiniteError
 from ._errors import WireFormatError as WireFormatError
 from ._formats import CODECS as CODECS
@@ -75,11 +77,13 @@ __all__ = sorted(
         "WireFormatError",
         "decode",
         "encode",
+        "host_allocator_settings",
         "host_pack",
         "packed_to_bytes",
         "packed_to_chunks",
         "payload_ratio",
         "read_header",
+        "tune_host_allocator",
         "weighted_mean",
     ]
     + list(_DEVICE)

@@ -113,7 +113,8 @@ class Packed:
     host encoder (numpy arrays). :func:`packed_to_bytes` turns it into wire bytes.
 
     A pytree node (registered with jax by ``ravnest_jax.compress._device``): children are
-    ``parts`` (per leaf, a tuple of small arrays: uint8/uint16/uint32 payloads and scales) and
+    ``parts`` (per leaf, a tuple of arrays: uint8/uint16/uint32 payloads and scales; a part from
+    ``device_encode`` above ``SEGMENT_BYTES`` is a tuple of consecutive 1-D slices) and
     ``ok`` (per leaf, a bool scalar: False if the input had NaN/Inf/too-large values); the static
     aux data is ``(codec, specs, structure)``.
     """
@@ -235,12 +236,16 @@ def packed_to_chunks(packed: Packed, *, max_bytes: int = DEFAULT_MAX_BYTES) -> l
         if len(parts) != len(lens):
             raise ValueError(f"leaf {spec.name!r}: expected {len(lens)} parts, got {len(parts)}")
         for p, length, dt in zip(parts, lens, dts):
-            a = np.asarray(p)
-            if a.size != length or a.dtype.kind != dt.kind or a.dtype.itemsize != dt.itemsize:
-                raise ValueError(
-                    f"leaf {spec.name!r}: part {a.dtype}{a.shape} does not match {dt} x {length}"
-                )
-            arrays.append(np.ascontiguousarray(a.reshape(-1), dtype=dt))
+            # a part is an array, or a tuple of 1-D slices in order (large device outputs)
+            segs = [np.asarray(q) for q in p] if isinstance(p, (tuple, list)) else [np.asarray(p)]
+            size = sum(a.size for a in segs)
+            for a in segs:
+                if size != length or a.dtype.kind != dt.kind or a.dtype.itemsize != dt.itemsize:
+                    raise ValueError(
+                        f"leaf {spec.name!r}: part {a.dtype}{a.shape} ({len(segs)} slice(s), {size} "
+                        f"elements) does not match {dt} x {length}"
+                    )
+                arrays.append(np.ascontiguousarray(a.reshape(-1), dtype=dt))
     obj = {
         "codec": codec,
         "leaves": [[s.name, list(s.shape), s.dtype, s.block_size, s.k] for s in packed.specs],

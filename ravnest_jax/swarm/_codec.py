@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from ravnest_jax.compress import CODECS, NonFiniteError, StreamDecoder, WireFormatError, encode
+from ravnest_jax.compress import CODECS, NonFiniteError, StreamDecoder, WireFormatError, encode, tune_host_allocator
 
 __all__ = ["NonFiniteError", "PartDecoder", "WireFormatError", "available_codecs", "check_codec",
-           "decode_part", "encode_part"]
+           "decode_part", "encode_part", "tune_host_allocator"]
 
 
 def available_codecs() -> tuple[str, ...]:

@@ -26,7 +26,7 @@ from . import _auth
 from ._allreduce import CHUNK, RING_SEGMENT_BYTES, contributors_tag, manifest_digest, \
     max_message_bytes, mean_of_scaled, part_bounds, ring_segments
 from ._codec import NonFiniteError, PartDecoder, WireFormatError, check_codec, decode_part, \
-    encode_part
+    encode_part, tune_host_allocator
 from ._http import HTTPStatusError, json_response, signed_json, stream_body
 from ._state import _StateMixin
 from ._types import PeerInfo, RoundFailed, RoundRecord, SwarmError, Timeouts, flatten, result_digest
@@ -158,6 +158,7 @@ class Swarm(_StateMixin):
         self._serve_delay = _serve_delay
         self.port: int | None = None
         self.address: str | None = None
+        tune_host_allocator()  # round buffers reused from the heap, not mapped afresh each round
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._attempts: dict[tuple[int, int], _Attempt] = {}

@@ -342,6 +342,7 @@ class OuterSync:
                 raise ValueError("sync_every_seconds works with fragments=1 only")
         self.tx = tx
         self.swarm = swarm
+        compress.tune_host_allocator()  # round buffers reused from the heap (see its docstring)
         self.mode = mode
         self.overlap_steps: int | str = overlap_steps if mode != "blocking" else 0
         self.max_overlap_steps = max_overlap_steps if auto else None

@@ -45,6 +45,34 @@ def test_device_bytes_equal_host_bytes(codec, seed, n, log_scale, dtype):
     assert C.packed_to_bytes(packed) == C.encode(tree, codec)
 
 
+@pytest.mark.parametrize("codec", DETERMINISTIC)
+def test_large_parts_leave_the_device_as_slices_with_the_same_bytes(codec, monkeypatch):
+    """Parts above SEGMENT_BYTES come out of the jitted encode as consecutive slices (each its
+    own buffer, reused by the host allocator); the message is byte for byte the same, with and
+    without error feedback, and a wrong slice length is refused."""
+    from ravnest_jax.compress import _device
+
+    monkeypatch.setattr(_device, "SEGMENT_BYTES", 96)  # bytes: every part of 1000 values is cut
+    rng = np.random.default_rng(7)
+    tree = {"w": (rng.standard_normal(1000) * 1e-3).astype(np.float32), "b": np.ones(5, np.float32)}
+    opts = {"fraction": 0.1} if codec == "topk" else {}
+    packed, _ = _encoder(codec, **opts)(tree)
+    big = [f for f in packed.parts[1] if isinstance(f, tuple)]  # the leaves are sorted: "w" second
+    assert big and all(len(f) > 1 and all(q.nbytes <= 96 for q in f) for f in big), packed.parts[1]
+    host = C.encode(tree, codec, **opts)
+    assert C.packed_to_bytes(packed) == host
+    assert b"".join(C.packed_to_chunks(packed)) == host
+    packed_ef, res = jax.jit(functools.partial(C.device_encode, codec=codec, **opts))(
+        tree, residual=C.init_error_feedback(tree))
+    assert C.packed_to_bytes(packed_ef) == C.packed_to_bytes(packed) and res is not None
+    first = next(i for i, f in enumerate(packed.parts[1]) if isinstance(f, tuple))
+    cut = list(packed.parts[1])
+    cut[first] = cut[first][:-1]
+    bad = C.Packed(packed.codec, packed.specs, packed.structure, (packed.parts[0], tuple(cut)), packed.ok)
+    with pytest.raises(ValueError, match="does not match"):
+        C.packed_to_bytes(bad)
+
+
 @pytest.mark.parametrize("codec", ["int8", "int4", "fp4", "bf16"])
 def test_device_stochastic_rounding(codec):
     # jittable with a key; decodable; unbiased over many blocks
