@@ -10,9 +10,10 @@ and each codec it measures, in GB/s of float32 *input* (4 bytes per element):
 - ``decode``: ``rj.compress.decode`` (numpy), message bytes to a float32 array;
 - ``stream_decode``: ``StreamDecoder`` fed those chunks, then ``finish`` (the receiving side);
 - ``pipeline``: ``device_encode -> device_get -> packed_to_bytes -> decode`` timed end to end
-  as one call (what ``OuterSync`` does with its own contribution), ``stream_pipeline``:
-  ``device_encode -> device_get -> packed_to_chunks -> StreamDecoder`` end to end (a sender
-  writing the chunks, a receiver feeding them), and ``host_pipeline``: ``encode + decode``;
+  as one call (the message as one ``bytes``), ``stream_pipeline``:
+  ``device_encode -> device_get -> packed_to_chunks -> StreamDecoder`` end to end (what
+  ``OuterSync`` does with its own contribution, and a sender writing the chunks to a receiver
+  that feeds them), and ``host_pipeline``: ``encode + decode``;
 - references in the same run: ``memcpy`` (``np.copyto`` into a preallocated array),
   ``fresh_copy`` (``x.copy()``: numpy's new buffer, with its page faults), ``jit_copy`` (a
   jitted ``x * 1`` on the jax CPU backend: a new XLA output buffer of the input's size, which

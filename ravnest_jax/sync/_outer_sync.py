@@ -806,9 +806,20 @@ class OuterSync:
         bytes, float32 bytes, seconds the result took)."""
         t0 = time.perf_counter()
         host = jax.device_get(packed)  # each device's slices of the packed parts, once
-        data = compress.packed_to_bytes(host)  # raises NonFiniteError for a diverged peer
-        leaves = compress.decode(data)
-        vec = np.concatenate([np.ravel(np.asarray(a, np.float32)) for a in leaves]) if leaves else np.zeros((0,), np.float32)
+        # the message as buffers (no copy into one large bytes object) straight into the stream
+        # decoder: this peer's own contribution decoded as every receiver decodes it
+        chunks = compress.packed_to_chunks(host)  # raises NonFiniteError for a diverged peer
+        dec = compress.StreamDecoder(max_bytes=compress.DEFAULT_MAX_BYTES)
+        for c in chunks:
+            dec.feed(c)
+        nbytes = dec.nbytes_received
+        del chunks, host
+        leaves = jax.tree.leaves(dec.finish())
+        if len(leaves) == 1:  # one leaf: its flat view (fp32 leaves are views of the payload)
+            vec = np.ravel(leaves[0])
+        else:
+            vec = np.concatenate([np.ravel(a) for a in leaves]) if leaves else np.zeros((0,), np.float32)
+        del leaves
         kwargs: dict[str, Any] = {} if expected is None else {"round": expected}
         if state is not None:  # the rendezvous compares it with the other peers' (divergence)
             kwargs["state"] = state
@@ -822,7 +833,7 @@ class OuterSync:
             raise
         if self._swarm_base is None and getattr(record, "round", -1) >= 0:
             self._swarm_base = (int(record.round), seq)
-        return np.asarray(mean["pg"], np.float32), record, len(data), 4 * vec.size, time.perf_counter() - t0
+        return np.asarray(mean["pg"], np.float32), record, nbytes, 4 * vec.size, time.perf_counter() - t0
 
     def _finish(self, p: _Pending, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
         t0 = time.perf_counter()
