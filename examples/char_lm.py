@@ -910,10 +910,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+_STOPPED_BY: list[int] = []
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (``kill``, a scheduler, ``docker stop``) stops like Ctrl+C: a peer leaves the
+    swarm at once instead of being evicted after a timeout, and a launcher stops its peers."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum, frame):
+        _STOPPED_BY.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("ravnest_jax").setLevel(args.log_level)
+    _stop_on_sigterm()
     try:
         if args.local_peers:
             try:
@@ -922,13 +942,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
         elif args.rendezvous:
-            summary = {"peer_result": run_peer(args)}
+            from ravnest_jax.swarm import SwarmError
+
+            try:
+                summary = {"peer_result": run_peer(args)}
+            except SwarmError as e:  # e.g. a wrong token or an unreachable rendezvous: one line
+                print(f"error: {e}", file=sys.stderr)
+                return 1
             _emit(args, event="result", result=summary["peer_result"])
         else:
             summary = run_simulation(args)
     except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+        print("\ninterrupted" + (" (SIGTERM)" if _STOPPED_BY else ""), file=sys.stderr)
+        return 128 + (_STOPPED_BY[-1] if _STOPPED_BY else 2)
     if args.summary_json:
         Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.summary_json).write_text(json.dumps(summary, indent=2, default=str))

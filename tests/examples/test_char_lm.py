@@ -115,3 +115,35 @@ def test_peer_mesh_layouts_and_a_kept_layout(layout):
     layouts = (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, state))
     p2, s2 = jax.jit(step, out_shardings=layouts)(params, state, tokens)
     assert jax.tree.map(lambda x: x.sharding, (p2, s2)) == layouts
+
+
+@pytest.mark.timeout(120)
+def test_a_wrong_token_is_one_line_not_a_traceback(tmp_path):
+    """A peer whose token the rendezvous refuses exits 1 with one error line."""
+    import subprocess
+    import time
+
+    (tmp_path / "token").write_text("the-right-token")
+    (tmp_path / "wrong").write_text("a-wrong-token")
+    port_file = tmp_path / "port"
+    rv = subprocess.Popen([sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port", "0",
+                           "--port-file", str(port_file), "--token-file", str(tmp_path / "token"), "--quiet"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not (port_file.exists() and port_file.read_text().strip()):
+            assert rv.poll() is None and time.monotonic() < deadline, "rendezvous did not start"
+            time.sleep(0.05)
+        text = tmp_path / "text.txt"
+        text.write_bytes(Path(char_lm.__file__).read_bytes() * 4)
+        out = subprocess.run(
+            [sys.executable, char_lm.__file__, "--rendezvous", f"http://127.0.0.1:{port_file.read_text().strip()}",
+             "--token-file", str(tmp_path / "wrong"), "--listen", "127.0.0.1:0", "--text", str(text),
+             "--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
+             "--eval-batches", "1", "--max-steps", "10", "--sync-every", "5", "--no-progress"],
+            capture_output=True, text=True, timeout=100)
+        assert out.returncode == 1, out.stderr
+        assert "Traceback" not in out.stderr and "error: " in out.stderr and "401" in out.stderr, out.stderr
+    finally:
+        rv.kill()
+        rv.wait(10)
