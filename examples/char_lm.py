@@ -913,27 +913,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 _STOPPED_BY: list[int] = []
 
 
-def _stop_on_sigterm() -> None:
+def _stop(signum, frame):
     """SIGTERM (``kill``, a scheduler, ``docker stop``) stops like Ctrl+C: a peer leaves the
     swarm at once instead of being evicted after a timeout, and a launcher stops its peers."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def stop(signum, frame):
-        _STOPPED_BY.append(signum)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
+    _STOPPED_BY.append(signum)
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
+    import signal
+    import threading
+
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("ravnest_jax").setLevel(args.log_level)
-    _stop_on_sigterm()
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stop) if in_main else None
+    try:
+        return _main(args)
+    finally:  # called in-process (tests, notebooks): the caller's handler again
+        if in_main and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         if args.local_peers:
             try:

@@ -232,7 +232,7 @@ slices in order)."""
 
 
 def _segments(f: jax.Array) -> Any:
-    n = int(f.shape[0]) if f.ndim == 1 else int(np.prod(f.shape))
+    n = int(f.size)
     step = max(SEGMENT_BYTES // max(f.dtype.itemsize, 1), 1)
     if n <= step:
         return f

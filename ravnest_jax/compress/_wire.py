@@ -241,10 +241,8 @@ def packed_to_chunks(packed: Packed, *, max_bytes: int = DEFAULT_MAX_BYTES) -> l
             size = sum(a.size for a in segs)
             for a in segs:
                 if size != length or a.dtype.kind != dt.kind or a.dtype.itemsize != dt.itemsize:
-                    raise ValueError(
-                        f"leaf {spec.name!r}: part {a.dtype}{a.shape} ({len(segs)} slice(s), {size} "
-                        f"elements) does not match {dt} x {length}"
-                    )
+                    raise ValueError(f"leaf {spec.name!r}: part {a.dtype} x {size} ({len(segs)} slice(s)) "
+                                     f"does not match {dt} x {length}")
                 arrays.append(np.ascontiguousarray(a.reshape(-1), dtype=dt))
     obj = {
         "codec": codec,

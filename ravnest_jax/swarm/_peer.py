@@ -40,9 +40,9 @@ H_CONTRIB = "X-RJ-Contributors"  # tag of the contributor set a pushed result pa
 ALGORITHMS = ("butterfly", "ring")
 RING_INFLIGHT = 4  # ring PUTs in flight per peer at most (the others wait, not yet encoded)
 SLOW_CHUNK = 256 * 1024  # chunk size when ``_send_chunk_delay`` is set (tests)
-READ_BUFSIZE = 1 << 22
+READ_BUFSIZE = 1 << 22  # bytes buffered per connection before reading pauses
 MAX_EARLY_PARTS = 64  # part requests at most that wait for this peer to begin their round
-GC_GENERATION = 1  # collected after every round (cheap: young objects only)  # bytes buffered per connection before reading pauses
+GC_GENERATION = 1  # collected after every round (cheap: young objects only)
 
 
 class _Attempt:
@@ -477,7 +477,7 @@ class Swarm(_StateMixin):
 
     async def _wait_entered(self, r: int, a: int) -> _Attempt:
         st = self._attempts.get((r, a))
-        if st is None and r > max(self._current_round, self._last_round) + 2 and r > self._last_round:
+        if st is None and r > max(self._current_round, self._last_round) + 2:
             # Further ahead than this peer has seen: a new process (joined, restarted) learns the
             # swarm's round number only from its own begin, which may answer a moment after a
             # faster member's part arrives. Wait for it (bounded in time and in number of such

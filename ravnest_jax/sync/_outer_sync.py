@@ -108,7 +108,7 @@ class _Pending:
     spec_params: Any  # eager: the speculative anchor leaves the params restarted from
     future: concurrent.futures.Future
     started: float
-    done_at: list = dataclasses.field(default_factory=lambda: [None])  # when the result was in
+    done_at: list  # [perf_counter when the result was in], set by the future's callback
     payload_bytes: int = 0
     float_bytes: int = 0
 
@@ -809,7 +809,7 @@ class OuterSync:
         # the message as buffers (no copy into one large bytes object) straight into the stream
         # decoder: this peer's own contribution decoded as every receiver decodes it
         chunks = compress.packed_to_chunks(host)  # raises NonFiniteError for a diverged peer
-        dec = compress.StreamDecoder(max_bytes=compress.DEFAULT_MAX_BYTES)
+        dec = compress.StreamDecoder()
         for c in chunks:
             dec.feed(c)
         nbytes = dec.nbytes_received
