@@ -306,6 +306,7 @@ def run_simulation(args: argparse.Namespace) -> dict:
 
     cfg = ModelConfig(d_model=args.d_model, num_layers=args.layers, num_heads=args.heads, seq_len=args.seq_len)
     t0 = time.perf_counter()
+    check_text(args.text)
     train, evald = load_corpus(args.text)
     print(
         f"text: {'stdlib .py files' if args.text is None else args.text}: "
@@ -344,7 +345,7 @@ def run_simulation(args: argparse.Namespace) -> dict:
         "mode": "simulation",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine_info(),
-        "config": {**vars(args), "model": dataclasses.asdict(cfg), "params": int(n_params), "tokens_per_run": tokens},
+        "config": {**run_config(args), "model": dataclasses.asdict(cfg), "params": int(n_params), "tokens_per_run": tokens},
         "eval_loss_at_init": init_loss,
         "results": results,
         "seconds": time.perf_counter() - t0,
@@ -357,7 +358,21 @@ def run_simulation(args: argparse.Namespace) -> dict:
     for name, r in results.items():
         rel = (r["eval_loss"] / dp - 1) * 100
         print(f"| {name:<16} | {r['eval_loss']:9.4f} | {rel:+6.2f}% | {r['outer_rounds']:12d} | {r['seconds']:7.1f} |")
+    small = [h for h in args.sync_every_list if h < 10]
+    if small:
+        print(SMALL_H_NOTE.format(h=", ".join(f"H={h}" for h in small)))
     return summary
+
+
+SMALL_H_NOTE = """
+Note on {h}: DiLoCo with a small H is not data-parallel training. After every H inner steps the
+outer Nesterov step (lr 0.7, momentum 0.9, the DiLoCo defaults) applies the averaged change of
+the replicas; for a change that keeps its direction, momentum builds the step up to
+lr / (1 - momentum) = 7 times that change. With H = 1 the change is one AdamW step, so the
+model moves up to 7x the inner learning rate per step and overshoots; with H in the tens to
+hundreds (arXiv 2311.08105) the change is a whole local trajectory and the outer settings fit.
+Read H = 1 as a bound, not a recommended setting (for H = 1 use outer SGD with lr 1 and no
+momentum: it is then exactly synchronous averaging of the AdamW updates)."""
 
 
 # ------------------------------------------------------------------------------- swarm: a peer
@@ -440,8 +455,69 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def json_safe(value):
+    """``value`` with every non-finite float replaced by ``None``: the summary is strict JSON
+    (``json.dumps(..., allow_nan=False)``; ``NaN`` is refused by strict parsers)."""
+    if isinstance(value, float):
+        return value if np.isfinite(value) else None
+    if isinstance(value, (np.floating, np.integer)):
+        return json_safe(value.item())
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def preflight_peer(args: argparse.Namespace) -> tuple[str, str]:
+    """Everything a peer can get wrong that is cheap to check, before loading jax or compiling:
+    the token, the text, the listen port, the rendezvous and whether it accepts the token.
+    Returns ``(token, peer_id)``.
+
+    Raises:
+      ValueError, SwarmError: one line naming the problem.
+    """
+    from ravnest_jax import checkpoint, swarm
+
+    token = swarm.read_token(args.token_file)
+    check_text(args.text)
+    swarm.check_listen(args.listen)
+    swarm.check_rendezvous(args.rendezvous, run_id=args.run_id, token=token)
+    if args.peer_id:
+        peer_id = args.peer_id
+    elif args.checkpoint_dir:  # the same peer after a restart on the same directory
+        peer_id = checkpoint.persistent_peer_id(args.checkpoint_dir)
+    else:
+        import secrets
+
+        peer_id = secrets.token_hex(8)
+    return token, peer_id
+
+
+def check_text(text: str | None) -> None:
+    """Fails fast (one line) on a ``--text`` that :func:`load_corpus` would refuse."""
+    if text is None:
+        return
+    path = Path(text)
+    if not path.is_file():
+        raise ValueError(f"--text: no such file: {text}")
+    if path.stat().st_size < 4096:
+        raise ValueError(f"--text: {text} has {path.stat().st_size} bytes; need at least 4096")
+
+
 def run_peer(args: argparse.Namespace) -> dict:
-    """One swarm peer: trains ``--max-steps`` inner steps with overlapped outer rounds."""
+    """One swarm peer: trains ``--max-steps`` inner steps with overlapped outer rounds.
+
+    Ctrl+C (or SIGTERM) stops it within seconds: it saves a checkpoint when no round is in
+    flight (with ``--checkpoint-dir``), leaves the swarm and returns its summary so far
+    (``"interrupted": true``)."""
+    token, peer_id = preflight_peer(args)
+    if args.parent_pid:
+        _watch_parent(args.parent_pid)
+    if args.devices > 1:
+        force_cpu_devices(args.devices)
+    _emit(args, event="compiling", peer=peer_id)
+
     import jax
     import optax
 
@@ -449,13 +525,6 @@ def run_peer(args: argparse.Namespace) -> dict:
     from ravnest_jax.swarm import Timeouts
     from ravnest_jax.sync import device_digest, digest_hex
 
-    if args.parent_pid:
-        _watch_parent(args.parent_pid)
-    if args.devices > 1:
-        force_cpu_devices(args.devices)
-    token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("RAVNEST_TOKEN", "")
-    if not token:
-        raise ValueError("--token-file: no token (or set RAVNEST_TOKEN)")
     cfg = ModelConfig(d_model=args.d_model, num_layers=args.layers, num_heads=args.heads, seq_len=args.seq_len)
     train, evald = load_corpus(args.text)
     graphdef, params = build_model(cfg, seed=args.seed)  # identical on every peer
@@ -478,14 +547,15 @@ def run_peer(args: argparse.Namespace) -> dict:
 
     n_params = sum(x.size for x in jax.tree.leaves(params))
     timeouts = Timeouts(part=args.part_timeout, round=max(4 * args.part_timeout, 30.0), heartbeat=1.0, eviction=5.0)
-    peer_id = args.peer_id or None
-    data_seed = args.data_seed if args.data_seed is not None else abs(hash(peer_id or os.getpid())) % (1 << 31)
+    data_seed = args.data_seed if args.data_seed is not None else int(peer_id.encode().hex(), 16) % (1 << 31)
     rounds_log: list[dict] = []
+    last_logged_loss: list = [None]
 
     def on_round(m) -> None:
         rec = dataclasses.asdict(m)
+        rec["train_loss"] = last_logged_loss[0]  # this peer's last logged train loss
         rounds_log.append(rec)
-        _emit(args, event="round", **{k: rec[k] for k in ("round", "step", "ok", "group_size", "bytes_sent", "exchange_seconds", "stall_seconds", "state_digest", "error")})
+        _emit(args, event="round", **{k: rec[k] for k in ("round", "swarm_round", "step", "ok", "group_size", "bytes_sent", "exchange_seconds", "stall_seconds", "state_digest", "error")})
 
     # the swarm joins the run only once this peer is compiled and ready: a registered peer is in
     # every round's group, and one still compiling would cost the others a timeout
@@ -517,12 +587,16 @@ def run_peer(args: argparse.Namespace) -> dict:
             sync.load_state_dict(restored.extra["sync"])
             resumed_from = restored.step
             print(f"resumed from {args.checkpoint_dir} at step {restored.step}", file=sys.stderr)
-        swarm.set_info({"checkpoint_steps": ckpt.all_steps()})
+        swarm.set_info({"checkpoint_steps": ckpt.saved_steps()})
+    wall = 0.0
+    interrupted = False
+    start_step = int(state.count)
+    joined = False
     with swarm, sync:
+        listen = f"{args.listen.rpartition(':')[0]}:{swarm.port}"
         swarm.serve_state(sync.request_state)
         if args.min_peers > 1:
             swarm.wait_for_peers(args.min_peers, timeout=300)
-        joined = False
         if rj.sync.running_peers(swarm, wait_seconds=2 * timeouts.heartbeat + 1.0):
             # a running swarm (also one that moved on while this peer was down): its global
             # state replaces ours (a restored anchor would be stale), with the schedule step of
@@ -562,47 +636,69 @@ def run_peer(args: argparse.Namespace) -> dict:
         t0 = t_step = time.perf_counter()
         last_loss = None
         t = last_saved = start_step
-        while t < args.max_steps:
-            tokens = put_batch(sample_batch(train, np.random.default_rng([data_seed, t]), args.batch_size, cfg.seq_len))
-            params, state, value = train_step(params, state, tokens)
-            params, state = sync(params, state)
-            t_prev, t = t, sync.step  # steps done; a resync may move this peer to the swarm's step
-            if ckpt is not None and sync.pending == 0 and t - last_saved >= save_every:
-                ckpt.save(t, params=params, opt_state=state, extra={"sync": sync.state_dict(params)}, force=True)
-                last_saved = t
-            if args.min_step_seconds > 0:
-                value.block_until_ready()
-                time.sleep(max(0.0, args.min_step_seconds - (time.perf_counter() - t_step)))
-            t_step = time.perf_counter()
-            if t // args.log_every > t_prev // args.log_every:
-                # read the loss of the previous log point: long computed, so no stall here
-                shown = None if last_loss is None else float(last_loss)
-                last_loss = value
-                _emit(args, event="progress", step=t, loss=shown)
-                if bar is not None:
-                    bar.update(t - bar.n)
-                    if shown is not None:
-                        bar.set_postfix(loss=f"{shown:.3f}", rounds=len(rounds_log))
-        params, state = sync.flush(params, state)
+
+        def save(at: int) -> None:
+            ckpt.save(at, params=params, opt_state=state, extra={"sync": sync.state_dict(params)}, force=True)
+            swarm.set_info({**swarm.info, "checkpoint_steps": ckpt.saved_steps()})
+
+        consistent = True  # params, state and sync agree (not in the middle of a step)
+        try:
+            while t < args.max_steps:
+                consistent = False
+                tokens = put_batch(sample_batch(train, np.random.default_rng([data_seed, t]), args.batch_size, cfg.seq_len))
+                params, state, value = train_step(params, state, tokens)
+                params, state = sync(params, state)
+                t_prev, t = t, sync.step  # steps done; a resync may move this peer to the swarm's step
+                consistent = True
+                if ckpt is not None and sync.pending == 0 and t - last_saved >= save_every:
+                    save(t)
+                    last_saved = t
+                if args.min_step_seconds > 0:
+                    value.block_until_ready()
+                    time.sleep(max(0.0, args.min_step_seconds - (time.perf_counter() - t_step)))
+                t_step = time.perf_counter()
+                if t // args.log_every > t_prev // args.log_every:
+                    # read the loss of the previous log point: long computed, so no stall here
+                    shown = None if last_loss is None else float(last_loss)
+                    last_loss = value
+                    last_logged_loss[0] = shown
+                    _emit(args, event="progress", step=t, loss=shown)
+                    if bar is not None:
+                        bar.update(t - bar.n)
+                        if shown is not None:
+                            bar.set_postfix(loss=f"{shown:.3f}", rounds=sum(r["ok"] for r in rounds_log))
+            consistent = False
+            params, state = sync.flush(params, state)
+            consistent = True
+        except KeyboardInterrupt:
+            # stop within seconds: a round in flight is abandoned (the last checkpoint stands)
+            interrupted = True
+            print(f"\npeer {peer_id}: interrupted at step {t}", file=sys.stderr)
         wall = time.perf_counter() - t0
         if ckpt is not None:
-            ckpt.save(sync.step, params=params, opt_state=state, extra={"sync": sync.state_dict(params)}, force=True)
+            if consistent and sync.pending == 0 and t > last_saved:
+                save(t)  # Ctrl+C between steps and rounds: nothing done since is lost
             ckpt.close()
         if bar is not None:
             bar.close()
-        eval_end = evaluate(state.global_params)
+        eval_end = evaluate(state.global_params) if consistent else None
         summary = sync.summary()
         # the digest of the last merge (no compilation at exit); computed only after a resync
-        final_digest = sync.global_state_digest or digest_hex(device_digest((state.global_params, state.outer_state)))
-    steps_done = args.max_steps - start_step
-    return {
+        final_digest = sync.global_state_digest or (
+            digest_hex(device_digest((state.global_params, state.outer_state))) if consistent else None)
+    return json_safe({
         "peer": peer_id,
+        "run_id": args.run_id,
+        "listen": listen,
+        "address": swarm.address,
+        "interrupted": interrupted,
         "devices": 1 if mesh is None else mesh.size,
         "layout": "single" if mesh is None else args.layout,
         "joined_running_swarm": joined,
         "resumed_from_step": resumed_from,
         "start_step": start_step,
-        "steps": steps_done,
+        "end_step": t,
+        "steps": t - start_step,
         "params": int(n_params),
         "eval_loss_start": eval_start,
         "eval_loss_end": eval_end,
@@ -617,8 +713,9 @@ def run_peer(args: argparse.Namespace) -> dict:
         "wall_seconds": wall,
         "final_global_digest": final_digest,
         "round_digests": [r["state_digest"] for r in rounds_log if r["ok"]],
+        "checkpoint_steps": ckpt.saved_steps() if ckpt is not None else [],
         "round_log": rounds_log,
-    }
+    })
 
 
 # ---------------------------------------------------------------------------- swarm: a launcher
@@ -636,12 +733,56 @@ def _forward_flags(args: argparse.Namespace) -> list[str]:
     return out
 
 
+_INTERNAL = ("json_events", "join_when_exists", "parent_pid", "local_peers", "rendezvous", "simulate",
+             "summary_json", "no_progress", "token_file", "peer_id", "data_seed", "listen", "advertise")
+
+
+def run_config(args: argparse.Namespace, **actual) -> dict:
+    """The settings of a run as the user would state them: no launcher internals, and the
+    values that were actually used (``actual``: the run id, the peers' addresses...)."""
+    return {**{k: v for k, v in vars(args).items() if k not in _INTERNAL}, **actual}
+
+
+def print_peer_table(results: list[dict], dp_bytes: float | None) -> bool:
+    """The summary table of the peers that finished; returns whether their global states are
+    identical (final digest and every round's digest)."""
+    digests = {r["final_global_digest"] for r in results}
+    same_rounds = len({tuple(r["round_digests"]) for r in results}) == 1
+
+    def num(x, fmt):
+        return format(x, fmt) if x is not None else format("-", fmt.split(".")[0].rstrip("f") + "s")
+
+    print()
+    print(f"| {'peer':<16} | {'eval start':>10} | {'eval end':>8} | {'rounds':>6} | {'failed':>6} | {'sent MB':>8} | "
+          f"{'DP would send MB':>16} | {'utilisation':>11} | {'stall s':>7} | {'mean tau':>8} |")
+    print(f"|{'-' * 18}|{'-' * 12}|{'-' * 10}|{'-' * 8}|{'-' * 8}|{'-' * 10}|{'-' * 18}|{'-' * 13}|{'-' * 9}|{'-' * 10}|")
+    for r in results:
+        print(f"| {r['peer']:<16} | {num(r['eval_loss_start'], '10.4f')} | {num(r['eval_loss_end'], '8.4f')} | "
+              f"{r['rounds']:6d} | {r['failed_rounds']:6d} | {r['bytes_sent'] / 1e6:8.2f} | "
+              f"{num(None if dp_bytes is None else dp_bytes / 1e6, '16.1f')} | "
+              f"{num(r['compute_utilisation'], '11.3f')} | {r['stall_seconds']:7.2f} | {num(r['mean_overlap_steps'], '8.1f')} |")
+    if len(results) > 1:
+        print(f"\nglobal state (params and outer optimizer state) identical on all peers: "
+              f"{'yes' if len(digests) == 1 else 'NO'} (digest {str(sorted(map(str, digests))[0])[:16]}...); "
+              f"per-round digests identical: {'yes' if same_rounds else 'NO'}")
+    elif results:
+        print(f"\nglobal state digest {str(results[0]['final_global_digest'])[:16]}...")
+    return len(digests) == 1 and same_rounds
+
+
+def data_parallel_bytes(n: int, params: int, steps: int) -> float:
+    """Bytes one peer would send with data-parallel training: a ring all-reduce of float32
+    gradients every step sends 2 (N - 1) / N * 4 * params bytes per peer per step."""
+    return 2 * (n - 1) / n * 4 * params * steps
+
+
 def run_local_swarm(args: argparse.Namespace) -> dict:
     """Starts a rendezvous and ``--local-peers`` peer processes on 127.0.0.1 and waits for them.
 
     Nothing touches the disk (the token travels in the environment, results and logs through
     pipes), so neither Ctrl+C nor a crash of this process leaves files behind; the children stop
-    by themselves when this process dies.
+    by themselves when this process dies. Ctrl+C stops the peers (each saves a checkpoint and
+    reports what it did) and returns the summary so far with ``"interrupted": true``.
     """
     import collections
     import queue
@@ -652,6 +793,7 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
 
     from tqdm.auto import tqdm
 
+    check_text(args.text)  # before anything starts
     n = args.local_peers
     procs: list[subprocess.Popen] = []
     run_id = f"char-lm-{secrets.token_hex(3)}"
@@ -676,6 +818,50 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
         threading.Thread(target=pump, args=(p.stderr, name + ":stderr", False), daemon=True).start()
         return p
 
+    steps = [0] * n
+    results: dict[int, dict] = {}
+    peers: list[subprocess.Popen] = []
+    interrupted = False
+    bar = None
+    rounds = 0
+
+    def handle(name: str, ev: dict) -> None:
+        nonlocal rounds
+        if not name.startswith("peer"):
+            return
+        i = int(name[4:])
+        kind = ev.get("event")
+        if kind == "compiling" and bar is not None:
+            compiling.add(i)
+            bar.set_description_str(f"{n} peers (compiling {len(compiling)}/{n})")
+        elif kind == "start" and bar is not None:
+            started.add(i)
+            bar.set_description_str(f"{n} peers" if len(started) == n else f"{n} peers ({len(started)}/{n} training)")
+            steps[i] = ev.get("step", 0)
+            bar.update(max(sum(steps) - bar.n, 0))
+        elif kind == "progress":
+            steps[i] = ev["step"]
+            if bar is not None:
+                bar.update(max(sum(steps) - bar.n, 0))
+            if ev.get("loss") is not None:
+                losses[i] = ev["loss"]
+                if bar is not None:
+                    bar.set_postfix(loss=f"{np.mean(list(losses.values())):.3f}", rounds=rounds)
+        elif kind == "round" and i == 0:
+            rounds += bool(ev["ok"])
+            if bar is not None and losses:
+                bar.set_postfix(loss=f"{np.mean(list(losses.values())):.3f}", rounds=rounds)
+            if args.no_progress:  # a line per round for logs (the bar shows it otherwise)
+                loss = f", mean train loss {np.mean(list(losses.values())):.3f}" if losses else ""
+                print(f"round {ev['round']} at step {ev['step']}: {'ok' if ev['ok'] else 'failed: ' + str(ev.get('error'))}, "
+                      f"{ev['group_size']} peers{loss}", flush=True)
+        elif kind == "result":
+            results[i] = ev["result"]
+
+    compiling: set[int] = set()
+    started: set[int] = set()
+    losses: dict[int, float] = {}
+    url = None
     try:
         rv = start([sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port", "0",
                     "--quiet", "--heartbeat", "1", "--eviction", "5", "--exit-with-parent"], "rendezvous")
@@ -693,7 +879,6 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
               f"(codec {args.codec}, H={args.sync_every}, overlap {args.overlap_steps}, mode {args.mode})")
         # N peers share this machine's cores: one compute thread each
         xla = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")}
-        peers = []
         for i in range(n):
             cmd = [sys.executable, str(Path(__file__).resolve()), "--rendezvous", url, "--run-id", run_id,
                    "--peer-id", f"peer{i}", "--data-seed", str(i), "--min-peers", str(n), "--listen", "127.0.0.1:0",
@@ -701,50 +886,17 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
             if args.checkpoint_dir:
                 cmd += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve() / f"peer{i}")]
             peers.append(start(cmd, f"peer{i}", xla))
-        bar = tqdm(total=n * args.max_steps, desc=f"{n} peers", disable=args.no_progress, dynamic_ncols=True)
-        steps = [0] * n
-        losses: dict[int, float] = {}
-        rounds = 0
-        results: dict[int, dict] = {}
+        bar = tqdm(total=n * args.max_steps, desc=f"{n} peers (starting)", disable=args.no_progress, dynamic_ncols=True)
+        if args.no_progress:
+            print(f"compiling on {n} peers (a minute or so on a small CPU machine)...", flush=True)
         while any(p.poll() is None for p in peers) or not events.empty():
             try:
-                name, ev = events.get(timeout=0.5)
+                handle(*events.get(timeout=0.5))
             except queue.Empty:
                 continue
-            if not name.startswith("peer"):
-                continue
-            i = int(name[4:])
-            if ev.get("event") == "progress":
-                bar.update(max(ev["step"] - steps[i], 0))
-                steps[i] = ev["step"]
-                if ev.get("loss") is not None:
-                    losses[i] = ev["loss"]
-                    bar.set_postfix(loss=f"{np.mean(list(losses.values())):.3f}", rounds=rounds)
-            elif ev.get("event") == "round" and i == 0:
-                rounds += 1
-                if args.no_progress:  # a line per round for logs (the bar shows it otherwise)
-                    loss = f", mean train loss {np.mean(list(losses.values())):.3f}" if losses else ""
-                    print(f"round {ev['round']} at step {ev['step']}: {'ok' if ev['ok'] else 'failed'}, "
-                          f"{ev['group_size']} peers{loss}", flush=True)
-            elif ev.get("event") == "result":
-                results[i] = ev["result"]
-        bar.close()
-        failed = {}
-        for i, p in enumerate(peers):
-            rc = p.wait()
-            if rc != 0 or i not in results:
-                how = (f"was killed by {signal.Signals(-rc).name}" if rc < 0 else
-                       f"exited with status {rc}" if rc else "exited without a result")
-                err = [ln.rstrip() for ln in tails.get(f"peer{i}:stderr", []) if ln.strip()][-5:]
-                failed[f"peer{i}"] = f"{how} after step {steps[i]}" + "".join(f"\n    {ln}" for ln in err)
-        for name, why in failed.items():
-            print(f"{name} {why}", file=sys.stderr)
-        if len(failed) == n:
-            raise RuntimeError("no peer finished")
-        results = [results[i] for i in range(n) if f"peer{i}" not in failed]
     except KeyboardInterrupt:
+        interrupted = True
         print("\ninterrupted: stopping the peers and the rendezvous", file=sys.stderr)
-        raise
     finally:
         for p in procs[1:]:
             if p.poll() is None:
@@ -764,31 +916,43 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
-    params = results[0]["params"]
-    # data-parallel reference: a ring all-reduce of float32 gradients every step sends
-    # 2 (N - 1) / N * 4 * params bytes per peer per step
-    dp_bytes = 2 * (n - 1) / n * 4 * params * args.max_steps
-    if failed:
-        print(f"\n{len(failed)} of {n} peers did not finish (above); the {len(results)} that did:")
-    digests = {r["final_global_digest"] for r in results}
-    same_rounds = len({tuple(r["round_digests"]) for r in results}) == 1
-    print()
-    print(f"| {'peer':<6} | {'eval start':>10} | {'eval end':>8} | {'rounds':>6} | {'sent MB':>8} | {'DP would send MB':>16} | {'utilisation':>11} | {'stall s':>7} | {'mean tau':>8} |")
-    print(f"|{'-' * 8}|{'-' * 12}|{'-' * 10}|{'-' * 8}|{'-' * 10}|{'-' * 18}|{'-' * 13}|{'-' * 9}|{'-' * 10}|")
-    for r in results:
-        print(f"| {r['peer']:<6} | {r['eval_loss_start']:10.4f} | {r['eval_loss_end']:8.4f} | {r['rounds']:6d} | "
-              f"{r['bytes_sent'] / 1e6:8.2f} | {dp_bytes / 1e6:16.1f} | {r['compute_utilisation']:11.3f} | {r['stall_seconds']:7.2f} | {r['mean_overlap_steps']:8.1f} |")
-    print(f"\nglobal state (params and outer optimizer state) identical on all peers: {'yes' if len(digests) == 1 else 'NO'} "
-          f"(digest {sorted(digests)[0][:16]}...); per-round digests identical: {'yes' if same_rounds else 'NO'}")
+        time.sleep(0.2)  # the pump threads read the last lines of the peers that stopped
+        while not events.empty():
+            handle(*events.get())
+        if bar is not None:
+            bar.set_postfix(loss=f"{np.mean(list(losses.values())):.3f}" if losses else "-",
+                            rounds=results.get(0, {}).get("rounds", rounds))
+            bar.close()
+    failed = {}
+    for i, p in enumerate(peers):
+        rc = p.wait()
+        if interrupted and i in results:
+            continue
+        if rc != 0 or i not in results:
+            how = (f"was killed by {signal.Signals(-rc).name}" if rc < 0 else
+                   f"exited with status {rc}" if rc else "exited without a result")
+            err = [ln.rstrip() for ln in tails.get(f"peer{i}:stderr", []) if ln.strip()][-5:]
+            failed[f"peer{i}"] = f"{how} after step {steps[i]}" + "".join(f"\n    {ln}" for ln in err)
+    if not interrupted:
+        for name, why in failed.items():
+            print(f"{name} {why}", file=sys.stderr)
+    done = [results[i] for i in range(len(peers)) if i in results and f"peer{i}" not in failed]
+    if not done and not interrupted:
+        raise RuntimeError("no peer finished")
+    if failed and not interrupted:
+        print(f"\n{len(failed)} of {n} peers did not finish (above); the {len(done)} that did:")
+    dp_bytes = data_parallel_bytes(n, done[0]["params"], args.max_steps) if done else 0.0
+    equal = print_peer_table(done, dp_bytes) if done else False
     return {
         "mode": "local_swarm",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine_info(),
-        "config": {k: v for k, v in vars(args).items()},
-        "peers": results,
+        "config": run_config(args, run_id=run_id, rendezvous=url),
+        "interrupted": interrupted,
+        "peers": done,
         "data_parallel_bytes_per_peer": dp_bytes,
-        "global_digests_equal": len(digests) == 1,
-        "round_digests_equal": same_rounds,
+        "global_digests_equal": bool(done) and len({r["final_global_digest"] for r in done}) == 1,
+        "round_digests_equal": equal,
         "failed_peers": failed,
     }
 
@@ -821,8 +985,16 @@ def _positive_float(value: str) -> float:
     return x
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default once: not appended where the help text already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        return text if "default" in text else super()._get_help_string(action)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
     g = p.add_argument_group("mode")
     g.add_argument("--local-peers", type=_positive_int, default=None, help="run a local swarm of N peer processes")
     g.add_argument("--rendezvous", default=None, help="rendezvous URL: run one peer of a swarm")
@@ -833,12 +1005,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=_positive_int, default=300, help="inner steps per run")
     p.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per replica per step")
     p.add_argument("--seq-len", type=_positive_int, default=64, help="bytes per sequence")
-    p.add_argument("--d-model", type=_positive_int, default=96)
-    p.add_argument("--layers", type=_positive_int, default=2)
-    p.add_argument("--heads", type=_positive_int, default=4)
+    p.add_argument("--d-model", type=_positive_int, default=96, help="width of the transformer (a multiple of --heads)")
+    p.add_argument("--layers", type=_positive_int, default=2, help="transformer blocks")
+    p.add_argument("--heads", type=_positive_int, default=4, help="attention heads per block")
     p.add_argument("--lr", type=_positive_float, default=3e-3, help="peak inner AdamW learning rate")
     p.add_argument("--eval-batches", type=_positive_int, default=8, help="eval batches of 32 sequences")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial params (the same on every peer)")
     p.add_argument("--summary-json", default=None, help="write the figures to this JSON file")
     s = p.add_argument_group("swarm (--local-peers / --rendezvous)")
     s.add_argument("--run-id", default="char-lm", help="run id of the swarm")
@@ -855,7 +1027,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--part-timeout", type=_positive_float, default=30.0, help="deadline of each phase of a round, seconds")
     s.add_argument("--listen", default="0.0.0.0:0", help="host:port this peer's server binds")
     s.add_argument("--advertise", default=None, help="URL other peers reach this peer at (behind NAT)")
-    s.add_argument("--peer-id", default=None, help="this peer's id (default random)")
+    s.add_argument("--peer-id", default=None,
+                   help="this peer's id (default: kept in --checkpoint-dir, so a restart is the same peer; else random)")
     s.add_argument("--data-seed", type=int, default=None, help="seed of this peer's data order (default from the peer id)")
     s.add_argument("--min-peers", type=int, default=1, help="wait for this many peers before training")
     s.add_argument("--log-every", type=_positive_int, default=10, help="progress every this many steps")
@@ -863,7 +1036,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="emulate a slower accelerator: each inner step takes at least this long")
     s.add_argument("--checkpoint-dir", default=None,
                    help="save checkpoints here (orbax) and resume from the latest one (a swarm: one subfolder per peer)")
-    s.add_argument("--checkpoint-every", type=_positive_int, default=None, help="steps between checkpoints (default: --sync-every)")
+    s.add_argument("--checkpoint-every", type=_positive_int, default=None,
+                   help="steps between checkpoints (default: --sync-every); a checkpoint is written at the first step "
+                        "with no round in flight, so with overlap tau the steps are k * N + tau, named by the "
+                        "inner steps they hold")
     s.add_argument("--schedule-steps", type=_positive_int, default=None,
                    help="length of the learning-rate schedule (default: --max-steps; fix it to resume a run further)")
     s.add_argument("--devices", type=_positive_int, default=1,
@@ -936,32 +1112,41 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _main(args: argparse.Namespace) -> int:
-    try:
-        if args.local_peers:
-            try:
-                summary = run_local_swarm(args)
-            except RuntimeError as e:  # the local swarm could not run: say why, no traceback
-                print(f"error: {e}", file=sys.stderr)
-                return 1
-        elif args.rendezvous:
-            from ravnest_jax.swarm import SwarmError
-
-            try:
-                summary = {"peer_result": run_peer(args)}
-            except SwarmError as e:  # e.g. a wrong token or an unreachable rendezvous: one line
-                print(f"error: {e}", file=sys.stderr)
-                return 1
-            _emit(args, event="result", result=summary["peer_result"])
-        else:
-            summary = run_simulation(args)
-    except KeyboardInterrupt:
-        print("\ninterrupted" + (" (SIGTERM)" if _STOPPED_BY else ""), file=sys.stderr)
-        return 128 + (_STOPPED_BY[-1] if _STOPPED_BY else 2)
+def _write_summary(args: argparse.Namespace, summary: dict) -> None:
     if args.summary_json:
         Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.summary_json).write_text(json.dumps(summary, indent=2, default=str))
-        print(f"\nwrote {args.summary_json}")
+        Path(args.summary_json).write_text(json.dumps(json_safe(summary), indent=2, default=str, allow_nan=False))
+        print(f"\nwrote {args.summary_json}", file=sys.stderr if args.json_events else sys.stdout)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from ravnest_jax.swarm import SwarmError
+
+    mode = "local_swarm" if args.local_peers else "peer" if args.rendezvous else "simulation"
+    try:
+        if args.local_peers:
+            summary = run_local_swarm(args)
+        elif args.rendezvous:
+            result = run_peer(args)
+            summary = {"mode": "peer", "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                       "machine": machine_info(), "config": run_config(args, run_id=args.run_id),
+                       "interrupted": result["interrupted"], "peer_result": result}
+            _emit(args, event="result", result=result)
+            if not args.json_events:
+                print_peer_table([result], None)
+        else:
+            summary = run_simulation(args)
+    except (ValueError, SwarmError, RuntimeError) as e:  # bad input or a run that cannot go on: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # before training started (compiling, joining)
+        print("\ninterrupted" + (" (SIGTERM)" if _STOPPED_BY else ""), file=sys.stderr)
+        _write_summary(args, {"mode": mode, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                              "interrupted": True, "config": run_config(args)})
+        return 128 + (_STOPPED_BY[-1] if _STOPPED_BY else 2)
+    _write_summary(args, summary)
+    if summary.get("interrupted"):
+        return 128 + (_STOPPED_BY[-1] if _STOPPED_BY else 2)
     return 1 if summary.get("failed_peers") else 0
 
 

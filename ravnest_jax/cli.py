@@ -17,19 +17,12 @@ TOKEN_ENV = "RAVNEST_TOKEN"
 
 
 def _read_token(args: argparse.Namespace) -> str:
-    if args.token_file:
-        try:
-            with open(args.token_file, encoding="utf-8") as f:
-                token = f.read().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            raise SystemExit(f"error: --token-file {args.token_file}: {e}") from None
-        if not token:
-            raise SystemExit(f"error: --token-file {args.token_file} is empty")
-    else:
-        token = os.environ.get(TOKEN_ENV, "").strip()
-    if not token:
-        raise SystemExit(f"error: no token: pass --token-file FILE or set ${TOKEN_ENV}")
-    return token
+    from ravnest_jax.swarm import read_token
+
+    try:
+        return read_token(args.token_file, env=TOKEN_ENV)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def _checked(value: str, cast, ok, what: str):

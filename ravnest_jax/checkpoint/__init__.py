@@ -5,3 +5,4 @@ from ._checkpointer import CheckpointError as CheckpointError
 from ._checkpointer import Checkpointer as Checkpointer
 from ._checkpointer import CorruptCheckpointWarning as CorruptCheckpointWarning
 from ._checkpointer import Restored as Restored
+from ._checkpointer import persistent_peer_id as persistent_peer_id

@@ -317,6 +317,39 @@ class Swarm(_StateMixin):
         inner.add_done_callback(done)
         return out
 
+    def ready(self) -> concurrent.futures.Future[Any]:
+        """Tells the rendezvous that this peer trains now (returns at once).
+
+        A process that joins a run which has had rounds is on *standby* (in no new round's
+        group) until it first asks for a round, so that downloading the state or restoring a
+        checkpoint costs the running peers nothing. Calling this once the state is loaded ends
+        the standby early: the next round that is created includes this peer, so that it is
+        not late for the first round of its schedule. ``rj.OuterSync`` calls it on its first
+        step. Failures are logged, not raised (the first begin ends the standby anyway).
+
+        Returns:
+          A ``concurrent.futures.Future`` of the rendezvous' answer.
+        """
+        if self._loop is None or self._closed:
+            raise RuntimeError("Swarm is not running (use it as a context manager)")
+
+        async def go() -> Any:
+            try:
+                return await self._rv("POST", "/ready", self._hello(), self.timeouts.connect * 2)
+            except Exception as e:  # noqa: BLE001 - only ends the standby early
+                log.info("%s: ready: %r", self.peer_id, e)
+                return None
+
+        return asyncio.run_coroutine_threadsafe(self._tracked(go()), self._loop)
+
+    async def _tracked(self, coro: Any) -> Any:
+        """Runs ``coro`` as a task that :meth:`close` cancels (no task left pending at exit)."""
+        me = asyncio.current_task()
+        if me is not None:
+            self._tasks.add(me)
+            me.add_done_callback(self._tasks.discard)
+        return await coro
+
     def peers(self) -> list[PeerInfo]:
         """The live peers of the run, sorted by id (asks the rendezvous; raises SwarmError)."""
         if self._loop is None or self._closed:
@@ -357,6 +390,9 @@ class Swarm(_StateMixin):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._round_lock = asyncio.Lock()
         self._ring_slots = asyncio.Semaphore(RING_INFLIGHT)
+        # (round, attempt) -> members the rendezvous says left; set when that grows
+        self._gone: dict[tuple[int, int], set[str]] = {}
+        self._gone_event = asyncio.Event()
         app = web.Application(client_max_size=1 << 20)
         base = "/v1/runs/{run_id}/rounds/{round}/{attempt}"
         app.router.add_put(base + "/parts/{part}", self._h_put_part)
@@ -369,7 +405,11 @@ class Swarm(_StateMixin):
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._listen[0], self._listen[1],
                            ssl_context=self._ssl, reuse_address=True)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:
+            raise SwarmError(f"cannot listen on {self._listen[0]}:{self._listen[1]}: "
+                             f"{e.strerror or e}") from None
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.address = self._advertise or self._guess_address()
         deadline = time.monotonic() + self.timeouts.part + self.timeouts.connect
@@ -445,6 +485,7 @@ class Swarm(_StateMixin):
             try:
                 r = await self._rv("POST", "/heartbeat", self._hello(),
                                    min(self.timeouts.heartbeat * 2, self.timeouts.eviction))
+                self._note_left(r.get("left"))
                 if r.get("registered"):
                     log.info("%s: re-registered with the rendezvous (epoch %s)", self.peer_id,
                              r.get("epoch"))
@@ -452,6 +493,26 @@ class Swarm(_StateMixin):
                 raise
             except Exception as e:  # noqa: BLE001 - keep beating; the next one re-registers
                 log.debug("%s: heartbeat failed: %r", self.peer_id, e)
+
+    def _note_left(self, left: Any) -> None:
+        """Members of running attempts that left the run (from a heartbeat answer)."""
+        if not isinstance(left, list):
+            return
+        changed = False
+        for item in left:
+            if isinstance(item, list) and len(item) == 3 and all(isinstance(x, int) for x in item[:2]):
+                key = (int(item[0]), int(item[1]))
+                if key in self._attempts and str(item[2]) not in self._gone.setdefault(key, set()):
+                    self._gone[key].add(str(item[2]))
+                    changed = True
+        for key in [k for k in self._gone if k not in self._attempts]:
+            del self._gone[key]
+        if changed:
+            self._gone_event.set()
+            self._gone_event = asyncio.Event()
+
+    def _gone_wait(self) -> asyncio.Future[Any]:
+        return asyncio.ensure_future(self._gone_event.wait())
 
     # ------------------------------------------------------------------ server handlers
     async def _h_health(self, request: web.Request) -> web.Response:
@@ -679,7 +740,8 @@ class Swarm(_StateMixin):
     async def _begin(self, deadline: float, expected: int | None = None) -> dict[str, Any]:
         after = self._last_round if expected is None else expected - 1
         payload = {**self._hello(), "after": after, "part_s": self.timeouts.part,
-                   "grace_s": self.timeouts.grace, "max_attempts": self.timeouts.max_attempts}
+                   "grace_s": self.timeouts.grace, "max_attempts": self.timeouts.max_attempts,
+                   "expect": expected is not None}
         last: Exception | None = None
         while True:
             left = deadline - time.monotonic()
@@ -688,6 +750,9 @@ class Swarm(_StateMixin):
             payload["wait_s"] = max(left - 0.5, 0.0)
             try:
                 res = await self._rv("POST", "/rounds/begin", payload, left)
+                if res.get("missed") is not None:
+                    raise _RoundFail(f"missed round {expected}: round {res['missed']} runs "
+                                     "without this peer")
                 if res.get("round") is not None:
                     return res
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
@@ -738,6 +803,8 @@ class Swarm(_StateMixin):
                     vec = np.zeros_like(vec)
                     weight = np.float32(ABSTAIN_WEIGHT)
                 a, group = int(begin["attempt"]), tuple(begin["group"])
+                log.debug("%s: in round %d attempt %d", self.peer_id, r, a,
+                          extra={"rj_event": "round_begin", "rj_round": r, "rj_attempt": a})
                 addresses = dict(begin.get("addresses") or {})
                 addresses[self.peer_id] = self.address or ""
                 self._current_round = r
@@ -832,18 +899,22 @@ class Swarm(_StateMixin):
                 t_part - time.monotonic()))
             del data
         complete = asyncio.ensure_future(st.complete.wait())
+        gone = self._gone_wait()
         try:
             while not complete.done():
                 left = t_part - time.monotonic()
-                if left <= 0:
-                    break
-                waits = {complete} | ({arrive} if arrive is not None and not arrive.done() else set())
+                if left <= 0 or set(group) - set(st.received) <= self._gone.get((r, a), set()):
+                    break  # the deadline, or every part still missing is from a member that left
+                if gone.done():
+                    gone = self._gone_wait()
+                waits = {complete, gone} | ({arrive} if arrive is not None and not arrive.done() else set())
                 done, _ = await asyncio.wait(waits, timeout=left,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if arrive is not None and arrive in done:
                     t_part = min(t_part, self._arrived(arrive, r, t_part))
         finally:
             complete.cancel()
+            gone.cancel()
         st.closed = True
         # Optimistic all-gather: an owner that holds every member's part reduces over the whole
         # group and pushes the result now, while the gather vote decides the contributors; the
@@ -855,7 +926,12 @@ class Swarm(_StateMixin):
         vote: dict[str, Any] = {"received": sorted(st.received)}
         if state is not None:
             vote["state"] = list(state)
+        log.debug("%s: round %d attempt %d: gather vote, parts from %d of %d", self.peer_id, r, a,
+                  len(st.received), n, extra={"rj_event": "gather_vote", "rj_round": r, "rj_attempt": a})
         gather = await self._vote(r, epoch, a, "gather", vote, deadline)
+        log.debug("%s: round %d attempt %d: gather decision %s", self.peer_id, r, a, gather.get("decision"),
+                  extra={"rj_event": "gather_decided", "rj_round": r, "rj_attempt": a,
+                         "rj_decision": gather.get("decision")})
         for owner, t in sends.items():
             if not t.done():
                 t.cancel()
@@ -893,13 +969,18 @@ class Swarm(_StateMixin):
             while True:
                 have = [k for k in others if (k, tag) in st.results]
                 left = t_gather - time.monotonic()
-                if len(have) == len(others) or left <= 0:
-                    break
+                if len(have) == len(others) or left <= 0 or {
+                        group[k] for k in others if k not in have} <= self._gone.get((r, a), set()):
+                    break  # complete, the deadline, or the owners still missing left the run
                 st.result_arrived.clear()
+                arrived = asyncio.ensure_future(st.result_arrived.wait())
+                gone = self._gone_wait()
                 try:
-                    await asyncio.wait_for(st.result_arrived.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
+                    await asyncio.wait({arrived, gone}, timeout=left,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    arrived.cancel()
+                    gone.cancel()
             st.gather_closed = True
             for k in have:
                 lo, hi = bounds[k]
@@ -935,17 +1016,27 @@ class Swarm(_StateMixin):
                     t.cancel()
 
     async def _arrival(self, deadline: float, r: int) -> dict[str, Any]:
-        try:
-            return await self._begin(deadline, r)
-        except Exception as e:  # noqa: BLE001 - only a hint; the votes decide
-            log.info("%s: begin of round %d (arrival) failed: %r", self.peer_id, r, e)
-            return {}
+        """Tells the rendezvous this member is at round ``r`` (handed out with the last commit):
+        the round's part clock starts. Returns the answer (``{}`` when none came)."""
+        payload = {**self._hello(), "after": r - 1, "arrive": r}
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return {}
+            try:
+                return await self._rv("POST", "/rounds/begin", payload, left)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                log.debug("%s: arrival at round %d: %r", self.peer_id, r, e)
+                await asyncio.sleep(min(0.25, max(left, 0)))
+            except Exception as e:  # noqa: BLE001 - only a hint; the votes decide
+                log.info("%s: arrival at round %d refused: %r", self.peer_id, r, e)
+                return {}
 
     def _arrived(self, arrive: asyncio.Task[Any], r: int, t_part: float) -> float:
         """The part deadline after the answer to our begin (arrival) request of round ``r``."""
         res = arrive.result()
-        if res.get("round") != r:
-            log.info("%s: rendezvous answered round %s to our arrival in %d", self.peer_id,
+        if res.get("round") != r:  # the round ended already (a fast peer) or was retried
+            log.debug("%s: rendezvous answered round %s to our arrival in %d", self.peer_id,
                      res.get("round"), r)
             return t_part
         return time.monotonic() + float(res.get("part_left", self.timeouts.part))

@@ -10,6 +10,7 @@ HTTP API (every ``/v1`` request is signed, see :mod:`._auth`; answers are signed
 ``POST /v1/runs/{run}/join``       ``{peer_id, address, last_round, info?}``
 ``POST /v1/runs/{run}/heartbeat``  ``{peer_id, address, last_round, info?}`` (registers if unknown)
 ``POST /v1/runs/{run}/leave``      ``{peer_id}``
+``POST /v1/runs/{run}/ready``      ``{peer_id, address, last_round}`` (standby over: it trains)
 ``GET  /v1/runs/{run}/peers``                      live peers
 ``GET  /v1/runs/{run}/status``                     peers, membership version, recent rounds
 ``POST /v1/runs/{run}/rounds/begin`` ``{peer_id, address, after, part_s, grace_s, max_attempts,
@@ -59,6 +60,7 @@ class _Peer:
     # joined a run that has had rounds, and has not asked for one yet (it is downloading the
     # swarm's state, or restoring a checkpoint): in no new round's group until it asks
     standby: bool = False
+    fresh: bool = False  # joined a run that has had rounds and has not asked for a round yet
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -71,6 +73,7 @@ class _Attempt:
     decisions: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     events: dict[str, asyncio.Event] = dataclasses.field(default_factory=dict)
     gather_decided_at: float | None = None
+    left: set[str] = dataclasses.field(default_factory=set)  # members that said they leave
     started: bool = True  # False: created ahead (at the previous round's commit); the clock
     # (``start``) starts when the first member arrives (its begin or a vote)
 
@@ -134,6 +137,7 @@ class Rendezvous:
         app.router.add_post(p + "/join", self._join)
         app.router.add_post(p + "/heartbeat", self._heartbeat)
         app.router.add_post(p + "/leave", self._leave)
+        app.router.add_post(p + "/ready", self._ready)
         app.router.add_get(p + "/peers", self._peers)
         app.router.add_get(p + "/status", self._status)
         app.router.add_post(p + "/rounds/begin", self._begin)
@@ -162,6 +166,7 @@ class Rendezvous:
                 for p in dead:
                     log.info("run %s: evicting %s", run.run_id, p)
                     del run.peers[p]
+                    self._forget(run, p)
                 if dead:
                     run.version += 1
 
@@ -211,11 +216,13 @@ class Rendezvous:
             run.version += 1
         if joining and not new:
             # a new process of a known peer id: it takes no part in a round created before now
-            # (that round's work of its previous process is lost)
+            # (that round's work of its previous process is lost), and the previous process is
+            # gone: no running attempt waits for it
             e.joined = now
             run.version += 1
+            self._forget(run, peer)
         if joining:
-            e.standby = run.latest is not None
+            e.standby = e.fresh = run.latest is not None
         e.last_seen = now
         if info is not None:
             e.info = info
@@ -258,15 +265,43 @@ class Rendezvous:
     async def _heartbeat(self, request: web.Request) -> web.Response:
         run, peer, p = await self._auth(request)
         _, new = self._touch(run, peer, p)
+        # members that left (or were evicted from) the running attempts this peer is in: it
+        # stops waiting for their parts at once instead of at the part deadline
+        left = [[r.number, a.number, g] for r in run.rounds.values() if r.outcome == "running"
+                for a in (r.attempts[max(r.attempts)],) if peer in a.group for g in sorted(a.left)]
         return self._reply(request, run, {"epoch": self.epoch, "version": run.version,
-                                          "registered": new})
+                                          "registered": new, "left": left})
 
     async def _leave(self, request: web.Request) -> web.Response:
         run, peer, _ = await self._auth(request)
         if run.peers.pop(peer, None) is not None:
             run.version += 1
             log.info("run %s: %s left", run.run_id, peer)
+            self._forget(run, peer)
         return self._reply(request, run, {"version": run.version})
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        run, peer, p = await self._auth(request)
+        me, _ = self._touch(run, peer, p)
+        me.standby = False  # it trains: in the next round that is created
+        return self._reply(request, run, {"version": run.version})
+
+    def _forget(self, run: _Run, peer: str) -> None:
+        """``peer`` left (or was evicted): no running attempt waits for its votes any longer. A
+        phase whose other members have all voted is decided now (a retry without it), instead
+        of at the phase deadline."""
+        for rnd in run.rounds.values():
+            if rnd.outcome != "running":
+                continue
+            att = rnd.attempts[max(rnd.attempts)]
+            if peer not in att.group:
+                continue
+            att.left.add(peer)
+            for phase in ("gather", "commit"):
+                if phase == "commit" and "gather" not in att.decisions:
+                    break
+                if phase not in att.decisions and set(att.votes.get(phase, {})) | att.left >= set(att.group):
+                    self._decide(run, rnd, att, phase)
 
     async def _peers(self, request: web.Request) -> web.Response:
         run, _, _ = await self._auth(request)
@@ -313,7 +348,6 @@ class Rendezvous:
     async def _begin(self, request: web.Request) -> web.Response:
         run, peer, p = await self._auth(request)
         me, _ = self._touch(run, peer, p)
-        first_ask, me.standby = me.standby, False
         after = p.get("after", -1)
         if not isinstance(after, int) or isinstance(after, bool):
             raise web.HTTPBadRequest(text="after must be an int")
@@ -321,18 +355,40 @@ class Rendezvous:
             v = p.get(name, 0)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise web.HTTPBadRequest(text=f"{name} must be a finite number")
+        arrive = p.get("arrive")
+        if arrive is not None:
+            if not isinstance(arrive, int) or isinstance(arrive, bool):
+                raise web.HTTPBadRequest(text="arrive must be an int")
+            return self._reply(request, run, self._arrival(run, me, arrive))
+        expect = p.get("expect", False)
+        if not isinstance(expect, bool):
+            raise web.HTTPBadRequest(text="expect must be a boolean")
+        first_ask, me.standby, me.fresh = me.fresh, False, False
         wait_s = float(min(max(p.get("wait_s", 30.0), 0.0), 3600.0))
         deadline = time.monotonic() + wait_s
         while True:
             rnd = run.rounds.get(run.latest) if run.latest is not None else None
-            # members of the round still alive: processes that joined before it was created
-            live = {e.peer_id for e in self._live(run) if rnd is None or e.joined <= rnd.created}
-            over = rnd is not None and (rnd.outcome != "running" or not (
-                live - {peer}) & set(rnd.attempts[max(rnd.attempts)].group))
-            me = run.peers.get(peer)
-            member = rnd is not None and peer in rnd.attempts[0].group and (
-                me is None or me.joined <= rnd.created)
-            if rnd is None or over or (member and after >= rnd.number):
+            me = run.peers.get(peer) or me
+            # a member: in the round's group, and the process that was in it when it was created
+            member = rnd is not None and peer in rnd.attempts[0].group and \
+                peer in rnd.attempts[max(rnd.attempts)].group and me.joined <= rnd.created
+            if rnd is not None and rnd.outcome == "running" and member and after < rnd.number:
+                return self._reply(request, run, self._handout(run, rnd, arrived=True))
+            if rnd is not None and rnd.outcome == "running" and not member and expect \
+                    and after < rnd.number and self._has_live_member(run, rnd, peer):
+                # the round this peer's schedule expects (or a later one) runs without it: it
+                # was too late (for example, its state download finished after the round was
+                # created). Said at once, so that it resyncs instead of waiting for the round.
+                return self._reply(request, run, {"epoch": self.epoch, "round": None,
+                                                  "missed": rnd.number})
+            over = rnd is None or rnd.outcome != "running" or (
+                member and after >= rnd.number) or not self._has_live_member(run, rnd, peer)
+            if not over:  # stale: long past the time its attempts may take
+                assert rnd is not None
+                stale_at = max(rnd.created, rnd.attempts[0].start) + \
+                    rnd.max_attempts * 2 * (rnd.part_s + rnd.grace_s) + 1.0
+                over = time.monotonic() >= stale_at
+            if over:
                 # just (re)started: give every live peer one heartbeat to re-register first
                 settle = self.boot + 2 * self.heartbeat_s - time.monotonic()
                 if settle > 0:
@@ -340,36 +396,52 @@ class Rendezvous:
                     self._touch(run, peer, p)
                     continue
                 rnd = self._create_round(run, after, p, peer, first_ask=first_ask)
-                async with run.new_round:
-                    run.new_round.notify_all()
-                member = peer in rnd.attempts[0].group
-            if member and after < rnd.number:
-                group = rnd.attempts[0].group
-                rnd.attempts[0].arrive()
-                # the part phase ends at the same moment for everyone: the attempt's start plus
-                # part_s, whenever a peer arrives (a late arrival has less time, not more)
-                part_left = rnd.attempts[0].start + rnd.part_s - time.monotonic()
-                return self._reply(request, run, {
-                    "epoch": self.epoch, "round": rnd.number, "attempt": 0, "group": list(group),
-                    "addresses": {g: run.peers[g].address for g in group if g in run.peers},
-                    "part_left": max(part_left, 0.0)})
-            # joined while this round runs: wait for the next one
-            stale_at = max(rnd.created, rnd.attempts[0].start) + rnd.max_attempts * 2 * (rnd.part_s + rnd.grace_s) + 1.0
+                first_ask = False
+                await self._notify(run)
+                continue
+            # joined while this round runs: wait for the next one (a new round, or this one's end)
+            assert rnd is not None
+            stale_at = max(rnd.created, rnd.attempts[0].start) + \
+                rnd.max_attempts * 2 * (rnd.part_s + rnd.grace_s) + 1.0
             left = min(deadline, stale_at) - time.monotonic()
-            if left <= 0:
-                if time.monotonic() >= stale_at:  # that round is long over: start the next
-                    rnd = self._create_round(run, max(after, rnd.number), p, peer, first_ask=first_ask)
-                    async with run.new_round:
-                        run.new_round.notify_all()
-                    continue
+            if left <= 0 and time.monotonic() < stale_at:
                 return self._reply(request, run, {"epoch": self.epoch, "round": None,
                                                   "wait": True})
             try:
                 async with run.new_round:
-                    await asyncio.wait_for(run.new_round.wait(), left)
+                    await asyncio.wait_for(run.new_round.wait(), max(left, 0.0))
             except asyncio.TimeoutError:
                 pass
             self._touch(run, peer, p)
+
+    def _has_live_member(self, run: _Run, rnd: _Round, asker: str) -> bool:
+        """Whether a member of ``rnd``'s latest attempt other than ``asker`` is still alive (the
+        process that was in the group when the round was created)."""
+        group = set(rnd.attempts[max(rnd.attempts)].group) - {asker}
+        return any(e.peer_id in group and e.joined <= rnd.created for e in self._live(run))
+
+    def _handout(self, run: _Run, rnd: _Round, *, arrived: bool) -> dict[str, Any]:
+        """The begin answer for a member of ``rnd``: its attempt 0 group, addresses and the part
+        time left. ``arrived``: the member is here, so the part clock starts if it has not."""
+        att = rnd.attempts[max(rnd.attempts)]
+        if arrived:
+            att.arrive()
+        # the part phase ends at the same moment for everyone: the attempt's start plus
+        # part_s, whenever a peer arrives (a late arrival has less time, not more)
+        part_left = att.start + rnd.part_s - time.monotonic() if att.started else rnd.part_s
+        return {"epoch": self.epoch, "round": rnd.number, "attempt": att.number,
+                "group": list(att.group), "addresses": {g: run.peers[g].address for g in att.group if g in run.peers},
+                "part_left": max(part_left, 0.0)}
+
+    def _arrival(self, run: _Run, me: _Peer, number: int) -> dict[str, Any]:
+        """A member that was handed round ``number`` with the last commit says it is here: the
+        part clock starts (if it has not). Never creates a round: an arrival that comes after
+        the round ended (a fast peer, alone or not) is answered ``round: None``."""
+        rnd = run.rounds.get(number)
+        if (rnd is None or rnd.outcome != "running" or me.peer_id not in rnd.attempts[0].group
+                or me.joined > rnd.created or len(rnd.attempts) > 1):
+            return {"epoch": self.epoch, "round": None}
+        return self._handout(run, rnd, arrived=True)
 
     async def _vote(self, request: web.Request) -> web.Response:
         run, peer, p = await self._auth(request)
@@ -402,7 +474,7 @@ class Rendezvous:
         ev = att.events.setdefault(phase, asyncio.Event())
         if phase not in att.decisions:
             att.votes.setdefault(phase, {})[peer] = data
-            if set(att.votes[phase]) >= set(att.group):
+            if set(att.votes[phase]) | att.left >= set(att.group):
                 self._decide(run, rnd, att, phase)
         while phase not in att.decisions:
             start = att.start if phase == "gather" else (att.gather_decided_at or att.start)
@@ -495,6 +567,8 @@ class Rendezvous:
             rnd.outcome = "failed"
         att.decisions[phase] = decision
         att.events.setdefault(phase, asyncio.Event()).set()
+        if rnd.outcome != "running":  # peers waiting for this round's end ask again
+            asyncio.ensure_future(self._notify(run))
         log.info("run %s round %d attempt %d %s: %s", run.run_id, rnd.number, att.number,
                  phase, decision)
 
@@ -505,10 +579,12 @@ class Rendezvous:
         clock starts when the first member arrives; a peer that joins from now on waits for
         the round after it, as it would while a round runs."""
         if run.latest != rnd.number or len(rnd.attempts) > 1 or any(
-                e.suspect_since is not None for e in run.peers.values()):
+                e.suspect_since is not None or e.standby for e in run.peers.values()):
             # after a retry, or while a peer left out of one has not beaten again, the group
             # of the next round is fixed when its first member asks (as without this): a peer
-            # that was left out must be able to come back at once, not one round later
+            # that was left out must be able to come back at once, not one round later; and
+            # while a peer is on standby (downloading the state), so that it is in the next
+            # round if it is ready by then
             return None
         nxt = self._create_round(run, rnd.number, {"part_s": rnd.part_s, "grace_s": rnd.grace_s,
                                                   "max_attempts": rnd.max_attempts},

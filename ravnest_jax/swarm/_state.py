@@ -49,14 +49,16 @@ class _StateMixin:
     def fetch_state(self, timeout: float = 120.0) -> bytes | None:
         """Downloads the current global state from a live peer of the run.
 
-        Tries the other live peers, most advanced first (by their last round; peers the last
-        round found diverged last), until one answers.
+        Tries the other live peers that train (not on standby), most advanced first (by their
+        last round; peers the last round found diverged last), until one answers. A peer that
+        has no state yet answers 404 at once; when every peer did, there is nobody to download
+        from and the answer is ``None``.
 
         Args:
           timeout: overall deadline, seconds.
 
         Returns:
-          The state bytes, or ``None`` when no other peer is live.
+          The state bytes, or ``None`` when no other peer is live or none has a state.
 
         Raises:
           SwarmError: peers are live but none delivered a state before the deadline.
@@ -64,8 +66,12 @@ class _StateMixin:
         loop = self._loop  # type: ignore[attr-defined]
         if loop is None or self._closed:  # type: ignore[attr-defined]
             raise RuntimeError("Swarm is not running")
-        fut = asyncio.run_coroutine_threadsafe(self._afetch_state(timeout), loop)
-        return fut.result(timeout=timeout + 5)
+        # a task that close() cancels: Ctrl+C during a download ends it at once
+        fut = asyncio.run_coroutine_threadsafe(self._tracked(self._afetch_state(timeout)), loop)  # type: ignore[attr-defined]
+        try:
+            return fut.result(timeout=timeout + 5)
+        except concurrent.futures.CancelledError:
+            raise SwarmError("the swarm closed during the state download") from None
 
     def round_outcome(self, round_: int) -> str:
         """The rendezvous' outcome of a round: ``"ok"``, ``"failed"``, ``"running"`` or
@@ -91,7 +97,8 @@ class _StateMixin:
     async def _afetch_state(self, timeout: float) -> bytes | None:
         deadline = asyncio.get_running_loop().time() + timeout
         members = await self._rv("GET", "/peers", None, self.timeouts.connect * 2)  # type: ignore[attr-defined]
-        others = [p for p in members["peers"] if p["peer_id"] != self.peer_id]  # type: ignore[attr-defined]
+        others = [p for p in members["peers"] if p["peer_id"] != self.peer_id  # type: ignore[attr-defined]
+                  and not p.get("standby")]
         if not others:
             return None
         # most advanced first; a peer the last round found diverged only as a last resort
@@ -99,6 +106,7 @@ class _StateMixin:
         others.sort(key=lambda p: (p["peer_id"] in avoid, -int(p.get("last_round", -1)), p["peer_id"]))
         errors = []
         while True:
+            no_state = 0
             for p in others:
                 left = deadline - asyncio.get_running_loop().time()
                 if left <= 0:
@@ -107,8 +115,14 @@ class _StateMixin:
                     data = await self._get_state(p["address"], left)
                     log.info("%s: downloaded the state (%d bytes) from %s", self.peer_id, len(data), p["peer_id"])  # type: ignore[attr-defined]
                     return data
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, HTTPStatusError, PermissionError) as e:
+                except HTTPStatusError as e:
+                    no_state += e.status == 404
                     errors.append(f"{p['peer_id']}: {e!r}")
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, PermissionError) as e:
+                    errors.append(f"{p['peer_id']}: {e!r}")
+            if no_state == len(others):
+                log.info("%s: no live peer has a state to download: %s", self.peer_id, errors[-3:])  # type: ignore[attr-defined]
+                return None
             await asyncio.sleep(min(0.5, max(deadline - asyncio.get_running_loop().time(), 0)))
 
     async def _get_state(self, address: str, timeout: float) -> bytes:

@@ -73,7 +73,6 @@ class RoundMetrics:
       result_digest: digest of the averaged pseudo-gradient (equal on every contributor).
       state_digest: digest of the global params and outer state after the merge (equal on every
         live peer when they agree).
-      train_loss: mean train loss reported by the contributors (``nan`` if none reported).
       error: why the round failed, else ``None``.
     """
 
@@ -93,7 +92,6 @@ class RoundMetrics:
     compute_utilisation: float
     result_digest: str
     state_digest: str
-    train_loss: float = math.nan
     error: str | None = None
     overlap_steps: int = 0
 
@@ -385,10 +383,15 @@ class OuterSync:
         self._swarm_base: tuple[int, int] | None = None
         # one worker: exchanges run one at a time, in the same order on every peer
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rj-sync")
+        # serialises served states; downloads run on their own thread, so that a peer that
+        # downloads while another downloads from it still serves (two peers resyncing from each
+        # other each waited out the other's download before)
         self._state_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rj-state")
+        self._fetch_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rj-fetch")
         self._lock = threading.Lock()
         self._state_request: list[concurrent.futures.Future] = []
         self._closed = False
+        self._readied = False
         self._jit_cache: dict[tuple, Callable] = {}
 
     # ------------------------------------------------------------------ jitted pieces
@@ -480,6 +483,9 @@ class OuterSync:
             self.step = int(state.count) - 1  # one host read, on the first call only
             self._first_step = self.step
             self._round_clock = time.monotonic()
+            self._mark_ready()
+        elif not self._readied:
+            self._mark_ready()
         self.step += 1
         step = self.step
         # merge what is due (oldest first), start what is due, merge what is due at once (tau=0)
@@ -493,6 +499,17 @@ class OuterSync:
         if self._state_request and not self._pending:
             self._serve_state(params, state)
         return params, state
+
+    def _mark_ready(self) -> None:
+        """The first step: tell the swarm this peer trains (ends a joiner's standby at once, so
+        that the next round created includes it). Non-blocking."""
+        self._readied = True
+        ready = getattr(self.swarm, "ready", None)
+        if ready is not None:
+            try:
+                ready()
+            except RuntimeError:  # the swarm is not running: nothing to tell
+                pass
 
     def _merge_due(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
         while self._pending and self._pending[0].due_step <= self.step:
@@ -537,17 +554,17 @@ class OuterSync:
 
     def summary(self) -> dict:
         """Totals so far: rounds, failures, resyncs, bytes, stall seconds, mean utilisation,
-        mean overlap tau (steps)."""
+        mean overlap tau (steps). Means over no round are ``None`` (the dict is strict JSON)."""
         ok = [m for m in self.metrics if m.ok]
         return {
             "rounds": len(ok),
-            "mean_overlap_steps": float(np.mean([m.overlap_steps for m in ok])) if ok else math.nan,
+            "mean_overlap_steps": float(np.mean([m.overlap_steps for m in ok])) if ok else None,
             "failed_rounds": self.failed_rounds,
             "resyncs": self.resyncs,
             "bytes_sent": int(sum(m.bytes_sent for m in self.metrics)),
             "bytes_received": int(sum(m.bytes_received for m in self.metrics)),
             "stall_seconds": self.stall_seconds,
-            "compute_utilisation": float(np.mean([m.compute_utilisation for m in ok])) if ok else math.nan,
+            "compute_utilisation": float(np.mean([m.compute_utilisation for m in ok])) if ok else None,
             "last_state_digest": ok[-1].state_digest if ok else "",
         }
 
@@ -621,6 +638,7 @@ class OuterSync:
         # an exchange in flight ends when the swarm closes (it cancels its rounds): do not wait
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._state_pool.shutdown(wait=False, cancel_futures=True)
+        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> OuterSync:
         return self
@@ -629,10 +647,14 @@ class OuterSync:
         self.close()
 
     # ------------------------------------------------------------------ state download
-    def request_state(self) -> concurrent.futures.Future:
+    def request_state(self) -> concurrent.futures.Future | None:
         """Asks for this peer's current global state as bytes (for a peer that joins or
         resyncs). Thread-safe; the future resolves after the next training step with no round in
-        flight. Used by the swarm's state endpoint."""
+        flight. Used by the swarm's state endpoint. ``None`` when this driver holds no state
+        (never called, nothing loaded): the endpoint answers 404 at once, so that the
+        requester tries another peer instead of waiting."""
+        if self.step is None or self._closed:
+            return None
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._state_request.append(fut)
@@ -661,10 +683,15 @@ class OuterSync:
 
         def done(f: concurrent.futures.Future) -> None:
             for r in requests:
-                if f.exception() is not None:
-                    r.set_exception(f.exception())
-                else:
-                    r.set_result(f.result())
+                if r.done():  # cancelled by close(), or the requester gave up
+                    continue
+                try:
+                    if f.cancelled() or f.exception() is not None:
+                        r.set_exception(f.exception() if not f.cancelled() else RuntimeError("closed"))
+                    else:
+                        r.set_result(f.result())
+                except concurrent.futures.InvalidStateError:  # cancelled meanwhile
+                    pass
 
         self._state_pool.submit(work).add_done_callback(done)
 
@@ -917,7 +944,7 @@ class OuterSync:
         pseudo-gradient (a swarm of one)."""
         data = None
         if self._resync_fn is not None and self._processes == 1 and self._needs_resync(exc):
-            fetch = self._state_pool.submit(self._resync_fn)
+            fetch = self._fetch_pool.submit(self._resync_fn)
             deadline = time.monotonic() + 300.0
             while not fetch.done() and time.monotonic() < deadline:
                 if self._state_request:

@@ -57,6 +57,21 @@ def main() -> None:
                         format="%(asctime)s %(name)s %(message)s")
     from ravnest_jax.swarm import RoundFailed, Swarm, Timeouts
 
+    class _Events(logging.Handler):
+        """The swarm's debug records that tests wait on, as events on stdout."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            name = getattr(record, "rj_event", None)
+            if name:
+                print(json.dumps({"event": name, "round": record.rj_round, "attempt": record.rj_attempt,
+                                  "decision": getattr(record, "rj_decision", None)}), flush=True)
+
+    swarm_log = logging.getLogger("ravnest_jax.swarm")
+    swarm_log.setLevel(logging.DEBUG)
+    swarm_log.addHandler(_Events(level=logging.DEBUG))
+    for h in logging.getLogger().handlers:
+        h.setLevel(logging.INFO)  # the stderr log stays at INFO
+
     t = Timeouts(connect=2.0, part=args.part_timeout, grace=0.5, round=args.round_timeout,
                  heartbeat=0.5, eviction=3.0)
     straggle = {}

@@ -1,0 +1,496 @@
+#!/usr/bin/env python3
+"""Chaos benchmark: the main job's peers under random kill -9, a rendezvous restart and a stream
+of malformed or unauthenticated requests (not run in CI: several minutes).
+
+Starts a rendezvous (``ravnest-jax rendezvous``) and 4 peer processes of ``examples/char_lm.py``
+(each with its own ``--checkpoint-dir``) on 127.0.0.1, trains for ``--rounds`` outer rounds and
+meanwhile:
+
+- kills (``SIGKILL``) a random peer at a random moment ``--kills`` times, and restarts it from its
+  checkpoint directory (the same command: it keeps its peer id, downloads the swarm's state and
+  trains on). Victims are drawn among peers 1..3; at least 2 peers are always training, so that
+  the swarm's state lives on; peer 0 is never killed (the long-lived survivor whose RSS is
+  followed). A victim may be killed again while it restarts (compiling or joining);
+- restarts the rendezvous once (``SIGKILL``, then the same port again);
+- sends ``--bad-requests`` malformed or unauthenticated requests to the rendezvous and to a
+  peer, interleaved with training (unsigned, wrong token, bad signature, replayed nonce,
+  malformed JSON, bad fields, oversize bodies, bad paths, garbage parts); every answer's status
+  is recorded.
+
+Writes ``benchmarks/results/chaos.json`` (the machine, the command, every event) and
+``chaos.png``: per round, which peers contributed; kills and the rendezvous restart; stalls; RSS.
+
+    python benchmarks/bench_chaos.py                  # 4 peers, 100 rounds, 50 kills, 10,000 requests
+    python benchmarks/bench_chaos.py --rounds 30 --kills 10 --bad-requests 2000   # a short run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _common import free_port, machine_info  # noqa: E402
+
+EXAMPLE = str(ROOT / "examples" / "char_lm.py")
+
+
+class Proc:
+    """A peer (or rendezvous) process; its JSON events collected with the time they came."""
+
+    def __init__(self, name: str, cmd: list[str], log: Path, env: dict):
+        self.name, self.cmd = name, cmd
+        self.log = open(log, "a")
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self.started = time.time()
+        self.events: list[dict] = []
+        self.killed_at: float | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            ev.setdefault("t", time.time())
+            self.events.append(ev)
+
+    def training(self) -> bool:
+        return self.p.poll() is None and any(e.get("event") == "start" for e in self.events)
+
+    def rss_mb(self) -> float | None:
+        try:
+            for line in Path(f"/proc/{self.p.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            return None
+        return None
+
+
+# ------------------------------------------------------------------------------ bad requests
+def _bad_requests(rng: random.Random, rv_url: str, peer_url: str, run_id: str, token: str):
+    """An endless stream of (label, method, url, headers, body) that must all be refused (4xx)."""
+    from ravnest_jax.swarm import _auth
+
+    key = token.encode()
+    seen: list[dict] = []
+
+    def signed(method: str, path: str, body: bytes, tok: bytes = key, peer: str = "chaos") -> dict:
+        h = _auth.sign(tok, method=method, path=path, run_id=run_id, peer=peer,
+                       body_digest=_auth.body_digest(body))
+        if body:
+            h["Content-Type"] = "application/json"
+        return h
+
+    rv = f"/v1/runs/{run_id}"
+    while True:
+        kind = rng.randrange(14)
+        if kind == 0:  # no auth at all
+            yield "unsigned join", "POST", rv_url + rv + "/join", {}, b'{"peer_id": "x"}'
+        elif kind == 1:  # the wrong token
+            body = json.dumps({"peer_id": "chaos", "address": "http://127.0.0.1:1", "last_round": 0}).encode()
+            yield "wrong token", "POST", rv_url + rv + "/heartbeat", signed("POST", rv + "/heartbeat", body, b"wrong"), body
+        elif kind == 2:  # a forged signature
+            body = b'{"peer_id": "chaos"}'
+            h = signed("POST", rv + "/leave", body)
+            h["X-RJ-Signature"] = "0" * 64
+            yield "bad signature", "POST", rv_url + rv + "/leave", h, body
+        elif kind == 3:  # a replayed request
+            if seen:
+                r = seen[rng.randrange(len(seen))]
+                yield "replayed nonce", r["method"], r["url"], r["headers"], r["body"]
+            else:
+                body = json.dumps({"peer_id": "chaos", "address": "ftp://nowhere"}).encode()
+                h = signed("POST", rv + "/join", body)
+                seen.append({"method": "POST", "url": rv_url + rv + "/join", "headers": h, "body": body})
+                yield "bad address", "POST", rv_url + rv + "/join", h, body
+        elif kind == 4:  # malformed JSON, correctly signed
+            body = b'{"peer_id": "chaos", "after": '
+            yield "malformed json", "POST", rv_url + rv + "/rounds/begin", signed("POST", rv + "/rounds/begin", body), body
+        elif kind == 5:  # bad fields, correctly signed
+            body = json.dumps({"peer_id": "chaos", "address": "http://127.0.0.1:1",
+                               "after": rng.choice(["x", 1.5, None, [1]]), "wait_s": 0}).encode()
+            yield "bad begin fields", "POST", rv_url + rv + "/rounds/begin", signed("POST", rv + "/rounds/begin", body), body
+        elif kind == 6:
+            body = json.dumps({"peer_id": "chaos", "epoch": "x", "attempt": "nope", "phase": "gather"}).encode()
+            path = f"{rv}/rounds/{rng.randrange(10**6)}/vote"
+            yield "bad vote", "POST", rv_url + path, signed("POST", path, body), body
+        elif kind == 7:  # a body signed for another peer id
+            body = json.dumps({"peer_id": "someone-else", "address": "http://127.0.0.1:1"}).encode()
+            yield "peer id mismatch", "POST", rv_url + rv + "/join", signed("POST", rv + "/join", body), body
+        elif kind == 8:  # too large
+            body = b'{"peer_id": "chaos", "pad": "' + b"x" * (1 << 20) + b'"}'
+            yield "oversize body", "POST", rv_url + rv + "/heartbeat", signed("POST", rv + "/heartbeat", body), body
+        elif kind == 9:  # an unknown path
+            yield "bad path", "GET", rv_url + "/v1/runs/" + secrets.token_hex(4) + "/nothing", {}, b""
+        elif kind == 10:  # garbage part to a peer, unsigned
+            path = f"{rv}/rounds/{rng.randrange(100)}/0/parts/0"
+            yield "unsigned part", "PUT", peer_url + path, {"Content-Type": "application/octet-stream"}, os.urandom(4096)
+        elif kind == 11:  # a part signed with the wrong token
+            path = f"{rv}/rounds/{rng.randrange(100)}/0/parts/0"
+            h = _auth.sign(b"wrong", method="PUT", path=path, run_id=run_id, peer="chaos",
+                           body_digest=_auth.body_digest(b"junk"), extra="1.0|m")
+            h.update({"X-RJ-Weight": "1.0", "X-RJ-Manifest": "m"})
+            yield "wrong-token part", "PUT", peer_url + path, h, b"junk"
+        elif kind == 12:  # the state, unsigned
+            yield "unsigned state", "GET", peer_url + rv + "/state", {}, b""
+        else:  # a ring message with a bad phase, correctly signed
+            path = f"{rv}/rounds/{rng.randrange(100)}/0/ring/xx/0/0"
+            h = _auth.sign(key, method="PUT", path=path, run_id=run_id, peer="chaos",
+                           body_digest=_auth.body_digest(b"junk"), extra="nan|m")
+            h.update({"X-RJ-Weight": "nan", "X-RJ-Manifest": "m"})
+            yield "bad ring message", "PUT", peer_url + path, h, b"junk"
+
+
+def attack(stop: threading.Event, pause: threading.Event, n: int, rate: float, targets, run_id: str, token: str,
+           out: list, seed: int) -> None:
+    """Sends ``n`` bad requests at about ``rate`` per second; appends (t, label, status) to ``out``.
+    Waits while ``pause`` is set (the rendezvous is being restarted: nothing listens)."""
+    rng = random.Random(seed)
+
+    async def go() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            gen = None
+            sent = 0
+            while sent < n and not stop.is_set():
+                while pause.is_set() and not stop.is_set():
+                    await asyncio.sleep(0.05)
+                rv_url, peer_url = targets()
+                gen = _bad_requests(rng, rv_url, peer_url, run_id, token) if gen is None else gen
+                label, method, url, headers, body = next(gen)
+                if not url.startswith(("http://127.0.0.1:", "http://localhost:")):
+                    raise SystemExit(f"refusing to send to {url}: loopback only")
+                try:
+                    async with session.request(method, url, headers=headers, data=body or None) as r:
+                        await r.read()
+                        status = r.status
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                    status = f"no answer: {type(e).__name__}"  # a target restarting (killed peer)
+                out.append((time.time(), label, status))
+                sent += 1
+                await asyncio.sleep(rng.expovariate(rate))
+                if rng.random() < 0.02:
+                    gen = None  # follow the targets (a peer restarts on another port)
+
+    asyncio.run(go())
+
+
+# ------------------------------------------------------------------------------------ the run
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--peers", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=100, help="outer rounds of the run (H steps each)")
+    ap.add_argument("--sync-every", type=int, default=10)
+    ap.add_argument("--kills", type=int, default=50)
+    ap.add_argument("--bad-requests", type=int, default=10_000)
+    ap.add_argument("--step-seconds", type=float, default=0.25, help="each inner step takes at least this long")
+    ap.add_argument("--part-timeout", type=float, default=10.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "chaos.json"))
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"rj-chaos-{secrets.token_hex(4)}"
+    work.mkdir(parents=True)
+    token = secrets.token_hex(16)
+    (work / "token").write_text(token)
+    (work / "token").chmod(0o600)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
+    port = free_port()
+    rv_url = f"http://127.0.0.1:{port}"
+    run_id = "chaos"
+    max_steps = args.rounds * args.sync_every
+    rv_cmd = [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port", str(port),
+              "--token-file", str(work / "token"), "--heartbeat", "1", "--eviction", "5"]
+    peer_flags = ["--rendezvous", rv_url, "--run-id", run_id, "--token-file", str(work / "token"),
+                  "--listen", "127.0.0.1:0", "--max-steps", str(max_steps), "--schedule-steps", str(max_steps),
+                  "--sync-every", str(args.sync_every), "--overlap-steps", "1", "--codec", "int4",
+                  "--part-timeout", str(args.part_timeout), "--min-step-seconds", str(args.step_seconds),
+                  "--d-model", "64", "--layers", "2", "--heads", "4", "--seq-len", "64", "--batch-size", "8",
+                  "--eval-batches", "2", "--log-every", str(args.sync_every), "--json-events", "--no-progress"]
+    rendezvous = [Proc("rendezvous", rv_cmd, work / "rendezvous.log", env)]
+    peers: dict[int, list[Proc]] = {}
+    kills: list[dict] = []
+    rv_restart: dict = {}
+    bad: list = []
+    rss: list[tuple[float, str, float]] = []
+    stop_attack, pause_attack = threading.Event(), threading.Event()
+    t_begin = time.time()
+
+    def start_peer(i: int) -> Proc:
+        cmd = [sys.executable, EXAMPLE, *peer_flags, "--checkpoint-dir", str(work / f"ckpt{i}"),
+               "--data-seed", str(i), *(["--min-peers", str(args.peers)] if i not in peers else [])]
+        p = Proc(f"peer{i}", cmd, work / f"peer{i}.log", env)
+        peers.setdefault(i, []).append(p)
+        return p
+
+    def targets() -> tuple[str, str]:
+        return rv_url, f"http://127.0.0.1:{peers[0][-1].port}"  # peer 0 is never killed
+
+    def progress() -> int:
+        steps = [e["step"] for e in peers[0][-1].events if e.get("event") == "progress"]
+        return max(steps) if steps else 0
+
+    try:
+        _wait_health(rv_url)
+        for i in range(args.peers):
+            start_peer(i)
+        # wait for the swarm to train, then learn peer 0's port from the rendezvous
+        while not all(peers[i][-1].training() for i in range(args.peers)):
+            if any(peers[i][-1].p.poll() is not None for i in range(args.peers)):
+                raise SystemExit("a peer died while starting; see " + str(work))
+            time.sleep(0.5)
+        peers[0][-1].port = _peer_port(rv_url, run_id, token, "peer", peers[0][-1])
+        attacker = threading.Thread(target=attack, args=(stop_attack, pause_attack, args.bad_requests,
+                                                         args.bad_requests / max(0.6 * max_steps * args.step_seconds, 1),
+                                                         targets, run_id, token, bad, args.seed), daemon=True)
+        attacker.start()
+        kill_steps = sorted(rng.uniform(0.08, 0.85) * max_steps for _ in range(args.kills))
+        rv_step = rng.uniform(0.3, 0.7) * max_steps
+        last_rss = 0.0
+        while peers[0][-1].p.poll() is None:
+            step = progress()
+            now = time.time()
+            if now - last_rss > 2.0:
+                last_rss = now
+                for i, ps in peers.items():
+                    v = ps[-1].rss_mb() if ps[-1].p.poll() is None else None
+                    if v is not None:
+                        rss.append((now - t_begin, f"peer{i}", v))
+            if kill_steps and step >= kill_steps[0]:
+                training = [i for i in peers if peers[i][-1].training()]
+                candidates = [i for i in range(1, args.peers) if peers[i][-1].p.poll() is None
+                              and (not peers[i][-1].training() or len(training) > 2)]
+                if candidates:
+                    kill_steps.pop(0)
+                    i = rng.choice(candidates)
+                    victim = peers[i][-1]
+                    victim.killed_at = time.time()
+                    os.kill(victim.p.pid, signal.SIGKILL)
+                    victim.p.wait()
+                    time.sleep(rng.uniform(0.0, 3.0))
+                    new = start_peer(i)
+                    kills.append({"peer": f"peer{i}", "t": victim.killed_at - t_begin, "step": step,
+                                  "was_training": any(e.get("event") == "start" for e in victim.events),
+                                  "restarted_at": new.started - t_begin, "_proc": new})
+                    print(f"[{now - t_begin:6.1f} s] step {step}: kill -9 peer{i} ({len(kills)}/{args.kills})", flush=True)
+            if not rv_restart and step >= rv_step:
+                old = rendezvous[-1]
+                pause_attack.set()
+                time.sleep(0.5)  # requests in flight are answered
+                t_kill = time.time()
+                os.kill(old.p.pid, signal.SIGKILL)
+                old.p.wait()
+                time.sleep(1.0)
+                rendezvous.append(Proc("rendezvous", rv_cmd, work / "rendezvous.log", env))
+                _wait_health(rv_url)
+                pause_attack.clear()
+                rv_restart = {"t": t_kill - t_begin, "step": step, "down_seconds": time.time() - t_kill}
+                print(f"[{now - t_begin:6.1f} s] step {step}: rendezvous restarted", flush=True)
+            time.sleep(0.2)
+        # the survivors and the last restarted processes finish the run
+        deadline = time.time() + 600
+        for i, ps in peers.items():
+            while ps[-1].p.poll() is None and time.time() < deadline:
+                time.sleep(0.5)
+    finally:
+        stop_attack.set()
+        for ps in peers.values():
+            for p in ps:
+                if p.p.poll() is None:
+                    p.p.send_signal(signal.SIGINT)
+        for ps in peers.values():
+            for p in ps:
+                try:
+                    p.p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.p.kill()
+                    p.p.wait()
+        for r in rendezvous:
+            if r.p.poll() is None:
+                r.p.terminate()
+                r.p.wait(timeout=20)
+    return report(args, work, peers, kills, rv_restart, bad, rss, t_begin)
+
+
+def _wait_health(url: str, timeout: float = 30.0) -> None:
+    import urllib.request
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.1)
+
+
+def _peer_port(rv_url: str, run_id: str, token: str, prefix: str, proc: Proc) -> int:
+    """The listening port of ``proc`` (from the rendezvous' peer list, by the process' peer id)."""
+    from ravnest_jax.swarm._http import signed_json
+
+    peer_id = next(e["peer"] for e in proc.events if e.get("event") == "compiling")
+
+    async def ask() -> dict:
+        async with aiohttp.ClientSession() as s:
+            return await signed_json(s, rv_url, "GET", f"/v1/runs/{run_id}/peers", token=token.encode(),
+                                     run_id=run_id, peer="bench", timeout=aiohttp.ClientTimeout(total=10))
+
+    peers = asyncio.run(ask())["peers"]
+    addr = next(p["address"] for p in peers if p["peer_id"] == peer_id)
+    return int(addr.rsplit(":", 1)[1])
+
+
+def report(args, work: Path, peers: dict, kills: list, rv_restart: dict, bad: list, rss: list, t_begin: float) -> int:
+    rounds = []  # every round event of every process
+    for i, ps in peers.items():
+        for gen, p in enumerate(ps):
+            for e in p.events:
+                if e.get("event") == "round":
+                    rounds.append({**{k: e.get(k) for k in ("swarm_round", "ok", "stall_seconds", "state_digest",
+                                                             "group_size", "error")},
+                                   "peer": f"peer{i}", "process": gen, "t": e["t"] - t_begin})
+    by_round: dict[int, set] = {}
+    for r in rounds:
+        if r["ok"]:
+            by_round.setdefault(r["swarm_round"], set()).add(r["state_digest"])
+    split = {k: sorted(v) for k, v in by_round.items() if len(v) > 1}
+    # kill -> contributing again (wall seconds; rounds between the restarted process' start and
+    # its first ok round)
+    rejoin = []
+    for k in kills:
+        p = k.pop("_proc")
+        start = next((e for e in p.events if e.get("event") == "start"), None)
+        mine = [e for e in p.events if e.get("event") == "round"]
+        first_ok = next((j for j, e in enumerate(mine) if e["ok"]), None)
+        k.update({
+            "start_at": None if start is None else start["t"] - t_begin,
+            "first_ok_round_at": None if first_ok is None else mine[first_ok]["t"] - t_begin,
+            "seconds_to_contribute": None if first_ok is None else mine[first_ok]["t"] - t_begin - k["t"],
+            "rounds_before_first_ok": first_ok,
+            "killed_again_before_contributing": p.killed_at is not None and first_ok is None,
+            "joined": None if start is None else start.get("joined"),
+        })
+        rejoin.append(k)
+    survivor = [r for r in rounds if r["peer"] == "peer0"]
+    stalls = sorted(((r["stall_seconds"] or 0.0), r["swarm_round"]) for r in survivor)
+    statuses: dict[str, int] = {}
+    for _, label, status in bad:
+        statuses[str(status)] = statuses.get(str(status), 0) + 1
+    refused_4xx = sum(1 for _, _, s in bad if isinstance(s, int) and 400 <= s < 500)
+    answered = sum(1 for _, _, s in bad if isinstance(s, int))
+    results = {}
+    for i, ps in peers.items():
+        for p in ps:
+            res = next((e["result"] for e in p.events if e.get("event") == "result"), None)
+            if res is not None:
+                results.setdefault(f"peer{i}", []).append({k: res[k] for k in (
+                    "final_global_digest", "end_step", "rounds", "failed_rounds", "resyncs", "interrupted")})
+    rss0 = [v for _, name, v in rss if name == "peer0"]
+    third = max(len(rss0) // 3, 1)
+    contributed = [k for k in rejoin if k["rounds_before_first_ok"] is not None]
+    part_plus_round = args.part_timeout + args.sync_every * args.step_seconds + 2.0
+    out = {
+        "benchmark": "chaos",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": machine_info(),
+        "config": vars(args),
+        "work_dir": str(work),
+        "summary": {
+            "rounds_total": len(by_round),
+            "round_digests_equal_every_round": not split,
+            "rounds_with_differing_digests": split,
+            "kills": len(kills),
+            "killed_while_training": sum(k["was_training"] for k in kills),
+            "kills_contributing_again": len(contributed),
+            "kills_killed_again_before_contributing": sum(k["killed_again_before_contributing"] for k in rejoin),
+            "max_rounds_before_contributing": max((k["rounds_before_first_ok"] for k in contributed), default=None),
+            "median_seconds_kill_to_contributing": (sorted(k["seconds_to_contribute"] for k in contributed)[len(contributed) // 2]
+                                                    if contributed else None),
+            "max_seconds_kill_to_contributing": max((k["seconds_to_contribute"] for k in contributed), default=None),
+            "survivor_longest_stall_seconds": stalls[-1][0] if stalls else None,
+            "survivor_longest_stall_round": stalls[-1][1] if stalls else None,
+            "bound_part_deadline_plus_one_round_seconds": part_plus_round,
+            "survivor_failed_rounds": sum(1 for r in survivor if not r["ok"]),
+            "bad_requests_sent": len(bad),
+            "bad_requests_answered": answered,
+            "bad_requests_4xx": refused_4xx,
+            "bad_request_statuses": statuses,
+            "rendezvous_restart": rv_restart,
+            "peer0_rss_mb_first_third_mean": sum(rss0[:third]) / third if rss0 else None,
+            "peer0_rss_mb_last_third_mean": sum(rss0[-third:]) / third if rss0 else None,
+            "final_digests": sorted({r["final_global_digest"] for v in results.values() for r in v if not r["interrupted"]}),
+        },
+        "results": results,
+        "kills": rejoin,
+        "rounds": rounds,
+        "rss_mb": rss,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    print(json.dumps(out["summary"], indent=1, default=str))
+    plot(out, Path(args.out).with_suffix(".png"))
+    return 0
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
+    ax = axes[0]
+    names = sorted({r["peer"] for r in out["rounds"]})
+    for y, name in enumerate(names):
+        ok = [r["t"] for r in out["rounds"] if r["peer"] == name and r["ok"]]
+        bad = [r["t"] for r in out["rounds"] if r["peer"] == name and not r["ok"]]
+        ax.scatter(ok, [y] * len(ok), s=8, c="tab:green", label="round ok" if y == 0 else None)
+        ax.scatter(bad, [y] * len(bad), s=18, c="tab:red", marker="x", label="round failed" if y == 0 else None)
+    for k in out["kills"]:
+        ax.axvline(k["t"], color="0.6", lw=0.5)
+        ax.scatter([k["t"]], [names.index(k["peer"])], marker="v", c="k", s=20)
+    if out["summary"]["rendezvous_restart"]:
+        for a in axes:
+            a.axvline(out["summary"]["rendezvous_restart"]["t"], color="tab:purple", ls="--", lw=1)
+    ax.set_yticks(range(len(names)), names)
+    ax.set_title("rounds per peer (green ok, red failed); black triangles: kill -9; purple: rendezvous restart")
+    ax.legend(loc="upper right", fontsize=7)
+    ax = axes[1]
+    for name in names:
+        rs = [r for r in out["rounds"] if r["peer"] == name]
+        ax.plot([r["t"] for r in rs], [r["stall_seconds"] or 0 for r in rs], ".", ms=3, label=name)
+    ax.axhline(out["summary"]["bound_part_deadline_plus_one_round_seconds"], color="tab:red", ls=":",
+               label="part deadline + one round")
+    ax.set_ylabel("stall per round (s)")
+    ax.legend(fontsize=7, ncol=5)
+    ax = axes[2]
+    for name in names:
+        pts = [(t, v) for t, n, v in out["rss_mb"] if n == name]
+        ax.plot([t for t, _ in pts], [v for _, v in pts], ".", ms=2, label=name)
+    ax.set_ylabel("RSS (MB)")
+    ax.set_xlabel("seconds since start")
+    ax.legend(fontsize=7, ncol=5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

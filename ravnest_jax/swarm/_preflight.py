@@ -1,0 +1,128 @@
+"""Checks a peer runs before any long work (loading a model, compiling): the token, the port it
+will listen on, and that the rendezvous answers and accepts the token.
+
+Each failure is one line (``SwarmError`` or ``ValueError``) that names what is wrong, so that a
+user learns of a typo in seconds rather than after minutes of compiling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import stat
+import time
+
+import aiohttp
+
+from ._http import HTTPStatusError, signed_json
+from ._types import SwarmError
+
+log = logging.getLogger("ravnest_jax.swarm")
+
+TOKEN_ENV = "RAVNEST_TOKEN"
+
+
+def read_token(token_file: str | None = None, *, env: str = TOKEN_ENV) -> str:
+    """The run token from ``token_file``, else from the environment variable ``env``.
+
+    Warns (a logged warning) when the file can be read by other users than its owner: the token
+    is the only secret of a run (``chmod 600 FILE``).
+
+    Args:
+      token_file: path of a file holding the token (surrounding whitespace is stripped).
+      env: the environment variable read when ``token_file`` is None.
+
+    Returns:
+      The token (a non-empty str).
+
+    Raises:
+      ValueError: the file is missing, unreadable or empty, or no token is set (one line).
+    """
+    if token_file:
+        try:
+            with open(token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+            mode = os.stat(token_file).st_mode
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--token-file {token_file}: {getattr(e, 'strerror', None) or e}") from None
+        if not token:
+            raise ValueError(f"--token-file {token_file} is empty")
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning("token file %s can be read by other users (mode %o); run: chmod 600 %s",
+                        token_file, stat.S_IMODE(mode), token_file)
+        return token
+    token = os.environ.get(env, "").strip()
+    if not token:
+        raise ValueError(f"no token: pass --token-file FILE or set ${env}")
+    return token
+
+
+def check_listen(listen: str) -> None:
+    """Binds ``"host:port"`` once and releases it: raises at once when the port is taken.
+
+    Raises:
+      ValueError: ``listen`` is not ``host:port``, or the address cannot be bound (in use, not
+        an address of this machine); one line naming it.
+    """
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"listen must be 'host:port', got {listen!r}")
+    if int(port) == 0:
+        return
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot listen on {listen}: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        # as aiohttp binds (reuse_address): a port in TIME_WAIT is free, one that listens is not
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+            s.listen(1)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {listen}: {e.strerror or e}") from None
+
+
+def check_rendezvous(url: str, *, run_id: str, token: str | bytes, timeout: float = 10.0,
+                     ssl: object = None) -> None:
+    """Asks the rendezvous for the run's peers with a signed request: it must answer and accept
+    the token. Retries connection failures until ``timeout`` (a rendezvous that is starting).
+
+    Raises:
+      SwarmError: the rendezvous cannot be reached within ``timeout`` seconds, refuses the token
+        (401), or does not answer like a rendezvous; one line naming the URL.
+    """
+    key = token.encode() if isinstance(token, str) else bytes(token)
+
+    async def ask() -> None:
+        deadline = time.monotonic() + timeout
+        last: BaseException | None = None
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                left = max(deadline - time.monotonic(), 0.1)
+                try:
+                    await signed_json(session, url, "GET", f"/v1/runs/{run_id}/peers", token=key,
+                                      run_id=run_id, peer="preflight", ssl=ssl,
+                                      timeout=aiohttp.ClientTimeout(total=min(left, 5.0)))
+                    return
+                except HTTPStatusError as e:
+                    if e.status == 401:
+                        raise SwarmError(f"the rendezvous at {url} refused our token (HTTP 401): "
+                                         "every peer and the rendezvous need the same run token") from None
+                    raise SwarmError(f"the rendezvous at {url} answered {e}") from None
+                except PermissionError as e:
+                    raise SwarmError(f"{url} is not a rendezvous of this run token: {e}") from None
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+                    last = e
+                    await asyncio.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
+        why = (getattr(last, "strerror", None) or str(last) or type(last).__name__) if last else "no answer"
+        raise SwarmError(f"rendezvous {url} unreachable after {timeout:.0f} s: {why}")
+
+    asyncio.run(ask())
+
+
+__all__ = ["TOKEN_ENV", "check_listen", "check_rendezvous", "read_token"]

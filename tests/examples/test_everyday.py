@@ -1,0 +1,185 @@
+"""The everyday cases of the main job, as a new user meets them: a lone peer, a lone run resumed
+from its checkpoint, a strict-JSON summary, and one-line errors before any compiling."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = str(ROOT / "examples" / "char_lm.py")
+TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
+        "--eval-batches", "1", "--lr", "1e-2", "--no-progress"]
+
+
+def _strict(text: str) -> dict:
+    """json.loads that refuses NaN / Infinity, as strict parsers (JavaScript, jq, Go) do."""
+    def refuse(name: str) -> None:
+        raise ValueError(f"non-standard JSON constant {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def _run(args: list[str], timeout: float = 240, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}
+    return subprocess.run([sys.executable, EXAMPLE, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, **kw)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_lone_peer_has_every_round_ok_and_a_strict_json_summary(tmp_path):
+    out = tmp_path / "s.json"
+    r = _run(["--local-peers", "1", "--max-steps", "80", "--sync-every", "10", *TINY,
+              "--summary-json", str(out)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = _strict(out.read_text())
+    peer = summary["peers"][0]
+    oks = [(m["round"], m["ok"], m["error"]) for m in peer["round_log"]]
+    assert len(oks) == 8 and all(ok for _, ok, _ in oks), oks
+    assert [m["swarm_round"] for m in peer["round_log"]] == list(range(8)), peer["round_log"]
+    assert peer["failed_rounds"] == 0 and peer["rounds"] == 8, peer
+    # what the user sees is what ran: the real run id, no launcher internals, the peer's id
+    cfg = summary["config"]
+    assert cfg["run_id"].startswith("char-lm-") and cfg["run_id"] == peer["run_id"], cfg
+    for internal in ("parent_pid", "json_events", "join_when_exists", "listen"):
+        assert internal not in cfg, cfg
+    assert peer["peer"] == "peer0" and peer["listen"].startswith("127.0.0.1:"), peer
+    assert peer["listen"] != "127.0.0.1:0", peer
+    assert peer["eval_loss_end"] < peer["eval_loss_start"], peer
+    # the table says what the JSON says
+    assert f"|      8 |      0 |" in r.stdout, r.stdout
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_a_lone_run_resumed_from_its_checkpoint_equals_one_run(tmp_path):
+    common = ["--local-peers", "1", "--sync-every", "10", "--overlap-steps", "0", "--schedule-steps", "40", *TINY]
+    one, a, b = tmp_path / "one.json", tmp_path / "a.json", tmp_path / "b.json"
+    r = _run([*common, "--max-steps", "40", "--checkpoint-dir", str(tmp_path / "c1"), "--summary-json", str(one)])
+    assert r.returncode == 0, r.stderr
+    r = _run([*common, "--max-steps", "20", "--checkpoint-dir", str(tmp_path / "c2"), "--summary-json", str(a)])
+    assert r.returncode == 0, r.stderr
+    r = _run([*common, "--max-steps", "40", "--checkpoint-dir", str(tmp_path / "c2"), "--summary-json", str(b)])
+    assert r.returncode == 0, r.stderr
+    whole, first, second = (_strict(p.read_text())["peers"][0] for p in (one, a, b))
+    assert second["start_step"] == 20 and second["resumed_from_step"] == 20, second
+    assert all(m["ok"] for m in first["round_log"] + second["round_log"]), (first["round_log"], second["round_log"])
+    # bit-exact: the global params and outer state, round by round and at the end
+    assert first["round_digests"] + second["round_digests"] == whole["round_digests"], (first, second, whole)
+    assert second["final_global_digest"] == whole["final_global_digest"]
+    assert second["eval_loss_end"] == whole["eval_loss_end"]
+    # the checkpoints named by the steps they hold
+    assert second["checkpoint_steps"] == [20, 30, 40], second["checkpoint_steps"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def rendezvous(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("right-token\n")
+    token.chmod(0o600)
+    port_file = tmp_path / "port"
+    with open(tmp_path / "rendezvous.log", "w") as log:
+        p = subprocess.Popen([sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1",
+                              "--port", "0", "--port-file", str(port_file), "--token-file", str(token), "--quiet"],
+                             stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while not (port_file.exists() and port_file.read_text().strip()):
+            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "rendezvous.log").read_text()
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{int(port_file.read_text())}", token
+    finally:
+        p.terminate()
+        p.wait(timeout=20)
+
+
+def _one_line_error(r: subprocess.CompletedProcess, *words: str) -> None:
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert err and err[-1].startswith("error: "), r.stderr
+    for w in words:
+        assert w in err[-1], (w, err[-1])
+
+
+@pytest.mark.timeout(120)
+def test_peer_errors_are_one_line_and_come_before_compiling(tmp_path, rendezvous):
+    url, token = rendezvous
+    peer = ["--rendezvous", url, "--run-id", "e", "--max-steps", "5", *TINY]
+    wrong = tmp_path / "wrong"
+    wrong.write_text("wrong-token")
+    wrong.chmod(0o600)
+    t0 = time.monotonic()
+    _one_line_error(_run([*peer, "--token-file", str(wrong)]), "refused our token")
+    _one_line_error(_run([*peer, "--token-file", str(tmp_path / "missing")]), "--token-file", "missing")
+    _one_line_error(_run([*peer, "--token-file", str(token), "--text", str(tmp_path / "none.txt")]), "--text")
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    _one_line_error(_run([*peer, "--token-file", str(token), "--text", str(short)]), "--text", "4096")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        _one_line_error(_run([*peer, "--token-file", str(token), "--listen", f"127.0.0.1:{port}"]),
+                        f"127.0.0.1:{port}", "in use")
+    dead = _free_port()
+    _one_line_error(_run(["--rendezvous", f"http://127.0.0.1:{dead}", "--run-id", "e", "--token-file", str(token),
+                          *TINY]), "unreachable")
+    # all six before any model was built or compiled: seconds each, not the minute of compiling
+    assert time.monotonic() - t0 < 90, time.monotonic() - t0
+
+
+def test_an_open_token_file_is_warned_about(tmp_path, caplog):
+    from ravnest_jax.swarm import read_token
+
+    f = tmp_path / "token"
+    f.write_text("t0k\n")
+    f.chmod(0o644)
+    with caplog.at_level("WARNING", logger="ravnest_jax.swarm"):
+        assert read_token(str(f)) == "t0k"
+    assert "chmod 600" in caplog.text, caplog.text
+    caplog.clear()
+    f.chmod(0o600)
+    with caplog.at_level("WARNING", logger="ravnest_jax.swarm"):
+        read_token(str(f))
+    assert caplog.text == ""
+
+
+def test_simulation_and_launcher_check_the_text_first(tmp_path):
+    for mode in (["--local-peers", "2"], ["--simulate"]):
+        t0 = time.monotonic()
+        r = _run([*mode, "--text", str(tmp_path / "none.txt"), *TINY], timeout=120)
+        _one_line_error(r, "--text", "no such file")
+        assert time.monotonic() - t0 < 30
+
+
+def test_help_shows_each_default_once():
+    r = _run(["--help"], timeout=60)
+    assert r.returncode == 0
+    helps: dict[str, str] = {}  # option -> its help text, from the option's line to the next one
+    flag = None
+    for line in r.stdout.splitlines():
+        if line.startswith("  -"):
+            flag = line.split()[0].rstrip(",")
+            helps[flag] = line
+        elif flag is not None and line.startswith("    "):
+            helps[flag] += " " + line.strip()
+        else:
+            flag = None
+    for flag in ("--codec", "--peer-id", "--checkpoint-every"):
+        assert helps[flag].count("default") == 1, (flag, helps[flag])
+    for flag in ("--d-model", "--layers", "--heads"):
+        assert len(helps[flag].split()) > 4, (flag, helps[flag])  # a help text, not only the default
