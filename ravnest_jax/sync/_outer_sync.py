@@ -650,10 +650,10 @@ class OuterSync:
     def request_state(self) -> concurrent.futures.Future | None:
         """Asks for this peer's current global state as bytes (for a peer that joins or
         resyncs). Thread-safe; the future resolves after the next training step with no round in
-        flight. Used by the swarm's state endpoint. ``None`` when this driver holds no state
-        (never called, nothing loaded): the endpoint answers 404 at once, so that the
+        flight (also the first step of a driver that has not run yet). Used by the swarm's
+        state endpoint. ``None`` once closed: the endpoint answers 404 at once, so that the
         requester tries another peer instead of waiting."""
-        if self.step is None or self._closed:
+        if self._closed:
             return None
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:

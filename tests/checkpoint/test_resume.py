@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import ravnest_jax as rj
 
+pytestmark = pytest.mark.integration  # real processes: minutes in all
+
 WORKER = Path(__file__).with_name("_train_worker.py")
 
 

@@ -41,6 +41,7 @@ def test_bad_flags_exit_with_usage_error(bad, capsys):
     assert "error" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_simulation_end_to_end_writes_summary(tmp_path):
     out = tmp_path / "summary.json"
     rc = char_lm.main([
@@ -117,6 +118,7 @@ def test_peer_mesh_layouts_and_a_kept_layout(layout):
     assert jax.tree.map(lambda x: x.sharding, (p2, s2)) == layouts
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_a_wrong_token_is_one_line_not_a_traceback(tmp_path):
     """A peer whose token the rendezvous refuses exits 1 with one error line."""

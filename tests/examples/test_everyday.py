@@ -115,6 +115,7 @@ def _one_line_error(r: subprocess.CompletedProcess, *words: str) -> None:
         assert w in err[-1], (w, err[-1])
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_peer_errors_are_one_line_and_come_before_compiling(tmp_path, rendezvous):
     url, token = rendezvous
@@ -158,6 +159,7 @@ def test_an_open_token_file_is_warned_about(tmp_path, caplog):
     assert caplog.text == ""
 
 
+@pytest.mark.integration
 def test_simulation_and_launcher_check_the_text_first(tmp_path):
     for mode in (["--local-peers", "2"], ["--simulate"]):
         t0 = time.monotonic()

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # real processes: minutes in all
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
         "--eval-batches", "1", "--lr", "1e-2", "--schedule-steps", "200", "--sync-every", "5", "--min-step-seconds", "0.05",

@@ -21,6 +21,8 @@ from sync._local import FAST, TOKEN, rendezvous_thread
 
 from .test_sharded_peer import _run_peer
 
+pytestmark = pytest.mark.integration  # real processes: minutes in all
+
 WORKER = Path(__file__).with_name("_mp_worker.py")
 
 

@@ -20,6 +20,8 @@ from sync._local import local_swarm
 
 from ._model import batch, init_params, make_step, mesh, param_shardings, place, state_on_mesh
 
+pytestmark = pytest.mark.integration  # real swarms (processes or threads): minutes in all
+
 H, STEPS = 4, 10  # rounds start at steps 4 and 8 and merge one step later (tau = 1): 2 rounds
 
 

@@ -6,6 +6,8 @@ import pytest
 
 from ._expect import check_round
 
+pytestmark = pytest.mark.integration  # real processes: minutes in all
+
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("n,algorithm", [(2, "butterfly"), (4, "butterfly"), (8, "butterfly"),

@@ -20,6 +20,8 @@ from .conftest import TOKEN
 
 import numpy as np
 
+pytestmark = pytest.mark.integration  # real swarms (processes or threads): minutes in all
+
 SIZE = 3001
 
 

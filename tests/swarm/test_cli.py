@@ -10,6 +10,8 @@ import pytest
 
 from .conftest import port_is_free
 
+pytestmark = pytest.mark.integration  # real swarms (processes or threads): minutes in all
+
 
 def test_help_explains_rendezvous():
     out = subprocess.run([sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--help"],

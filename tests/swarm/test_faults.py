@@ -14,6 +14,8 @@ import pytest
 
 from ._expect import check_round
 
+pytestmark = pytest.mark.integration  # real processes: minutes in all
+
 SIZE = 200_001  # floats: parts of 3 peers are ~267 kB, i.e. 2 streamed chunks
 
 

@@ -12,6 +12,8 @@ from ravnest_jax.swarm import RoundFailed, Swarm, SwarmError, Timeouts
 
 from .conftest import TOKEN
 
+pytestmark = pytest.mark.integration  # real swarms (processes or threads): minutes in all
+
 T = Timeouts(connect=2.0, part=3.0, grace=0.5, round=15.0, heartbeat=0.5, eviction=3.0)
 
 

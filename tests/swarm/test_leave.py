@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.integration  # real processes: minutes in all
+
 PART = 8.0  # the part deadline: a leave must cost less than this
 
 

@@ -13,6 +13,8 @@ from ravnest_jax.swarm._http import HTTPStatusError
 
 from .conftest import TOKEN
 
+pytestmark = pytest.mark.integration  # real processes: minutes in all
+
 T = Timeouts(connect=2.0, part=3.0, grace=0.5, round=20.0, heartbeat=0.5, eviction=3.0)
 SEG = 256  # bytes per segment: 64 floats, so a part of ~333 floats is 5-6 segments
 

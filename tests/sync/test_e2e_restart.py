@@ -12,6 +12,8 @@ import pytest
 
 from ._cluster import cluster, digests_by_step  # noqa: F401 - cluster is a fixture
 
+pytestmark = pytest.mark.integration  # real processes: minutes in all
+
 ARGS = ["--sync-every", "5", "--codec", "int4", "--overlap-steps", "1", "--part-timeout", "3",
         "--min-step-seconds", "0.1"]
 

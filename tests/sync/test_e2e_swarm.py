@@ -12,6 +12,8 @@ import pytest
 
 from ._cluster import cluster, digests_by_step  # noqa: F401 - cluster is a fixture
 
+pytestmark = pytest.mark.integration  # real processes: minutes in all
+
 
 @pytest.mark.timeout(400)
 def test_swarm_trains_survives_a_stall_a_kill_and_a_join(cluster):

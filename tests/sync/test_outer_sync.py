@@ -16,6 +16,8 @@ from ravnest_jax.sync import OuterSync
 
 from ._local import local_swarm
 
+pytestmark = pytest.mark.integration  # real swarms (processes or threads): minutes in all
+
 DIM = 6
 
 

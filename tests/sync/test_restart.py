@@ -16,6 +16,8 @@ from ravnest_jax.swarm import Swarm, SwarmError
 
 from ._local import FAST, TOKEN, local_swarm, rendezvous_thread
 
+pytestmark = pytest.mark.integration  # real processes: minutes in all
+
 
 def _agree(peers, steps, **kw):
     with concurrent.futures.ThreadPoolExecutor(len(peers)) as pool:

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "char_lm.py")
 H = 10
 PART = 10.0  # the part deadline of every peer (seconds)
-MAX_STEPS = 2400
+MAX_STEPS = 1000
 PEER = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
         "--eval-batches", "1", "--lr", "1e-2", "--no-progress", "--sync-every", str(H), "--overlap-steps", "1",
         "--codec", "int8", "--part-timeout", str(PART), "--max-steps", str(MAX_STEPS), "--schedule-steps",
@@ -42,7 +42,8 @@ class Peer:
         self.events: queue.Queue = queue.Queue()
         self.all: list[dict] = []
         self.log_path = log
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         assert self.p.stdout is not None
@@ -74,9 +75,16 @@ class Peer:
     def stop(self) -> int:
         """Ctrl+C, as in a terminal; returns the exit status."""
         self.p.send_signal(signal.SIGINT)
-        rc = self.p.wait(timeout=60)
+        return self.p.wait(timeout=60)
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait(timeout=30)
+        self._reader.join(timeout=10)
+        if self.p.stdout is not None:
+            self.p.stdout.close()
         self.log.close()
-        return rc
 
 
 def _ok_rounds(p: Peer, n: int, timeout: float) -> None:
@@ -98,10 +106,10 @@ def test_a_peer_restarted_three_times_rejoins_within_two_rounds(tmp_path, n):
     token.chmod(0o600)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
     port_file = tmp_path / "port"
-    rv = subprocess.Popen([sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port", "0",
-                           "--port-file", str(port_file), "--token-file", str(token), "--heartbeat", "1",
-                           "--eviction", "5", "--quiet"], stdout=subprocess.DEVNULL,
-                          stderr=open(tmp_path / "rendezvous.log", "w"), env=env)
+    with open(tmp_path / "rendezvous.log", "w") as rv_log:
+        rv = subprocess.Popen([sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port",
+                               "0", "--port-file", str(port_file), "--token-file", str(token), "--heartbeat", "1",
+                               "--eviction", "5", "--quiet"], stdout=subprocess.DEVNULL, stderr=rv_log, env=env)
     procs: list[Peer] = []
     try:
         deadline = time.monotonic() + 60
@@ -142,13 +150,15 @@ def test_a_peer_restarted_three_times_rejoins_within_two_rounds(tmp_path, n):
             assert p.p.wait(timeout=60) == 0, p.log_path.read_text()[-3000:]
     finally:
         for p in procs:
-            if p.p.poll() is None:
-                p.p.kill()
-                p.p.wait()
+            p.close()
         rv.terminate()
         rv.wait(timeout=20)
 
     restarts = [p for p in procs if p.name.endswith((".1", ".2", ".3"))]
+    for p in procs:  # shown with -s: what each process saw
+        rs = p.rounds()
+        print(f"{p.name}: {len(rs)} rounds, failed {[(r['swarm_round'], r['error']) for r in rs if not r['ok']]}, "
+              f"max stall {max((r['stall_seconds'] for r in rs), default=0):.2f} s")
     # rounds ok again within 2 rounds of each restart: in every process, a failed round is one of
     # the first 2 after a stop or a start (by wall time)
     marks = sorted(stops + [next(e["t"] for e in p.all if e.get("event") == "start") for p in restarts])

@@ -12,6 +12,8 @@ import pytest
 
 from ._local import local_swarm
 
+pytestmark = pytest.mark.integration  # real swarms (processes or threads): minutes in all
+
 
 @pytest.mark.timeout(120)
 def test_fetch_state_from_a_live_peer_and_refuse_unsigned_requests():
