@@ -347,7 +347,8 @@ class Rendezvous:
 
     async def _begin(self, request: web.Request) -> web.Response:
         run, peer, p = await self._auth(request)
-        me, _ = self._touch(run, peer, p)
+        # every field is checked before the request has any effect (a malformed begin of an
+        # unknown sender must not register it)
         after = p.get("after", -1)
         if not isinstance(after, int) or isinstance(after, bool):
             raise web.HTTPBadRequest(text="after must be an int")
@@ -356,13 +357,14 @@ class Rendezvous:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise web.HTTPBadRequest(text=f"{name} must be a finite number")
         arrive = p.get("arrive")
-        if arrive is not None:
-            if not isinstance(arrive, int) or isinstance(arrive, bool):
-                raise web.HTTPBadRequest(text="arrive must be an int")
-            return self._reply(request, run, self._arrival(run, me, arrive))
+        if arrive is not None and (not isinstance(arrive, int) or isinstance(arrive, bool)):
+            raise web.HTTPBadRequest(text="arrive must be an int")
         expect = p.get("expect", False)
         if not isinstance(expect, bool):
             raise web.HTTPBadRequest(text="expect must be a boolean")
+        me, _ = self._touch(run, peer, p)
+        if arrive is not None:
+            return self._reply(request, run, self._arrival(run, me, arrive))
         first_ask, me.standby, me.fresh = me.fresh, False, False
         wait_s = float(min(max(p.get("wait_s", 30.0), 0.0), 3600.0))
         deadline = time.monotonic() + wait_s

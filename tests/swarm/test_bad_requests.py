@@ -179,3 +179,31 @@ def test_malformed_rendezvous_requests_get_400_and_it_keeps_serving(cluster):
     assert statuses == {"join": 200, "deep_json": 400, "wait_s_str": 400, "part_s_str": 400,
                         "max_attempts_null": 400, "grace_s_inf": 400, "after_bool": 400,
                         "attempt_overflow": 400, "bad_state": 400, "health": 200}, statuses
+
+
+def test_a_malformed_begin_of_an_unknown_sender_registers_nothing(cluster):
+    """Found by benchmarks/bench_chaos.py: a signed begin with a bad field from an id the run did
+    not know was refused (400) but registered that id first, so every later round waited for a
+    peer that does not exist."""
+    run, token = "ghost", TOKEN.encode()
+    url = cluster.rendezvous()
+
+    async def go() -> tuple[list[int], list[str]]:
+        timeout = aiohttp.ClientTimeout(total=20)
+        statuses = []
+        async with aiohttp.ClientSession() as s:
+            for bad in ({"after": "x"}, {"after": 1.5}, {"wait_s": "x"}, {"expect": 3}, {"arrive": "x"}):
+                try:
+                    await signed_json(s, url, "POST", f"/v1/runs/{run}/rounds/begin", token=token, run_id=run,
+                                      peer="ghost", payload={"peer_id": "ghost", "address": "http://127.0.0.1:9",
+                                                             "wait_s": 0, **bad}, timeout=timeout)
+                    statuses.append(200)
+                except HTTPStatusError as e:
+                    statuses.append(e.status)
+            peers = await signed_json(s, url, "GET", f"/v1/runs/{run}/peers", token=token, run_id=run,
+                                      peer="observer", timeout=timeout)
+        return statuses, [p["peer_id"] for p in peers["peers"]]
+
+    statuses, peers = asyncio.run(go())
+    assert statuses == [400] * 5, statuses
+    assert peers == [], peers
