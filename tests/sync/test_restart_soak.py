@@ -183,7 +183,8 @@ def test_a_peer_restarted_three_times_rejoins_within_two_rounds(tmp_path, n):
     assert not split, split
     # no wait longer than one part deadline
     stalls = sorted(((r["stall_seconds"], p.name, r["swarm_round"]) for p in procs for r in p.rounds()), reverse=True)
-    assert stalls[0][0] < PART, stalls[:5]
+    # (one part deadline plus the rendezvous' grace: a peer late for a round is waited for that long)
+    assert stalls[0][0] < PART + 1.0, stalls[:5]
     results = [next(e["result"] for e in p.all if e.get("event") == "result") for p in [*procs[: n - 1], procs[-1]]]
     assert len({r["final_global_digest"] for r in results}) == 1, [r["final_global_digest"] for r in results]
     assert all(r["end_step"] == MAX_STEPS for r in results), [r["end_step"] for r in results]
