@@ -81,7 +81,9 @@ class _Attempt:
 
 
 class _RoundFail(Exception):
-    pass
+    def __init__(self, message: str, total_weight: float = 0.0):
+        super().__init__(message)
+        self.total_weight = total_weight
 
 
 class Swarm(_StateMixin):
@@ -823,7 +825,12 @@ class Swarm(_StateMixin):
                         continue
                     _, res, contributors, total, digest, diverged = out
                     if missed:
-                        raise _RoundFail(f"missed round {expected}: the swarm is at round {r}")
+                        # total_weight tells the caller whether anybody contributed: only
+                        # abstainers (every member missed its round) means no peer is ahead
+                        nobody = float(total) < 1e-20
+                        raise _RoundFail(f"missed round {expected}: the swarm is at round {r}"
+                                         + (" (no peer contributed to it)" if nobody else ""),
+                                         total_weight=float(total))
                     if self.peer_id in diverged:
                         raise _RoundFail(f"diverged: this peer's global state after round {state[0] if state else '?'} "
                                          "differs from the swarm's; its contribution was left out")
@@ -837,7 +844,7 @@ class Swarm(_StateMixin):
                     return res, rec
             except _RoundFail as e:
                 rec = RoundRecord(round=r, ok=False, attempts=attempts, group=group,
-                                  contributors=(), total_weight=0.0, bytes_sent=stats["sent"],
+                                  contributors=(), total_weight=e.total_weight, bytes_sent=stats["sent"],
                                   bytes_received=stats["received"],
                                   seconds=time.monotonic() - t0, digest="", codec=self.codec,
                                   algorithm=self.algorithm, error=str(e), diverged=tuple(diverged))

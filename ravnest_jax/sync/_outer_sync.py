@@ -943,7 +943,17 @@ class OuterSync:
         round, whose speculative anchor the params already stand on, is applied with the local
         pseudo-gradient (a swarm of one)."""
         data = None
-        if self._resync_fn is not None and self._processes == 1 and self._needs_resync(exc):
+        record = getattr(exc, "record", None)
+        if record is not None and 0.0 < getattr(record, "total_weight", 0.0) < 1e-20:
+            # Every member of the round missed its own expected round (each abstained): no peer
+            # is ahead to download from, and downloading from each other only swaps the states
+            # (two peers restarted from stale checkpoints did so forever). Learn the round
+            # mapping anew instead; if the states differ, the state digests of the next round
+            # name the minority, which then resyncs from the majority.
+            log.warning("round %d: every member missed it; the round mapping is learned anew", p.seq)
+            self._swarm_base = None
+            self._last_state = None
+        elif self._resync_fn is not None and self._processes == 1 and self._needs_resync(exc):
             fetch = self._fetch_pool.submit(self._resync_fn)
             deadline = time.monotonic() + 300.0
             while not fetch.done() and time.monotonic() < deadline:
