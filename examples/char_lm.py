@@ -644,6 +644,8 @@ def run_peer(args: argparse.Namespace) -> dict:
         consistent = True  # params, state and sync agree (not in the middle of a step)
         try:
             while t < args.max_steps:
+                if _LOOP["stop"]:
+                    raise KeyboardInterrupt
                 consistent = False
                 tokens = put_batch(sample_batch(train, np.random.default_rng([data_seed, t]), args.batch_size, cfg.seq_len))
                 params, state, value = train_step(params, state, tokens)
@@ -673,6 +675,7 @@ def run_peer(args: argparse.Namespace) -> dict:
         except KeyboardInterrupt:
             # stop within seconds: a round in flight is abandoned (the last checkpoint stands)
             interrupted = True
+        if interrupted:
             print(f"\npeer {peer_id}: interrupted at step {t}", file=sys.stderr)
         wall = time.perf_counter() - t0
         if ckpt is not None:
@@ -1087,12 +1090,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 _STOPPED_BY: list[int] = []
+# a stop asked for: the training loop checks it every step, because a KeyboardInterrupt raised
+# at an arbitrary point can land in a callback whose exceptions Python ignores (jax's gc
+# callback) and be lost (seen in the restart soak test under load)
+_LOOP = {"stop": False}
 
 
 def _stop(signum, frame):
-    """SIGTERM (``kill``, a scheduler, ``docker stop``) stops like Ctrl+C: a peer leaves the
-    swarm at once instead of being evicted after a timeout, and a launcher stops its peers."""
+    """SIGINT (Ctrl+C) and SIGTERM (``kill``, a scheduler, ``docker stop``) stop like Ctrl+C: a
+    peer leaves the swarm at once instead of being evicted after a timeout, and a launcher
+    stops its peers."""
     _STOPPED_BY.append(signum)
+    _LOOP["stop"] = True
     raise KeyboardInterrupt
 
 
@@ -1104,12 +1113,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("ravnest_jax").setLevel(args.log_level)
     in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _stop) if in_main else None
+    _LOOP["stop"] = False
+    _STOPPED_BY.clear()
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)} if in_main else {}
     try:
         return _main(args)
-    finally:  # called in-process (tests, notebooks): the caller's handler again
-        if in_main and previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    finally:  # called in-process (tests, notebooks): the caller's handlers again
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def _write_summary(args: argparse.Namespace, summary: dict) -> None:
@@ -1140,7 +1152,7 @@ def _main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # before training started (compiling, joining)
-        print("\ninterrupted" + (" (SIGTERM)" if _STOPPED_BY else ""), file=sys.stderr)
+        print("\ninterrupted" + (" (SIGTERM)" if _STOPPED_BY and _STOPPED_BY[-1] == 15 else ""), file=sys.stderr)
         _write_summary(args, {"mode": mode, "command": " ".join([Path(sys.executable).name, *sys.argv]),
                               "interrupted": True, "config": run_config(args)})
         return 128 + (_STOPPED_BY[-1] if _STOPPED_BY else 2)
