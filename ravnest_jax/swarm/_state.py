@@ -96,16 +96,27 @@ class _StateMixin:
     # ------------------------------------------------------------------ loop side
     async def _afetch_state(self, timeout: float) -> bytes | None:
         deadline = asyncio.get_running_loop().time() + timeout
-        members = await self._rv("GET", "/peers", None, self.timeouts.connect * 2)  # type: ignore[attr-defined]
-        others = [p for p in members["peers"] if p["peer_id"] != self.peer_id  # type: ignore[attr-defined]
-                  and not p.get("standby")]
-        if not others:
-            return None
-        # most advanced first; a peer the last round found diverged only as a last resort
-        avoid = getattr(self, "_diverged", set())
-        others.sort(key=lambda p: (p["peer_id"] in avoid, -int(p.get("last_round", -1)), p["peer_id"]))
-        errors = []
+        errors: list[str] = []
+        others: list[dict] | None = None
         while True:
+            # the members are asked anew every sweep: peers that left (a swarm that finished)
+            # are not tried until the deadline
+            try:
+                members = await self._rv("GET", "/peers", None, self.timeouts.connect * 2)  # type: ignore[attr-defined]
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                if others is None:
+                    raise
+                members = None  # the rendezvous restarting: the last list stands
+            if members is not None:
+                others = [p for p in members["peers"] if p["peer_id"] != self.peer_id  # type: ignore[attr-defined]
+                          and not p.get("standby")]
+            if not others:
+                if errors:
+                    log.info("%s: no live peer left to download from: %s", self.peer_id, errors[-3:])  # type: ignore[attr-defined]
+                return None
+            # most advanced first; a peer the last round found diverged only as a last resort
+            avoid = getattr(self, "_diverged", set())
+            others.sort(key=lambda p: (p["peer_id"] in avoid, -int(p.get("last_round", -1)), p["peer_id"]))
             no_state = 0
             for p in others:
                 left = deadline - asyncio.get_running_loop().time()
