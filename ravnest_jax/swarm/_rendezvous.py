@@ -476,6 +476,8 @@ class Rendezvous:
         ev = att.events.setdefault(phase, asyncio.Event())
         if phase not in att.decisions:
             att.votes.setdefault(phase, {})[peer] = data
+            log.debug("run %s round %d attempt %d: %s vote from %s", run.run_id, rnd.number, att.number,
+                      phase, peer)
             if set(att.votes[phase]) | att.left >= set(att.group):
                 self._decide(run, rnd, att, phase)
         while phase not in att.decisions:

@@ -89,6 +89,18 @@ class Proc:
             if ev.get("event") == event:
                 return ev
 
+    def expect_log(self, text: str, timeout: float) -> None:
+        """Wait until ``text`` appears in the process' stderr log (polled every 20 ms)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._err.flush()
+            if text in self.stderr_path.read_text():
+                return
+            if time.monotonic() > deadline or self.p.poll() is not None:
+                raise AssertionError(f"{self.name}: {text!r} not logged within {timeout} s; "
+                                     f"stderr:\n{self.stderr()}")
+            time.sleep(0.02)
+
     def stderr(self) -> str:
         self._err.flush()
         return self.stderr_path.read_text()[-4000:]
@@ -140,7 +152,7 @@ class Cluster:
         pf = self.tmp / f"rv-port-{len(self.procs)}"
         args = [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1",
                 "--port", str(port), "--port-file", str(pf), "--heartbeat", str(heartbeat),
-                "--eviction", str(eviction), *extra]
+                "--eviction", str(eviction), "--verbose", *extra]
         self.rv = p = Proc(f"rendezvous{len(self.procs)}", args, self.tmp, self.env)
         self.procs.append(p)
         deadline = time.monotonic() + 30

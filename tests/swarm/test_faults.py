@@ -156,8 +156,8 @@ def test_hung_peer_past_the_deadline(cluster, hung_before_vote):
     # part it owns), or as soon as it is in round 0 (its slow senders need >= 1 s to reach it)
     ev = procs["c"].expect("round_begin" if hung_before_vote else "gather_vote", 30)
     assert ev["round"] == 0 and ev["attempt"] == 0, ev
-    if not hung_before_vote:
-        time.sleep(0.5)  # the record comes just before the vote request leaves: let it go out
+    if not hung_before_vote:  # the record precedes the vote request: wait until it arrived
+        cluster.rv.expect_log("gather vote from c", 30)
     os.kill(procs["c"].p.pid, signal.SIGSTOP)
     try:
         # ...and resume it once a has the gather decision of round 0: past the part deadline (c's
