@@ -573,57 +573,25 @@ def run_peer(args: argparse.Namespace) -> dict:
         while not Path(args.join_when_exists).exists():
             time.sleep(0.05)
     ckpt = None
-    resumed_from = None
     save_every = args.checkpoint_every or args.sync_every
     if args.checkpoint_dir:
         # saves happen between rounds (no exchange in flight), at most every `save_every` steps;
         # with overlapped rounds that is once the round merged (tau steps after its boundary)
         ckpt = rj.Checkpointer(args.checkpoint_dir, max_to_keep=3, save_interval_steps=1,
                                metadata={"run_id": args.run_id, "peer": peer_id, "example": "char_lm"})
-        blank = {"sync": sync.state_dict(params)}
-        restored = ckpt.restore(params=params, opt_state=state, extra=blank)
-        if restored is not None:
-            params, state = restored.params, restored.opt_state
-            sync.load_state_dict(restored.extra["sync"])
-            resumed_from = restored.step
-            print(f"resumed from {args.checkpoint_dir} at step {restored.step}", file=sys.stderr)
-        swarm.set_info({"checkpoint_steps": ckpt.saved_steps()})
     wall = 0.0
     interrupted = False
     start_step = int(state.count)
-    joined = False
     with swarm, sync:
         listen = f"{args.listen.rpartition(':')[0]}:{swarm.port}"
-        swarm.serve_state(sync.request_state)
-        if args.min_peers > 1:
-            swarm.wait_for_peers(args.min_peers, timeout=300)
-        if rj.sync.running_peers(swarm, wait_seconds=2 * timeouts.heartbeat + 1.0):
-            # a running swarm (also one that moved on while this peer was down): its global
-            # state replaces ours (a restored anchor would be stale), with the schedule step of
-            # the swarm's progress
-            try:
-                data = swarm.fetch_state(timeout=120)
-            except rj.swarm.SwarmError as e:
-                print(f"could not download the swarm's state ({e}); continuing from the local state", file=sys.stderr)
-                data = None
-            if data:
-                params, state = sync.load_state_bytes(data, params, state)
-                joined = True
-        if not joined and ckpt is not None and args.min_peers > 1:
-            # a whole swarm restarting: every peer continues from the newest checkpoint all of
-            # them have (a peer killed early may lack the later ones)
-            common = rj.sync.common_checkpoint_step(swarm, ckpt.all_steps(), num_peers=args.min_peers, timeout=300)
-            if common is not None:
-                if common != resumed_from:
-                    r = ckpt.restore(common, params=params, opt_state=state, extra=blank)
-                    params, state = r.params, r.opt_state
-                    print(f"whole-swarm restart: continuing from step {common}, the newest checkpoint of every peer", file=sys.stderr)
-                else:
-                    r = restored
-                sync.load_state_dict(r.extra["sync"], round_mapping=False)
-                resumed_from = common
-                # every peer restored: start together, so that none is late for the first round
-                rj.sync.wait_for_info(swarm, "restarted_from", common, num_peers=args.min_peers, timeout=300)
+        # join a running swarm (its state), resume this peer's checkpoint, or restart a whole
+        # swarm from the checkpoint step every peer has; the driver serves our state to joiners
+        got = rj.sync.join_or_resume(swarm, sync, params, state, checkpointer=ckpt, min_peers=args.min_peers)
+        params, state = got.params, got.state
+        joined, resumed_from = got.how == "joined", got.resumed_from
+        if got.how in ("resumed", "restarted"):
+            print(f"{'whole-swarm restart: ' if got.how == 'restarted' else ''}resumed from {args.checkpoint_dir} "
+                  f"at step {resumed_from}", file=sys.stderr)
         start_step = int(state.count)
         if joined or resumed_from is not None:  # the loss where this process takes over
             eval_start = evaluate(state.global_params)
@@ -638,7 +606,7 @@ def run_peer(args: argparse.Namespace) -> dict:
         t = last_saved = start_step
 
         def save(at: int) -> None:
-            ckpt.save(at, params=params, opt_state=state, extra={"sync": sync.state_dict(params)}, force=True)
+            ckpt.save(at, params=params, opt_state=state, extra=rj.sync.checkpoint_extra(sync, params), force=True)
             swarm.set_info({**swarm.info, "checkpoint_steps": ckpt.saved_steps()})
 
         consistent = True  # params, state and sync agree (not in the middle of a step)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -33,6 +33,10 @@ _EXPORTS: dict[str, str] = {
     "PeerInfo": "ravnest_jax.swarm",
     "OuterSync": "ravnest_jax.sync",
     "RoundMetrics": "ravnest_jax.sync",
+    "Joined": "ravnest_jax.sync",
+    "join_or_resume": "ravnest_jax.sync",
+    "checkpoint_extra": "ravnest_jax.sync",
+    "persistent_peer_id": "ravnest_jax.checkpoint",
 }
 _SUBMODULES = {"optim", "compress", "swarm", "sync", "checkpoint"}
 
@@ -58,6 +62,10 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .swarm import Timeouts as Timeouts
     from .sync import OuterSync as OuterSync
     from .sync import RoundMetrics as RoundMetrics
+    from .sync import Joined as Joined
+    from .sync import join_or_resume as join_or_resume
+    from .sync import checkpoint_extra as checkpoint_extra
+    from .checkpoint import persistent_peer_id as persistent_peer_id
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

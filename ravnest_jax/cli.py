@@ -72,8 +72,8 @@ def _cmd_rendezvous(args: argparse.Namespace) -> int:
             ctx.load_cert_chain(args.certfile, args.keyfile)
         except (OSError, ssl.SSLError) as e:
             raise SystemExit(f"error: --certfile/--keyfile: {e}") from None
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(message)s")
+    level = logging.WARNING if args.quiet else (logging.DEBUG if args.verbose else logging.INFO)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s")
     scheme = "https" if ctx else "http"
 
     def ready(port: int) -> None:
@@ -92,6 +92,29 @@ def _cmd_rendezvous(args: argparse.Namespace) -> int:
     except OSError as e:  # the address is taken, not ours, ...
         raise SystemExit(f"error: cannot listen on {args.host}:{args.port}: {e}") from None
     return 0
+
+
+def _positive_int(value: str) -> int:
+    return _checked(value, int, lambda v: v >= 1, "an integer >= 1")
+
+
+def _cmd_local(args: argparse.Namespace) -> int:
+    from ravnest_jax.launch import check_command, run_local  # no jax import
+
+    if args.eviction <= args.heartbeat:
+        raise SystemExit(f"error: --eviction ({args.eviction}) must be longer than --heartbeat ({args.heartbeat})")
+    if args.codec is not None:
+        from ravnest_jax.swarm import available_codecs
+
+        if args.codec not in available_codecs():
+            raise SystemExit(f"error: --codec must be one of {', '.join(available_codecs())}, got {args.codec!r}")
+    try:
+        check_command(args.command)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return run_local(args.command, peers=args.peers, codec=args.codec, run_id=args.run_id,
+                     heartbeat=args.heartbeat, eviction=args.eviction, progress=not args.no_progress,
+                     summary_json=args.summary_json)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -142,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--exit-with-parent", action="store_true",
                    help="stop when the process that started this one exits (for launchers)")
     r.add_argument("--quiet", action="store_true", help="log warnings only")
+    r.add_argument("--verbose", action="store_true", help="also log every vote (debug)")
     r.set_defaults(func=_cmd_rendezvous)
     st = sub.add_parser("status", help="print a run's status as JSON",
                         description="Ask a rendezvous for the status of one run: live peers "
@@ -152,6 +176,25 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--token-file", help=f"file holding the run token (else ${TOKEN_ENV})")
     st.add_argument("--timeout", type=_positive_float, default=10.0, help="seconds")
     st.set_defaults(func=_cmd_status)
+    lo = sub.add_parser(
+        "local", help="run N peers of a training script on this machine (torchrun-style)",
+        usage="ravnest-jax local --peers N [options] -- python SCRIPT [ARGS]",
+        description="Start a rendezvous on 127.0.0.1 and N processes of SCRIPT. Each peer gets "
+        "RAVNEST_RENDEZVOUS, RAVNEST_RUN_ID, RAVNEST_TOKEN, RAVNEST_PEER_ID (peer0, peer1, ...), "
+        "RAVNEST_LISTEN, RAVNEST_RANK and RAVNEST_WORLD_SIZE (and RAVNEST_CODEC with --codec); "
+        "rj.Swarm() reads them when its arguments are left out. The peers' output is shown "
+        "prefixed with their names; at the end every peer's OuterSync summary is printed. "
+        "Ctrl+C stops every peer.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    lo.add_argument("--peers", type=_positive_int, required=True, help="peer processes to start")
+    lo.add_argument("--codec", default=None, help="the swarm's wire codec (RAVNEST_CODEC; default: the script's)")
+    lo.add_argument("--run-id", default=None, help="run id (default: local- and 6 random hex digits)")
+    lo.add_argument("--heartbeat", type=_positive_float, default=1.0, help="heartbeat interval, seconds")
+    lo.add_argument("--eviction", type=_positive_float, default=5.0, help="drop a peer silent for this long, seconds")
+    lo.add_argument("--no-progress", action="store_true", help="no progress line (logs)")
+    lo.add_argument("--summary-json", default=None, help="write the peers' exit codes and summaries here")
+    lo.add_argument("command", nargs=argparse.REMAINDER, help="-- then the peer command, e.g. python train.py")
+    lo.set_defaults(func=_cmd_local)
     return p
 
 

@@ -68,7 +68,7 @@ class Restored(NamedTuple):
 
 
 def _library_version() -> str:
-    from ravnest_jax import __version__
+    from ravnest_jax._version import __version__
 
     return __version__
 
@@ -80,6 +80,34 @@ def _orbax_version() -> str:
         return version("orbax-checkpoint")
     except Exception:  # pragma: no cover - metadata missing in odd installs
         return "unknown"
+
+
+def _lock_directory(path: Path):
+    """Holds an exclusive ``flock`` on ``path/.rj-lock`` (the file is kept; the lock ends with
+    the process). Returns the open lock file.
+
+    Raises:
+      CheckpointError: the lock is held by another Checkpointer.
+    """
+    import fcntl
+
+    path.mkdir(parents=True, exist_ok=True)
+    f = open(path / ".rj-lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise CheckpointError(
+            f"checkpoint directory {str(path)!r} is in use by another Checkpointer (process {holder}): "
+            "give every peer its own directory"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -146,6 +174,9 @@ class Checkpointer:
     Raises:
       ValueError: ``max_to_keep`` or ``save_interval_steps`` is not an int >= 1, ``directory``
         is an existing file, or ``metadata`` is not a JSON-serialisable dict.
+      CheckpointError: another open Checkpointer (this process or another) holds the directory
+        (a lock, ``<directory>/.rj-lock``, released by :meth:`close` or the process' end): two
+        writers would corrupt each other's saves.
     """
 
     def __init__(
@@ -172,6 +203,7 @@ class Checkpointer:
             raise ValueError(f"metadata must be JSON-serialisable: {e}") from None
         self.async_save = bool(async_save)
         self._directory = path
+        self._lock = _lock_directory(path)
         self._closed = False
         self._pending: concurrent.futures.Future[None] | None = None
         self._pending_step: int | None = None
@@ -198,6 +230,7 @@ class Checkpointer:
             self._known_steps: set[int] = set(self._call(self._mngr.all_steps))
         except BaseException:
             self._executor.shutdown(wait=False)
+            self._lock.close()
             raise
 
     # ------------------------------------------------------------------------------ plumbing
@@ -345,6 +378,7 @@ class Checkpointer:
                 self._call(self._mngr.close)
             finally:
                 self._executor.shutdown(wait=True)
+                self._lock.close()  # releases the directory
 
     # ------------------------------------------------------------------------------- queries
     def all_steps(self) -> list[int]:

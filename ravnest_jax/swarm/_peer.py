@@ -28,6 +28,7 @@ from ._allreduce import CHUNK, RING_SEGMENT_BYTES, contributors_tag, manifest_di
 from ._codec import NonFiniteError, PartDecoder, WireFormatError, check_codec, decode_part, \
     encode_part, tune_host_allocator
 from ._http import HTTPStatusError, json_response, signed_json, stream_body
+from ._preflight import from_environment
 from ._state import _StateMixin
 from ._types import PeerInfo, RoundFailed, RoundRecord, SwarmError, Timeouts, flatten, result_digest
 
@@ -92,15 +93,23 @@ class Swarm(_StateMixin):
     Starts an aiohttp server (the part owner side) and an asyncio loop in a background thread,
     registers with the rendezvous and heartbeats until closed. Use it as a context manager.
 
+    Every argument left out of ``rendezvous_url``, ``run_id``, ``token``, ``codec``, ``listen``
+    and ``peer_id`` is read from the environment when set there (``RAVNEST_RENDEZVOUS``,
+    ``RAVNEST_RUN_ID``, ``RAVNEST_TOKEN`` or ``RAVNEST_TOKEN_FILE``, ``RAVNEST_CODEC``,
+    ``RAVNEST_LISTEN``, ``RAVNEST_PEER_ID``): ``ravnest-jax local -- SCRIPT`` sets them for each
+    peer process it starts, so a script written for it calls ``rj.Swarm()``.
+
     Args:
       rendezvous_url: base URL of the rendezvous, e.g. ``"http://10.0.0.1:8765"``.
       run_id: the run to join; peers of one run average with each other.
       token: the run token (shared secret; non-empty).
       codec: wire codec of parts and results, one of :func:`available_codecs` (``"fp32"`` is
-        exact; lossy codecs quantise each part and again the all-gathered mean).
+        exact; lossy codecs quantise each part and again the all-gathered mean); default
+        ``"fp32"``.
       codec_options: options of the codec (e.g. ``{"block_size": 64}``, ``{"fraction": 0.01}``
         for ``topk``), see ``docs/compression.md``.
-      listen: ``"host:port"`` to bind; port 0 picks a free port (see :attr:`port`).
+      listen: ``"host:port"`` to bind; port 0 picks a free port (see :attr:`port`); default
+        ``"0.0.0.0:0"``.
       advertise: base URL other peers use to reach this one (default: ``http://`` + the local
         address that routes to the rendezvous + the bound port). Set it behind NAT.
       timeouts: deadlines, see :class:`Timeouts`.
@@ -119,18 +128,22 @@ class Swarm(_StateMixin):
         common checkpoint when a whole swarm restarts. Change it with :meth:`set_info`.
 
     Raises:
-      ValueError: bad arguments (unknown codec, empty token, bad listen address).
+      ValueError: bad arguments (unknown codec, empty token, bad listen address), or a required
+        one (``rendezvous_url``, ``run_id``, ``token``) neither given nor in the environment.
       SwarmError: on ``__enter__``/``start`` if the rendezvous cannot be reached in time.
     """
 
-    def __init__(self, rendezvous_url: str, *, run_id: str, token: str | bytes,
-                 codec: str = "fp32", codec_options: dict[str, Any] | None = None,
-                 listen: str = "0.0.0.0:0", advertise: str | None = None,
+    def __init__(self, rendezvous_url: str | None = None, *, run_id: str | None = None,
+                 token: str | bytes | None = None,
+                 codec: str | None = None, codec_options: dict[str, Any] | None = None,
+                 listen: str | None = None, advertise: str | None = None,
                  timeouts: Timeouts | None = None, peer_id: str | None = None,
                  algorithm: str = "butterfly", ring_segment_bytes: int = RING_SEGMENT_BYTES,
                  ssl: _ssl.SSLContext | None = None, client_ssl: Any = None,
                  info: dict[str, Any] | None = None,
                  _send_chunk_delay: float = 0.0, _serve_delay: float = 0.0):
+        rendezvous_url, run_id, token, codec, listen, peer_id = from_environment(
+            rendezvous_url, run_id, token, codec, listen, peer_id)
         check_codec(codec, codec_options)
         self.codec_options = dict(codec_options or {})
         if algorithm not in ALGORITHMS:

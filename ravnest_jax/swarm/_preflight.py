@@ -126,3 +126,44 @@ def check_rendezvous(url: str, *, run_id: str, token: str | bytes, timeout: floa
 
 
 __all__ = ["TOKEN_ENV", "check_listen", "check_rendezvous", "read_token"]
+
+
+#: what ``ravnest-jax local`` hands each peer process (read by ``rj.Swarm()``)
+ENV_VARS = {
+    "rendezvous_url": "RAVNEST_RENDEZVOUS",
+    "run_id": "RAVNEST_RUN_ID",
+    "token": TOKEN_ENV,
+    "token_file": "RAVNEST_TOKEN_FILE",
+    "codec": "RAVNEST_CODEC",
+    "listen": "RAVNEST_LISTEN",
+    "peer_id": "RAVNEST_PEER_ID",
+}
+
+
+def from_environment(rendezvous_url: str | None, run_id: str | None, token: str | bytes | None,
+                     codec: str | None, listen: str | None, peer_id: str | None) -> tuple:
+    """The :class:`Swarm` arguments with every ``None`` filled from the environment
+    (:data:`ENV_VARS`), then from the defaults (codec ``"fp32"``, listen ``"0.0.0.0:0"``, a random
+    peer id: ``None``).
+
+    Raises:
+      ValueError: ``rendezvous_url``, ``run_id`` or ``token`` is neither given nor set (the
+        message names the variable), or ``RAVNEST_TOKEN_FILE`` cannot be read.
+    """
+    env = os.environ
+
+    def need(value, name: str, what: str):
+        value = value if value is not None else env.get(ENV_VARS[name], "").strip() or None
+        if value is None:
+            raise ValueError(f"no {what}: pass {name}= or set ${ENV_VARS[name]} (ravnest-jax local sets it)")
+        return value
+
+    rendezvous_url = need(rendezvous_url, "rendezvous_url", "rendezvous URL")
+    run_id = need(run_id, "run_id", "run id")
+    if token is None and not env.get(TOKEN_ENV, "").strip() and env.get(ENV_VARS["token_file"]):
+        token = read_token(env[ENV_VARS["token_file"]])
+    token = need(token, "token", "run token")
+    codec = codec if codec is not None else env.get(ENV_VARS["codec"]) or "fp32"
+    listen = listen if listen is not None else env.get(ENV_VARS["listen"]) or "0.0.0.0:0"
+    peer_id = peer_id if peer_id is not None else env.get(ENV_VARS["peer_id"]) or None
+    return rendezvous_url, run_id, token, codec, listen, peer_id

@@ -2,6 +2,9 @@
 
 from ._digest import device_digest as device_digest
 from ._digest import digest_hex as digest_hex
+from ._join import Joined as Joined
+from ._join import checkpoint_extra as checkpoint_extra
+from ._join import join_or_resume as join_or_resume
 from ._outer_sync import MODES as MODES
 from ._outer_sync import OuterSync as OuterSync
 from ._outer_sync import RoundMetrics as RoundMetrics

@@ -15,8 +15,10 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import json
 import logging
 import math
+import os
 import threading
 import time
 from typing import Any, Callable, Protocol
@@ -24,7 +26,7 @@ from typing import Any, Callable, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import serialization
+from flax import nnx, serialization
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -32,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from ravnest_jax import compress
 from ravnest_jax.optim import DiLoCo, DiLoCoState, RoundSnapshot
 
+from . import _nnx
 from ._digest import device_digest, digest_hex
 
 log = logging.getLogger("ravnest_jax.sync")
@@ -109,6 +112,30 @@ class _Pending:
     done_at: list  # [perf_counter when the result was in], set by the future's callback
     payload_bytes: int = 0
     float_bytes: int = 0
+
+
+def _report_summary(summary: dict) -> None:
+    """Under ``ravnest-jax local``: one JSON line of :meth:`OuterSync.summary` to the launcher's
+    pipe (``$RAVNEST_SUMMARY_FD``). Elsewhere nothing."""
+    fd = os.environ.get("RAVNEST_SUMMARY_FD")
+    if not fd:
+        return
+    try:
+        os.write(int(fd), (json.dumps(summary) + "\n").encode())
+    except (OSError, ValueError, TypeError):  # not our launcher's pipe
+        pass
+
+
+def _check_plain(params: Any, state: Any) -> None:
+    """Raises TypeError for nnx variables passed as pytrees (their wrappers differ between
+    ``nnx.state(model)`` and the optimizer's state; the round functions need one structure)."""
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    for what, tree in (("params", params), ("state", state)):
+        if any(is_var(x) for x in jax.tree.leaves(tree, is_leaf=is_var)):
+            raise TypeError(
+                f"{what} holds nnx variables: with flax nnx call sync(model, optimizer) with the "
+                "nnx.Module and its nnx.Optimizer(model, rj.diloco(...), wrt=nnx.Param)"
+            )
 
 
 def _mesh_of(tree: Any) -> Mesh | None:
@@ -393,6 +420,11 @@ class OuterSync:
         self._closed = False
         self._readied = False
         self._jit_cache: dict[tuple, Callable] = {}
+        # this driver serves its own state to peers that join or resync (a multi-process peer
+        # does not: its state lives on several hosts)
+        self._serving = self._processes == 1 and callable(getattr(swarm, "serve_state", None))
+        if self._serving:
+            swarm.serve_state(self.request_state)
 
     # ------------------------------------------------------------------ jitted pieces
     def _fn(self, name: str, fragment: int, layout: tuple | None = None) -> Callable:
@@ -474,12 +506,21 @@ class OuterSync:
         Returns:
           ``(params, state)``, unchanged on most steps.
 
+        With flax nnx, pass the model and its ``nnx.Optimizer(model, rj.diloco(...),
+        wrt=nnx.Param)`` instead: ``sync(model, optimizer)`` updates both in place (and returns
+        them); on steps with nothing due it only counts, as with pytrees.
+
         Raises:
           RuntimeError: called after :meth:`close`.
+          TypeError: nnx variables passed as pytrees (``nnx.state(...)``): pass the model and
+            the optimizer.
         """
         if self._closed:
             raise RuntimeError("OuterSync is closed")
+        if _nnx.is_optimizer(state):
+            return self._call_nnx(params, state)
         if self.step is None:
+            _check_plain(params, state)
             self.step = int(state.count) - 1  # one host read, on the first call only
             self._first_step = self.step
             self._round_clock = time.monotonic()
@@ -500,6 +541,25 @@ class OuterSync:
             self._serve_state(params, state)
         return params, state
 
+    def _call_nnx(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
+        nxt = None if self.step is None else self.step + 1
+        busy = (
+            nxt is None
+            or not self._readied
+            or bool(self._state_request)
+            or bool(self._pending and self._pending[0].due_step <= nxt)
+            or (self.sync_every_seconds is not None
+                and time.monotonic() - self._round_clock >= self.sync_every_seconds and not self._pending)
+            or (self.sync_every_seconds is None and bool(self.tx.due_fragments(nxt)))
+        )
+        if not busy:  # most steps: count only, no tree walk
+            self.step = nxt
+            return model, optimizer
+        params, state = _nnx.split(model, optimizer)
+        params, state = self(params, state)
+        _nnx.write_back(model, optimizer, params, state)
+        return model, optimizer
+
     def _mark_ready(self) -> None:
         """The first step: tell the swarm this peer trains (ends a joiner's standby at once, so
         that the next round created includes it). Non-blocking."""
@@ -519,6 +579,8 @@ class OuterSync:
     def warmup(self, params: Any, state: DiLoCoState) -> None:
         """Compiles the round functions ahead of time (they otherwise compile at the first round
         boundary, which would make this peer late for its first round). Runs nothing."""
+        if _nnx.is_optimizer(state):
+            params, state = _nnx.split(params, state)
         layout = _layout(params, state)
         for fragment in range(self.tx.fragments):
             like = self._ids(params, fragment)
@@ -534,7 +596,13 @@ class OuterSync:
 
     def flush(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
         """Waits for every round in flight and merges it now (for example before a checkpoint
-        or at the end of training). Returns ``(params, state)``."""
+        or at the end of training). Returns ``(params, state)`` (nnx: the model and optimizer,
+        updated in place)."""
+        if _nnx.is_optimizer(state):
+            model, optimizer = params, state
+            if self._pending:
+                _nnx.write_back(model, optimizer, *self.flush(*_nnx.split(model, optimizer)))
+            return model, optimizer
         while self._pending:
             params, state = self._finish(self._pending.popleft(), params, state)
         return params, state
@@ -573,9 +641,14 @@ class OuterSync:
         structure for given params): the step, exchanges started, the swarm-round mapping and
         the error-feedback residual of every fragment (float32, zeros before its first round).
 
+        Args:
+          params: the params (only their shapes are read), or the nnx model.
+
         Raises:
           RuntimeError: rounds are in flight (call :meth:`flush` first, or save between rounds).
         """
+        if isinstance(params, nnx.Module):
+            params = nnx.as_pure(nnx.state(params, nnx.Param))
         if self._pending:
             raise RuntimeError("rounds are in flight: call flush(params, state) before state_dict()")
         residual = {}
@@ -630,11 +703,14 @@ class OuterSync:
         if self._closed:
             return
         self._closed = True
+        _report_summary(self.summary())
         for p in self._pending:
             p.future.cancel()
         self._pending.clear()
         for f in self._state_request:
             f.cancel()
+        if self._serving:
+            self.swarm.serve_state(None)  # the endpoint answers 404: requesters try another peer
         # an exchange in flight ends when the swarm closes (it cancels its rounds): do not wait
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._state_pool.shutdown(wait=False, cancel_futures=True)
@@ -702,9 +778,16 @@ class OuterSync:
         its schedule step), the outer state, the counters and this driver's step and round
         counters come from the peer. Error-feedback residuals restart at zero.
 
+        With nnx, pass the model and optimizer: both are updated in place (and returned).
+
         Raises:
           ValueError: the bytes are not a state of this model and optimizer.
         """
+        if _nnx.is_optimizer(state):
+            model, optimizer = params, state
+            params, state = self.load_state_bytes(data, *_nnx.split(model, optimizer))
+            _nnx.write_back(model, optimizer, params, state, step=True)
+            return model, optimizer
         like, treedef = jax.tree.flatten(state)
         try:
             d = serialization.msgpack_restore(data)

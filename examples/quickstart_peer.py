@@ -1,0 +1,43 @@
+"""The docs' 30-line peer script: a byte bigram model on real text (a standard-library module).
+
+    ravnest-jax local --peers 3 -- python examples/quickstart_peer.py --steps 200
+"""
+
+import argparse, inspect, json, os, string  # noqa: E401
+
+import jax, jax.numpy as jnp, numpy as np, optax  # noqa: E401
+import ravnest_jax as rj
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--steps", type=int, default=200)
+ap.add_argument("--sync-every", type=int, default=20)
+args = ap.parse_args()
+text = np.frombuffer(inspect.getsource(string).encode() * 20, np.uint8).astype(np.int32)
+rng = np.random.default_rng(int(os.environ.get("RAVNEST_RANK", "0")))  # each peer its own batches
+
+
+def loss_fn(params, idx):  # predict byte t+1 from byte t
+    logits = params["w"][text_dev[idx]]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, text_dev[idx + 1]).mean()
+
+
+text_dev = jnp.asarray(text)
+params = {"w": jnp.zeros((256, 256), jnp.float32)}
+tx = rj.diloco(optax.adamw(3e-2), sync_every=args.sync_every)
+state = tx.init(params)
+
+
+@jax.jit
+def train_step(params, state, idx):
+    loss, grads = jax.value_and_grad(loss_fn)(params, idx)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+
+with rj.Swarm(codec="int8") as swarm, rj.OuterSync(tx, swarm, overlap_steps=1) as sync:
+    params, state, *_ = rj.join_or_resume(swarm, sync, params, state)
+    for step in range(int(state.count), args.steps):
+        params, state, loss = train_step(params, state, jnp.asarray(rng.integers(0, len(text) - 1, 256)))
+        params, state = sync(params, state)
+    params, state = sync.flush(params, state)
+    print(json.dumps({"peer": swarm.peer_id, "loss": float(loss), "eval_loss": float(loss_fn(state.global_params, jnp.arange(20_000)))}))

@@ -1,0 +1,282 @@
+"""``ravnest-jax local``: a swarm on this machine, torchrun-style.
+
+Starts a rendezvous on 127.0.0.1 and N processes of any training script, hands each its
+rendezvous URL, run id, token and peer id through environment variables (:data:`PEER_ENV`;
+``rj.Swarm()`` reads them when its arguments are left out), streams the peers' output (each
+line prefixed with the peer's name) under one progress line, and prints every peer's
+``OuterSync.summary()`` when they are done.
+
+Nothing is written to disk: the token travels in the environment, the summaries through a pipe
+per peer (``RAVNEST_SUMMARY_FD``). The peers die with the launcher (``PR_SET_PDEATHSIG`` on
+Linux, and ``--exit-with-parent`` for the rendezvous), so a crash of the launcher leaves no
+process or port behind. Ctrl+C stops the peers (each saves what it saves on Ctrl+C) and prints
+what they reported. No jax import here.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+__all__ = ["PEER_ENV", "run_local"]
+
+#: environment variables each peer process gets (``RAVNEST_*`` read by ``rj.Swarm()``)
+PEER_ENV = ("RAVNEST_RENDEZVOUS", "RAVNEST_RUN_ID", "RAVNEST_TOKEN", "RAVNEST_PEER_ID", "RAVNEST_LISTEN",
+            "RAVNEST_CODEC", "RAVNEST_RANK", "RAVNEST_WORLD_SIZE", "RAVNEST_SUMMARY_FD")
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the child gets SIGTERM when the launcher dies (even by SIGKILL)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def check_command(command: Sequence[str]) -> list[str]:
+    """The peer command, checked before anything starts: a ``.py`` first word, ``python`` and
+    ``python3`` run with this Python (the launcher's, which has ravnest_jax: a venv need not be
+    activated); the program and any ``.py`` script it names must exist.
+
+    Raises:
+      ValueError: no command, an unknown program, or a missing script (one line).
+    """
+    cmd = list(command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise ValueError("no command: ravnest-jax local --peers N -- python train.py [ARGS]")
+    if cmd[0].endswith(".py"):
+        cmd = [sys.executable, *cmd]
+    elif cmd[0] in ("python", "python3"):  # this interpreter (the one ravnest_jax is installed in)
+        cmd = [sys.executable, *cmd[1:]]
+    elif shutil.which(cmd[0]) is None:
+        raise ValueError(f"{cmd[0]}: no such program")
+    if Path(cmd[0]).name.startswith("python") and len(cmd) > 1 and cmd[1].endswith(".py") and not Path(cmd[1]).is_file():
+        raise ValueError(f"{cmd[1]}: no such file")
+    return cmd
+
+
+def _fmt_bytes(n: Any) -> str:
+    return "-" if not isinstance(n, (int, float)) else f"{n / 1e6:.1f} MB"
+
+
+def print_summaries(summaries: dict[str, dict], codes: dict[str, int | None], write: Callable[[str], None]) -> bool:
+    """A table of the peers' summaries; returns whether the last state digests are equal."""
+    write(f"{'peer':<10} {'exit':>5} {'rounds':>6} {'failed':>6} {'resyncs':>7} {'sent':>10} {'stall s':>8}  digest")
+    digests = set()
+    for name in sorted(codes, key=lambda s: (len(s), s)):
+        s = summaries.get(name, {})
+        d = s.get("last_state_digest") or "-"
+        if d != "-":
+            digests.add(d)
+        stall = s.get("stall_seconds")
+        write(f"{name:<10} {str(codes[name]):>5} {s.get('rounds', '-')!s:>6} {s.get('failed_rounds', '-')!s:>6} "
+              f"{s.get('resyncs', '-')!s:>7} {_fmt_bytes(s.get('bytes_sent')):>10} "
+              f"{'-' if stall is None else f'{stall:.1f}':>8}  {d[:16]}")
+    equal = len(digests) == 1 and all(summaries.get(n, {}).get("last_state_digest") for n in codes)
+    if summaries:
+        write("global state: identical on every peer" if equal else
+              f"global state: {len(digests)} different digests among the peers that reported one")
+    return equal
+
+
+def run_local(command: Sequence[str], *, peers: int, codec: str | None = None, run_id: str | None = None,
+              heartbeat: float = 1.0, eviction: float = 5.0, progress: bool = True,
+              summary_json: str | None = None, stop_seconds: float = 30.0) -> int:
+    """Runs ``command`` as ``peers`` peer processes of one run, with a rendezvous on 127.0.0.1.
+
+    Args:
+      command: the peer program and its arguments (``["python", "train.py", ...]``; a first
+        word ending in ``.py`` runs with this Python).
+      peers: how many peer processes (int >= 1).
+      codec: sets ``RAVNEST_CODEC`` (the swarm's wire codec) when given.
+      run_id: the run id (default ``local-`` and 6 random hex digits).
+      heartbeat: the rendezvous' heartbeat interval, seconds.
+      eviction: the rendezvous evicts a silent peer after this long, seconds.
+      progress: show one progress line (rounds, live peers) under the peers' output.
+      summary_json: also write ``{"run_id", "command", "peers": {name: {"exit", "summary"}}}``
+        there.
+      stop_seconds: after Ctrl+C, how long the peers get to stop before they are killed.
+
+    Returns:
+      The exit status: 0 when every peer exited 0, 130 after Ctrl+C, else 1.
+
+    Raises:
+      ValueError: a bad command (see :func:`check_command`) or ``peers`` < 1, before anything
+        starts.
+    """
+    cmd = check_command(command)
+    if not isinstance(peers, int) or peers < 1:
+        raise ValueError(f"--peers must be an integer >= 1, got {peers!r}")
+    from tqdm.auto import tqdm
+
+    run_id = run_id or f"local-{secrets.token_hex(3)}"
+    token = secrets.token_hex(16)
+    base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAVNEST_TOKEN": token, "RAVNEST_RUN_ID": run_id}
+    bar = tqdm(total=None, bar_format="{desc}", disable=not progress, dynamic_ncols=True, file=sys.stderr)
+    lock = threading.Lock()
+
+    def write(line: str, err: bool = False) -> None:
+        with lock:
+            if progress:
+                bar.write(line, file=sys.stderr if err else sys.stdout)
+            else:
+                print(line, file=sys.stderr if err else sys.stdout, flush=True)
+
+    procs: dict[str, subprocess.Popen] = {}
+    tails: dict[str, collections.deque] = {}
+    summaries: dict[str, dict] = {}
+    threads: list[threading.Thread] = []
+
+    def pump(stream, name: str, err: bool, echo: bool = True) -> None:
+        tail = tails.setdefault(name + (":err" if err else ""), collections.deque(maxlen=40))
+        for line in stream:
+            tail.append(line)
+            if echo:
+                write(f"[{name}] {line.rstrip()}", err)
+
+    def read_summary(fd: int, name: str) -> None:
+        with os.fdopen(fd, "r") as f:
+            for line in f:
+                try:
+                    summaries[name] = json.loads(line)
+                except ValueError:
+                    pass
+
+    def spawn(name: str, argv: list[str], env: dict, echo: bool, pass_fds=()) -> subprocess.Popen:
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             pass_fds=pass_fds, preexec_fn=_die_with_parent)
+        procs[name] = p
+        for stream, err in ((p.stdout, False), (p.stderr, True)):
+            t = threading.Thread(target=pump, args=(stream, name, err, echo), daemon=True)
+            t.start()
+            threads.append(t)
+        return p
+
+    interrupted = False
+    url = None
+    peer_names = [f"peer{i}" for i in range(peers)]
+    t0 = time.monotonic()
+    try:
+        rv = spawn("rendezvous", [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1",
+                                  "--port", "0", "--quiet", "--heartbeat", str(heartbeat), "--eviction", str(eviction),
+                                  "--exit-with-parent"], base_env, echo=False)
+        deadline = time.monotonic() + 30
+        while url is None:
+            text = "".join(tails.get("rendezvous", []))
+            if "listening on " in text:
+                url = text.split("listening on ", 1)[1].split()[0]
+                break
+            if rv.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the rendezvous did not start: " + "".join(tails.get("rendezvous:err", [])))
+            time.sleep(0.05)
+        write(f"rendezvous {url}, run {run_id}: starting {peers} peers of: {' '.join(cmd)}")
+        for i, name in enumerate(peer_names):
+            r, w = os.pipe()
+            env = {**base_env, "RAVNEST_RENDEZVOUS": url, "RAVNEST_PEER_ID": name,
+                   "RAVNEST_LISTEN": "127.0.0.1:0", "RAVNEST_RANK": str(i), "RAVNEST_WORLD_SIZE": str(peers),
+                   "RAVNEST_SUMMARY_FD": str(w)}
+            env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")  # N peers share the cores
+            if codec:
+                env["RAVNEST_CODEC"] = codec
+            spawn(name, cmd, env, echo=True, pass_fds=(w,))
+            os.close(w)
+            t = threading.Thread(target=read_summary, args=(r, name), daemon=True)
+            t.start()
+            threads.append(t)
+        status = _Status(url, run_id, token)
+        while any(procs[n].poll() is None for n in peer_names):
+            if progress:
+                bar.set_description_str(status.line(peers, time.monotonic() - t0), refresh=True)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        interrupted = True
+        write("interrupted: stopping the peers", err=True)
+    finally:
+        live = [n for n in peer_names if n in procs and procs[n].poll() is None]
+        for n in live:
+            procs[n].send_signal(signal.SIGINT)
+        deadline = time.monotonic() + stop_seconds
+        for n in live:
+            try:
+                procs[n].wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                procs[n].kill()
+                procs[n].wait()
+        rv = procs.get("rendezvous")
+        if rv is not None and rv.poll() is None:
+            rv.terminate()
+            try:
+                rv.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                rv.kill()
+                rv.wait()
+        for t in threads:
+            t.join(timeout=5)
+        bar.close()
+    codes = {n: procs[n].returncode for n in peer_names if n in procs}
+    failed = {n: c for n, c in codes.items() if c not in (0, None) and not (interrupted and c in (130, -2))}
+    for n, c in failed.items():
+        how = f"was killed by {signal.Signals(-c).name}" if c < 0 else f"exited with status {c}"
+        err = [ln.rstrip() for ln in tails.get(f"{n}:err", []) if ln.strip()][-5:]
+        print(f"{n} {how}" + "".join(f"\n    {ln}" for ln in err), file=sys.stderr)
+    if codes:
+        print()
+        print_summaries(summaries, codes, print)
+    if summary_json:
+        Path(summary_json).write_text(json.dumps(
+            {"run_id": run_id, "command": cmd, "interrupted": interrupted,
+             "peers": {n: {"exit": codes.get(n), "summary": summaries.get(n)} for n in peer_names}}, indent=1))
+    if interrupted:
+        return 130
+    return 1 if failed or len(codes) < peers else 0
+
+
+class _Status:
+    """The rendezvous' view of the run, for the progress line (signed GET /status)."""
+
+    def __init__(self, url: str, run_id: str, token: str):
+        self.url, self.run_id, self.token = url, run_id, token.encode()
+        self.last: dict = {}
+        self._asked = 0.0
+
+    def line(self, peers: int, elapsed: float) -> str:
+        if time.monotonic() - self._asked > 1.0:
+            self._asked = time.monotonic()
+            try:
+                self.last = self._ask()
+            except Exception:  # noqa: BLE001 - a progress line only
+                pass
+        s = self.last
+        live = len(s.get("peers", [])) if s else 0
+        done = [r for r in s.get("rounds", []) if r.get("outcome") == "ok"] if s else []
+        rnd = f"round {done[-1]['round']} done" if done else "no round yet"
+        return f"{peers} peers ({live} live), {rnd}, {elapsed:.0f} s"
+
+    def _ask(self) -> dict:
+        import asyncio
+
+        import aiohttp
+
+        from ravnest_jax.swarm._http import signed_json
+
+        async def go() -> Any:
+            async with aiohttp.ClientSession() as s:
+                return await signed_json(s, self.url, "GET", f"/v1/runs/{self.run_id}/status", token=self.token,
+                                         run_id=self.run_id, peer="launcher", timeout=aiohttp.ClientTimeout(total=2))
+
+        return asyncio.run(go())

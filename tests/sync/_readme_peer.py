@@ -1,0 +1,53 @@
+"""The README's user code, as it stands there, around a tiny byte-bigram model on real text
+(a standard-library module). Nothing but what the README shows is called on the library.
+
+    python _readme_peer.py URL TOKEN PEER_ID TOTAL_STEPS
+"""
+
+import inspect
+import json
+import string
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import ravnest_jax as rj
+
+URL, TOKEN, PEER, TOTAL = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+text = jnp.asarray(np.frombuffer(inspect.getsource(string).encode(), np.uint8).astype(np.int32))
+rng = np.random.default_rng(abs(hash(PEER)) % 1000)
+
+
+def loss_fn(params, idx):
+    return optax.softmax_cross_entropy_with_integer_labels(params["w"][text[idx]], text[idx + 1]).mean()
+
+
+params = {"w": jnp.zeros((256, 256), jnp.float32)}
+
+# ---- the README, from here on -------------------------------------------------------------
+tx = rj.diloco(optax.adamw(3e-2), sync_every=10)
+state = tx.init(params)
+
+
+@jax.jit
+def train_step(params, state, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+
+with rj.Swarm(URL, run_id="readme", token=TOKEN, codec="int4", peer_id=PEER, listen="127.0.0.1:0") as swarm, \
+     rj.OuterSync(tx, swarm, overlap_steps="auto") as sync:
+    params, state, *_ = rj.join_or_resume(swarm, sync, params, state)
+    start = int(state.count)
+    batches = (jnp.asarray(rng.integers(0, text.shape[0] - 1, 64)) for _ in range(start, TOTAL))
+    for batch in batches:
+        params, state = train_step(params, state, batch)
+        params, state = sync(params, state)
+        time.sleep(0.08)  # the user's data loading (keeps the first peers from finishing early)
+    params, state = sync.flush(params, state)
+    print(json.dumps({"peer": PEER, "start_step": start, **sync.summary()}), flush=True)
