@@ -127,15 +127,23 @@ def _report_summary(summary: dict) -> None:
 
 
 def _check_plain(params: Any, state: Any) -> None:
-    """Raises TypeError for nnx variables passed as pytrees (their wrappers differ between
-    ``nnx.state(model)`` and the optimizer's state; the round functions need one structure)."""
+    """Raises TypeError when the params and the state's anchor differ in tree structure (the
+    round functions need one). The common cause: ``nnx.state(model)`` (``Param`` variables) with
+    an ``nnx.Optimizer``'s state (``OptVariable`` wrappers over the same arrays)."""
+    anchor = getattr(state, "global_params", None)
+    if anchor is None or jax.tree.structure(anchor) == jax.tree.structure(params):
+        return
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    for what, tree in (("params", params), ("state", state)):
-        if any(is_var(x) for x in jax.tree.leaves(tree, is_leaf=is_var)):
-            raise TypeError(
-                f"{what} holds nnx variables: with flax nnx call sync(model, optimizer) with the "
-                "nnx.Module and its nnx.Optimizer(model, rj.diloco(...), wrt=nnx.Param)"
-            )
+    if any(is_var(x) for x in jax.tree.leaves((params, anchor), is_leaf=is_var)):
+        raise TypeError(
+            "params and state.global_params differ in their nnx variable wrappers (nnx.state(model) "
+            "next to an nnx.Optimizer's state): call sync(model, optimizer) with the nnx.Module and its "
+            "nnx.Optimizer(model, rj.diloco(...), wrt=nnx.Param)"
+        )
+    raise TypeError(
+        f"params and state.global_params differ in tree structure: {jax.tree.structure(params)} vs "
+        f"{jax.tree.structure(anchor)}: pass the state tx.init(params) made for these params"
+    )
 
 
 def _mesh_of(tree: Any) -> Mesh | None:
@@ -512,8 +520,9 @@ class OuterSync:
 
         Raises:
           RuntimeError: called after :meth:`close`.
-          TypeError: nnx variables passed as pytrees (``nnx.state(...)``): pass the model and
-            the optimizer.
+          TypeError: on the first call, when ``params`` and ``state.global_params`` differ in
+            tree structure (for example ``nnx.state(model)`` next to an ``nnx.Optimizer``'s
+            state: pass the model and the optimizer).
         """
         if self._closed:
             raise RuntimeError("OuterSync is closed")
