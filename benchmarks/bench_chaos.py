@@ -8,9 +8,12 @@ meanwhile:
 
 - kills (``SIGKILL``) a random peer at a random moment ``--kills`` times, and restarts it from its
   checkpoint directory (the same command: it keeps its peer id, downloads the swarm's state and
-  trains on). Victims are drawn among peers 1..3; at least 2 peers are always training, so that
-  the swarm's state lives on; peer 0 is never killed (the long-lived survivor whose RSS is
-  followed). A victim may be killed again while it restarts (compiling or joining);
+  trains on). Victims are drawn among peers 1..3 that contribute (their process has had an ok
+  round), so every kill measures the time until the restarted peer contributes again; peer 0
+  is never killed (the long-lived survivor whose RSS is followed, and the swarm's state lives
+  on in it). The kills are spread over the run: the next one is due at a random step, and
+  waits for a contributing victim when none is; none after 88 % of the steps (a restart needs
+  rounds left to contribute in);
 - restarts the rendezvous once (``SIGKILL``, then the same port again);
 - sends ``--bad-requests`` malformed or unauthenticated requests to the rendezvous and to a
   peer, interleaved with training (unsigned, wrong token, bad signature, replayed nonce,
@@ -200,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync-every", type=int, default=10)
     ap.add_argument("--kills", type=int, default=50)
     ap.add_argument("--bad-requests", type=int, default=10_000)
-    ap.add_argument("--step-seconds", type=float, default=0.25, help="each inner step takes at least this long")
+    ap.add_argument("--step-seconds", type=float, default=0.8, help="each inner step takes at least this long")
     ap.add_argument("--part-timeout", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "chaos.json"))
@@ -211,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     token = secrets.token_hex(16)
     (work / "token").write_text(token)
     (work / "token").chmod(0o600)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
+    # a restarted peer reuses the compiled programs (jax's persistent cache), as a user would
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
+           "JAX_COMPILATION_CACHE_DIR": str(work / "jax-cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     port = free_port()
     rv_url = f"http://127.0.0.1:{port}"
     run_id = "chaos"
@@ -230,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     rv_restart: dict = {}
     bad: list = []
     rss: list[tuple[float, str, float]] = []
+    ghosts: set[str] = set()  # peer ids the rendezvous listed that no peer of ours has
     stop_attack, pause_attack = threading.Event(), threading.Event()
     t_begin = time.time()
 
@@ -242,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def targets() -> tuple[str, str]:
         return rv_url, f"http://127.0.0.1:{peers[0][-1].port}"  # peer 0 is never killed
+
+    def contributing(i: int) -> bool:
+        p = peers[i][-1]
+        return p.p.poll() is None and any(e.get("event") == "round" and e.get("ok") for e in p.events)
 
     def progress() -> int:
         steps = [e["step"] for e in peers[0][-1].events if e.get("event") == "progress"]
@@ -261,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
                                                          args.bad_requests / max(0.6 * max_steps * args.step_seconds, 1),
                                                          targets, run_id, token, bad, args.seed), daemon=True)
         attacker.start()
-        kill_steps = sorted(rng.uniform(0.08, 0.85) * max_steps for _ in range(args.kills))
+        kill_steps = sorted(rng.uniform(0.05, 0.85) * max_steps for _ in range(args.kills))
+        kill_after = 0.0  # a random moment once a victim is due and contributing
         rv_step = rng.uniform(0.3, 0.7) * max_steps
-        last_rss = 0.0
+        last_rss = last_ghost = 0.0
         while peers[0][-1].p.poll() is None:
             step = progress()
             now = time.time()
@@ -273,11 +284,21 @@ def main(argv: list[str] | None = None) -> int:
                     v = ps[-1].rss_mb() if ps[-1].p.poll() is None else None
                     if v is not None:
                         rss.append((now - t_begin, f"peer{i}", v))
+            if now - last_ghost > 10.0:
+                last_ghost = now
+                ours = {e["peer"] for ps in peers.values() for p in ps for e in list(p.events) if e.get("event") == "compiling"}
+                ghosts.update(_ghosts(rv_url, run_id, token, ours))
+            if kill_steps and step >= 0.88 * max_steps:
+                print(f"[{now - t_begin:6.1f} s] step {step}: {len(kill_steps)} kills left undone (the restarts "
+                      "must have rounds left to contribute in)", flush=True)
+                kill_steps.clear()
             if kill_steps and step >= kill_steps[0]:
-                training = [i for i in peers if peers[i][-1].training()]
-                candidates = [i for i in range(1, args.peers) if peers[i][-1].p.poll() is None
-                              and (not peers[i][-1].training() or len(training) > 2)]
-                if candidates:
+                n_contributing = sum(contributing(i) for i in peers)
+                candidates = [i for i in range(1, args.peers) if contributing(i) and n_contributing > 1]
+                if candidates and not kill_after:
+                    kill_after = now + rng.uniform(0.0, args.sync_every * args.step_seconds * 1.5)
+                if candidates and kill_after and now >= kill_after:
+                    kill_after = 0.0
                     kill_steps.pop(0)
                     i = rng.choice(candidates)
                     victim = peers[i][-1]
@@ -326,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             if r.p.poll() is None:
                 r.p.terminate()
                 r.p.wait(timeout=20)
-    return report(args, work, peers, kills, rv_restart, bad, rss, t_begin)
+    return report(args, work, peers, kills, rv_restart, bad, rss, t_begin, ghosts)
 
 
 def _wait_health(url: str, timeout: float = 30.0) -> None:
@@ -339,6 +360,22 @@ def _wait_health(url: str, timeout: float = 30.0) -> None:
                 return
         except OSError:
             time.sleep(0.1)
+
+
+def _ghosts(rv_url: str, run_id: str, token: str, ours: set[str]) -> set[str]:
+    """Peer ids the rendezvous lists that are none of ours (a bad request that registered)."""
+    from ravnest_jax.swarm._http import signed_json
+
+    async def ask() -> dict:
+        async with aiohttp.ClientSession() as s:
+            return await signed_json(s, rv_url, "GET", f"/v1/runs/{run_id}/peers", token=token.encode(),
+                                     run_id=run_id, peer="bench", timeout=aiohttp.ClientTimeout(total=10))
+
+    try:
+        listed = {p["peer_id"] for p in asyncio.run(ask())["peers"]}
+    except Exception:  # noqa: BLE001 - the rendezvous restarting
+        return set()
+    return listed - ours
 
 
 def _peer_port(rv_url: str, run_id: str, token: str, prefix: str, proc: Proc) -> int:
@@ -357,7 +394,8 @@ def _peer_port(rv_url: str, run_id: str, token: str, prefix: str, proc: Proc) ->
     return int(addr.rsplit(":", 1)[1])
 
 
-def report(args, work: Path, peers: dict, kills: list, rv_restart: dict, bad: list, rss: list, t_begin: float) -> int:
+def report(args, work: Path, peers: dict, kills: list, rv_restart: dict, bad: list, rss: list, t_begin: float,
+           ghosts: set) -> int:
     rounds = []  # every round event of every process
     for i, ps in peers.items():
         for gen, p in enumerate(ps):
@@ -379,11 +417,19 @@ def report(args, work: Path, peers: dict, kills: list, rv_restart: dict, bad: li
         start = next((e for e in p.events if e.get("event") == "start"), None)
         mine = [e for e in p.events if e.get("event") == "round"]
         first_ok = next((j for j, e in enumerate(mine) if e["ok"]), None)
+        # swarm rounds from the restarted process' start (training) to its first ok round: the
+        # rounds peer 0 finished in between
+        swarm_rounds = None
+        if start is not None and first_ok is not None:
+            swarm_rounds = sum(1 for e in peers[0][-1].events if e.get("event") == "round"
+                               and start["t"] <= e["t"] < mine[first_ok]["t"])
         k.update({
             "start_at": None if start is None else start["t"] - t_begin,
             "first_ok_round_at": None if first_ok is None else mine[first_ok]["t"] - t_begin,
             "seconds_to_contribute": None if first_ok is None else mine[first_ok]["t"] - t_begin - k["t"],
             "rounds_before_first_ok": first_ok,
+            "swarm_rounds_from_start_to_first_ok": swarm_rounds,
+            "seconds_restart_to_start": None if start is None else start["t"] - t_begin - k["restarted_at"],
             "killed_again_before_contributing": p.killed_at is not None and first_ok is None,
             "joined": None if start is None else start.get("joined"),
         })
@@ -402,8 +448,15 @@ def report(args, work: Path, peers: dict, kills: list, rv_restart: dict, bad: li
             if res is not None:
                 results.setdefault(f"peer{i}", []).append({k: res[k] for k in (
                     "final_global_digest", "end_step", "rounds", "failed_rounds", "resyncs", "interrupted")})
-    rss0 = [v for _, name, v in rss if name == "peer0"]
+    rss0 = [(t, v) for t, name, v in rss if name == "peer0"]
     third = max(len(rss0) // 3, 1)
+    half = rss0[len(rss0) // 2:]
+    slope = None  # MB per hour over the second half (least squares)
+    if len(half) > 2:
+        mt = sum(t for t, _ in half) / len(half)
+        mv = sum(v for _, v in half) / len(half)
+        den = sum((t - mt) ** 2 for t, _ in half)
+        slope = 3600 * sum((t - mt) * (v - mv) for t, v in half) / den if den else None
     contributed = [k for k in rejoin if k["rounds_before_first_ok"] is not None]
     part_plus_round = args.part_timeout + args.sync_every * args.step_seconds + 2.0
     out = {
@@ -421,6 +474,10 @@ def report(args, work: Path, peers: dict, kills: list, rv_restart: dict, bad: li
             "kills_contributing_again": len(contributed),
             "kills_killed_again_before_contributing": sum(k["killed_again_before_contributing"] for k in rejoin),
             "max_rounds_before_contributing": max((k["rounds_before_first_ok"] for k in contributed), default=None),
+            "max_swarm_rounds_from_start_to_contributing": max(
+                (k["swarm_rounds_from_start_to_first_ok"] for k in contributed), default=None),
+            "median_seconds_restart_to_training": (sorted(k["seconds_restart_to_start"] for k in contributed)
+                                                   [len(contributed) // 2] if contributed else None),
             "median_seconds_kill_to_contributing": (sorted(k["seconds_to_contribute"] for k in contributed)[len(contributed) // 2]
                                                     if contributed else None),
             "max_seconds_kill_to_contributing": max((k["seconds_to_contribute"] for k in contributed), default=None),
@@ -433,8 +490,14 @@ def report(args, work: Path, peers: dict, kills: list, rv_restart: dict, bad: li
             "bad_requests_4xx": refused_4xx,
             "bad_request_statuses": statuses,
             "rendezvous_restart": rv_restart,
-            "peer0_rss_mb_first_third_mean": sum(rss0[:third]) / third if rss0 else None,
-            "peer0_rss_mb_last_third_mean": sum(rss0[-third:]) / third if rss0 else None,
+            "ghost_peers_registered": sorted(ghosts),
+            "peer0_rss_mb_first_third_mean": sum(v for _, v in rss0[:third]) / third if rss0 else None,
+            "peer0_rss_mb_middle_third_mean": (sum(v for _, v in rss0[third:2 * third]) / third
+                                               if len(rss0) >= 3 else None),
+            "peer0_rss_mb_last_third_mean": sum(v for _, v in rss0[-third:]) / third if rss0 else None,
+            "peer0_rss_mb_per_hour_second_half": slope,
+            "final_digests_equal": len({r["final_global_digest"] for v in results.values() for r in v
+                                        if not r["interrupted"]}) == 1,
             "final_digests": sorted({r["final_global_digest"] for v in results.values() for r in v if not r["interrupted"]}),
         },
         "results": results,
