@@ -21,7 +21,7 @@ import platform
 import socket
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 CHUNK = 64 * 1024
 
@@ -103,8 +103,7 @@ def _proxy_main(routes, link, ready_q, stop_ev) -> None:  # pragma: no cover - c
     async def main() -> None:
         servers, ports = [], []
         for target, fwd, rev in routes:
-            srv = await asyncio.start_server(
-                lambda r, w, t=target, f=fwd, v=rev: handle(r, w, t, f, v), "127.0.0.1", 0)
+            srv = await asyncio.start_server(lambda r, w, t=target, f=fwd, v=rev: handle(r, w, t, f, v), "127.0.0.1", 0)
             servers.append(srv)
             ports.append(srv.sockets[0].getsockname()[1])
         ready_q.put(ports)
@@ -126,8 +125,9 @@ class LinkEmulator:
         self._link = ctx.Array("d", [0.0] * (2 * n_lines), lock=False)
         self._stop = ctx.Event()
         q = ctx.Queue()
-        self._proc = ctx.Process(target=_proxy_main, args=(routes, self._link, q, self._stop), daemon=True,
-                                 name="link-emulator")
+        self._proc = ctx.Process(
+            target=_proxy_main, args=(routes, self._link, q, self._stop), daemon=True, name="link-emulator"
+        )
         self._proc.start()
         self.ports: list[int] = q.get(timeout=60)
         self.n_lines = n_lines
@@ -163,8 +163,17 @@ def rendezvous_thread(token: str, port: int = 0, heartbeat: float = 1.0, evictio
 
     def run() -> None:
         asyncio.set_event_loop(loop)
-        loop.run_until_complete(serve("127.0.0.1", port, token, heartbeat_s=heartbeat, eviction_s=eviction,
-                                      ready=lambda p: (bound.append(p), ready.set()), stop=stop))
+        loop.run_until_complete(
+            serve(
+                "127.0.0.1",
+                port,
+                token,
+                heartbeat_s=heartbeat,
+                eviction_s=eviction,
+                ready=lambda p: (bound.append(p), ready.set()),
+                stop=stop,
+            )
+        )
 
     t = threading.Thread(target=run, name="rendezvous", daemon=True)
     t.start()

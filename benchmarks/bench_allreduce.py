@@ -58,21 +58,40 @@ def worker(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(args.seed)
     x = {"g": rng.standard_normal(n, dtype=np.float32) * np.float32(args.scale)}
     t = Timeouts(connect=5, part=300, grace=2, round=900, heartbeat=2, eviction=30)
-    with Swarm(args.url, run_id=args.run_id, token=TOKEN, listen=f"127.0.0.1:{args.port}",
-               timeouts=t, peer_id=args.peer_id, codec=args.codec, algorithm=args.algorithm,
-               advertise=args.advertise,
-               **({"ring_segment_bytes": args.ring_segment_bytes}
-                  if args.ring_segment_bytes else {})) as sw:
+    with Swarm(
+        args.url,
+        run_id=args.run_id,
+        token=TOKEN,
+        listen=f"127.0.0.1:{args.port}",
+        timeouts=t,
+        peer_id=args.peer_id,
+        codec=args.codec,
+        algorithm=args.algorithm,
+        advertise=args.advertise,
+        **({"ring_segment_bytes": args.ring_segment_bytes} if args.ring_segment_bytes else {}),
+    ) as sw:
         sw.wait_for_peers(args.peers, timeout=120)
         for i in range(args.rounds):
             c0 = time.process_time()
             out, rec = sw.all_reduce(x, weight=1.0)
             cpu = time.process_time() - c0  # every thread of this peer process
             del out
-            print(json.dumps({"i": i, "ok": rec.ok, "seconds": rec.seconds, "cpu_s": cpu,
-                              "sent": rec.bytes_sent, "received": rec.bytes_received,
-                              "contributors": len(rec.contributors), "digest": rec.digest,
-                              "rss": rss_bytes()}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "i": i,
+                        "ok": rec.ok,
+                        "seconds": rec.seconds,
+                        "cpu_s": cpu,
+                        "sent": rec.bytes_sent,
+                        "received": rec.bytes_received,
+                        "contributors": len(rec.contributors),
+                        "digest": rec.digest,
+                        "rss": rss_bytes(),
+                    }
+                ),
+                flush=True,
+            )
 
 
 def tcp_receiver(args: argparse.Namespace) -> None:
@@ -105,17 +124,19 @@ def summarize(res: list[list[dict]], rounds: int) -> dict:
     each peer process's CPU time (all threads) in ``all_reduce``, mean over peers."""
     per_round = [max(r[i]["seconds"] for r in res) for i in range(1, rounds)]
     cpu = [statistics.mean(r[i]["cpu_s"] for r in res) for i in range(1, rounds)]
-    return {"round_s": statistics.median(per_round), "round_s_all": per_round,
-            "cpu_s_per_peer": statistics.median(cpu),
-            "digests_equal": all(len({r[i]["digest"] for r in res}) == 1 for i in range(rounds)),
-            "all_ok": all(e["ok"] for r in res for e in r),
-            "contributors_min": min(e["contributors"] for r in res for e in r)}
+    return {
+        "round_s": statistics.median(per_round),
+        "round_s_all": per_round,
+        "cpu_s_per_peer": statistics.median(cpu),
+        "digests_equal": all(len({r[i]["digest"] for r in res}) == 1 for i in range(rounds)),
+        "all_ok": all(e["ok"] for r in res for e in r),
+        "contributors_min": min(e["contributors"] for r in res for e in r),
+    }
 
 
 # ----------------------------------------------------------------------------- driver
 def run_child(mode: str, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, __file__, "--mode", mode, *extra],
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, __file__, "--mode", mode, *extra], stdout=subprocess.PIPE, text=True)
 
 
 def raw_tcp(payload: int, repeats: int = 3, link: tuple[float, float] | None = None) -> float:
@@ -160,9 +181,27 @@ def start_rendezvous(tmp: Path) -> tuple[subprocess.Popen[str], str]:
 
     pf = Path(tempfile.mkdtemp(prefix="ravnest-bench-")) / "rv.port"
     env = {**os.environ, "RAVNEST_TOKEN": TOKEN}
-    rv = subprocess.Popen([sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host",
-                           "127.0.0.1", "--port", "0", "--port-file", str(pf), "--quiet",
-                           "--heartbeat", "2", "--eviction", "30"], env=env, text=True)
+    rv = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ravnest_jax.cli",
+            "rendezvous",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--port-file",
+            str(pf),
+            "--quiet",
+            "--heartbeat",
+            "2",
+            "--eviction",
+            "30",
+        ],
+        env=env,
+        text=True,
+    )
     deadline = time.monotonic() + 30
     while not pf.exists():
         if time.monotonic() > deadline or rv.poll() is not None:
@@ -171,9 +210,16 @@ def start_rendezvous(tmp: Path) -> tuple[subprocess.Popen[str], str]:
     return rv, f"http://127.0.0.1:{pf.read_text()}"
 
 
-def swarm_run(n: int, payload: int, rounds: int, codec: str, tmp: Path,
-              algorithm: str = "butterfly", link: tuple[float, float] | None = None,
-              scale: float = 1.0) -> list[list[dict]]:
+def swarm_run(
+    n: int,
+    payload: int,
+    rounds: int,
+    codec: str,
+    tmp: Path,
+    algorithm: str = "butterfly",
+    link: tuple[float, float] | None = None,
+    scale: float = 1.0,
+) -> list[list[dict]]:
     """N worker processes and a rendezvous; with ``link=(mbit, rtt_ms)`` every peer's inbound
     traffic and the rendezvous' crosses the throttling proxy (see :func:`emulated_links`)."""
     rv, url = start_rendezvous(tmp)
@@ -196,13 +242,36 @@ def swarm_run(n: int, payload: int, rounds: int, codec: str, tmp: Path,
             advertise = [f"http://127.0.0.1:{emu.ports[i]}" for i in range(n)]
             url = f"http://127.0.0.1:{emu.ports[-1]}"
         for i in range(n):
-            procs.append(run_child("worker", "--url", url, "--run-id", f"b{n}-{payload}",
-                                   "--peer-id", f"p{i:02d}", "--seed", str(i), "--peers",
-                                   str(n), "--payload", str(payload), "--rounds", str(rounds),
-                                   "--codec", codec, "--algorithm", algorithm,
-                                   "--ring-segment-bytes", str(RING_SEGMENT),
-                                   "--port", str(ports[i]), "--scale", str(scale),
-                                   *(["--advertise", advertise[i]] if advertise[i] else [])))
+            procs.append(
+                run_child(
+                    "worker",
+                    "--url",
+                    url,
+                    "--run-id",
+                    f"b{n}-{payload}",
+                    "--peer-id",
+                    f"p{i:02d}",
+                    "--seed",
+                    str(i),
+                    "--peers",
+                    str(n),
+                    "--payload",
+                    str(payload),
+                    "--rounds",
+                    str(rounds),
+                    "--codec",
+                    codec,
+                    "--algorithm",
+                    algorithm,
+                    "--ring-segment-bytes",
+                    str(RING_SEGMENT),
+                    "--port",
+                    str(ports[i]),
+                    "--scale",
+                    str(scale),
+                    *(["--advertise", advertise[i]] if advertise[i] else []),
+                )
+            )
         results = []
         for p in procs:
             out, _ = p.communicate(timeout=3600)
@@ -245,13 +314,19 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--advertise", default=None)
     ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--wan-rounds", type=int, default=6,
-                    help="rounds (after a warm-up) of each emulated-link measurement; 0: skip")
-    ap.add_argument("--link-mbit", type=float, default=100.0,
-                    help="per-peer inbound rate of the emulated-link scaling runs")
+    ap.add_argument(
+        "--wan-rounds", type=int, default=6, help="rounds (after a warm-up) of each emulated-link measurement; 0: skip"
+    )
+    ap.add_argument(
+        "--link-mbit", type=float, default=100.0, help="per-peer inbound rate of the emulated-link scaling runs"
+    )
     ap.add_argument("--link-payload-mb", type=int, default=8)
-    ap.add_argument("--ring-segment-bytes", type=int, default=0,
-                    help="Swarm(ring_segment_bytes=...) of the ring runs (0: the default)")
+    ap.add_argument(
+        "--ring-segment-bytes",
+        type=int,
+        default=0,
+        help="Swarm(ring_segment_bytes=...) of the ring runs (0: the default)",
+    )
     args = ap.parse_args()
     global RING_SEGMENT
     RING_SEGMENT = args.ring_segment_bytes
@@ -271,8 +346,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.replot:
         return plot(json.loads((out / "allreduce.json").read_text()), out / "allreduce.png")
-    payloads = ([int(x) for x in args.payloads_mb.split(",") if int(x)] if args.payloads_mb
-                else [16, 64] + ([256] if args.full else []))  # "0": no loopback runs
+    payloads = (
+        [int(x) for x in args.payloads_mb.split(",") if int(x)]
+        if args.payloads_mb
+        else [16, 64] + ([256] if args.full else [])
+    )  # "0": no loopback runs
     peers_list = [int(x) for x in args.peers_list.split(",")]
     table = []
     for mb in payloads:
@@ -285,21 +363,26 @@ def main() -> None:
             # a round's time = the slowest peer's; skip the warm-up round
             sm = summarize(res, args.rounds)
             rs = sm["round_s"]
-            row = {"algorithm": algorithm, "peers": n, "payload_mb": mb, **sm,
-                   "goodput_mbps": payload / rs / MB,
-                   "bus_goodput_mbps": payload * bus_factor(n) / rs / MB, "raw_tcp_s": tcp_s,
-                   "raw_tcp_mbps": payload / tcp_s / MB,
-                   "goodput_vs_raw_tcp": tcp_s / rs,
-                   "bus_goodput_vs_raw_tcp": bus_factor(n) * tcp_s / rs,
-                   "bytes_sent_per_peer": res[0][-1]["sent"],
-                   "bytes_received_per_peer": res[0][-1]["received"],
-                   "loadavg_before_after": [load0[0], os.getloadavg()[0]]}
+            row = {
+                "algorithm": algorithm,
+                "peers": n,
+                "payload_mb": mb,
+                **sm,
+                "goodput_mbps": payload / rs / MB,
+                "bus_goodput_mbps": payload * bus_factor(n) / rs / MB,
+                "raw_tcp_s": tcp_s,
+                "raw_tcp_mbps": payload / tcp_s / MB,
+                "goodput_vs_raw_tcp": tcp_s / rs,
+                "bus_goodput_vs_raw_tcp": bus_factor(n) * tcp_s / rs,
+                "bytes_sent_per_peer": res[0][-1]["sent"],
+                "bytes_received_per_peer": res[0][-1]["received"],
+                "loadavg_before_after": [load0[0], os.getloadavg()[0]],
+            }
             table.append(row)
             print(json.dumps(row), flush=True)
     for mb in payloads:
         for algorithm in args.algorithms.split(","):
-            rows = {r["peers"]: r for r in table
-                    if r["payload_mb"] == mb and r["algorithm"] == algorithm}
+            rows = {r["peers"]: r for r in table if r["payload_mb"] == mb and r["algorithm"] == algorithm}
             for r in rows.values():
                 r["round_s_vs_fewest_peers"] = r["round_s"] / rows[min(rows)]["round_s"]
 
@@ -310,11 +393,19 @@ def main() -> None:
         wan = []
         for algorithm in args.algorithms.split(","):
             load0 = os.getloadavg()
-            res = swarm_run(2, 4 * 860_000, args.wan_rounds + 1, "int4", out, algorithm,
-                            link=(100.0, 100.0), scale=1e-3)
-            row = {"algorithm": algorithm, "peers": 2, "mbit": 100.0, "rtt_ms": 100.0,
-                   "params": 860_000, "codec": "int4", **summarize(res, args.wan_rounds + 1),
-                   "loadavg_before_after": [load0[0], os.getloadavg()[0]]}
+            res = swarm_run(
+                2, 4 * 860_000, args.wan_rounds + 1, "int4", out, algorithm, link=(100.0, 100.0), scale=1e-3
+            )
+            row = {
+                "algorithm": algorithm,
+                "peers": 2,
+                "mbit": 100.0,
+                "rtt_ms": 100.0,
+                "params": 860_000,
+                "codec": "int4",
+                **summarize(res, args.wan_rounds + 1),
+                "loadavg_before_after": [load0[0], os.getloadavg()[0]],
+            }
             row["round_s_over_rtt"] = row["round_s"] / 0.1
             wan.append(row)
             print(json.dumps(row), flush=True)
@@ -323,27 +414,35 @@ def main() -> None:
         links = []
         payload = args.link_payload_mb * MB
         link_tcp_s = raw_tcp(payload, link=(args.link_mbit, 0.0))
-        print(f"raw TCP over the emulated link {args.link_payload_mb} MB: {link_tcp_s:.3f} s = "
-              f"{payload / link_tcp_s / MB:.2f} MB/s", flush=True)
+        print(
+            f"raw TCP over the emulated link {args.link_payload_mb} MB: {link_tcp_s:.3f} s = "
+            f"{payload / link_tcp_s / MB:.2f} MB/s",
+            flush=True,
+        )
         for algorithm in args.algorithms.split(","):
             for n in peers_list:
                 load0 = os.getloadavg()
-                res = swarm_run(n, payload, args.wan_rounds + 1, "fp32", out, algorithm,
-                                link=(args.link_mbit, 0.0))
+                res = swarm_run(n, payload, args.wan_rounds + 1, "fp32", out, algorithm, link=(args.link_mbit, 0.0))
                 sm = summarize(res, args.wan_rounds + 1)
                 # a bandwidth-optimal all-reduce moves 2 (n - 1) / n of the payload into each
                 # peer: the lower bound of the round time over links of this rate
                 ideal = 2 * (n - 1) / n * payload * 8 / (args.link_mbit * 1e6)
                 rs = sm["round_s"]
-                row = {"algorithm": algorithm, "peers": n, "payload_mb": args.link_payload_mb,
-                       "mbit_per_peer": args.link_mbit, **sm, "bandwidth_bound_s": ideal,
-                       "round_s_vs_bound": rs / ideal,
-                       "goodput_mbps": payload / rs / MB,
-                       "bus_goodput_mbps": payload * bus_factor(n) / rs / MB,
-                       "raw_over_link_s": link_tcp_s,
-                       "raw_over_link_mbps": payload / link_tcp_s / MB,
-                       "bus_goodput_vs_raw_over_link": bus_factor(n) * link_tcp_s / rs,
-                       "loadavg_before_after": [load0[0], os.getloadavg()[0]]}
+                row = {
+                    "algorithm": algorithm,
+                    "peers": n,
+                    "payload_mb": args.link_payload_mb,
+                    "mbit_per_peer": args.link_mbit,
+                    **sm,
+                    "bandwidth_bound_s": ideal,
+                    "round_s_vs_bound": rs / ideal,
+                    "goodput_mbps": payload / rs / MB,
+                    "bus_goodput_mbps": payload * bus_factor(n) / rs / MB,
+                    "raw_over_link_s": link_tcp_s,
+                    "raw_over_link_mbps": payload / link_tcp_s / MB,
+                    "bus_goodput_vs_raw_over_link": bus_factor(n) * link_tcp_s / rs,
+                    "loadavg_before_after": [load0[0], os.getloadavg()[0]],
+                }
                 links.append(row)
                 print(json.dumps(row), flush=True)
         for algorithm in args.algorithms.split(","):
@@ -356,54 +455,68 @@ def main() -> None:
         res = swarm_run(2, args.rss_payload_mb * MB, args.rss_rounds, args.codec, out)
         series = [[e["rss"] for e in r] for r in res]
         half = len(series[0]) // 2
-        rss = {"peers": 2, "payload_mb": args.rss_payload_mb, "rounds": args.rss_rounds,
-               "rss_bytes_per_round": series,
-               "rss_max_mb_rounds_10_to_half": [max(s[min(10, half // 2):half]) / MB
-                                                for s in series],
-               "rss_max_mb_second_half": [max(s[half:]) / MB for s in series],
-               "rss_last_mb": [s[-1] / MB for s in series]}
-        print("RSS max MB, rounds 10..half:", rss["rss_max_mb_rounds_10_to_half"],
-              "second half:", rss["rss_max_mb_second_half"], flush=True)
+        rss = {
+            "peers": 2,
+            "payload_mb": args.rss_payload_mb,
+            "rounds": args.rss_rounds,
+            "rss_bytes_per_round": series,
+            "rss_max_mb_rounds_10_to_half": [max(s[min(10, half // 2) : half]) / MB for s in series],
+            "rss_max_mb_second_half": [max(s[half:]) / MB for s in series],
+            "rss_last_mb": [s[-1] / MB for s in series],
+        }
+        print(
+            "RSS max MB, rounds 10..half:",
+            rss["rss_max_mb_rounds_10_to_half"],
+            "second half:",
+            rss["rss_max_mb_second_half"],
+            flush=True,
+        )
 
     result = {
         "command": " ".join([Path(sys.executable).name] + sys.argv),
         "loadavg_at_end": os.getloadavg(),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(),
-                    "note": "all peers, the rendezvous and the TCP baseline share this one "
-                            "machine over loopback; with more peers than cores the round time "
-                            "measures CPU contention (copy, hashing, encode) as much as the "
-                            "protocol. Not a measurement of a real network."},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "note": "all peers, the rendezvous and the TCP baseline share this one "
+            "machine over loopback; with more peers than cores the round time "
+            "measures CPU contention (copy, hashing, encode) as much as the "
+            "protocol. Not a measurement of a real network.",
+        },
         "codec": args.codec,
-        "definitions": {"round_s": "median over rounds (after one warm-up) of the slowest "
-                                   "peer's all_reduce wall time",
-                        "goodput_mbps": "algorithm bandwidth: payload bytes / round_s / 1e6",
-                        "bus_goodput_mbps": "bus bandwidth (NCCL's busbw): payload bytes * "
-                                            "2 (n - 1) / n / round_s / 1e6, the bytes each peer "
-                                            "must receive at least in an all-reduce of n peers "
-                                            "per second; comparable with a link's raw rate",
-                        "raw_tcp_mbps": "payload bytes / best of 3 one-way transfers of the "
-                                        "same bytes between two processes over loopback TCP "
-                                        "(first byte sent to a 1-byte acknowledgement)",
-                        "goodput_vs_raw_tcp": "goodput_mbps / raw_tcp_mbps",
-                        "bus_goodput_vs_raw_tcp": "bus_goodput_mbps / raw_tcp_mbps",
-                        "raw_over_link_mbps": "emulated links: payload bytes / best of 3 "
-                                              "one-way transfers of the same bytes between two "
-                                              "processes through the same throttling proxy "
-                                              "(LinkEmulator, same rate and RTT as a peer's "
-                                              "line), measured in the same run: the physical "
-                                              "limit of one link",
-                        "bus_goodput_vs_raw_over_link": "bus_goodput_mbps / raw_over_link_mbps "
-                                                        "(1.0 = every peer's inbound link "
-                                                        "busy with useful bytes all round)"},
+        "definitions": {
+            "round_s": "median over rounds (after one warm-up) of the slowest peer's all_reduce wall time",
+            "goodput_mbps": "algorithm bandwidth: payload bytes / round_s / 1e6",
+            "bus_goodput_mbps": "bus bandwidth (NCCL's busbw): payload bytes * "
+            "2 (n - 1) / n / round_s / 1e6, the bytes each peer "
+            "must receive at least in an all-reduce of n peers "
+            "per second; comparable with a link's raw rate",
+            "raw_tcp_mbps": "payload bytes / best of 3 one-way transfers of the "
+            "same bytes between two processes over loopback TCP "
+            "(first byte sent to a 1-byte acknowledgement)",
+            "goodput_vs_raw_tcp": "goodput_mbps / raw_tcp_mbps",
+            "bus_goodput_vs_raw_tcp": "bus_goodput_mbps / raw_tcp_mbps",
+            "raw_over_link_mbps": "emulated links: payload bytes / best of 3 "
+            "one-way transfers of the same bytes between two "
+            "processes through the same throttling proxy "
+            "(LinkEmulator, same rate and RTT as a peer's "
+            "line), measured in the same run: the physical "
+            "limit of one link",
+            "bus_goodput_vs_raw_over_link": "bus_goodput_mbps / raw_over_link_mbps "
+            "(1.0 = every peer's inbound link "
+            "busy with useful bytes all round)",
+        },
         "ring_segment_bytes": args.ring_segment_bytes or RING_SEGMENT_BYTES,
-        "table": table, "rss": rss,
-        "emulated_wan": wan, "emulated_links": links,
+        "table": table,
+        "rss": rss,
+        "emulated_wan": wan,
+        "emulated_links": links,
         "emulated_note": "through the throttling TCP proxy of benchmarks/_common.py (its own "
-                         "process): each peer's inbound traffic (every request body crosses "
-                         "the receiver's inbound line) and the rendezvous' have a rate and a "
-                         "one-way delay of RTT/2; uplinks are not limited; all processes still "
-                         "share this machine's cores",
+        "process): each peer's inbound traffic (every request body crosses "
+        "the receiver's inbound line) and the rendezvous' have a rate and a "
+        "one-way delay of RTT/2; uplinks are not limited; all processes still "
+        "share this machine's cores",
     }
     (out / "allreduce.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "allreduce.png")
@@ -422,60 +535,98 @@ def plot(result: dict, path: Path) -> None:
     for mb in sorted({r["payload_mb"] for r in table}):
         color = None
         for algorithm in sorted({r["algorithm"] for r in table}):
-            rows = sorted((r for r in table if r["payload_mb"] == mb
-                           and r["algorithm"] == algorithm), key=lambda r: r["peers"])
+            rows = sorted(
+                (r for r in table if r["payload_mb"] == mb and r["algorithm"] == algorithm), key=lambda r: r["peers"]
+            )
             ns = [r["peers"] for r in rows]
-            line, = axes[0].plot(ns, [r["round_s"] for r in rows], styles.get(algorithm, "o-"),
-                                 color=color, label=f"{algorithm} {mb} MB")
+            (line,) = axes[0].plot(
+                ns, [r["round_s"] for r in rows], styles.get(algorithm, "o-"), color=color, label=f"{algorithm} {mb} MB"
+            )
             color = line.get_color()
-            axes[1].plot(ns, [r["goodput_mbps"] for r in rows], styles.get(algorithm, "o-"),
-                         color=color, label=f"{algorithm} {mb} MB")
+            axes[1].plot(
+                ns,
+                [r["goodput_mbps"] for r in rows],
+                styles.get(algorithm, "o-"),
+                color=color,
+                label=f"{algorithm} {mb} MB",
+            )
             if all("bus_goodput_mbps" in r for r in rows):
-                axes[1].plot(ns, [r["bus_goodput_mbps"] for r in rows],
-                             styles.get(algorithm, "o-"), color=color, alpha=0.35,
-                             label=f"{algorithm} {mb} MB bus")
-        axes[1].axhline(rows[0]["raw_tcp_mbps"], color=color, ls="--",
-                        label=f"raw TCP {mb} MB")
+                axes[1].plot(
+                    ns,
+                    [r["bus_goodput_mbps"] for r in rows],
+                    styles.get(algorithm, "o-"),
+                    color=color,
+                    alpha=0.35,
+                    label=f"{algorithm} {mb} MB bus",
+                )
+        axes[1].axhline(rows[0]["raw_tcp_mbps"], color=color, ls="--", label=f"raw TCP {mb} MB")
     axes[0].set_yscale("log")
     axes[1].set_yscale("log")
-    axes[0].set(xlabel="peers", ylabel="round time (s, log)",
-                title="loopback: round time (slowest peer, median)", xticks=[2, 4, 8])
-    axes[1].set(xlabel="peers", ylabel="MB/s (log)",
-                title="loopback: goodput (payload / round time; faint: bus)", xticks=[2, 4, 8])
+    axes[0].set(
+        xlabel="peers",
+        ylabel="round time (s, log)",
+        title="loopback: round time (slowest peer, median)",
+        xticks=[2, 4, 8],
+    )
+    axes[1].set(
+        xlabel="peers",
+        ylabel="MB/s (log)",
+        title="loopback: goodput (payload / round time; faint: bus)",
+        xticks=[2, 4, 8],
+    )
     axes[0].legend(fontsize=7)
     axes[1].legend(fontsize=7)
     links = result.get("emulated_links") or []
     for algorithm in sorted({r["algorithm"] for r in links}):
         rows = sorted((r for r in links if r["algorithm"] == algorithm), key=lambda r: r["peers"])
-        line, = axes[2].plot([r["peers"] for r in rows], [r["round_s"] for r in rows],
-                             styles.get(algorithm, "o-"), label=algorithm)
+        (line,) = axes[2].plot(
+            [r["peers"] for r in rows], [r["round_s"] for r in rows], styles.get(algorithm, "o-"), label=algorithm
+        )
     if links:
         rows = sorted({r["peers"]: r for r in links}.values(), key=lambda r: r["peers"])
-        axes[2].plot([r["peers"] for r in rows], [r["bandwidth_bound_s"] for r in rows], "k--",
-                     label="bound 2(n-1)/n * payload / rate")
+        axes[2].plot(
+            [r["peers"] for r in rows],
+            [r["bandwidth_bound_s"] for r in rows],
+            "k--",
+            label="bound 2(n-1)/n * payload / rate",
+        )
         if all("raw_over_link_s" in r for r in rows):
-            axes[2].plot([r["peers"] for r in rows],
-                         [2 * (r["peers"] - 1) / r["peers"] * r["raw_over_link_s"] for r in rows],
-                         "k:", label="2(n-1)/n * raw TCP over the same link (measured)")
+            axes[2].plot(
+                [r["peers"] for r in rows],
+                [2 * (r["peers"] - 1) / r["peers"] * r["raw_over_link_s"] for r in rows],
+                "k:",
+                label="2(n-1)/n * raw TCP over the same link (measured)",
+            )
         r0 = links[0]
         wan = result.get("emulated_wan") or []
         wtxt = "; ".join(f"{w['algorithm']} {w['round_s']:.3f} s" for w in wan)
-        axes[2].set(xlabel="peers", ylabel="round time (s)", xticks=[2, 4, 8], ylim=(0, None),
-                    title=f"emulated per-peer links {r0['mbit_per_peer']:g} Mbit/s in, "
-                          f"{r0['payload_mb']} MB fp32")
-        axes[2].legend(fontsize=7, title=f"2 peers 100 Mbit/s 100 ms int4 0.86M: {wtxt}",
-                       title_fontsize=7, loc="upper left")
+        axes[2].set(
+            xlabel="peers",
+            ylabel="round time (s)",
+            xticks=[2, 4, 8],
+            ylim=(0, None),
+            title=f"emulated per-peer links {r0['mbit_per_peer']:g} Mbit/s in, {r0['payload_mb']} MB fp32",
+        )
+        axes[2].legend(
+            fontsize=7, title=f"2 peers 100 Mbit/s 100 ms int4 0.86M: {wtxt}", title_fontsize=7, loc="upper left"
+        )
     if result.get("rss"):
         for i, s in enumerate(result["rss"]["rss_bytes_per_round"]):
             axes[3].plot(np.asarray(s) / MB, label=f"peer {i}")
-        axes[3].set(xlabel="round", ylabel="RSS (MB)", ylim=(0, None),
-                    title=f"RSS, 2 peers, {result['rss']['payload_mb']} MB payload")
+        axes[3].set(
+            xlabel="round",
+            ylabel="RSS (MB)",
+            ylim=(0, None),
+            title=f"RSS, 2 peers, {result['rss']['payload_mb']} MB payload",
+        )
         axes[3].legend()
     loads = [x for r in table + links for x in r.get("loadavg_before_after", [])]
     lt = f"load avg {min(loads):.0f}-{max(loads):.0f} during the runs" if loads else ""
-    fig.suptitle(f"ravnest_jax swarm all-reduce ({result['codec']}): "
-                 f"{result['machine']['cpus']} CPUs shared by all peers and other jobs ({lt})",
-                 fontsize=10)
+    fig.suptitle(
+        f"ravnest_jax swarm all-reduce ({result['codec']}): "
+        f"{result['machine']['cpus']} CPUs shared by all peers and other jobs ({lt})",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -96,8 +96,7 @@ def _bad_requests(rng: random.Random, rv_url: str, peer_url: str, run_id: str, t
     seen: list[dict] = []
 
     def signed(method: str, path: str, body: bytes, tok: bytes = key, peer: str = "chaos") -> dict:
-        h = _auth.sign(tok, method=method, path=path, run_id=run_id, peer=peer,
-                       body_digest=_auth.body_digest(body))
+        h = _auth.sign(tok, method=method, path=path, run_id=run_id, peer=peer, body_digest=_auth.body_digest(body))
         if body:
             h["Content-Type"] = "application/json"
         return h
@@ -109,7 +108,13 @@ def _bad_requests(rng: random.Random, rv_url: str, peer_url: str, run_id: str, t
             yield "unsigned join", "POST", rv_url + rv + "/join", {}, b'{"peer_id": "x"}'
         elif kind == 1:  # the wrong token
             body = json.dumps({"peer_id": "chaos", "address": "http://127.0.0.1:1", "last_round": 0}).encode()
-            yield "wrong token", "POST", rv_url + rv + "/heartbeat", signed("POST", rv + "/heartbeat", body, b"wrong"), body
+            yield (
+                "wrong token",
+                "POST",
+                rv_url + rv + "/heartbeat",
+                signed("POST", rv + "/heartbeat", body, b"wrong"),
+                body,
+            )
         elif kind == 2:  # a forged signature
             body = b'{"peer_id": "chaos"}'
             h = signed("POST", rv + "/leave", body)
@@ -126,11 +131,29 @@ def _bad_requests(rng: random.Random, rv_url: str, peer_url: str, run_id: str, t
                 yield "bad address", "POST", rv_url + rv + "/join", h, body
         elif kind == 4:  # malformed JSON, correctly signed
             body = b'{"peer_id": "chaos", "after": '
-            yield "malformed json", "POST", rv_url + rv + "/rounds/begin", signed("POST", rv + "/rounds/begin", body), body
+            yield (
+                "malformed json",
+                "POST",
+                rv_url + rv + "/rounds/begin",
+                signed("POST", rv + "/rounds/begin", body),
+                body,
+            )
         elif kind == 5:  # bad fields, correctly signed
-            body = json.dumps({"peer_id": "chaos", "address": "http://127.0.0.1:1",
-                               "after": rng.choice(["x", 1.5, None, [1]]), "wait_s": 0}).encode()
-            yield "bad begin fields", "POST", rv_url + rv + "/rounds/begin", signed("POST", rv + "/rounds/begin", body), body
+            body = json.dumps(
+                {
+                    "peer_id": "chaos",
+                    "address": "http://127.0.0.1:1",
+                    "after": rng.choice(["x", 1.5, None, [1]]),
+                    "wait_s": 0,
+                }
+            ).encode()
+            yield (
+                "bad begin fields",
+                "POST",
+                rv_url + rv + "/rounds/begin",
+                signed("POST", rv + "/rounds/begin", body),
+                body,
+            )
         elif kind == 6:
             body = json.dumps({"peer_id": "chaos", "epoch": "x", "attempt": "nope", "phase": "gather"}).encode()
             path = f"{rv}/rounds/{rng.randrange(10**6)}/vote"
@@ -145,25 +168,54 @@ def _bad_requests(rng: random.Random, rv_url: str, peer_url: str, run_id: str, t
             yield "bad path", "GET", rv_url + "/v1/runs/" + secrets.token_hex(4) + "/nothing", {}, b""
         elif kind == 10:  # garbage part to a peer, unsigned
             path = f"{rv}/rounds/{rng.randrange(100)}/0/parts/0"
-            yield "unsigned part", "PUT", peer_url + path, {"Content-Type": "application/octet-stream"}, os.urandom(4096)
+            yield (
+                "unsigned part",
+                "PUT",
+                peer_url + path,
+                {"Content-Type": "application/octet-stream"},
+                os.urandom(4096),
+            )
         elif kind == 11:  # a part signed with the wrong token
             path = f"{rv}/rounds/{rng.randrange(100)}/0/parts/0"
-            h = _auth.sign(b"wrong", method="PUT", path=path, run_id=run_id, peer="chaos",
-                           body_digest=_auth.body_digest(b"junk"), extra="1.0|m")
+            h = _auth.sign(
+                b"wrong",
+                method="PUT",
+                path=path,
+                run_id=run_id,
+                peer="chaos",
+                body_digest=_auth.body_digest(b"junk"),
+                extra="1.0|m",
+            )
             h.update({"X-RJ-Weight": "1.0", "X-RJ-Manifest": "m"})
             yield "wrong-token part", "PUT", peer_url + path, h, b"junk"
         elif kind == 12:  # the state, unsigned
             yield "unsigned state", "GET", peer_url + rv + "/state", {}, b""
         else:  # a ring message with a bad phase, correctly signed
             path = f"{rv}/rounds/{rng.randrange(100)}/0/ring/xx/0/0"
-            h = _auth.sign(key, method="PUT", path=path, run_id=run_id, peer="chaos",
-                           body_digest=_auth.body_digest(b"junk"), extra="nan|m")
+            h = _auth.sign(
+                key,
+                method="PUT",
+                path=path,
+                run_id=run_id,
+                peer="chaos",
+                body_digest=_auth.body_digest(b"junk"),
+                extra="nan|m",
+            )
             h.update({"X-RJ-Weight": "nan", "X-RJ-Manifest": "m"})
             yield "bad ring message", "PUT", peer_url + path, h, b"junk"
 
 
-def attack(stop: threading.Event, pause: threading.Event, n: int, rate: float, targets, run_id: str, token: str,
-           out: list, seed: int) -> None:
+def attack(
+    stop: threading.Event,
+    pause: threading.Event,
+    n: int,
+    rate: float,
+    targets,
+    run_id: str,
+    token: str,
+    out: list,
+    seed: int,
+) -> None:
     """Sends ``n`` bad requests at about ``rate`` per second; appends (t, label, status) to ``out``.
     Waits while ``pause`` is set (the rendezvous is being restarted: nothing listens)."""
     rng = random.Random(seed)
@@ -184,7 +236,7 @@ def attack(stop: threading.Event, pause: threading.Event, n: int, rate: float, t
                     async with session.request(method, url, headers=headers, data=body or None) as r:
                         await r.read()
                         status = r.status
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                except (TimeoutError, aiohttp.ClientError, OSError) as e:
                     status = f"no answer: {type(e).__name__}"  # a target restarting (killed peer)
                 out.append((time.time(), label, status))
                 sent += 1
@@ -215,20 +267,73 @@ def main(argv: list[str] | None = None) -> int:
     (work / "token").write_text(token)
     (work / "token").chmod(0o600)
     # a restarted peer reuses the compiled programs (jax's persistent cache), as a user would
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
-           "JAX_COMPILATION_CACHE_DIR": str(work / "jax-cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
+        "JAX_COMPILATION_CACHE_DIR": str(work / "jax-cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
     port = free_port()
     rv_url = f"http://127.0.0.1:{port}"
     run_id = "chaos"
     max_steps = args.rounds * args.sync_every
-    rv_cmd = [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port", str(port),
-              "--token-file", str(work / "token"), "--heartbeat", "1", "--eviction", "5"]
-    peer_flags = ["--rendezvous", rv_url, "--run-id", run_id, "--token-file", str(work / "token"),
-                  "--listen", "127.0.0.1:0", "--max-steps", str(max_steps), "--schedule-steps", str(max_steps),
-                  "--sync-every", str(args.sync_every), "--overlap-steps", "1", "--codec", "int4",
-                  "--part-timeout", str(args.part_timeout), "--min-step-seconds", str(args.step_seconds),
-                  "--d-model", "64", "--layers", "2", "--heads", "4", "--seq-len", "64", "--batch-size", "8",
-                  "--eval-batches", "2", "--log-every", str(args.sync_every), "--json-events", "--no-progress"]
+    rv_cmd = [
+        sys.executable,
+        "-m",
+        "ravnest_jax.cli",
+        "rendezvous",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--token-file",
+        str(work / "token"),
+        "--heartbeat",
+        "1",
+        "--eviction",
+        "5",
+    ]
+    peer_flags = [
+        "--rendezvous",
+        rv_url,
+        "--run-id",
+        run_id,
+        "--token-file",
+        str(work / "token"),
+        "--listen",
+        "127.0.0.1:0",
+        "--max-steps",
+        str(max_steps),
+        "--schedule-steps",
+        str(max_steps),
+        "--sync-every",
+        str(args.sync_every),
+        "--overlap-steps",
+        "1",
+        "--codec",
+        "int4",
+        "--part-timeout",
+        str(args.part_timeout),
+        "--min-step-seconds",
+        str(args.step_seconds),
+        "--d-model",
+        "64",
+        "--layers",
+        "2",
+        "--heads",
+        "4",
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "8",
+        "--eval-batches",
+        "2",
+        "--log-every",
+        str(args.sync_every),
+        "--json-events",
+        "--no-progress",
+    ]
     rendezvous = [Proc("rendezvous", rv_cmd, work / "rendezvous.log", env)]
     peers: dict[int, list[Proc]] = {}
     kills: list[dict] = []
@@ -240,8 +345,16 @@ def main(argv: list[str] | None = None) -> int:
     t_begin = time.time()
 
     def start_peer(i: int) -> Proc:
-        cmd = [sys.executable, EXAMPLE, *peer_flags, "--checkpoint-dir", str(work / f"ckpt{i}"),
-               "--data-seed", str(i), *(["--min-peers", str(args.peers)] if i not in peers else [])]
+        cmd = [
+            sys.executable,
+            EXAMPLE,
+            *peer_flags,
+            "--checkpoint-dir",
+            str(work / f"ckpt{i}"),
+            "--data-seed",
+            str(i),
+            *(["--min-peers", str(args.peers)] if i not in peers else []),
+        ]
         p = Proc(f"peer{i}", cmd, work / f"peer{i}.log", env)
         peers.setdefault(i, []).append(p)
         return p
@@ -267,9 +380,21 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit("a peer died while starting; see " + str(work))
             time.sleep(0.5)
         peers[0][-1].port = _peer_port(rv_url, run_id, token, "peer", peers[0][-1])
-        attacker = threading.Thread(target=attack, args=(stop_attack, pause_attack, args.bad_requests,
-                                                         args.bad_requests / max(0.6 * max_steps * args.step_seconds, 1),
-                                                         targets, run_id, token, bad, args.seed), daemon=True)
+        attacker = threading.Thread(
+            target=attack,
+            args=(
+                stop_attack,
+                pause_attack,
+                args.bad_requests,
+                args.bad_requests / max(0.6 * max_steps * args.step_seconds, 1),
+                targets,
+                run_id,
+                token,
+                bad,
+                args.seed,
+            ),
+            daemon=True,
+        )
         attacker.start()
         kill_steps = sorted(rng.uniform(0.05, 0.85) * max_steps for _ in range(args.kills))
         kill_after = 0.0  # a random moment once a victim is due and contributing
@@ -286,11 +411,20 @@ def main(argv: list[str] | None = None) -> int:
                         rss.append((now - t_begin, f"peer{i}", v))
             if now - last_ghost > 10.0:
                 last_ghost = now
-                ours = {e["peer"] for ps in peers.values() for p in ps for e in list(p.events) if e.get("event") == "compiling"}
+                ours = {
+                    e["peer"]
+                    for ps in peers.values()
+                    for p in ps
+                    for e in list(p.events)
+                    if e.get("event") == "compiling"
+                }
                 ghosts.update(_ghosts(rv_url, run_id, token, ours))
             if kill_steps and step >= 0.88 * max_steps:
-                print(f"[{now - t_begin:6.1f} s] step {step}: {len(kill_steps)} kills left undone (the restarts "
-                      "must have rounds left to contribute in)", flush=True)
+                print(
+                    f"[{now - t_begin:6.1f} s] step {step}: {len(kill_steps)} kills left undone (the restarts "
+                    "must have rounds left to contribute in)",
+                    flush=True,
+                )
                 kill_steps.clear()
             if kill_steps and step >= kill_steps[0]:
                 n_contributing = sum(contributing(i) for i in peers)
@@ -307,10 +441,19 @@ def main(argv: list[str] | None = None) -> int:
                     victim.p.wait()
                     time.sleep(rng.uniform(0.0, 3.0))
                     new = start_peer(i)
-                    kills.append({"peer": f"peer{i}", "t": victim.killed_at - t_begin, "step": step,
-                                  "was_training": any(e.get("event") == "start" for e in victim.events),
-                                  "restarted_at": new.started - t_begin, "_proc": new})
-                    print(f"[{now - t_begin:6.1f} s] step {step}: kill -9 peer{i} ({len(kills)}/{args.kills})", flush=True)
+                    kills.append(
+                        {
+                            "peer": f"peer{i}",
+                            "t": victim.killed_at - t_begin,
+                            "step": step,
+                            "was_training": any(e.get("event") == "start" for e in victim.events),
+                            "restarted_at": new.started - t_begin,
+                            "_proc": new,
+                        }
+                    )
+                    print(
+                        f"[{now - t_begin:6.1f} s] step {step}: kill -9 peer{i} ({len(kills)}/{args.kills})", flush=True
+                    )
             if not rv_restart and step >= rv_step:
                 old = rendezvous[-1]
                 pause_attack.set()
@@ -327,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.2)
         # the survivors and the last restarted processes finish the run
         deadline = time.time() + 600
-        for i, ps in peers.items():
+        for ps in peers.values():
             while ps[-1].p.poll() is None and time.time() < deadline:
                 time.sleep(0.5)
     finally:
@@ -368,8 +511,16 @@ def _ghosts(rv_url: str, run_id: str, token: str, ours: set[str]) -> set[str]:
 
     async def ask() -> dict:
         async with aiohttp.ClientSession() as s:
-            return await signed_json(s, rv_url, "GET", f"/v1/runs/{run_id}/peers", token=token.encode(),
-                                     run_id=run_id, peer="bench", timeout=aiohttp.ClientTimeout(total=10))
+            return await signed_json(
+                s,
+                rv_url,
+                "GET",
+                f"/v1/runs/{run_id}/peers",
+                token=token.encode(),
+                run_id=run_id,
+                peer="bench",
+                timeout=aiohttp.ClientTimeout(total=10),
+            )
 
     try:
         listed = {p["peer_id"] for p in asyncio.run(ask())["peers"]}
@@ -386,24 +537,41 @@ def _peer_port(rv_url: str, run_id: str, token: str, prefix: str, proc: Proc) ->
 
     async def ask() -> dict:
         async with aiohttp.ClientSession() as s:
-            return await signed_json(s, rv_url, "GET", f"/v1/runs/{run_id}/peers", token=token.encode(),
-                                     run_id=run_id, peer="bench", timeout=aiohttp.ClientTimeout(total=10))
+            return await signed_json(
+                s,
+                rv_url,
+                "GET",
+                f"/v1/runs/{run_id}/peers",
+                token=token.encode(),
+                run_id=run_id,
+                peer="bench",
+                timeout=aiohttp.ClientTimeout(total=10),
+            )
 
     peers = asyncio.run(ask())["peers"]
     addr = next(p["address"] for p in peers if p["peer_id"] == peer_id)
     return int(addr.rsplit(":", 1)[1])
 
 
-def report(args, work: Path, peers: dict, kills: list, rv_restart: dict, bad: list, rss: list, t_begin: float,
-           ghosts: set) -> int:
+def report(
+    args, work: Path, peers: dict, kills: list, rv_restart: dict, bad: list, rss: list, t_begin: float, ghosts: set
+) -> int:
     rounds = []  # every round event of every process
     for i, ps in peers.items():
         for gen, p in enumerate(ps):
             for e in p.events:
                 if e.get("event") == "round":
-                    rounds.append({**{k: e.get(k) for k in ("swarm_round", "ok", "stall_seconds", "state_digest",
-                                                             "group_size", "error")},
-                                   "peer": f"peer{i}", "process": gen, "t": e["t"] - t_begin})
+                    rounds.append(
+                        {
+                            **{
+                                k: e.get(k)
+                                for k in ("swarm_round", "ok", "stall_seconds", "state_digest", "group_size", "error")
+                            },
+                            "peer": f"peer{i}",
+                            "process": gen,
+                            "t": e["t"] - t_begin,
+                        }
+                    )
     by_round: dict[int, set] = {}
     for r in rounds:
         if r["ok"]:
@@ -421,23 +589,28 @@ def report(args, work: Path, peers: dict, kills: list, rv_restart: dict, bad: li
         # rounds peer 0 finished in between
         swarm_rounds = None
         if start is not None and first_ok is not None:
-            swarm_rounds = sum(1 for e in peers[0][-1].events if e.get("event") == "round"
-                               and start["t"] <= e["t"] < mine[first_ok]["t"])
-        k.update({
-            "start_at": None if start is None else start["t"] - t_begin,
-            "first_ok_round_at": None if first_ok is None else mine[first_ok]["t"] - t_begin,
-            "seconds_to_contribute": None if first_ok is None else mine[first_ok]["t"] - t_begin - k["t"],
-            "rounds_before_first_ok": first_ok,
-            "swarm_rounds_from_start_to_first_ok": swarm_rounds,
-            "seconds_restart_to_start": None if start is None else start["t"] - t_begin - k["restarted_at"],
-            "killed_again_before_contributing": p.killed_at is not None and first_ok is None,
-            "joined": None if start is None else start.get("joined"),
-        })
+            swarm_rounds = sum(
+                1
+                for e in peers[0][-1].events
+                if e.get("event") == "round" and start["t"] <= e["t"] < mine[first_ok]["t"]
+            )
+        k.update(
+            {
+                "start_at": None if start is None else start["t"] - t_begin,
+                "first_ok_round_at": None if first_ok is None else mine[first_ok]["t"] - t_begin,
+                "seconds_to_contribute": None if first_ok is None else mine[first_ok]["t"] - t_begin - k["t"],
+                "rounds_before_first_ok": first_ok,
+                "swarm_rounds_from_start_to_first_ok": swarm_rounds,
+                "seconds_restart_to_start": None if start is None else start["t"] - t_begin - k["restarted_at"],
+                "killed_again_before_contributing": p.killed_at is not None and first_ok is None,
+                "joined": None if start is None else start.get("joined"),
+            }
+        )
         rejoin.append(k)
     survivor = [r for r in rounds if r["peer"] == "peer0"]
     stalls = sorted(((r["stall_seconds"] or 0.0), r["swarm_round"]) for r in survivor)
     statuses: dict[str, int] = {}
-    for _, label, status in bad:
+    for _, _label, status in bad:
         statuses[str(status)] = statuses.get(str(status), 0) + 1
     refused_4xx = sum(1 for _, _, s in bad if isinstance(s, int) and 400 <= s < 500)
     answered = sum(1 for _, _, s in bad if isinstance(s, int))
@@ -446,11 +619,22 @@ def report(args, work: Path, peers: dict, kills: list, rv_restart: dict, bad: li
         for p in ps:
             res = next((e["result"] for e in p.events if e.get("event") == "result"), None)
             if res is not None:
-                results.setdefault(f"peer{i}", []).append({k: res[k] for k in (
-                    "final_global_digest", "end_step", "rounds", "failed_rounds", "resyncs", "interrupted")})
+                results.setdefault(f"peer{i}", []).append(
+                    {
+                        k: res[k]
+                        for k in (
+                            "final_global_digest",
+                            "end_step",
+                            "rounds",
+                            "failed_rounds",
+                            "resyncs",
+                            "interrupted",
+                        )
+                    }
+                )
     rss0 = [(t, v) for t, name, v in rss if name == "peer0"]
     third = max(len(rss0) // 3, 1)
-    half = rss0[len(rss0) // 2:]
+    half = rss0[len(rss0) // 2 :]
     slope = None  # MB per hour over the second half (least squares)
     if len(half) > 2:
         mt = sum(t for t, _ in half) / len(half)
@@ -475,11 +659,16 @@ def report(args, work: Path, peers: dict, kills: list, rv_restart: dict, bad: li
             "kills_killed_again_before_contributing": sum(k["killed_again_before_contributing"] for k in rejoin),
             "max_rounds_before_contributing": max((k["rounds_before_first_ok"] for k in contributed), default=None),
             "max_swarm_rounds_from_start_to_contributing": max(
-                (k["swarm_rounds_from_start_to_first_ok"] for k in contributed), default=None),
-            "median_seconds_restart_to_training": (sorted(k["seconds_restart_to_start"] for k in contributed)
-                                                   [len(contributed) // 2] if contributed else None),
-            "median_seconds_kill_to_contributing": (sorted(k["seconds_to_contribute"] for k in contributed)[len(contributed) // 2]
-                                                    if contributed else None),
+                (k["swarm_rounds_from_start_to_first_ok"] for k in contributed), default=None
+            ),
+            "median_seconds_restart_to_training": (
+                sorted(k["seconds_restart_to_start"] for k in contributed)[len(contributed) // 2]
+                if contributed
+                else None
+            ),
+            "median_seconds_kill_to_contributing": (
+                sorted(k["seconds_to_contribute"] for k in contributed)[len(contributed) // 2] if contributed else None
+            ),
             "max_seconds_kill_to_contributing": max((k["seconds_to_contribute"] for k in contributed), default=None),
             "survivor_longest_stall_seconds": stalls[-1][0] if stalls else None,
             "survivor_longest_stall_round": stalls[-1][1] if stalls else None,
@@ -492,13 +681,18 @@ def report(args, work: Path, peers: dict, kills: list, rv_restart: dict, bad: li
             "rendezvous_restart": rv_restart,
             "ghost_peers_registered": sorted(ghosts),
             "peer0_rss_mb_first_third_mean": sum(v for _, v in rss0[:third]) / third if rss0 else None,
-            "peer0_rss_mb_middle_third_mean": (sum(v for _, v in rss0[third:2 * third]) / third
-                                               if len(rss0) >= 3 else None),
+            "peer0_rss_mb_middle_third_mean": (
+                sum(v for _, v in rss0[third : 2 * third]) / third if len(rss0) >= 3 else None
+            ),
             "peer0_rss_mb_last_third_mean": sum(v for _, v in rss0[-third:]) / third if rss0 else None,
             "peer0_rss_mb_per_hour_second_half": slope,
-            "final_digests_equal": len({r["final_global_digest"] for v in results.values() for r in v
-                                        if not r["interrupted"]}) == 1,
-            "final_digests": sorted({r["final_global_digest"] for v in results.values() for r in v if not r["interrupted"]}),
+            "final_digests_equal": len(
+                {r["final_global_digest"] for v in results.values() for r in v if not r["interrupted"]}
+            )
+            == 1,
+            "final_digests": sorted(
+                {r["final_global_digest"] for v in results.values() for r in v if not r["interrupted"]}
+            ),
         },
         "results": results,
         "kills": rejoin,
@@ -539,8 +733,12 @@ def plot(out: dict, path: Path) -> None:
     for name in names:
         rs = [r for r in out["rounds"] if r["peer"] == name]
         ax.plot([r["t"] for r in rs], [r["stall_seconds"] or 0 for r in rs], ".", ms=3, label=name)
-    ax.axhline(out["summary"]["bound_part_deadline_plus_one_round_seconds"], color="tab:red", ls=":",
-               label="part deadline + one round")
+    ax.axhline(
+        out["summary"]["bound_part_deadline_plus_one_round_seconds"],
+        color="tab:red",
+        ls=":",
+        label="part deadline + one round",
+    )
     ax.set_ylabel("stall per round (s)")
     ax.legend(fontsize=7, ncol=5)
     ax = axes[2]

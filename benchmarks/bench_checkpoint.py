@@ -99,8 +99,9 @@ def main() -> None:
             step += 1
             if ckpt is not None and i == save_after:
                 t0 = time.perf_counter()
-                ok = ckpt.save(step, params=params, opt_state=state,
-                               extra={"data_key": key, "data_position": step}, force=True)
+                ok = ckpt.save(
+                    step, params=params, opt_state=state, extra={"data_key": key, "data_position": step}, force=True
+                )
                 blocked = time.perf_counter() - t0
                 assert ok
         jax.block_until_ready((params, state))
@@ -139,8 +140,10 @@ def main() -> None:
         for _ in range(max(3, args.reps // 2)):
             run(2)
             t0 = time.perf_counter()
-            mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                                    opt_state=ocp.args.StandardSave(state)))
+            mngr.save(
+                step,
+                args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(state)),
+            )
             orbax_blocking.append(time.perf_counter() - t0)
             mngr.wait_until_finished()
         mngr.close()
@@ -155,8 +158,11 @@ def main() -> None:
         "benchmark": "checkpoint",
         "command": " ".join(["python", *sys.argv]),
         "machine": char_lm.machine_info(),
-        "load_average_1_5_15min": {"start": load_start, "end": os.getloadavg(),
-                                    "note": "CPUs shared with other jobs while measuring"},
+        "load_average_1_5_15min": {
+            "start": load_start,
+            "end": os.getloadavg(),
+            "note": "CPUs shared with other jobs while measuring",
+        },
         "model": {
             "config": vars(cfg) if hasattr(cfg, "__dict__") else str(cfg),
             "params": int(sum(x.size for x in jax.tree.leaves(params))),
@@ -176,8 +182,11 @@ def main() -> None:
         "extra_block_seconds_per_save": statistics.median(diffs),
         "extra_block_over_inner_step": statistics.median(diffs) / sec_per_step,
         "background_write_remaining_after_block_seconds": statistics.median(waits),
-        "first_save": {"blocked_seconds": first_blocked, "then_wait_seconds": first_wait,
-                       "note": "includes compiling the on-device snapshot copy"},
+        "first_save": {
+            "blocked_seconds": first_blocked,
+            "then_wait_seconds": first_wait,
+            "note": "includes compiling the on-device snapshot copy",
+        },
         "orbax_blocking_phase_seconds": statistics.median(orbax_blocking),
         "raw": {
             "blocked_seconds": blocked,
@@ -190,8 +199,10 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2, default=str))
     print(f"inner step                      {sec_per_step * 1e3:8.2f} ms")
-    print(f"save() blocks the loop for      {blocked_med * 1e3:8.2f} ms  (goal <= one inner step: "
-          f"{'met' if summary['goal_met'] else 'NOT met'})")
+    print(
+        f"save() blocks the loop for      {blocked_med * 1e3:8.2f} ms  (goal <= one inner step: "
+        f"{'met' if summary['goal_met'] else 'NOT met'})"
+    )
     print(f"block with a save is longer by  {summary['extra_block_seconds_per_save'] * 1e3:8.2f} ms")
     print(f"orbax save() on the loop thread {summary['orbax_blocking_phase_seconds'] * 1e3:8.2f} ms (reference)")
     print(f"wrote {args.out}")

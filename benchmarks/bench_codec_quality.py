@@ -69,15 +69,25 @@ def plot(results: list[dict], fp32_loss: float, path: str, title: str, cap: floa
     width = 0.38
     xs = range(len(codecs))
     lo = min([-0.5] + [(r["eval_loss"] / fp32_loss - 1) * 100 - 0.3 for r in results])
-    for off, ef, color, label in ((-width / 2, False, "#a0a0a0", "no error feedback"), (width / 2, True, "#3060c0", "error feedback")):
+    for off, ef, color, label in (
+        (-width / 2, False, "#a0a0a0", "no error feedback"),
+        (width / 2, True, "#3060c0", "error feedback"),
+    ):
         vals = [(by[(c, ef)]["eval_loss"] / fp32_loss - 1) * 100 if (c, ef) in by else float("nan") for c in codecs]
         bars = ax.bar([x + off for x in xs], [min(v, cap) for v in vals], width, color=color, label=label)
         for b, v in zip(bars, vals):
             y = min(v, cap)
             text = f"{v:+.2f}%" + (" (cut)" if v > cap else "")
-            ax.annotate(text, (b.get_x() + b.get_width() / 2, y), ha="center",
-                        va="bottom" if v >= 0 else "top", fontsize=7, rotation=90 if v > cap else 0,
-                        xytext=(0, 2 if v >= 0 else -2), textcoords="offset points")
+            ax.annotate(
+                text,
+                (b.get_x() + b.get_width() / 2, y),
+                ha="center",
+                va="bottom" if v >= 0 else "top",
+                fontsize=7,
+                rotation=90 if v > cap else 0,
+                xytext=(0, 2 if v >= 0 else -2),
+                textcoords="offset points",
+            )
     ax.axhline(0, color="black", lw=0.8)
     ax.axhline(1, color="#d04040", lw=0.8, ls="--", label="+1% (goal for int4/fp4 + EF)")
     ax.set_ylim(lo, cap + 1.2)
@@ -96,13 +106,17 @@ def main(argv=None) -> int:
     if args.replot:
         with open(os.path.join(args.out_dir, "codec_quality.json")) as f:
             summary = json.load(f)
-        plot([r for r in summary["results"] if r["codec"] != "fp32"], summary["fp32_eval_loss"],
-             os.path.join(args.out_dir, "codec_quality.png"), summary["title"])
+        plot(
+            [r for r in summary["results"] if r["codec"] != "fp32"],
+            summary["fp32_eval_loss"],
+            os.path.join(args.out_dir, "codec_quality.png"),
+            summary["title"],
+        )
         return 0
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import char_lm  # examples/char_lm.py
     import jax
 
-    import char_lm  # examples/char_lm.py
     import ravnest_jax.compress as C
 
     cfg = char_lm.ModelConfig(d_model=args.d_model, num_layers=args.layers, num_heads=args.heads, seq_len=args.seq_len)
@@ -113,12 +127,21 @@ def main(argv=None) -> int:
         graphdef, char_lm.eval_batches(evald, batch=32, seq_len=cfg.seq_len, num_batches=args.eval_batches)
     )
     common = dict(
-        replicas=args.replicas, batch=args.batch_size, seq_len=cfg.seq_len, steps=args.steps, lr=args.lr,
-        sync_every=args.sync_every, seed=args.seed, progress=args.progress,
+        replicas=args.replicas,
+        batch=args.batch_size,
+        seq_len=cfg.seq_len,
+        steps=args.steps,
+        lr=args.lr,
+        sync_every=args.sync_every,
+        seed=args.seed,
+        progress=args.progress,
     )
     tokens = args.steps * args.replicas * args.batch_size * cfg.seq_len
-    print(f"model {n_params / 1e6:.2f}M params, {args.replicas} replicas, H={args.sync_every}, "
-          f"{args.steps} steps, {tokens / 1e6:.1f}M tokens per run", flush=True)
+    print(
+        f"model {n_params / 1e6:.2f}M params, {args.replicas} replicas, H={args.sync_every}, "
+        f"{args.steps} steps, {tokens / 1e6:.1f}M tokens per run",
+        flush=True,
+    )
     leaf_sizes = [int(x.size) for x in jax.tree.leaves(params0)]
 
     def ratio(codec: str) -> float:
@@ -150,14 +173,22 @@ def main(argv=None) -> int:
             "seconds": time.perf_counter() - t,
         }
         results.append(r)
-        print(f"  {codec:5s} EF={str(ef):5s} ratio {r['ratio']:.4f}  eval loss {loss:.4f}  "
-              f"({r['vs_fp32_pct']:+.2f}% vs fp32)  {r['seconds']:.0f}s", flush=True)
+        print(
+            f"  {codec:5s} EF={str(ef):5s} ratio {r['ratio']:.4f}  eval loss {loss:.4f}  "
+            f"({r['vs_fp32_pct']:+.2f}% vs fp32)  {r['seconds']:.0f}s",
+            flush=True,
+        )
     os.makedirs(args.out_dir, exist_ok=True)
     summary = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": char_lm.machine_info(),
-        "config": {**vars(args), "model": vars(cfg) if hasattr(cfg, "__dict__") else str(cfg),
-                   "params": int(n_params), "tokens_per_run": tokens, "rounds": args.steps // args.sync_every},
+        "config": {
+            **vars(args),
+            "model": vars(cfg) if hasattr(cfg, "__dict__") else str(cfg),
+            "params": int(n_params),
+            "tokens_per_run": tokens,
+            "rounds": args.steps // args.sync_every,
+        },
         "eval_loss_at_init": evaluate(params0),
         "fp32_eval_loss": fp32_loss,
         "goal": "int4 or fp4 with error feedback within 1% of fp32",
@@ -167,19 +198,25 @@ def main(argv=None) -> int:
         "results": results,
         "seconds": time.perf_counter() - t_all,
     }
-    title = (f"char-LM, {args.replicas} replicas, H={args.sync_every}, {args.steps} steps "
-             f"({tokens / 1e6:.1f}M tokens); fp32 eval loss {fp32_loss:.4f} nats/byte")
+    title = (
+        f"char-LM, {args.replicas} replicas, H={args.sync_every}, {args.steps} steps "
+        f"({tokens / 1e6:.1f}M tokens); fp32 eval loss {fp32_loss:.4f} nats/byte"
+    )
     summary["title"] = title
     json_path = os.path.join(args.out_dir, "codec_quality.json")
     with open(json_path, "w") as f:
         json.dump(summary, f, indent=2, default=str)
-    plot([r for r in results if r["codec"] != "fp32"], fp32_loss, os.path.join(args.out_dir, "codec_quality.png"), title)
+    plot(
+        [r for r in results if r["codec"] != "fp32"], fp32_loss, os.path.join(args.out_dir, "codec_quality.png"), title
+    )
     print()
-    print(f"| codec | error feedback | bytes vs fp32 | eval loss | vs fp32 |")
-    print(f"|---|---|---|---|---|")
+    print("| codec | error feedback | bytes vs fp32 | eval loss | vs fp32 |")
+    print("|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['codec']} | {'yes' if r['error_feedback'] else 'no'} | {r['ratio']:.4f} | "
-              f"{r['eval_loss']:.4f} | {r['vs_fp32_pct']:+.2f}% |")
+        print(
+            f"| {r['codec']} | {'yes' if r['error_feedback'] else 'no'} | {r['ratio']:.4f} | "
+            f"{r['eval_loss']:.4f} | {r['vs_fp32_pct']:+.2f}% |"
+        )
     print(f"wrote {json_path} and codec_quality.png; goal met: {summary['goal_met']}")
     return 0
 

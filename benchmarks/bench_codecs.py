@@ -64,8 +64,11 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--all-cores", action="store_true", help="do not pin to one core")
     p.add_argument("--codecs", default="fp32,fp16,bf16,int8,int4,fp4,topk")
-    p.add_argument("--keep-malloc", action="store_true",
-                   help="leave glibc malloc as it is (a peer calls rj.compress.tune_host_allocator)")
+    p.add_argument(
+        "--keep-malloc",
+        action="store_true",
+        help="leave glibc malloc as it is (a peer calls rj.compress.tune_host_allocator)",
+    )
     p.add_argument(
         "--out",
         default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "codecs.json"),
@@ -196,8 +199,10 @@ def main() -> None:
         row.update({f"{k}_gbps": gb / v.wall for k, v in t.items()})
         # the same pipelines as the sum of their stages' minimum times (optimistic: each stage's
         # luckiest run; the end-to-end figures above pay every new buffer of one real call)
-        stages = {"pipeline_sum": ("device_encode", "to_bytes", "decode"),
-                  "stream_pipeline_sum": ("device_encode", "to_chunks", "stream_decode")}
+        stages = {
+            "pipeline_sum": ("device_encode", "to_bytes", "decode"),
+            "stream_pipeline_sum": ("device_encode", "to_chunks", "stream_decode"),
+        }
         for k, parts in stages.items():
             row[f"{k}_gbps"] = gb / sum(t[p].wall for p in parts)
         row["cpu_gbps"] = {k: gb / v.cpu for k, v in t.items()}
@@ -292,17 +297,22 @@ def plot(result: dict, path: str) -> None:
     for i, (key, label) in enumerate(series):
         ax.bar(xs + (i - (len(series) - 1) / 2) * w, [r[key] for r in rows], w, label=label)
     ax.axhline(1.25, color="k", ls="--", lw=1, label="goal 1.25 GB/s (encode + decode)")
-    ax.axhline(result["memcpy_gbps"], color="grey", ls=":", lw=1,
-               label=f"memcpy {result['memcpy_gbps']:.1f} GB/s")
-    ax.axhline(result["jit_copy_gbps"], color="tab:red", ls=":", lw=1,
-               label=f"jitted copy (new XLA buffer) {result['jit_copy_gbps']:.1f} GB/s")
+    ax.axhline(result["memcpy_gbps"], color="grey", ls=":", lw=1, label=f"memcpy {result['memcpy_gbps']:.1f} GB/s")
+    ax.axhline(
+        result["jit_copy_gbps"],
+        color="tab:red",
+        ls=":",
+        lw=1,
+        label=f"jitted copy (new XLA buffer) {result['jit_copy_gbps']:.1f} GB/s",
+    )
     ax.set_yscale("log")
     ax.set_ylim(top=max(40.0, 4 * result["memcpy_gbps"]))
     ax.set_xticks(xs, [f"{r['codec']}\n{r['ratio']:.3f}x" for r in rows])
     ax.set_ylabel("GB/s of float32 input (log)")
     m = result["machine"]
-    tun = m.get("glibc_tunables") or ("tune_host_allocator" if isinstance(m.get("host_allocator"), dict)
-                                      else "default glibc malloc")
+    tun = m.get("glibc_tunables") or (
+        "tune_host_allocator" if isinstance(m.get("host_allocator"), dict) else "default glibc malloc"
+    )
     ax.set_title(
         f"codecs on one core ({m['cpu_model']}), 2^{int(np.log2(result['size_elements']))} float32, "
         f"min of {result['repeats']}; {tun}; load {m['loadavg_before'][0]:.1f}",

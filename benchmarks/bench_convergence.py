@@ -52,27 +52,33 @@ MODES = ("data_parallel", "blocking_sim", *SWARM_MODES)
 
 
 def check_mode(mode: str) -> str:
-    if mode in MODES or (mode.startswith(("delayed_tau", "eager_tau")) and mode.rsplit("_tau", 1)[1].isdigit()
-                         and int(mode.rsplit("_tau", 1)[1]) >= 1):
+    if mode in MODES or (
+        mode.startswith(("delayed_tau", "eager_tau"))
+        and mode.rsplit("_tau", 1)[1].isdigit()
+        and int(mode.rsplit("_tau", 1)[1]) >= 1
+    ):
         return mode
     raise argparse.ArgumentTypeError(f"unknown mode {mode!r}")
 
 
 def run_swarm_mode(mode: str, args, url: str, graphdef, params0, train, seed: int, log) -> dict:
     """``mode`` on ``args.peers`` real swarm peers; returns eval-ready global params + stats."""
+    import char_lm
     import jax
     import jax.numpy as jnp
     import optax
 
-    import char_lm
     import ravnest_jax as rj
     from ravnest_jax import compress
     from ravnest_jax.swarm import Swarm, Timeouts
 
     n, h = args.peers, args.sync_every
     loss_fn = char_lm.make_loss(graphdef)
-    tx = rj.diloco(char_lm.inner_optimizer(args.lr, args.steps), sync_every=h,
-                   fragments=args.fragments if mode == "fragments_int4" else 1)
+    tx = rj.diloco(
+        char_lm.inner_optimizer(args.lr, args.steps),
+        sync_every=h,
+        fragments=args.fragments if mode == "fragments_int4" else 1,
+    )
 
     @jax.jit
     def train_step(params, state, tokens):
@@ -93,15 +99,17 @@ def run_swarm_mode(mode: str, args, url: str, graphdef, params0, train, seed: in
         leaves, treedef = jax.tree.flatten(state.global_params)
         out, off = [], 0
         for x in leaves:
-            out.append(mean_flat[off:off + x.size].reshape(x.shape))
+            out.append(mean_flat[off : off + x.size].reshape(x.shape))
             off += x.size
         state = tx.outer_step(state, jax.tree.unflatten(treedef, out))
         return jax.tree.map(lambda g: g + 0.0, state.global_params), state
 
     timeouts = Timeouts(connect=10, part=120, grace=1, round=600, heartbeat=1, eviction=30)
     run_id = f"conv-{mode}-{seed}-{time.monotonic_ns()}"
-    swarms = [Swarm(url, run_id=run_id, token=TOKEN, codec="int4", listen="127.0.0.1:0", timeouts=timeouts,
-                    peer_id=f"p{i}") for i in range(n)]
+    swarms = [
+        Swarm(url, run_id=run_id, token=TOKEN, codec="int4", listen="127.0.0.1:0", timeouts=timeouts, peer_id=f"p{i}")
+        for i in range(n)
+    ]
 
     def peer(i: int) -> dict:
         swarm = swarms[i]
@@ -119,7 +127,9 @@ def run_swarm_mode(mode: str, args, url: str, graphdef, params0, train, seed: in
                 if t % 10 == 0:
                     losses.append(float(value))
                 if t % h == 0:
-                    packed, residual = naive_start(params, state, residual, jax.random.fold_in(jax.random.key(0), rounds))
+                    packed, residual = naive_start(
+                        params, state, residual, jax.random.fold_in(jax.random.key(0), rounds)
+                    )
                     vec = compress.decode(compress.packed_to_bytes(jax.device_get(packed)))["pg"]
                     fut = swarm.all_reduce_async({"pg": vec}, weight=float(h * args.batch_size))
                     rounds += 1
@@ -142,8 +152,13 @@ def run_swarm_mode(mode: str, args, url: str, graphdef, params0, train, seed: in
                     losses.append(float(value))
             params, state = sync.flush(params, state)
             s = sync.summary()
-            return {"global": jax.device_get(state.global_params), "losses": losses, "rounds": s["rounds"],
-                    "failed": s["failed_rounds"], "digest": s["last_state_digest"]}
+            return {
+                "global": jax.device_get(state.global_params),
+                "losses": losses,
+                "rounds": s["rounds"],
+                "failed": s["failed_rounds"],
+                "digest": s["last_state_digest"],
+            }
 
     # compile once in this thread: the train step, and the round functions of one OuterSync whose
     # jit cache the other peers' OuterSyncs share (same tx, codec and mode, so the same closures;
@@ -154,8 +169,9 @@ def run_swarm_mode(mode: str, args, url: str, graphdef, params0, train, seed: in
     if mode != "naive_delay":
         sync_mode = "blocking" if mode == "blocking" else ("eager" if mode.startswith("eager") else "delayed")
         tau = 0 if mode == "blocking" else (int(mode.rsplit("_tau", 1)[1]) if "_tau" in mode else 1)
-        syncs = [rj.OuterSync(tx, s, mode=sync_mode, overlap_steps=tau,
-                              samples_per_step=args.batch_size) for s in swarms]
+        syncs = [
+            rj.OuterSync(tx, s, mode=sync_mode, overlap_steps=tau, samples_per_step=args.batch_size) for s in swarms
+        ]
         for s in syncs[1:]:
             s._jit_cache = syncs[0]._jit_cache
         syncs[0].warmup(params0, tx.init(params0))
@@ -169,9 +185,13 @@ def run_swarm_mode(mode: str, args, url: str, graphdef, params0, train, seed: in
         for s in swarms:
             s.close()
     digests = {r.get("digest") for r in res}
-    return {"global": res[0]["global"], "rounds": res[0]["rounds"], "failed_rounds": sum(r["failed"] for r in res),
-            "digests_equal": len(digests) == 1,
-            "train_loss_curve": [float(np.mean(x)) for x in zip(*[r["losses"] for r in res])]}
+    return {
+        "global": res[0]["global"],
+        "rounds": res[0]["rounds"],
+        "failed_rounds": sum(r["failed"] for r in res),
+        "digests_equal": len(digests) == 1,
+        "train_loss_curve": [float(np.mean(x)) for x in zip(*[r["losses"] for r in res])],
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -218,8 +238,13 @@ def plot(result: dict, path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--modes", nargs="+", default=list(MODES), type=check_mode,
-                    help=f"of {MODES}, or delayed_tauN / eager_tauN (int4, overlap N steps)")
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(MODES),
+        type=check_mode,
+        help=f"of {MODES}, or delayed_tauN / eager_tauN (int4, overlap N steps)",
+    )
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--sync-every", type=int, default=50)
@@ -234,8 +259,6 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE / "results" / "convergence.json"))
     args = ap.parse_args()
 
-    import jax
-
     import char_lm
 
     def log(msg: str) -> None:
@@ -245,7 +268,8 @@ def main() -> int:
     train, evald = char_lm.load_corpus(None)
     evaluate = char_lm.make_evaluator(
         char_lm.build_model(cfg, 0)[0],
-        char_lm.eval_batches(evald, batch=32, seq_len=cfg.seq_len, num_batches=args.eval_batches))
+        char_lm.eval_batches(evald, batch=32, seq_len=cfg.seq_len, num_batches=args.eval_batches),
+    )
     tokens = args.steps * args.peers * args.batch_size * args.seq_len
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -264,8 +288,9 @@ def main() -> int:
         result["table"] = table(result)
         out.write_text(json.dumps(result, indent=2, default=str))
 
-    common = dict(replicas=args.peers, batch=args.batch_size, seq_len=args.seq_len, steps=args.steps, lr=args.lr,
-                  progress=False)
+    common = dict(
+        replicas=args.peers, batch=args.batch_size, seq_len=args.seq_len, steps=args.steps, lr=args.lr, progress=False
+    )
     with rendezvous_thread(TOKEN, heartbeat=1, eviction=30) as port:
         url = f"http://127.0.0.1:{port}"
         for seed in args.seeds:
@@ -276,8 +301,9 @@ def main() -> int:
                 if mode == "data_parallel":
                     p, _ = char_lm.train_data_parallel(graphdef, params0, train, seed=seed, **common)
                 elif mode == "blocking_sim":
-                    p, _ = char_lm.train_diloco_simulation(graphdef, params0, train, seed=seed, sync_every=args.sync_every,
-                                                           codec="int4", **common)
+                    p, _ = char_lm.train_diloco_simulation(
+                        graphdef, params0, train, seed=seed, sync_every=args.sync_every, codec="int4", **common
+                    )
                 else:
                     r = run_swarm_mode(mode, args, url, graphdef, params0, train, seed, log)
                     p = r.pop("global")
@@ -315,8 +341,10 @@ def table(result: dict) -> list[dict]:
     for m in [m for m in result["modes"] if m.startswith(("eager_tau", "delayed_tau"))]:
         row = next((r for r in rows if r["mode"] == m), None)
         if row and "rel_vs_blocking_pct_mean" in row:
-            goal[m] = {"rel_vs_blocking_pct_mean": row["rel_vs_blocking_pct_mean"],
-                       "met_within_1pct": abs(row["rel_vs_blocking_pct_mean"]) <= 1.0}
+            goal[m] = {
+                "rel_vs_blocking_pct_mean": row["rel_vs_blocking_pct_mean"],
+                "met_within_1pct": abs(row["rel_vs_blocking_pct_mean"]) <= 1.0,
+            }
     result["goal_within_1pct_of_blocking"] = goal
     naive = next((r for r in rows if r["mode"] == "naive_delay"), None)
     if naive and "rel_vs_blocking_pct_mean" in naive:
@@ -324,7 +352,9 @@ def table(result: dict) -> list[dict]:
         result["naive_delay_worse"] = {
             "naive_rel_vs_blocking_pct_mean": naive["rel_vs_blocking_pct_mean"],
             "worse_than_blocking": naive["rel_vs_blocking_pct_mean"] > 0,
-            "worse_than_eager_and_delayed": all(o is not None and naive["rel_vs_blocking_pct_mean"] > o for o in others),
+            "worse_than_eager_and_delayed": all(
+                o is not None and naive["rel_vs_blocking_pct_mean"] > o for o in others
+            ),
         }
     return rows
 
@@ -337,9 +367,13 @@ def print_table(result: dict) -> None:
         per = " ".join(f"{v:.4f}" for v in r["eval_loss_per_seed"].values())
         vb = r.get("rel_vs_blocking_pct_mean")
         vd = r.get("rel_vs_data_parallel_pct_mean")
-        print(f"| {r['mode']:<15} | {per:<17} | {r['eval_loss_mean']:7.4f} | "
-              f"{'' if vb is None else f'{vb:+.2f}%':>11} | {'' if vd is None else f'{vd:+.2f}%':>7} |")
-    print(f"goal (overlapped modes within 1% of blocking; the issue's goal is for tau=1): {json.dumps(result.get('goal_within_1pct_of_blocking'))}")
+        print(
+            f"| {r['mode']:<15} | {per:<17} | {r['eval_loss_mean']:7.4f} | "
+            f"{'' if vb is None else f'{vb:+.2f}%':>11} | {'' if vd is None else f'{vd:+.2f}%':>7} |"
+        )
+    print(
+        f"goal (overlapped modes within 1% of blocking; the issue's goal is for tau=1): {json.dumps(result.get('goal_within_1pct_of_blocking'))}"
+    )
     print(f"naive one-round delay: {json.dumps(result.get('naive_delay_worse'))}")
 
 

@@ -83,23 +83,31 @@ def mode_tau(mode: str) -> int | str:
 
 
 def check_mode(mode: str) -> str:
-    if mode in MODES or mode in AUTO_MODES or (mode.startswith(("delayed_tau", "eager_tau", "fragments_int4_tau")) and mode.rsplit("_tau", 1)[1].isdigit()
-                         and mode_tau(mode) >= 1):
+    if (
+        mode in MODES
+        or mode in AUTO_MODES
+        or (
+            mode.startswith(("delayed_tau", "eager_tau", "fragments_int4_tau"))
+            and mode.rsplit("_tau", 1)[1].isdigit()
+            and mode_tau(mode) >= 1
+        )
+    ):
         return mode
-    raise argparse.ArgumentTypeError(f"unknown mode {mode!r}: one of {MODES + AUTO_MODES} or delayed_tauN / "
-                                     "eager_tauN / fragments_int4_tauN")
+    raise argparse.ArgumentTypeError(
+        f"unknown mode {mode!r}: one of {MODES + AUTO_MODES} or delayed_tauN / eager_tauN / fragments_int4_tauN"
+    )
 
 
 def needed_bandwidth(bws: list[float], utils: list[float], target: float) -> str | float:
     """Smallest bandwidth reaching ``target``, log-linear interpolation between sweep points."""
     pts = sorted(zip(bws, utils))
     if pts[0][1] >= target:
-        return "<=%g" % pts[0][0]
+        return f"<={pts[0][0]:g}"
     for (b0, u0), (b1, u1) in zip(pts, pts[1:]):
         if u0 < target <= u1:
             f = (target - u0) / (u1 - u0)
             return float(math.exp(math.log(b0) + f * (math.log(b1) - math.log(b0))))
-    return ">%g" % pts[-1][0]
+    return f">{pts[-1][0]:g}"
 
 
 def _peer_process(i: int, mode: str, args: argparse.Namespace, net: dict, barrier, results) -> None:
@@ -118,15 +126,14 @@ def _peer_process(i: int, mode: str, args: argparse.Namespace, net: dict, barrie
 
 
 def _peer_run(i: int, mode: str, args: argparse.Namespace, net: dict, barrier) -> list[dict]:
+    import char_lm
     import jax
     import optax
 
-    import char_lm
     import ravnest_jax as rj
     from ravnest_jax.swarm import Swarm, Timeouts
 
-    cfg = char_lm.ModelConfig(d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
-                              seq_len=args.seq_len)
+    cfg = char_lm.ModelConfig(d_model=args.d_model, num_layers=args.layers, num_heads=args.heads, seq_len=args.seq_len)
     train, _ = char_lm.load_corpus(None)
     graphdef, params0 = char_lm.build_model(cfg, seed=args.seed)  # the same params on every peer
     loss_fn = char_lm.make_loss(graphdef)
@@ -142,6 +149,7 @@ def _peer_run(i: int, mode: str, args: argparse.Namespace, net: dict, barrier) -
     wait = args.barrier_timeout
 
     if mode == "data_parallel":
+
         @jax.jit
         def grad_fn(params, tokens):
             return jax.grad(loss_fn)(params, tokens)
@@ -161,10 +169,16 @@ def _peer_run(i: int, mode: str, args: argparse.Namespace, net: dict, barrier) -
 
     timeouts = Timeouts(connect=10, part=120, grace=1, round=600, heartbeat=1, eviction=20)
     records: list[dict] = []
-    swarm = Swarm(net["rendezvous"], run_id=net["run_id"], token=TOKEN,
-                  codec="fp32" if mode == "data_parallel" else "int4",
-                  listen=f"127.0.0.1:{net['listen'][i]}", advertise=f"http://127.0.0.1:{net['advertise'][i]}",
-                  timeouts=timeouts, peer_id=f"peer{i}")
+    swarm = Swarm(
+        net["rendezvous"],
+        run_id=net["run_id"],
+        token=TOKEN,
+        codec="fp32" if mode == "data_parallel" else "int4",
+        listen=f"127.0.0.1:{net['listen'][i]}",
+        advertise=f"http://127.0.0.1:{net['advertise'][i]}",
+        timeouts=timeouts,
+        peer_id=f"peer{i}",
+    )
     with swarm:
         swarm.wait_for_peers(net["peers"], timeout=120)
         rng = np.random.default_rng([args.seed, i])
@@ -196,7 +210,7 @@ def _peer_run(i: int, mode: str, args: argparse.Namespace, net: dict, barrier) -
                 t2 = time.perf_counter()
                 flat, off, parts = mean["g"], 0, []
                 for x in leaves:
-                    parts.append(flat[off:off + x.size].reshape(x.shape))
+                    parts.append(flat[off : off + x.size].reshape(x.shape))
                     off += x.size
                 params, state = apply_fn(params, state, jax.tree.unflatten(treedef, parts))
                 jax.block_until_ready(params)
@@ -238,20 +252,32 @@ def _peer_run(i: int, mode: str, args: argparse.Namespace, net: dict, barrier) -
                 if k > 0.002:
                     slow_syncs.append((j, round(k, 4)))
             wall = time.perf_counter() - t_start
-            rec = {"mode": mode, "peer": i, "bandwidth_mbit": bw, "rtt_ms": rtt, "steps": seg_steps,
-                   "wall_seconds": wall, "compute_seconds": compute, "sync_seconds": comm,
-                   "utilisation": compute / wall,
-                   "nominal_utilisation": seg_steps * args.step_seconds / wall,
-                   "slow_sync_calls": slow_syncs}
+            rec = {
+                "mode": mode,
+                "peer": i,
+                "bandwidth_mbit": bw,
+                "rtt_ms": rtt,
+                "steps": seg_steps,
+                "wall_seconds": wall,
+                "compute_seconds": compute,
+                "sync_seconds": comm,
+                "utilisation": compute / wall,
+                "nominal_utilisation": seg_steps * args.step_seconds / wall,
+                "slow_sync_calls": slow_syncs,
+            }
             if sync is not None:
                 ms = sync.metrics[m0:]
-                rec.update(rounds=len(ms), ok_rounds=sum(m.ok for m in ms), pending_at_end=sync.pending,
-                           stall_seconds=sync.stall_seconds - stall0,
-                           bytes_sent=int(sum(m.bytes_sent for m in ms)),
-                           exchange_seconds=[round(m.exchange_seconds, 3) for m in ms],
-                           library_compute_utilisation=[round(m.compute_utilisation, 4) for m in ms],
-                           overlap_steps=[m.overlap_steps for m in ms],
-                           errors=[m.error for m in ms if m.error])
+                rec.update(
+                    rounds=len(ms),
+                    ok_rounds=sum(m.ok for m in ms),
+                    pending_at_end=sync.pending,
+                    stall_seconds=sync.stall_seconds - stall0,
+                    bytes_sent=int(sum(m.bytes_sent for m in ms)),
+                    exchange_seconds=[round(m.exchange_seconds, 3) for m in ms],
+                    library_compute_utilisation=[round(m.compute_utilisation, 4) for m in ms],
+                    overlap_steps=[m.overlap_steps for m in ms],
+                    errors=[m.error for m in ms if m.error],
+                )
             records.append(rec)
         barrier.wait(wait)  # done measuring; the parent sets a fast link for the last round
         barrier.wait(wait)
@@ -270,8 +296,10 @@ def run_mode(mode: str, args, net: dict, links, emu, log) -> list[dict]:
     results = ctx.Queue()
     net = {**net, "links": links, "run_id": f"util-{mode}"}
     emu.set_all(1000, 0)
-    procs = [ctx.Process(target=_peer_process, args=(i, mode, args, net, barrier, results), name=f"peer{i}",
-                         daemon=True) for i in range(n)]
+    procs = [
+        ctx.Process(target=_peer_process, args=(i, mode, args, net, barrier, results), name=f"peer{i}", daemon=True)
+        for i in range(n)
+    ]
     for p in procs:
         p.start()
     wait = args.barrier_timeout
@@ -311,9 +339,11 @@ def run_mode(mode: str, args, net: dict, links, emu, log) -> list[dict]:
     runs = [r for i in sorted(got) for r in got[i]]
     for r in runs:
         if r["peer"] == 0:
-            log(f"  {mode:<15} {r['bandwidth_mbit']:>6g} Mbit/s {r['rtt_ms']:>4g} ms  utilisation "
+            log(
+                f"  {mode:<15} {r['bandwidth_mbit']:>6g} Mbit/s {r['rtt_ms']:>4g} ms  utilisation "
                 f"{np.mean([q['utilisation'] for q in runs if (q['bandwidth_mbit'], q['rtt_ms']) == (r['bandwidth_mbit'], r['rtt_ms'])]):.3f}"
-                f"  (wall {r['wall_seconds']:.1f}s, sync {r['sync_seconds']:.2f}s)")
+                f"  (wall {r['wall_seconds']:.1f}s, sync {r['sync_seconds']:.2f}s)"
+            )
     return runs
 
 
@@ -328,8 +358,11 @@ def plot(result: dict, path: Path) -> None:
     for row, ylim in enumerate(((0, 1.02), (0.7, 1.0))):
         for ax, rtt in zip(axes[row], rtts):
             for mode in result["modes"]:
-                pts = sorted((r["bandwidth_mbit"], r["utilisation"]) for r in result["summary"]
-                             if r["mode"] == mode and r["rtt_ms"] == rtt)
+                pts = sorted(
+                    (r["bandwidth_mbit"], r["utilisation"])
+                    for r in result["summary"]
+                    if r["mode"] == mode and r["rtt_ms"] == rtt
+                )
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=mode)
             for y in TARGETS:
@@ -343,8 +376,10 @@ def plot(result: dict, path: Path) -> None:
                 ax.set_xlabel("link bandwidth (Mbit/s, each direction)")
         axes[row][0].set_ylabel("compute utilisation")
     axes[0][-1].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"char-LM {result['config']['params'] / 1e6:.2f}M params, 2 peers, "
-                 f"{result['config']['step_seconds']} s/step emulated, H={result['config']['sync_every']}")
+    fig.suptitle(
+        f"char-LM {result['config']['params'] / 1e6:.2f}M params, 2 peers, "
+        f"{result['config']['step_seconds']} s/step emulated, H={result['config']['sync_every']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -353,8 +388,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bandwidths", type=float, nargs="+", default=[10, 30, 100, 300, 1000], help="Mbit/s")
     ap.add_argument("--rtts", type=float, nargs="+", default=[0, 50, 200], help="ms")
-    ap.add_argument("--modes", nargs="+", default=list(MODES + AUTO_MODES), type=check_mode,
-                    help=f"of {MODES}, or delayed_tauN / eager_tauN (overlap N steps, int4, F=1) / fragments_int4_tauN")
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(MODES + AUTO_MODES),
+        type=check_mode,
+        help=f"of {MODES}, or delayed_tauN / eager_tauN (overlap N steps, int4, F=1) / fragments_int4_tauN",
+    )
     ap.add_argument("--step-seconds", type=float, default=0.15, help="emulated inner-step time")
     ap.add_argument("--sync-every", type=int, default=50)
     ap.add_argument("--fragments", type=int, default=2)
@@ -370,8 +410,12 @@ def main() -> int:
     ap.add_argument("--no-throttle-rendezvous", action="store_true")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 links, 1 round")
     ap.add_argument("--out", default=str(HERE / "results" / "utilization.json"))
-    ap.add_argument("--barrier-timeout", type=float, default=900.0,
-                    help="seconds the parent and peers wait for each other at a link change")
+    ap.add_argument(
+        "--barrier-timeout",
+        type=float,
+        default=900.0,
+        help="seconds the parent and peers wait for each other at a link change",
+    )
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the JSON at --out")
     args = ap.parse_args()
     if args.replot:
@@ -394,9 +438,8 @@ def main() -> int:
         emu.set(3, 0, 0)
         emu.frozen = {2, 3}
 
-    import jax
-
     import char_lm
+    import jax
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -407,17 +450,21 @@ def main() -> int:
     links = [(b, r) for r in args.rtts for b in args.bandwidths]
     if 100.0 in args.bandwidths and 100.0 not in args.rtts and not args.quick:
         links.append((100.0, 100.0))  # the goal point
-    log(f"model {n_params / 1e6:.2f}M params; {len(links)} links x {len(args.modes)} modes; "
-        f"{n} peer processes per mode")
+    log(
+        f"model {n_params / 1e6:.2f}M params; {len(links)} links x {len(args.modes)} modes; {n} peer processes per mode"
+    )
     t0 = time.perf_counter()
     runs: list[dict] = []
     with rendezvous_thread(TOKEN, port=rv_port, heartbeat=1, eviction=20):
         try:
             for mode in args.modes:
                 kind = "dp" if mode == "data_parallel" else "diloco"
-                net = {"peers": n, "rendezvous": f"http://127.0.0.1:{rv_proxy}",
-                       "listen": [ports[(kind, i)] for i in range(n)],
-                       "advertise": [proxy[(kind, i)] for i in range(n)]}
+                net = {
+                    "peers": n,
+                    "rendezvous": f"http://127.0.0.1:{rv_proxy}",
+                    "listen": [ports[(kind, i)] for i in range(n)],
+                    "advertise": [proxy[(kind, i)] for i in range(n)],
+                }
                 tm = time.perf_counter()
                 runs += run_mode(mode, args, net, links, emu, log)
                 log(f"{mode}: {time.perf_counter() - tm:.0f} s")
@@ -428,9 +475,15 @@ def main() -> int:
     for mode in args.modes:
         for bw, rtt in links:
             rs = [r for r in runs if r["mode"] == mode and r["bandwidth_mbit"] == bw and r["rtt_ms"] == rtt]
-            summary.append({"mode": mode, "bandwidth_mbit": bw, "rtt_ms": rtt,
-                            "utilisation": float(np.mean([r["utilisation"] for r in rs])),
-                            "nominal_utilisation": float(np.mean([r["nominal_utilisation"] for r in rs]))})
+            summary.append(
+                {
+                    "mode": mode,
+                    "bandwidth_mbit": bw,
+                    "rtt_ms": rtt,
+                    "utilisation": float(np.mean([r["utilisation"] for r in rs])),
+                    "nominal_utilisation": float(np.mean([r["nominal_utilisation"] for r in rs])),
+                }
+            )
     table = []
     for mode in args.modes:
         for rtt in sorted({r for _, r in links}):
@@ -438,8 +491,13 @@ def main() -> int:
             if len(pts) < 2:
                 continue
             bws, us = zip(*pts)
-            table.append({"mode": mode, "rtt_ms": rtt,
-                          **{f"mbit_for_{int(t * 100)}pct": needed_bandwidth(list(bws), list(us), t) for t in TARGETS}})
+            table.append(
+                {
+                    "mode": mode,
+                    "rtt_ms": rtt,
+                    **{f"mbit_for_{int(t * 100)}pct": needed_bandwidth(list(bws), list(us), t) for t in TARGETS},
+                }
+            )
     goal = {}
     for mode in [m for m in args.modes if m not in ("data_parallel", "blocking")]:
         pt = [s for s in summary if s["mode"] == mode and s["bandwidth_mbit"] == 100 and s["rtt_ms"] == 100]
@@ -449,9 +507,14 @@ def main() -> int:
         "benchmark": "utilization",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine_info(),
-        "config": {**vars(args), "params": n_params, "peers": n, "links": links,
-                   "rendezvous_throttled": not args.no_throttle_rendezvous,
-                   "payload_bytes_fp32": 4 * n_params},
+        "config": {
+            **vars(args),
+            "params": n_params,
+            "peers": n,
+            "links": links,
+            "rendezvous_throttled": not args.no_throttle_rendezvous,
+            "payload_bytes_fp32": 4 * n_params,
+        },
         "modes": list(args.modes),
         "seconds": time.perf_counter() - t0,
         "runs": runs,
@@ -471,8 +534,10 @@ def main() -> int:
     print(f"| {'mode':<15} | {'RTT ms':>6} | {'90%':>7} | {'95%':>7} | {'99%':>7} |")
     print(f"|{'-' * 17}|{'-' * 8}|{'-' * 9}|{'-' * 9}|{'-' * 9}|")
     for t in table:
-        print(f"| {t['mode']:<15} | {t['rtt_ms']:6g} | {fmt(t['mbit_for_90pct']):>7} | {fmt(t['mbit_for_95pct']):>7} | "
-              f"{fmt(t['mbit_for_99pct']):>7} |")
+        print(
+            f"| {t['mode']:<15} | {t['rtt_ms']:6g} | {fmt(t['mbit_for_90pct']):>7} | {fmt(t['mbit_for_95pct']):>7} | "
+            f"{fmt(t['mbit_for_99pct']):>7} |"
+        )
     print(f"\ngoal >= 95% at 100 Mbit/s, 100 ms RTT: {json.dumps(goal)}")
     print(f"wrote {out} and {out.with_suffix('.png')} ({result['seconds']:.0f} s)")
     return 0

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -40,8 +39,8 @@ import platform
 import sys
 import sysconfig
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -61,7 +60,9 @@ def stdlib_files() -> list[Path]:
     return files
 
 
-def load_corpus(text: str | None = None, *, eval_every: int = 10, max_bytes: int = 64 << 20) -> tuple[np.ndarray, np.ndarray]:
+def load_corpus(
+    text: str | None = None, *, eval_every: int = 10, max_bytes: int = 64 << 20
+) -> tuple[np.ndarray, np.ndarray]:
     """Loads real text as bytes.
 
     Args:
@@ -319,33 +320,52 @@ def run_simulation(args: argparse.Namespace) -> dict:
         f"model: {n_params / 1e6:.2f}M params; {args.replicas} replicas x batch {args.batch_size} x "
         f"{cfg.seq_len} bytes x {args.steps} steps = {tokens / 1e6:.1f}M tokens per run"
     )
-    evaluate = make_evaluator(graphdef, eval_batches(evald, batch=32, seq_len=cfg.seq_len, num_batches=args.eval_batches))
+    evaluate = make_evaluator(
+        graphdef, eval_batches(evald, batch=32, seq_len=cfg.seq_len, num_batches=args.eval_batches)
+    )
     common = dict(
-        replicas=args.replicas, batch=args.batch_size, seq_len=cfg.seq_len, steps=args.steps, lr=args.lr,
-        seed=args.seed, progress=not args.no_progress,
+        replicas=args.replicas,
+        batch=args.batch_size,
+        seq_len=cfg.seq_len,
+        steps=args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        progress=not args.no_progress,
     )
     results: dict[str, dict] = {}
     init_loss = evaluate(params0)
     t = time.perf_counter()
     p, train_loss = train_data_parallel(graphdef, params0, train, **common)
     results["data_parallel"] = {
-        "eval_loss": evaluate(p), "train_loss": train_loss, "seconds": time.perf_counter() - t,
-        "outer_rounds": 0, "exchanges": args.steps,
+        "eval_loss": evaluate(p),
+        "train_loss": train_loss,
+        "seconds": time.perf_counter() - t,
+        "outer_rounds": 0,
+        "exchanges": args.steps,
     }
     print(f"  data-parallel        eval loss {results['data_parallel']['eval_loss']:.4f}")
     for h in args.sync_every_list:
         t = time.perf_counter()
         p, train_loss = train_diloco_simulation(graphdef, params0, train, sync_every=h, codec=args.codec, **common)
         results[f"diloco_h{h}"] = {
-            "sync_every": h, "eval_loss": evaluate(p), "train_loss": train_loss,
-            "seconds": time.perf_counter() - t, "outer_rounds": args.steps // h, "exchanges": args.steps // h,
+            "sync_every": h,
+            "eval_loss": evaluate(p),
+            "train_loss": train_loss,
+            "seconds": time.perf_counter() - t,
+            "outer_rounds": args.steps // h,
+            "exchanges": args.steps // h,
         }
         print(f"  DiLoCo H={h:<4d}         eval loss {results[f'diloco_h{h}']['eval_loss']:.4f}")
     summary = {
         "mode": "simulation",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine_info(),
-        "config": {**run_config(args), "model": dataclasses.asdict(cfg), "params": int(n_params), "tokens_per_run": tokens},
+        "config": {
+            **run_config(args),
+            "model": dataclasses.asdict(cfg),
+            "params": int(n_params),
+            "tokens_per_run": tokens,
+        },
         "eval_loss_at_init": init_loss,
         "results": results,
         "seconds": time.perf_counter() - t0,
@@ -528,10 +548,15 @@ def run_peer(args: argparse.Namespace) -> dict:
     cfg = ModelConfig(d_model=args.d_model, num_layers=args.layers, num_heads=args.heads, seq_len=args.seq_len)
     train, evald = load_corpus(args.text)
     graphdef, params = build_model(cfg, seed=args.seed)  # identical on every peer
-    evaluate = make_evaluator(graphdef, eval_batches(evald, batch=32, seq_len=cfg.seq_len, num_batches=args.eval_batches))
+    evaluate = make_evaluator(
+        graphdef, eval_batches(evald, batch=32, seq_len=cfg.seq_len, num_batches=args.eval_batches)
+    )
     loss_fn = make_loss(graphdef)
-    tx = rj.diloco(inner_optimizer(args.lr, args.schedule_steps or args.max_steps), sync_every=args.sync_every,
-                   fragments=args.fragments)
+    tx = rj.diloco(
+        inner_optimizer(args.lr, args.schedule_steps or args.max_steps),
+        sync_every=args.sync_every,
+        fragments=args.fragments,
+    )
     mesh = peer_mesh(args.devices)
     state = tx.init(params)
     params, state, put_batch = place_on_mesh(mesh, args.layout, params, state)
@@ -542,7 +567,11 @@ def run_peer(args: argparse.Namespace) -> dict:
         return optax.apply_updates(params, updates), state, value
 
     # on a mesh the step keeps the layouts of params and state (XLA would otherwise choose)
-    layouts = None if mesh is None else (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, state), None)
+    layouts = (
+        None
+        if mesh is None
+        else (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, state), None)
+    )
     train_step = jax.jit(step, donate_argnums=(0, 1), out_shardings=layouts)
 
     n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -555,15 +584,48 @@ def run_peer(args: argparse.Namespace) -> dict:
         rec = dataclasses.asdict(m)
         rec["train_loss"] = last_logged_loss[0]  # this peer's last logged train loss
         rounds_log.append(rec)
-        _emit(args, event="round", **{k: rec[k] for k in ("round", "swarm_round", "step", "ok", "group_size", "bytes_sent", "exchange_seconds", "stall_seconds", "state_digest", "error")})
+        _emit(
+            args,
+            event="round",
+            **{
+                k: rec[k]
+                for k in (
+                    "round",
+                    "swarm_round",
+                    "step",
+                    "ok",
+                    "group_size",
+                    "bytes_sent",
+                    "exchange_seconds",
+                    "stall_seconds",
+                    "state_digest",
+                    "error",
+                )
+            },
+        )
 
     # the swarm joins the run only once this peer is compiled and ready: a registered peer is in
     # every round's group, and one still compiling would cost the others a timeout
-    swarm = rj.Swarm(args.rendezvous, run_id=args.run_id, token=token, codec=args.codec, listen=args.listen,
-                     advertise=args.advertise, timeouts=timeouts, peer_id=peer_id)
+    swarm = rj.Swarm(
+        args.rendezvous,
+        run_id=args.run_id,
+        token=token,
+        codec=args.codec,
+        listen=args.listen,
+        advertise=args.advertise,
+        timeouts=timeouts,
+        peer_id=peer_id,
+    )
     mode = "blocking" if args.overlap_steps == 0 and args.mode != "eager" else args.mode
-    sync = rj.OuterSync(tx, swarm, mode=mode, overlap_steps=args.overlap_steps, alpha=args.alpha,
-                        samples_per_step=args.batch_size, on_round=on_round)
+    sync = rj.OuterSync(
+        tx,
+        swarm,
+        mode=mode,
+        overlap_steps=args.overlap_steps,
+        alpha=args.alpha,
+        samples_per_step=args.batch_size,
+        on_round=on_round,
+    )
     tokens0 = put_batch(sample_batch(train, np.random.default_rng([data_seed, 0]), args.batch_size, cfg.seq_len))
     train_step.lower(params, state, tokens0).compile()
     sync.warmup(params, state)
@@ -577,8 +639,12 @@ def run_peer(args: argparse.Namespace) -> dict:
     if args.checkpoint_dir:
         # saves happen between rounds (no exchange in flight), at most every `save_every` steps;
         # with overlapped rounds that is once the round merged (tau steps after its boundary)
-        ckpt = rj.Checkpointer(args.checkpoint_dir, max_to_keep=3, save_interval_steps=1,
-                               metadata={"run_id": args.run_id, "peer": peer_id, "example": "char_lm"})
+        ckpt = rj.Checkpointer(
+            args.checkpoint_dir,
+            max_to_keep=3,
+            save_interval_steps=1,
+            metadata={"run_id": args.run_id, "peer": peer_id, "example": "char_lm"},
+        )
     wall = 0.0
     interrupted = False
     start_step = int(state.count)
@@ -590,12 +656,23 @@ def run_peer(args: argparse.Namespace) -> dict:
         params, state = got.params, got.state
         joined, resumed_from = got.how == "joined", got.resumed_from
         if got.how in ("resumed", "restarted"):
-            print(f"{'whole-swarm restart: ' if got.how == 'restarted' else ''}resumed from {args.checkpoint_dir} "
-                  f"at step {resumed_from}", file=sys.stderr)
+            print(
+                f"{'whole-swarm restart: ' if got.how == 'restarted' else ''}resumed from {args.checkpoint_dir} "
+                f"at step {resumed_from}",
+                file=sys.stderr,
+            )
         start_step = int(state.count)
         if joined or resumed_from is not None:  # the loss where this process takes over
             eval_start = evaluate(state.global_params)
-        _emit(args, event="start", peer=swarm.peer_id, step=start_step, eval_loss=eval_start, params=int(n_params), joined=joined)
+        _emit(
+            args,
+            event="start",
+            peer=swarm.peer_id,
+            step=start_step,
+            eval_loss=eval_start,
+            params=int(n_params),
+            joined=joined,
+        )
         bar = None
         if not args.json_events and not args.no_progress:
             from tqdm.auto import tqdm
@@ -615,7 +692,9 @@ def run_peer(args: argparse.Namespace) -> dict:
                 if _LOOP["stop"]:
                     raise KeyboardInterrupt
                 consistent = False
-                tokens = put_batch(sample_batch(train, np.random.default_rng([data_seed, t]), args.batch_size, cfg.seq_len))
+                tokens = put_batch(
+                    sample_batch(train, np.random.default_rng([data_seed, t]), args.batch_size, cfg.seq_len)
+                )
                 params, state, value = train_step(params, state, tokens)
                 params, state = sync(params, state)
                 t_prev, t = t, sync.step  # steps done; a resync may move this peer to the swarm's step
@@ -656,43 +735,69 @@ def run_peer(args: argparse.Namespace) -> dict:
         summary = sync.summary()
         # the digest of the last merge (no compilation at exit); computed only after a resync
         final_digest = sync.global_state_digest or (
-            digest_hex(device_digest((state.global_params, state.outer_state))) if consistent else None)
-    return json_safe({
-        "peer": peer_id,
-        "run_id": args.run_id,
-        "listen": listen,
-        "address": swarm.address,
-        "interrupted": interrupted,
-        "devices": 1 if mesh is None else mesh.size,
-        "layout": "single" if mesh is None else args.layout,
-        "joined_running_swarm": joined,
-        "resumed_from_step": resumed_from,
-        "start_step": start_step,
-        "end_step": t,
-        "steps": t - start_step,
-        "params": int(n_params),
-        "eval_loss_start": eval_start,
-        "eval_loss_end": eval_end,
-        "rounds": summary["rounds"],
-        "failed_rounds": summary["failed_rounds"],
-        "resyncs": summary["resyncs"],
-        "bytes_sent": summary["bytes_sent"],
-        "bytes_received": summary["bytes_received"],
-        "stall_seconds": summary["stall_seconds"],
-        "mean_overlap_steps": summary["mean_overlap_steps"],
-        "compute_utilisation": summary["compute_utilisation"],
-        "wall_seconds": wall,
-        "final_global_digest": final_digest,
-        "round_digests": [r["state_digest"] for r in rounds_log if r["ok"]],
-        "checkpoint_steps": ckpt.saved_steps() if ckpt is not None else [],
-        "round_log": rounds_log,
-    })
+            digest_hex(device_digest((state.global_params, state.outer_state))) if consistent else None
+        )
+    return json_safe(
+        {
+            "peer": peer_id,
+            "run_id": args.run_id,
+            "listen": listen,
+            "address": swarm.address,
+            "interrupted": interrupted,
+            "devices": 1 if mesh is None else mesh.size,
+            "layout": "single" if mesh is None else args.layout,
+            "joined_running_swarm": joined,
+            "resumed_from_step": resumed_from,
+            "start_step": start_step,
+            "end_step": t,
+            "steps": t - start_step,
+            "params": int(n_params),
+            "eval_loss_start": eval_start,
+            "eval_loss_end": eval_end,
+            "rounds": summary["rounds"],
+            "failed_rounds": summary["failed_rounds"],
+            "resyncs": summary["resyncs"],
+            "bytes_sent": summary["bytes_sent"],
+            "bytes_received": summary["bytes_received"],
+            "stall_seconds": summary["stall_seconds"],
+            "mean_overlap_steps": summary["mean_overlap_steps"],
+            "compute_utilisation": summary["compute_utilisation"],
+            "wall_seconds": wall,
+            "final_global_digest": final_digest,
+            "round_digests": [r["state_digest"] for r in rounds_log if r["ok"]],
+            "checkpoint_steps": ckpt.saved_steps() if ckpt is not None else [],
+            "round_log": rounds_log,
+        }
+    )
 
 
 # ---------------------------------------------------------------------------- swarm: a launcher
-_FORWARD = ("text", "sync_every", "max_steps", "batch_size", "seq_len", "d_model", "layers", "heads", "lr", "codec",
-            "overlap_steps", "mode", "alpha", "fragments", "eval_batches", "seed", "part_timeout", "log_every",
-            "min_step_seconds", "checkpoint_every", "schedule_steps", "devices", "layout", "log_level")
+_FORWARD = (
+    "text",
+    "sync_every",
+    "max_steps",
+    "batch_size",
+    "seq_len",
+    "d_model",
+    "layers",
+    "heads",
+    "lr",
+    "codec",
+    "overlap_steps",
+    "mode",
+    "alpha",
+    "fragments",
+    "eval_batches",
+    "seed",
+    "part_timeout",
+    "log_every",
+    "min_step_seconds",
+    "checkpoint_every",
+    "schedule_steps",
+    "devices",
+    "layout",
+    "log_level",
+)
 
 
 def _forward_flags(args: argparse.Namespace) -> list[str]:
@@ -704,8 +809,21 @@ def _forward_flags(args: argparse.Namespace) -> list[str]:
     return out
 
 
-_INTERNAL = ("json_events", "join_when_exists", "parent_pid", "local_peers", "rendezvous", "simulate",
-             "summary_json", "no_progress", "token_file", "peer_id", "data_seed", "listen", "advertise")
+_INTERNAL = (
+    "json_events",
+    "join_when_exists",
+    "parent_pid",
+    "local_peers",
+    "rendezvous",
+    "simulate",
+    "summary_json",
+    "no_progress",
+    "token_file",
+    "peer_id",
+    "data_seed",
+    "listen",
+    "advertise",
+)
 
 
 def run_config(args: argparse.Namespace, **actual) -> dict:
@@ -724,18 +842,26 @@ def print_peer_table(results: list[dict], dp_bytes: float | None) -> bool:
         return format(x, fmt) if x is not None else format("-", fmt.split(".")[0].rstrip("f") + "s")
 
     print()
-    print(f"| {'peer':<16} | {'eval start':>10} | {'eval end':>8} | {'rounds':>6} | {'failed':>6} | {'sent MB':>8} | "
-          f"{'DP would send MB':>16} | {'utilisation':>11} | {'stall s':>7} | {'mean tau':>8} |")
-    print(f"|{'-' * 18}|{'-' * 12}|{'-' * 10}|{'-' * 8}|{'-' * 8}|{'-' * 10}|{'-' * 18}|{'-' * 13}|{'-' * 9}|{'-' * 10}|")
+    print(
+        f"| {'peer':<16} | {'eval start':>10} | {'eval end':>8} | {'rounds':>6} | {'failed':>6} | {'sent MB':>8} | "
+        f"{'DP would send MB':>16} | {'utilisation':>11} | {'stall s':>7} | {'mean tau':>8} |"
+    )
+    print(
+        f"|{'-' * 18}|{'-' * 12}|{'-' * 10}|{'-' * 8}|{'-' * 8}|{'-' * 10}|{'-' * 18}|{'-' * 13}|{'-' * 9}|{'-' * 10}|"
+    )
     for r in results:
-        print(f"| {r['peer']:<16} | {num(r['eval_loss_start'], '10.4f')} | {num(r['eval_loss_end'], '8.4f')} | "
-              f"{r['rounds']:6d} | {r['failed_rounds']:6d} | {r['bytes_sent'] / 1e6:8.2f} | "
-              f"{num(None if dp_bytes is None else dp_bytes / 1e6, '16.1f')} | "
-              f"{num(r['compute_utilisation'], '11.3f')} | {r['stall_seconds']:7.2f} | {num(r['mean_overlap_steps'], '8.1f')} |")
+        print(
+            f"| {r['peer']:<16} | {num(r['eval_loss_start'], '10.4f')} | {num(r['eval_loss_end'], '8.4f')} | "
+            f"{r['rounds']:6d} | {r['failed_rounds']:6d} | {r['bytes_sent'] / 1e6:8.2f} | "
+            f"{num(None if dp_bytes is None else dp_bytes / 1e6, '16.1f')} | "
+            f"{num(r['compute_utilisation'], '11.3f')} | {r['stall_seconds']:7.2f} | {num(r['mean_overlap_steps'], '8.1f')} |"
+        )
     if len(results) > 1:
-        print(f"\nglobal state (params and outer optimizer state) identical on all peers: "
-              f"{'yes' if len(digests) == 1 else 'NO'} (digest {str(sorted(map(str, digests))[0])[:16]}...); "
-              f"per-round digests identical: {'yes' if same_rounds else 'NO'}")
+        print(
+            f"\nglobal state (params and outer optimizer state) identical on all peers: "
+            f"{'yes' if len(digests) == 1 else 'NO'} (digest {str(sorted(map(str, digests))[0])[:16]}...); "
+            f"per-round digests identical: {'yes' if same_rounds else 'NO'}"
+        )
     elif results:
         print(f"\nglobal state digest {str(results[0]['final_global_digest'])[:16]}...")
     return len(digests) == 1 and same_rounds
@@ -783,7 +909,9 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
                     pass
 
     def start(cmd: list[str], name: str, extra_env: dict | None = None) -> subprocess.Popen:
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, **(extra_env or {})})
+        p = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, **(extra_env or {})}
+        )
         procs.append(p)
         threading.Thread(target=pump, args=(p.stdout, name, True), daemon=True).start()
         threading.Thread(target=pump, args=(p.stderr, name + ":stderr", False), daemon=True).start()
@@ -824,8 +952,11 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
                 bar.set_postfix(loss=f"{np.mean(list(losses.values())):.3f}", rounds=rounds)
             if args.no_progress:  # a line per round for logs (the bar shows it otherwise)
                 loss = f", mean train loss {np.mean(list(losses.values())):.3f}" if losses else ""
-                print(f"round {ev['round']} at step {ev['step']}: {'ok' if ev['ok'] else 'failed: ' + str(ev.get('error'))}, "
-                      f"{ev['group_size']} peers{loss}", flush=True)
+                print(
+                    f"round {ev['round']} at step {ev['step']}: {'ok' if ev['ok'] else 'failed: ' + str(ev.get('error'))}, "
+                    f"{ev['group_size']} peers{loss}",
+                    flush=True,
+                )
         elif kind == "result":
             results[i] = ev["result"]
 
@@ -834,26 +965,65 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
     losses: dict[int, float] = {}
     url = None
     try:
-        rv = start([sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port", "0",
-                    "--quiet", "--heartbeat", "1", "--eviction", "5", "--exit-with-parent"], "rendezvous")
+        rv = start(
+            [
+                sys.executable,
+                "-m",
+                "ravnest_jax.cli",
+                "rendezvous",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--quiet",
+                "--heartbeat",
+                "1",
+                "--eviction",
+                "5",
+                "--exit-with-parent",
+            ],
+            "rendezvous",
+        )
         url = None
         deadline = time.monotonic() + 30
         while url is None:
             if rv.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the rendezvous did not start:\n" + "".join(tails.get("rendezvous", []))
-                                   + "".join(tails.get("rendezvous:stderr", [])))
+                raise RuntimeError(
+                    "the rendezvous did not start:\n"
+                    + "".join(tails.get("rendezvous", []))
+                    + "".join(tails.get("rendezvous:stderr", []))
+                )
             text = "".join(tails.get("rendezvous", []))
             if "listening on " in text:
                 url = text.split("listening on ", 1)[1].split()[0]
             time.sleep(0.05)
-        print(f"rendezvous {url}, run {run_id}; starting {n} peers "
-              f"(codec {args.codec}, H={args.sync_every}, overlap {args.overlap_steps}, mode {args.mode})")
+        print(
+            f"rendezvous {url}, run {run_id}; starting {n} peers "
+            f"(codec {args.codec}, H={args.sync_every}, overlap {args.overlap_steps}, mode {args.mode})"
+        )
         # N peers share this machine's cores: one compute thread each
         xla = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")}
         for i in range(n):
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--rendezvous", url, "--run-id", run_id,
-                   "--peer-id", f"peer{i}", "--data-seed", str(i), "--min-peers", str(n), "--listen", "127.0.0.1:0",
-                   "--json-events", "--parent-pid", str(os.getpid()), *_forward_flags(args)]
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--rendezvous",
+                url,
+                "--run-id",
+                run_id,
+                "--peer-id",
+                f"peer{i}",
+                "--data-seed",
+                str(i),
+                "--min-peers",
+                str(n),
+                "--listen",
+                "127.0.0.1:0",
+                "--json-events",
+                "--parent-pid",
+                str(os.getpid()),
+                *_forward_flags(args),
+            ]
             if args.checkpoint_dir:
                 cmd += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve() / f"peer{i}")]
             peers.append(start(cmd, f"peer{i}", xla))
@@ -891,8 +1061,10 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
         while not events.empty():
             handle(*events.get())
         if bar is not None:
-            bar.set_postfix(loss=f"{np.mean(list(losses.values())):.3f}" if losses else "-",
-                            rounds=results.get(0, {}).get("rounds", rounds))
+            bar.set_postfix(
+                loss=f"{np.mean(list(losses.values())):.3f}" if losses else "-",
+                rounds=results.get(0, {}).get("rounds", rounds),
+            )
             bar.close()
     failed = {}
     for i, p in enumerate(peers):
@@ -900,8 +1072,13 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
         if interrupted and i in results:
             continue
         if rc != 0 or i not in results:
-            how = (f"was killed by {signal.Signals(-rc).name}" if rc < 0 else
-                   f"exited with status {rc}" if rc else "exited without a result")
+            how = (
+                f"was killed by {signal.Signals(-rc).name}"
+                if rc < 0
+                else f"exited with status {rc}"
+                if rc
+                else "exited without a result"
+            )
             err = [ln.rstrip() for ln in tails.get(f"peer{i}:stderr", []) if ln.strip()][-5:]
             failed[f"peer{i}"] = f"{how} after step {steps[i]}" + "".join(f"\n    {ln}" for ln in err)
     if not interrupted:
@@ -988,42 +1165,82 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--token-file", default=None, help="file with the run token (else $RAVNEST_TOKEN)")
     s.add_argument("--max-steps", type=_positive_int, default=600, help="inner steps of each peer")
     s.add_argument("--sync-every", type=_positive_int, default=50, help="H, inner steps per outer round")
-    p.add_argument("--codec", default=None, help="pseudo-gradient codec (default: int4 in a swarm, none in the simulation)")
-    s.add_argument("--overlap-steps", type=_overlap, default="auto",
-                   help="tau: inner steps a round's exchange overlaps (0: blocking; 'auto': enough steps to "
-                        "cover the measured exchange time, per round)")
+    p.add_argument(
+        "--codec", default=None, help="pseudo-gradient codec (default: int4 in a swarm, none in the simulation)"
+    )
+    s.add_argument(
+        "--overlap-steps",
+        type=_overlap,
+        default="auto",
+        help="tau: inner steps a round's exchange overlaps (0: blocking; 'auto': enough steps to "
+        "cover the measured exchange time, per round)",
+    )
     s.add_argument("--mode", choices=["delayed", "eager", "blocking"], default="delayed", help="outer-sync mode")
     s.add_argument("--alpha", type=float, default=0.0, help="mixing weight of local params at a late merge")
     s.add_argument("--fragments", type=_positive_int, default=1, help="streaming fragments F")
-    s.add_argument("--part-timeout", type=_positive_float, default=30.0, help="deadline of each phase of a round, seconds")
+    s.add_argument(
+        "--part-timeout", type=_positive_float, default=30.0, help="deadline of each phase of a round, seconds"
+    )
     s.add_argument("--listen", default="0.0.0.0:0", help="host:port this peer's server binds")
     s.add_argument("--advertise", default=None, help="URL other peers reach this peer at (behind NAT)")
-    s.add_argument("--peer-id", default=None,
-                   help="this peer's id (default: kept in --checkpoint-dir, so a restart is the same peer; else random)")
-    s.add_argument("--data-seed", type=int, default=None, help="seed of this peer's data order (default from the peer id)")
+    s.add_argument(
+        "--peer-id",
+        default=None,
+        help="this peer's id (default: kept in --checkpoint-dir, so a restart is the same peer; else random)",
+    )
+    s.add_argument(
+        "--data-seed", type=int, default=None, help="seed of this peer's data order (default from the peer id)"
+    )
     s.add_argument("--min-peers", type=int, default=1, help="wait for this many peers before training")
     s.add_argument("--log-every", type=_positive_int, default=10, help="progress every this many steps")
-    s.add_argument("--min-step-seconds", type=float, default=0.0,
-                   help="emulate a slower accelerator: each inner step takes at least this long")
-    s.add_argument("--checkpoint-dir", default=None,
-                   help="save checkpoints here (orbax) and resume from the latest one (a swarm: one subfolder per peer)")
-    s.add_argument("--checkpoint-every", type=_positive_int, default=None,
-                   help="steps between checkpoints (default: --sync-every); a checkpoint is written at the first step "
-                        "with no round in flight, so with overlap tau the steps are k * N + tau, named by the "
-                        "inner steps they hold")
-    s.add_argument("--schedule-steps", type=_positive_int, default=None,
-                   help="length of the learning-rate schedule (default: --max-steps; fix it to resume a run further)")
-    s.add_argument("--devices", type=_positive_int, default=1,
-                   help="local devices of each peer: the batch is split over them (data parallel); on a "
-                        "machine without accelerators this many CPU devices are made")
-    s.add_argument("--layout", choices=["replicated", "fsdp"], default="replicated",
-                   help="with --devices > 1: params replicated on every device, or split along their first axis")
+    s.add_argument(
+        "--min-step-seconds",
+        type=float,
+        default=0.0,
+        help="emulate a slower accelerator: each inner step takes at least this long",
+    )
+    s.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save checkpoints here (orbax) and resume from the latest one (a swarm: one subfolder per peer)",
+    )
+    s.add_argument(
+        "--checkpoint-every",
+        type=_positive_int,
+        default=None,
+        help="steps between checkpoints (default: --sync-every); a checkpoint is written at the first step "
+        "with no round in flight, so with overlap tau the steps are k * N + tau, named by the "
+        "inner steps they hold",
+    )
+    s.add_argument(
+        "--schedule-steps",
+        type=_positive_int,
+        default=None,
+        help="length of the learning-rate schedule (default: --max-steps; fix it to resume a run further)",
+    )
+    s.add_argument(
+        "--devices",
+        type=_positive_int,
+        default=1,
+        help="local devices of each peer: the batch is split over them (data parallel); on a "
+        "machine without accelerators this many CPU devices are made",
+    )
+    s.add_argument(
+        "--layout",
+        choices=["replicated", "fsdp"],
+        default="replicated",
+        help="with --devices > 1: params replicated on every device, or split along their first axis",
+    )
     s.add_argument("--json-events", action="store_true", help=argparse.SUPPRESS)
     s.add_argument("--join-when-exists", default=None, help=argparse.SUPPRESS)  # tests: join on cue
     s.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
-    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                   help="log level of the ravnest_jax loggers (INFO shows round retries and resyncs)")
+    p.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log level of the ravnest_jax loggers (INFO shows round retries and resyncs)",
+    )
     args = p.parse_args(argv)
     from ravnest_jax.compress import CODECS
 
@@ -1108,9 +1325,14 @@ def _main(args: argparse.Namespace) -> int:
             summary = run_local_swarm(args)
         elif args.rendezvous:
             result = run_peer(args)
-            summary = {"mode": "peer", "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                       "machine": machine_info(), "config": run_config(args, run_id=args.run_id),
-                       "interrupted": result["interrupted"], "peer_result": result}
+            summary = {
+                "mode": "peer",
+                "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                "machine": machine_info(),
+                "config": run_config(args, run_id=args.run_id),
+                "interrupted": result["interrupted"],
+                "peer_result": result,
+            }
             _emit(args, event="result", result=result)
             if not args.json_events:
                 print_peer_table([result], None)
@@ -1121,8 +1343,15 @@ def _main(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:  # before training started (compiling, joining)
         print("\ninterrupted" + (" (SIGTERM)" if _STOPPED_BY and _STOPPED_BY[-1] == 15 else ""), file=sys.stderr)
-        _write_summary(args, {"mode": mode, "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                              "interrupted": True, "config": run_config(args)})
+        _write_summary(
+            args,
+            {
+                "mode": mode,
+                "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                "interrupted": True,
+                "config": run_config(args),
+            },
+        )
         return 128 + (_STOPPED_BY[-1] if _STOPPED_BY else 2)
     _write_summary(args, summary)
     if summary.get("interrupted"):

@@ -72,7 +72,11 @@ def main() -> None:
 
     with rj.Swarm() as swarm, rj.OuterSync(optimizer.tx, swarm, overlap_steps=1, on_round=on_round) as sync:
         # one directory per peer (the peer id is stable: ravnest-jax local names them peer0, ...)
-        ckpt = rj.Checkpointer(os.path.join(args.checkpoint_dir, swarm.peer_id), max_to_keep=2) if args.checkpoint_dir else None
+        ckpt = (
+            rj.Checkpointer(os.path.join(args.checkpoint_dir, swarm.peer_id), max_to_keep=2)
+            if args.checkpoint_dir
+            else None
+        )
         got = rj.join_or_resume(swarm, sync, model, optimizer, checkpointer=ckpt)
         anchor = lambda: nnx.as_pure(optimizer.opt_state).global_params  # noqa: E731
         eval_start = float(eval_loss(anchor(), eval_idx))
@@ -88,12 +92,27 @@ def main() -> None:
         if ckpt is not None:
             if sync.step > last_saved:  # the end state too: a rerun with more --steps resumes here
                 params, state = nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(optimizer.opt_state)
-                ckpt.save(sync.step, params=params, opt_state=state, extra=rj.checkpoint_extra(sync, params), force=True)
+                ckpt.save(
+                    sync.step, params=params, opt_state=state, extra=rj.checkpoint_extra(sync, params), force=True
+                )
             ckpt.close()
-        print(json.dumps({"result": {"peer": swarm.peer_id, "how": got.how, "start_step": got.step,
-                                     "end_step": sync.step, "eval_loss_start": eval_start,
-                                     "eval_loss_end": float(eval_loss(anchor(), eval_idx)),
-                                     "digest": sync.global_state_digest, **sync.summary()}}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "result": {
+                        "peer": swarm.peer_id,
+                        "how": got.how,
+                        "start_step": got.step,
+                        "end_step": sync.step,
+                        "eval_loss_start": eval_start,
+                        "eval_loss_end": float(eval_loss(anchor(), eval_idx)),
+                        "digest": sync.global_state_digest,
+                        **sync.summary(),
+                    }
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -1,11 +1,19 @@
 """The docs' 30-line peer script: a byte bigram model on real text (a standard-library module).
 
-    ravnest-jax local --peers 3 -- python examples/quickstart_peer.py --steps 200
+ravnest-jax local --peers 3 -- python examples/quickstart_peer.py --steps 200
 """
 
-import argparse, inspect, json, os, string  # noqa: E401
+import argparse  # noqa: E401
+import inspect
+import json
+import os
+import string
 
-import jax, jax.numpy as jnp, numpy as np, optax  # noqa: E401
+import jax  # noqa: E401
+import jax.numpy as jnp
+import numpy as np
+import optax
+
 import ravnest_jax as rj
 
 ap = argparse.ArgumentParser()
@@ -36,8 +44,16 @@ def train_step(params, state, idx):
 
 with rj.Swarm(codec="int8") as swarm, rj.OuterSync(tx, swarm, overlap_steps=1) as sync:
     params, state, *_ = rj.join_or_resume(swarm, sync, params, state)
-    for step in range(int(state.count), args.steps):
+    for _ in range(int(state.count), args.steps):
         params, state, loss = train_step(params, state, jnp.asarray(rng.integers(0, len(text) - 1, 256)))
         params, state = sync(params, state)
     params, state = sync.flush(params, state)
-    print(json.dumps({"peer": swarm.peer_id, "loss": float(loss), "eval_loss": float(loss_fn(state.global_params, jnp.arange(20_000)))}))
+    print(
+        json.dumps(
+            {
+                "peer": swarm.peer_id,
+                "loss": float(loss),
+                "eval_loss": float(loss_fn(state.global_params, jnp.arange(20_000))),
+            }
+        )
+    )

@@ -43,10 +43,11 @@ _SUBMODULES = {"optim", "compress", "swarm", "sync", "checkpoint"}
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from . import checkpoint as checkpoint
     from . import optim as optim
-    from .checkpoint import CheckpointError as CheckpointError
     from .checkpoint import Checkpointer as Checkpointer
+    from .checkpoint import CheckpointError as CheckpointError
     from .checkpoint import CorruptCheckpointWarning as CorruptCheckpointWarning
     from .checkpoint import Restored as Restored
+    from .checkpoint import persistent_peer_id as persistent_peer_id
     from .optim import DiLoCo as DiLoCo
     from .optim import DiLoCoState as DiLoCoState
     from .optim import RoundSnapshot as RoundSnapshot
@@ -60,12 +61,11 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .swarm import RoundRecord as RoundRecord
     from .swarm import Swarm as Swarm
     from .swarm import Timeouts as Timeouts
+    from .sync import Joined as Joined
     from .sync import OuterSync as OuterSync
     from .sync import RoundMetrics as RoundMetrics
-    from .sync import Joined as Joined
-    from .sync import join_or_resume as join_or_resume
     from .sync import checkpoint_extra as checkpoint_extra
-    from .checkpoint import persistent_peer_id as persistent_peer_id
+    from .sync import join_or_resume as join_or_resume
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

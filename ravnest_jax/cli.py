@@ -85,8 +85,17 @@ def _cmd_rendezvous(args: argparse.Namespace) -> int:
             os.replace(tmp, args.port_file)
 
     try:
-        asyncio.run(serve(args.host, args.port, token, heartbeat_s=args.heartbeat,
-                          eviction_s=args.eviction, ssl_context=ctx, ready=ready))
+        asyncio.run(
+            serve(
+                args.host,
+                args.port,
+                token,
+                heartbeat_s=args.heartbeat,
+                eviction_s=args.eviction,
+                ssl_context=ctx,
+                ready=ready,
+            )
+        )
     except KeyboardInterrupt:  # pragma: no cover - signal handlers normally catch it
         pass
     except OSError as e:  # the address is taken, not ours, ...
@@ -112,9 +121,16 @@ def _cmd_local(args: argparse.Namespace) -> int:
         check_command(args.command)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    return run_local(args.command, peers=args.peers, codec=args.codec, run_id=args.run_id,
-                     heartbeat=args.heartbeat, eviction=args.eviction, progress=not args.no_progress,
-                     summary_json=args.summary_json)
+    return run_local(
+        args.command,
+        peers=args.peers,
+        codec=args.codec,
+        run_id=args.run_id,
+        heartbeat=args.heartbeat,
+        eviction=args.eviction,
+        progress=not args.no_progress,
+        summary_json=args.summary_json,
+    )
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -128,9 +144,16 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     async def fetch() -> object:
         async with aiohttp.ClientSession() as s:
-            return await signed_json(s, args.url, "GET", f"/v1/runs/{args.run_id}/status",
-                                     token=token, run_id=args.run_id, peer="cli-status",
-                                     timeout=aiohttp.ClientTimeout(total=args.timeout))
+            return await signed_json(
+                s,
+                args.url,
+                "GET",
+                f"/v1/runs/{args.run_id}/status",
+                token=token,
+                run_id=args.run_id,
+                peer="cli-status",
+                timeout=aiohttp.ClientTimeout(total=args.timeout),
+            )
 
     try:
         print(json.dumps(asyncio.run(fetch()), indent=1))
@@ -141,43 +164,51 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ravnest-jax",
-                                description="ravnest_jax: decentralized DiLoCo training.")
+    p = argparse.ArgumentParser(prog="ravnest-jax", description="ravnest_jax: decentralized DiLoCo training.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     r = sub.add_parser(
-        "rendezvous", help="run the rendezvous service peers join",
+        "rendezvous",
+        help="run the rendezvous service peers join",
         description="Run the rendezvous: the one HTTP service (one URL) where the peers of a "
         "run join, heartbeat, get the group of every round and vote on its outcome. It keeps "
         "its state in memory; if it restarts, peers re-register by themselves. Every request "
         f"must be signed with the run token, read from --token-file or ${TOKEN_ENV}. Stop it "
         "with Ctrl+C or SIGTERM.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     r.add_argument("--host", default="0.0.0.0", help="address to bind (0.0.0.0: all)")
     r.add_argument("--port", type=_port, default=8765, help="TCP port (0: any free port)")
     r.add_argument("--token-file", help=f"file holding the run token (else ${TOKEN_ENV})")
-    r.add_argument("--heartbeat", type=_positive_float, default=2.0,
-                   help="heartbeat interval peers are told to use, seconds")
-    r.add_argument("--eviction", type=_positive_float, default=10.0,
-                   help="drop a peer silent for this long, seconds")
+    r.add_argument(
+        "--heartbeat", type=_positive_float, default=2.0, help="heartbeat interval peers are told to use, seconds"
+    )
+    r.add_argument("--eviction", type=_positive_float, default=10.0, help="drop a peer silent for this long, seconds")
     r.add_argument("--certfile", help="PEM certificate: serve HTTPS (with --keyfile)")
     r.add_argument("--keyfile", help="PEM private key for --certfile")
     r.add_argument("--port-file", help="write the bound port to this file once listening")
-    r.add_argument("--exit-with-parent", action="store_true",
-                   help="stop when the process that started this one exits (for launchers)")
+    r.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop when the process that started this one exits (for launchers)",
+    )
     r.add_argument("--quiet", action="store_true", help="log warnings only")
     r.add_argument("--verbose", action="store_true", help="also log every vote (debug)")
     r.set_defaults(func=_cmd_rendezvous)
-    st = sub.add_parser("status", help="print a run's status as JSON",
-                        description="Ask a rendezvous for the status of one run: live peers "
-                        "(addresses, last round, heartbeat age), membership version and the "
-                        "outcome, contributors and digest of recent rounds.")
+    st = sub.add_parser(
+        "status",
+        help="print a run's status as JSON",
+        description="Ask a rendezvous for the status of one run: live peers "
+        "(addresses, last round, heartbeat age), membership version and the "
+        "outcome, contributors and digest of recent rounds.",
+    )
     st.add_argument("url", help="rendezvous URL, e.g. http://10.0.0.1:8765")
     st.add_argument("--run-id", required=True)
     st.add_argument("--token-file", help=f"file holding the run token (else ${TOKEN_ENV})")
     st.add_argument("--timeout", type=_positive_float, default=10.0, help="seconds")
     st.set_defaults(func=_cmd_status)
     lo = sub.add_parser(
-        "local", help="run N peers of a training script on this machine (torchrun-style)",
+        "local",
+        help="run N peers of a training script on this machine (torchrun-style)",
         usage="ravnest-jax local --peers N [options] -- python SCRIPT [ARGS]",
         description="Start a rendezvous on 127.0.0.1 and N processes of SCRIPT. Each peer gets "
         "RAVNEST_RENDEZVOUS, RAVNEST_RUN_ID, RAVNEST_TOKEN, RAVNEST_PEER_ID (peer0, peer1, ...), "
@@ -185,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         "rj.Swarm() reads them when its arguments are left out. The peers' output is shown "
         "prefixed with their names; at the end every peer's OuterSync summary is printed. "
         "Ctrl+C stops every peer.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     lo.add_argument("--peers", type=_positive_int, required=True, help="peer processes to start")
     lo.add_argument("--codec", default=None, help="the swarm's wire codec (RAVNEST_CODEC; default: the script's)")
     lo.add_argument("--run-id", default=None, help="run id (default: local- and 6 random hex digits)")

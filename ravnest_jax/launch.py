@@ -25,14 +25,24 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 __all__ = ["PEER_ENV", "run_local"]
 
 #: environment variables each peer process gets (``RAVNEST_*`` read by ``rj.Swarm()``)
-PEER_ENV = ("RAVNEST_RENDEZVOUS", "RAVNEST_RUN_ID", "RAVNEST_TOKEN", "RAVNEST_PEER_ID", "RAVNEST_LISTEN",
-            "RAVNEST_CODEC", "RAVNEST_RANK", "RAVNEST_WORLD_SIZE", "RAVNEST_SUMMARY_FD")
+PEER_ENV = (
+    "RAVNEST_RENDEZVOUS",
+    "RAVNEST_RUN_ID",
+    "RAVNEST_TOKEN",
+    "RAVNEST_PEER_ID",
+    "RAVNEST_LISTEN",
+    "RAVNEST_CODEC",
+    "RAVNEST_RANK",
+    "RAVNEST_WORLD_SIZE",
+    "RAVNEST_SUMMARY_FD",
+)
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -65,7 +75,12 @@ def check_command(command: Sequence[str]) -> list[str]:
         cmd = [sys.executable, *cmd[1:]]
     elif shutil.which(cmd[0]) is None:
         raise ValueError(f"{cmd[0]}: no such program")
-    if Path(cmd[0]).name.startswith("python") and len(cmd) > 1 and cmd[1].endswith(".py") and not Path(cmd[1]).is_file():
+    if (
+        Path(cmd[0]).name.startswith("python")
+        and len(cmd) > 1
+        and cmd[1].endswith(".py")
+        and not Path(cmd[1]).is_file()
+    ):
         raise ValueError(f"{cmd[1]}: no such file")
     return cmd
 
@@ -84,19 +99,33 @@ def print_summaries(summaries: dict[str, dict], codes: dict[str, int | None], wr
         if d != "-":
             digests.add(d)
         stall = s.get("stall_seconds")
-        write(f"{name:<10} {str(codes[name]):>5} {s.get('rounds', '-')!s:>6} {s.get('failed_rounds', '-')!s:>6} "
-              f"{s.get('resyncs', '-')!s:>7} {_fmt_bytes(s.get('bytes_sent')):>10} "
-              f"{'-' if stall is None else f'{stall:.1f}':>8}  {d[:16]}")
+        write(
+            f"{name:<10} {str(codes[name]):>5} {s.get('rounds', '-')!s:>6} {s.get('failed_rounds', '-')!s:>6} "
+            f"{s.get('resyncs', '-')!s:>7} {_fmt_bytes(s.get('bytes_sent')):>10} "
+            f"{'-' if stall is None else f'{stall:.1f}':>8}  {d[:16]}"
+        )
     equal = len(digests) == 1 and all(summaries.get(n, {}).get("last_state_digest") for n in codes)
     if summaries:
-        write("global state: identical on every peer" if equal else
-              f"global state: {len(digests)} different digests among the peers that reported one")
+        write(
+            "global state: identical on every peer"
+            if equal
+            else f"global state: {len(digests)} different digests among the peers that reported one"
+        )
     return equal
 
 
-def run_local(command: Sequence[str], *, peers: int, codec: str | None = None, run_id: str | None = None,
-              heartbeat: float = 1.0, eviction: float = 5.0, progress: bool = True,
-              summary_json: str | None = None, stop_seconds: float = 30.0) -> int:
+def run_local(
+    command: Sequence[str],
+    *,
+    peers: int,
+    codec: str | None = None,
+    run_id: str | None = None,
+    heartbeat: float = 1.0,
+    eviction: float = 5.0,
+    progress: bool = True,
+    summary_json: str | None = None,
+    stop_seconds: float = 30.0,
+) -> int:
     """Runs ``command`` as ``peers`` peer processes of one run, with a rendezvous on 127.0.0.1.
 
     Args:
@@ -158,8 +187,15 @@ def run_local(command: Sequence[str], *, peers: int, codec: str | None = None, r
                     pass
 
     def spawn(name: str, argv: list[str], env: dict, echo: bool, pass_fds=()) -> subprocess.Popen:
-        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                             pass_fds=pass_fds, preexec_fn=_die_with_parent)
+        p = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            pass_fds=pass_fds,
+            preexec_fn=_die_with_parent,
+        )
         procs[name] = p
         for stream, err in ((p.stdout, False), (p.stderr, True)):
             t = threading.Thread(target=pump, args=(stream, name, err, echo), daemon=True)
@@ -172,9 +208,27 @@ def run_local(command: Sequence[str], *, peers: int, codec: str | None = None, r
     peer_names = [f"peer{i}" for i in range(peers)]
     t0 = time.monotonic()
     try:
-        rv = spawn("rendezvous", [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1",
-                                  "--port", "0", "--quiet", "--heartbeat", str(heartbeat), "--eviction", str(eviction),
-                                  "--exit-with-parent"], base_env, echo=False)
+        rv = spawn(
+            "rendezvous",
+            [
+                sys.executable,
+                "-m",
+                "ravnest_jax.cli",
+                "rendezvous",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--quiet",
+                "--heartbeat",
+                str(heartbeat),
+                "--eviction",
+                str(eviction),
+                "--exit-with-parent",
+            ],
+            base_env,
+            echo=False,
+        )
         deadline = time.monotonic() + 30
         while url is None:
             text = "".join(tails.get("rendezvous", []))
@@ -187,9 +241,15 @@ def run_local(command: Sequence[str], *, peers: int, codec: str | None = None, r
         write(f"rendezvous {url}, run {run_id}: starting {peers} peers of: {' '.join(cmd)}")
         for i, name in enumerate(peer_names):
             r, w = os.pipe()
-            env = {**base_env, "RAVNEST_RENDEZVOUS": url, "RAVNEST_PEER_ID": name,
-                   "RAVNEST_LISTEN": "127.0.0.1:0", "RAVNEST_RANK": str(i), "RAVNEST_WORLD_SIZE": str(peers),
-                   "RAVNEST_SUMMARY_FD": str(w)}
+            env = {
+                **base_env,
+                "RAVNEST_RENDEZVOUS": url,
+                "RAVNEST_PEER_ID": name,
+                "RAVNEST_LISTEN": "127.0.0.1:0",
+                "RAVNEST_RANK": str(i),
+                "RAVNEST_WORLD_SIZE": str(peers),
+                "RAVNEST_SUMMARY_FD": str(w),
+            }
             env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")  # N peers share the cores
             if codec:
                 env["RAVNEST_CODEC"] = codec
@@ -238,9 +298,17 @@ def run_local(command: Sequence[str], *, peers: int, codec: str | None = None, r
         print()
         print_summaries(summaries, codes, print)
     if summary_json:
-        Path(summary_json).write_text(json.dumps(
-            {"run_id": run_id, "command": cmd, "interrupted": interrupted,
-             "peers": {n: {"exit": codes.get(n), "summary": summaries.get(n)} for n in peer_names}}, indent=1))
+        Path(summary_json).write_text(
+            json.dumps(
+                {
+                    "run_id": run_id,
+                    "command": cmd,
+                    "interrupted": interrupted,
+                    "peers": {n: {"exit": codes.get(n), "summary": summaries.get(n)} for n in peer_names},
+                },
+                indent=1,
+            )
+        )
     if interrupted:
         return 130
     return 1 if failed or len(codes) < peers else 0
@@ -276,7 +344,15 @@ class _Status:
 
         async def go() -> Any:
             async with aiohttp.ClientSession() as s:
-                return await signed_json(s, self.url, "GET", f"/v1/runs/{self.run_id}/status", token=self.token,
-                                         run_id=self.run_id, peer="launcher", timeout=aiohttp.ClientTimeout(total=2))
+                return await signed_json(
+                    s,
+                    self.url,
+                    "GET",
+                    f"/v1/runs/{self.run_id}/status",
+                    token=self.token,
+                    run_id=self.run_id,
+                    peer="launcher",
+                    timeout=aiohttp.ClientTimeout(total=2),
+                )
 
         return asyncio.run(go())

@@ -15,8 +15,9 @@ import operator
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
@@ -223,9 +224,7 @@ class Checkpointer:
         )
         try:
             self._mngr = self._call(
-                lambda: ocp.CheckpointManager(
-                    path, options=options, item_names=(*_TREE_ITEMS, _META_ITEM)
-                )
+                lambda: ocp.CheckpointManager(path, options=options, item_names=(*_TREE_ITEMS, _META_ITEM))
             )
             self._known_steps: set[int] = set(self._call(self._mngr.all_steps))
         except BaseException:
@@ -305,9 +304,7 @@ class Checkpointer:
         if step in self._known_steps:
             return False
         trees = {"params": params, "opt_state": opt_state, "extra": extra}
-        described = {
-            name: _leaves.describe(tree) for name, tree in trees.items() if tree is not None
-        }
+        described = {name: _leaves.describe(tree) for name, tree in trees.items() if tree is not None}
         meta = {
             "format": FORMAT_VERSION,
             "step": step,
@@ -316,16 +313,11 @@ class Checkpointer:
             "orbax_version": _orbax_version(),
             "jax_version": jax.__version__,
             "metadata": self._user_metadata,
-            "trees": {
-                name: ({"leaves": described[name][1]} if name in described else None)
-                for name in _TREE_ITEMS
-            },
+            "trees": {name: ({"leaves": described[name][1]} if name in described else None) for name in _TREE_ITEMS},
         }
         # orbax cannot store an empty tree; an empty tree's structure lives in the target
         names = [name for name, (_, records, _) in described.items() if records]
-        encoded = _leaves.encode(
-            [(trees[name], described[name][1]) for name in names], copy_device=self.async_save
-        )
+        encoded = _leaves.encode([(trees[name], described[name][1]) for name in names], copy_device=self.async_save)
         items: dict[str, Any] = {name: ocp.args.StandardSave(enc) for name, enc in zip(names, encoded)}
         items[_META_ITEM] = ocp.args.JsonSave(meta)
         args = ocp.args.Composite(**items)
@@ -398,7 +390,7 @@ class Checkpointer:
         ``max_to_keep``, without waiting: the newest may still be being written (use
         :meth:`all_steps` for the committed ones). Cheap enough for every save in a training
         loop, for example to publish them (``Swarm.set_info``)."""
-        return sorted(self._known_steps)[-self.max_to_keep:]
+        return sorted(self._known_steps)[-self.max_to_keep :]
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None if the directory has no checkpoint (waits for a

@@ -171,8 +171,7 @@ def abstract(target: PyTree, saved: list[dict[str, Any]], item: str) -> tuple[Py
             )
         if list(rec["shape"]) != list(srec["shape"]):
             raise ValueError(
-                f"restore target {item}{path}: saved shape {tuple(srec['shape'])}, target shape "
-                f"{tuple(rec['shape'])}"
+                f"restore target {item}{path}: saved shape {tuple(srec['shape'])}, target shape {tuple(rec['shape'])}"
             )
         kind = rec["kind"]
         if kind in (ARRAY, KEY):

@@ -27,8 +27,9 @@ _lock = threading.Lock()
 _applied: dict[str, int] | None = None
 
 
-def tune_host_allocator(mmap_threshold: int = MMAP_THRESHOLD_MAX,
-                        trim_threshold: int = DEFAULT_TRIM_THRESHOLD) -> dict[str, int] | None:
+def tune_host_allocator(
+    mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: int = DEFAULT_TRIM_THRESHOLD
+) -> dict[str, int] | None:
     """Makes glibc keep and reuse round-sized host buffers instead of mapping fresh pages.
 
     Sets ``M_MMAP_THRESHOLD`` (allocations up to this many bytes come from the heap) and

@@ -237,7 +237,7 @@ def _segments(f: jax.Array) -> Any:
     if n <= step:
         return f
     flat = f.reshape(-1)
-    return tuple(flat[i:i + step] for i in range(0, n, step))
+    return tuple(flat[i : i + step] for i in range(0, n, step))
 
 
 def init_error_feedback(params: Any) -> Any:

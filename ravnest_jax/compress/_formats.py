@@ -28,7 +28,8 @@ topk      indices ``<u4`` (k), values ``<f4`` (k)      ``8 k``
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -126,9 +127,7 @@ def resolve(codec: str, **options: Any) -> CodecConfig:
             or not 2 <= block_size <= MAX_BLOCK_SIZE
             or block_size % 2
         ):
-            raise ValueError(
-                f"option 'block_size' must be an even int in [2, {MAX_BLOCK_SIZE}], got {block_size!r}"
-            )
+            raise ValueError(f"option 'block_size' must be an even int in [2, {MAX_BLOCK_SIZE}], got {block_size!r}")
         return CodecConfig(codec, int(block_size), 0.0, stochastic)
     if codec == "topk":
         if fraction is None:
@@ -191,9 +190,7 @@ _PART_DTYPES = {
 
 def payload_nbytes(codec: str, n: int, block_size: int, k: int) -> int:
     """Exact payload bytes of one leaf (Python ints, no overflow)."""
-    return sum(
-        length * dt.itemsize for length, dt in zip(part_lengths(codec, n, block_size, k), _PART_DTYPES[codec])
-    )
+    return sum(length * dt.itemsize for length, dt in zip(part_lengths(codec, n, block_size, k), _PART_DTYPES[codec]))
 
 
 # ----------------------------------------------------------------------------- bit helpers

@@ -235,4 +235,3 @@ def payload_ratio(codec: str, n: int, **options: Any) -> float:
     cfg = F.resolve(codec, **options)
     k = F.topk_count(n, cfg.fraction) if cfg.codec == "topk" else 0
     return F.payload_nbytes(cfg.codec, n, cfg.block_size, k) / max(1, 4 * n)
-

@@ -121,8 +121,14 @@ class Packed:
 
     __slots__ = ("codec", "specs", "structure", "parts", "ok")
 
-    def __init__(self, codec: str, specs: tuple[LeafSpec, ...], structure: Any,
-                 parts: tuple[tuple[Any, ...], ...], ok: tuple[Any, ...]):
+    def __init__(
+        self,
+        codec: str,
+        specs: tuple[LeafSpec, ...],
+        structure: Any,
+        parts: tuple[tuple[Any, ...], ...],
+        ok: tuple[Any, ...],
+    ):
         self.codec = codec
         self.specs = tuple(specs)
         self.structure = structure
@@ -241,8 +247,10 @@ def packed_to_chunks(packed: Packed, *, max_bytes: int = DEFAULT_MAX_BYTES) -> l
             size = sum(a.size for a in segs)
             for a in segs:
                 if size != length or a.dtype.kind != dt.kind or a.dtype.itemsize != dt.itemsize:
-                    raise ValueError(f"leaf {spec.name!r}: part {a.dtype} x {size} ({len(segs)} slice(s)) "
-                                     f"does not match {dt} x {length}")
+                    raise ValueError(
+                        f"leaf {spec.name!r}: part {a.dtype} x {size} ({len(segs)} slice(s)) "
+                        f"does not match {dt} x {length}"
+                    )
                 arrays.append(np.ascontiguousarray(a.reshape(-1), dtype=dt))
     obj = {
         "codec": codec,
@@ -374,9 +382,7 @@ def _parse_header(prefix: Any, header: Any, max_bytes: int, max_decoded_bytes: i
         elif k != 0:
             raise WireFormatError(f"leaf {name!r}: k must be 0 for codec {codec!r}")
         if decoded > max_decoded_bytes:
-            raise WireFormatError(
-                f"message decodes to more than max_decoded_bytes={max_decoded_bytes} bytes"
-            )
+            raise WireFormatError(f"message decodes to more than max_decoded_bytes={max_decoded_bytes} bytes")
         nbytes = F.payload_nbytes(codec, n, block, k)
         leaves.append(LeafInfo(name, tuple(shape), dtype, block, k, offset, nbytes))
         offset += nbytes
@@ -447,10 +453,10 @@ def read_header(
         raise WireFormatError(f"truncated message: {len(mv)} bytes, the prefix alone needs {PREFIX_NBYTES}")
     header_len, *_ = _parse_prefix(mv[:PREFIX_NBYTES], max_bytes)
     if len(mv) < PREFIX_NBYTES + header_len:
-        raise WireFormatError(
-            f"truncated message: {len(mv)} bytes, the header needs {PREFIX_NBYTES + header_len}"
-        )
-    return _parse_header(mv[:PREFIX_NBYTES], mv[PREFIX_NBYTES : PREFIX_NBYTES + header_len], max_bytes, max_decoded_bytes)
+        raise WireFormatError(f"truncated message: {len(mv)} bytes, the header needs {PREFIX_NBYTES + header_len}")
+    return _parse_header(
+        mv[:PREFIX_NBYTES], mv[PREFIX_NBYTES : PREFIX_NBYTES + header_len], max_bytes, max_decoded_bytes
+    )
 
 
 def decode(
@@ -478,9 +484,7 @@ def decode(
     mv = _as_view(data)
     manifest = read_header(mv, max_bytes=max_bytes, max_decoded_bytes=max_decoded_bytes)
     if len(mv) < manifest.total_nbytes:
-        raise WireFormatError(
-            f"truncated message: {len(mv)} bytes, the header declares {manifest.total_nbytes}"
-        )
+        raise WireFormatError(f"truncated message: {len(mv)} bytes, the header declares {manifest.total_nbytes}")
     if len(mv) > manifest.total_nbytes:
         raise WireFormatError(
             f"{len(mv) - manifest.total_nbytes} trailing bytes after a message of {manifest.total_nbytes}"
@@ -757,9 +761,7 @@ class StreamDecoder:
             return self._result[0]
         try:
             if self._manifest is None or self._payload is None:
-                raise WireFormatError(
-                    f"truncated message: {len(self._head)} bytes received, the header is incomplete"
-                )
+                raise WireFormatError(f"truncated message: {len(self._head)} bytes received, the header is incomplete")
             if self._filled < len(self._payload):
                 raise WireFormatError(
                     f"truncated message: {self.nbytes_received} of {self._manifest.total_nbytes} bytes received"

@@ -186,8 +186,7 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
                 raise ValueError(f"fragment must be None or 0 with fragments=1, got {fragment!r}")
         elif not isinstance(fragment, int) or not 0 <= fragment < self.fragments:
             raise ValueError(
-                f"fragment must be an int in [0, {self.fragments}) with fragments={self.fragments}, "
-                f"got {fragment!r}"
+                f"fragment must be an int in [0, {self.fragments}) with fragments={self.fragments}, got {fragment!r}"
             )
 
     def _ids(self, tree: PyTree, fragment: int | None) -> tuple[int, ...] | None:
@@ -197,9 +196,7 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
         return self.fragment_leaf_ids(fragment, len(jax.tree.leaves(tree)))
 
     # ---------------------------------------------------------------------- round functions
-    def round_start(
-        self, params: optax.Params, state: DiLoCoState, fragment: int | None = None
-    ) -> RoundSnapshot:
+    def round_start(self, params: optax.Params, state: DiLoCoState, fragment: int | None = None) -> RoundSnapshot:
         """Takes the pseudo-gradient of the current round (host-driven mode).
 
         Args:
@@ -258,9 +255,7 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
         new_global = optax.apply_updates(global_params, outer_updates)
         if ids is not None:
             new_global = _scatter(state.global_params, ids, new_global)
-            outer_state = tuple(
-                outer_state if f == fragment else s for f, s in enumerate(state.outer_state)
-            )
+            outer_state = tuple(outer_state if f == fragment else s for f, s in enumerate(state.outer_state))
         return state._replace(
             outer_state=outer_state,
             global_params=new_global,
@@ -344,8 +339,7 @@ def _make(init_fn, update_fn, **config) -> DiLoCo:
 def _check_transform(name: str, tx: Any) -> None:
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
         raise ValueError(
-            f"{name} must be an optax.GradientTransformation (with .init and .update), got "
-            f"{type(tx).__name__}"
+            f"{name} must be an optax.GradientTransformation (with .init and .update), got {type(tx).__name__}"
         )
 
 
@@ -427,8 +421,7 @@ def diloco(
         codec = simulated(codec)
     if codec is not None and not isinstance(codec, SimulatedCodec):
         raise ValueError(
-            f"codec must be a codec name or a SimulatedCodec (init/compress/requantize), got "
-            f"{type(codec).__name__}"
+            f"codec must be a codec name or a SimulatedCodec (init/compress/requantize), got {type(codec).__name__}"
         )
     inner = optax.with_extra_args_support(inner)
     outer_tx = outer
@@ -484,9 +477,7 @@ def diloco(
                     if ids is None:
                         codec_state = frag_state
                     else:
-                        codec_state = tuple(
-                            frag_state if f == fragment else c for f, c in enumerate(codec_state)
-                        )
+                        codec_state = tuple(frag_state if f == fragment else c for f, c in enumerate(codec_state))
                 else:
                     mean = jax.lax.pmean(delta, axis_name)
                 new_state = tx.outer_step(

@@ -16,6 +16,17 @@ from ._types import RoundRecord as RoundRecord
 from ._types import SwarmError as SwarmError
 from ._types import Timeouts as Timeouts
 
-__all__ = ["PeerInfo", "Rendezvous", "RoundFailed", "RoundRecord", "Swarm", "SwarmError",
-           "Timeouts", "available_codecs", "check_listen", "check_rendezvous", "read_token",
-           "serve_rendezvous"]
+__all__ = [
+    "PeerInfo",
+    "Rendezvous",
+    "RoundFailed",
+    "RoundRecord",
+    "Swarm",
+    "SwarmError",
+    "Timeouts",
+    "available_codecs",
+    "check_listen",
+    "check_rendezvous",
+    "read_token",
+    "serve_rendezvous",
+]

@@ -41,9 +41,9 @@ def contributors_tag(contributors: Sequence[str]) -> str:
     return hashlib.blake2b(blob, digest_size=8).hexdigest()
 
 
-def mean_of_scaled(parts: Mapping[str, tuple[np.float32, np.ndarray]],
-                   contributors: Sequence[str],
-                   out: np.ndarray | None = None) -> tuple[np.ndarray, np.float32]:
+def mean_of_scaled(
+    parts: Mapping[str, tuple[np.float32, np.ndarray]], contributors: Sequence[str], out: np.ndarray | None = None
+) -> tuple[np.ndarray, np.float32]:
     """Float32 ``sum_c s_c / sum_c w_c`` over ``contributors`` in sorted-id order, where
     ``parts[c] = (w_c, s_c)`` holds the already weighted part ``s_c = w_c * x_c`` (float32).
 
@@ -68,24 +68,25 @@ def mean_of_scaled(parts: Mapping[str, tuple[np.float32, np.ndarray]],
     return acc, total
 
 
-def weighted_mean(parts: Mapping[str, tuple[np.float32, np.ndarray]],
-                  contributors: Sequence[str]) -> tuple[np.ndarray, np.float32]:
+def weighted_mean(
+    parts: Mapping[str, tuple[np.float32, np.ndarray]], contributors: Sequence[str]
+) -> tuple[np.ndarray, np.float32]:
     """Float32 weighted mean of ``parts[c] = (w_c, x_c)`` over ``contributors`` in sorted-id
     order (each ``x_c * w_c`` rounded to float32 first, as the swarm does on arrival).
 
     The fixed order makes the result bit-identical wherever it is computed. Returns
     ``(mean, total_weight)``.
     """
-    scaled = {c: (parts[c][0], np.multiply(parts[c][1], np.float32(parts[c][0])))
-              for c in contributors}
+    scaled = {c: (parts[c][0], np.multiply(parts[c][1], np.float32(parts[c][0]))) for c in contributors}
     return mean_of_scaled(scaled, contributors)
 
 
 RING_SEGMENT_BYTES = 1 << 20  # float32 bytes per pipelined ring segment (default)
 
 
-def ring_segments(bounds: Sequence[tuple[int, int]],
-                  segment_bytes: int = RING_SEGMENT_BYTES) -> list[list[tuple[int, int]]]:
+def ring_segments(
+    bounds: Sequence[tuple[int, int]], segment_bytes: int = RING_SEGMENT_BYTES
+) -> list[list[tuple[int, int]]]:
     """The pipelined ring's segments of every part: ``out[c][j] = (lo, hi)`` (absolute).
 
     Every part is cut into the same number S of contiguous segments (``part_bounds``), S =

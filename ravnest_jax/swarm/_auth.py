@@ -37,7 +37,6 @@ H_BODY = "X-RJ-Body"
 H_SIG = "X-RJ-Signature"
 
 
-
 def body_hasher() -> Any:
     """A fresh incremental hasher of request/response bodies (``.update(chunk)``,
     ``.hexdigest()``): BLAKE3, 32 bytes."""
@@ -65,15 +64,23 @@ def _token_bytes(token: str | bytes) -> bytes:
     return token
 
 
-def _canonical(method: str, path: str, run_id: str, round_: str, peer: str, ts: str,
-               nonce: str, body_sha: str, extra: str) -> bytes:
-    return "\n".join([method.upper(), path, run_id, round_, peer, ts, nonce, body_sha,
-                      extra]).encode()
+def _canonical(
+    method: str, path: str, run_id: str, round_: str, peer: str, ts: str, nonce: str, body_sha: str, extra: str
+) -> bytes:
+    return "\n".join([method.upper(), path, run_id, round_, peer, ts, nonce, body_sha, extra]).encode()
 
 
-def sign(token: str | bytes, *, method: str, path: str, run_id: str, peer: str,
-         round_: int | str | None = None, body_digest: str = EMPTY_BODY,
-         extra: str = "") -> dict[str, str]:
+def sign(
+    token: str | bytes,
+    *,
+    method: str,
+    path: str,
+    run_id: str,
+    peer: str,
+    round_: int | str | None = None,
+    body_digest: str = EMPTY_BODY,
+    extra: str = "",
+) -> dict[str, str]:
     """Return the auth headers for one request (or, with ``method="RESPONSE"``, one response).
 
     ``extra`` is covered by the signature but not sent: both sides build it from values they
@@ -82,8 +89,9 @@ def sign(token: str | bytes, *, method: str, path: str, run_id: str, peer: str,
     ts = f"{time.time():.6f}"
     nonce = secrets.token_hex(16)
     r = "-" if round_ is None else str(round_)
-    mac = hmac.new(_token_bytes(token), _canonical(method, path, run_id, r, peer, ts, nonce,
-                                                    body_digest, extra), hashlib.sha256).hexdigest()
+    mac = hmac.new(
+        _token_bytes(token), _canonical(method, path, run_id, r, peer, ts, nonce, body_digest, extra), hashlib.sha256
+    ).hexdigest()
     return {H_PEER: peer, H_ROUND: r, H_TIME: ts, H_NONCE: nonce, H_BODY: body_digest, H_SIG: mac}
 
 
@@ -109,9 +117,17 @@ class NonceCache:
         return True
 
 
-def verify(token: str | bytes, headers: Mapping[str, str], *, method: str, path: str,
-           run_id: str, nonces: NonceCache | None = None, extra: str = "",
-           max_skew_s: float = MAX_CLOCK_SKEW_S) -> tuple[str, str, str]:
+def verify(
+    token: str | bytes,
+    headers: Mapping[str, str],
+    *,
+    method: str,
+    path: str,
+    run_id: str,
+    nonces: NonceCache | None = None,
+    extra: str = "",
+    max_skew_s: float = MAX_CLOCK_SKEW_S,
+) -> tuple[str, str, str]:
     """Check the auth headers of a request; return ``(peer, round, body_digest)``.
 
     The body digest is only *claimed* here: the caller must hash the body it reads and compare it
@@ -122,8 +138,7 @@ def verify(token: str | bytes, headers: Mapping[str, str], *, method: str, path:
         seconds, the nonce was seen before, or the signature does not match.
     """
     try:
-        peer, r, ts, nonce, body_sha, sig = (headers[h] for h in
-                                              (H_PEER, H_ROUND, H_TIME, H_NONCE, H_BODY, H_SIG))
+        peer, r, ts, nonce, body_sha, sig = (headers[h] for h in (H_PEER, H_ROUND, H_TIME, H_NONCE, H_BODY, H_SIG))
     except KeyError as e:
         raise AuthError(f"missing auth header {e.args[0]}") from None
     if len(sig) != 64 or len(body_sha) != 64 or not (8 <= len(nonce) <= 64):
@@ -132,8 +147,9 @@ def verify(token: str | bytes, headers: Mapping[str, str], *, method: str, path:
         t = float(ts)
     except ValueError:
         raise AuthError("malformed auth time") from None
-    expected = hmac.new(_token_bytes(token), _canonical(method, path, run_id, r, peer, ts, nonce,
-                                                         body_sha, extra), hashlib.sha256).hexdigest()
+    expected = hmac.new(
+        _token_bytes(token), _canonical(method, path, run_id, r, peer, ts, nonce, body_sha, extra), hashlib.sha256
+    ).hexdigest()
     if not hmac.compare_digest(expected, sig):
         raise AuthError("bad signature")
     if abs(time.time() - t) > max_skew_s:

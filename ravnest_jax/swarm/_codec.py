@@ -12,8 +12,16 @@ import numpy as np
 
 from ravnest_jax.compress import CODECS, NonFiniteError, StreamDecoder, WireFormatError, encode, tune_host_allocator
 
-__all__ = ["NonFiniteError", "PartDecoder", "WireFormatError", "available_codecs", "check_codec",
-           "decode_part", "encode_part", "tune_host_allocator"]
+__all__ = [
+    "NonFiniteError",
+    "PartDecoder",
+    "WireFormatError",
+    "available_codecs",
+    "check_codec",
+    "decode_part",
+    "encode_part",
+    "tune_host_allocator",
+]
 
 
 def available_codecs() -> tuple[str, ...]:
@@ -31,8 +39,7 @@ def check_codec(codec: str, options: dict[str, Any] | None = None) -> None:
 def encode_part(name: str, vec: np.ndarray, codec: str, **options: Any) -> bytes:
     """Encode a float32 vector of shape ``(n,)`` under a leaf name. Returns the message bytes."""
     vec = np.ascontiguousarray(vec, dtype=np.float32)
-    return encode({name: vec}, codec=codec, max_bytes=max(1 << 20, 8 * vec.size + (1 << 20)),
-                  **options)
+    return encode({name: vec}, codec=codec, max_bytes=max(1 << 20, 8 * vec.size + (1 << 20)), **options)
 
 
 class PartDecoder:
@@ -54,8 +61,7 @@ class PartDecoder:
         self.name, self.length, self.codec, self.max_bytes = name, int(length), codec, max_bytes
         self.nbytes = 0
         self._checked = False
-        self._dec = StreamDecoder(max_bytes=max_bytes,
-                                  max_decoded_bytes=4 * self.length + (1 << 16))
+        self._dec = StreamDecoder(max_bytes=max_bytes, max_decoded_bytes=4 * self.length + (1 << 16))
 
     def _check_manifest(self) -> None:
         hdr = self._dec.header

@@ -21,15 +21,21 @@ class HTTPStatusError(Exception):
         self.status = status
 
 
-def json_response(request: web.Request, token: bytes, run_id: str, me: str, payload: Any,
-                  status: int = 200) -> web.Response:
+def json_response(
+    request: web.Request, token: bytes, run_id: str, me: str, payload: Any, status: int = 200
+) -> web.Response:
     """A JSON response signed with the run token (method ``RESPONSE``)."""
     body = json.dumps(payload, separators=(",", ":")).encode()
-    headers = _auth.sign(token, method="RESPONSE", path=request.path, run_id=run_id, peer=me,
-                         round_=request.headers.get(_auth.H_ROUND),
-                         body_digest=_auth.body_digest(body))
-    return web.Response(body=body, status=status, headers=headers,
-                        content_type="application/json")
+    headers = _auth.sign(
+        token,
+        method="RESPONSE",
+        path=request.path,
+        run_id=run_id,
+        peer=me,
+        round_=request.headers.get(_auth.H_ROUND),
+        body_digest=_auth.body_digest(body),
+    )
+    return web.Response(body=body, status=status, headers=headers, content_type="application/json")
 
 
 async def read_json_body(request: web.Request, claimed_sha: str) -> Any:
@@ -38,8 +44,7 @@ async def read_json_body(request: web.Request, claimed_sha: str) -> Any:
     Raises ``web.HTTPRequestEntityTooLarge``, ``web.HTTPUnauthorized`` or ``web.HTTPBadRequest``.
     """
     if (request.content_length or 0) > JSON_LIMIT:
-        raise web.HTTPRequestEntityTooLarge(max_size=JSON_LIMIT,
-                                            actual_size=request.content_length or 0)
+        raise web.HTTPRequestEntityTooLarge(max_size=JSON_LIMIT, actual_size=request.content_length or 0)
     h = _auth.body_hasher()
     chunks = []
     n = 0
@@ -59,10 +64,20 @@ async def read_json_body(request: web.Request, claimed_sha: str) -> Any:
         raise web.HTTPBadRequest(text="body is not JSON") from None
 
 
-async def signed_json(session: aiohttp.ClientSession, base_url: str, method: str, path: str, *,
-                      token: bytes, run_id: str, peer: str, payload: Any = None,
-                      round_: int | None = None, timeout: aiohttp.ClientTimeout,
-                      ssl: Any = None) -> Any:
+async def signed_json(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    method: str,
+    path: str,
+    *,
+    token: bytes,
+    run_id: str,
+    peer: str,
+    payload: Any = None,
+    round_: int | None = None,
+    timeout: aiohttp.ClientTimeout,
+    ssl: Any = None,
+) -> Any:
     """Send a signed JSON request, verify the signed JSON answer and return it.
 
     Raises:
@@ -71,12 +86,14 @@ async def signed_json(session: aiohttp.ClientSession, base_url: str, method: str
       PermissionError: the answer is not signed with the run token.
     """
     body = b"" if payload is None else json.dumps(payload, separators=(",", ":")).encode()
-    headers = _auth.sign(token, method=method, path=path, run_id=run_id, peer=peer,
-                         round_=round_, body_digest=_auth.body_digest(body))
+    headers = _auth.sign(
+        token, method=method, path=path, run_id=run_id, peer=peer, round_=round_, body_digest=_auth.body_digest(body)
+    )
     if body:
         headers["Content-Type"] = "application/json"
-    async with session.request(method, base_url.rstrip("/") + path, data=body or None,
-                               headers=headers, timeout=timeout, ssl=ssl) as resp:
+    async with session.request(
+        method, base_url.rstrip("/") + path, data=body or None, headers=headers, timeout=timeout, ssl=ssl
+    ) as resp:
         data = await resp.content.read(JSON_LIMIT + 1)
         if len(data) > JSON_LIMIT:
             raise HTTPStatusError(502, "answer too long")
@@ -85,15 +102,13 @@ async def signed_json(session: aiohttp.ClientSession, base_url: str, method: str
         try:
             _auth.verify(token, resp.headers, method="RESPONSE", path=path, run_id=run_id)
         except _auth.AuthError as e:
-            raise PermissionError(f"answer from {base_url} is not signed with the run token: {e}")
-        if not _auth.digest_matches(resp.headers[_auth.H_BODY],
-                                    _auth.body_digest(data)):
+            raise PermissionError(f"answer from {base_url} is not signed with the run token: {e}") from None
+        if not _auth.digest_matches(resp.headers[_auth.H_BODY], _auth.body_digest(data)):
             raise PermissionError("answer body does not match its signature")
         return json.loads(data) if data else None
 
 
-async def stream_body(request: web.Request, headers: dict[str, str], body: bytes,
-                      chunk: int) -> web.StreamResponse:
+async def stream_body(request: web.Request, headers: dict[str, str], body: bytes, chunk: int) -> web.StreamResponse:
     """Answer ``request`` with ``body`` (application/octet-stream) in ``chunk``-byte writes,
     with the given (signed) headers."""
     resp = web.StreamResponse(headers=headers)
@@ -102,6 +117,6 @@ async def stream_body(request: web.Request, headers: dict[str, str], body: bytes
     await resp.prepare(request)
     mv = memoryview(body)
     for off in range(0, len(body), chunk):
-        await resp.write(mv[off:off + chunk])
+        await resp.write(mv[off : off + chunk])
     await resp.write_eof()
     return resp

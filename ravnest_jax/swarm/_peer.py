@@ -23,11 +23,26 @@ import numpy as np
 from aiohttp import web
 
 from . import _auth
-from ._allreduce import CHUNK, RING_SEGMENT_BYTES, contributors_tag, manifest_digest, \
-    max_message_bytes, mean_of_scaled, part_bounds, ring_segments
-from ._codec import NonFiniteError, PartDecoder, WireFormatError, check_codec, decode_part, \
-    encode_part, tune_host_allocator
-from ._http import HTTPStatusError, json_response, signed_json, stream_body
+from ._allreduce import (
+    CHUNK,
+    RING_SEGMENT_BYTES,
+    contributors_tag,
+    manifest_digest,
+    max_message_bytes,
+    mean_of_scaled,
+    part_bounds,
+    ring_segments,
+)
+from ._codec import (
+    NonFiniteError,
+    PartDecoder,
+    WireFormatError,
+    check_codec,
+    decode_part,
+    encode_part,
+    tune_host_allocator,
+)
+from ._http import HTTPStatusError, json_response, signed_json
 from ._preflight import from_environment
 from ._state import _StateMixin
 from ._types import PeerInfo, RoundFailed, RoundRecord, SwarmError, Timeouts, flatten, result_digest
@@ -133,17 +148,29 @@ class Swarm(_StateMixin):
       SwarmError: on ``__enter__``/``start`` if the rendezvous cannot be reached in time.
     """
 
-    def __init__(self, rendezvous_url: str | None = None, *, run_id: str | None = None,
-                 token: str | bytes | None = None,
-                 codec: str | None = None, codec_options: dict[str, Any] | None = None,
-                 listen: str | None = None, advertise: str | None = None,
-                 timeouts: Timeouts | None = None, peer_id: str | None = None,
-                 algorithm: str = "butterfly", ring_segment_bytes: int = RING_SEGMENT_BYTES,
-                 ssl: _ssl.SSLContext | None = None, client_ssl: Any = None,
-                 info: dict[str, Any] | None = None,
-                 _send_chunk_delay: float = 0.0, _serve_delay: float = 0.0):
+    def __init__(
+        self,
+        rendezvous_url: str | None = None,
+        *,
+        run_id: str | None = None,
+        token: str | bytes | None = None,
+        codec: str | None = None,
+        codec_options: dict[str, Any] | None = None,
+        listen: str | None = None,
+        advertise: str | None = None,
+        timeouts: Timeouts | None = None,
+        peer_id: str | None = None,
+        algorithm: str = "butterfly",
+        ring_segment_bytes: int = RING_SEGMENT_BYTES,
+        ssl: _ssl.SSLContext | None = None,
+        client_ssl: Any = None,
+        info: dict[str, Any] | None = None,
+        _send_chunk_delay: float = 0.0,
+        _serve_delay: float = 0.0,
+    ):
         rendezvous_url, run_id, token, codec, listen, peer_id = from_environment(
-            rendezvous_url, run_id, token, codec, listen, peer_id)
+            rendezvous_url, run_id, token, codec, listen, peer_id
+        )
         check_codec(codec, codec_options)
         self.codec_options = dict(codec_options or {})
         if algorithm not in ALGORITHMS:
@@ -221,8 +248,7 @@ class Swarm(_StateMixin):
         if self._thread is not None:
             raise RuntimeError("Swarm already started")
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run_loop, name=f"swarm-{self.peer_id}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name=f"swarm-{self.peer_id}", daemon=True)
         self._thread.start()
         fut = asyncio.run_coroutine_threadsafe(self._astart(), self._loop)
         try:
@@ -271,10 +297,12 @@ class Swarm(_StateMixin):
           TypeError / ValueError: a leaf is not float32, holds NaN/inf, or a bad weight.
         """
         return self.all_reduce_async(tree, weight=weight).result(
-            timeout=self.timeouts.round + self.timeouts.connect + 30)
+            timeout=self.timeouts.round + self.timeouts.connect + 30
+        )
 
-    def all_reduce_async(self, tree: Any, *, weight: float = 1.0, round: int | None = None,
-                         state: tuple[int, str] | None = None) -> concurrent.futures.Future[tuple[Any, RoundRecord]]:
+    def all_reduce_async(
+        self, tree: Any, *, weight: float = 1.0, round: int | None = None, state: tuple[int, str] | None = None
+    ) -> concurrent.futures.Future[tuple[Any, RoundRecord]]:
         """Like :meth:`all_reduce` but returns at once with a ``concurrent.futures.Future``.
 
         The future's result is ``(mean_tree, record)``; it raises :class:`RoundFailed`. Rounds
@@ -299,8 +327,13 @@ class Swarm(_StateMixin):
         if not (math.isfinite(w) and w > 0):
             raise ValueError(f"weight must be finite and > 0, got {weight!r}")
         if state is not None:
-            if not (isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], int)
-                    and isinstance(state[1], str) and 0 < len(state[1]) <= 128):
+            if not (
+                isinstance(state, tuple)
+                and len(state) == 2
+                and isinstance(state[0], int)
+                and isinstance(state[1], str)
+                and 0 < len(state[1]) <= 128
+            ):
                 raise ValueError(f"state must be (round: int, digest: str of 1-128 chars), got {state!r}")
             state = (int(state[0]), state[1])
         names, leaves, unflatten = flatten(tree)
@@ -310,15 +343,13 @@ class Swarm(_StateMixin):
         if not np.isfinite(vec).all():
             raise ValueError("tree holds NaN or infinity")
         shapes = [x.shape for x in leaves]
-        wire = f"{self.codec}/{self.algorithm}" + (
-            f"/{self.ring_segment_bytes}" if self.algorithm == "ring" else "")
+        wire = f"{self.codec}/{self.algorithm}" + (f"/{self.ring_segment_bytes}" if self.algorithm == "ring" else "")
         manifest = manifest_digest(names, shapes, wire)
         sizes = [x.size for x in leaves]
         offsets = np.cumsum([0] + sizes)
 
         out: concurrent.futures.Future[tuple[Any, RoundRecord]] = concurrent.futures.Future()
-        inner = asyncio.run_coroutine_threadsafe(self._round(vec, np.float32(w), manifest, round, state),
-                                                 self._loop)
+        inner = asyncio.run_coroutine_threadsafe(self._round(vec, np.float32(w), manifest, round, state), self._loop)
 
         def done(f: concurrent.futures.Future[tuple[np.ndarray, RoundRecord]]) -> None:
             try:
@@ -326,7 +357,7 @@ class Swarm(_StateMixin):
             except BaseException as e:  # noqa: BLE001 - forwarded to the caller
                 out.set_exception(e)
                 return
-            parts = [res[offsets[i]:offsets[i + 1]] for i in range(len(sizes))]
+            parts = [res[offsets[i] : offsets[i + 1]] for i in range(len(sizes))]
             out.set_result((unflatten(parts), rec))
 
         inner.add_done_callback(done)
@@ -369,14 +400,17 @@ class Swarm(_StateMixin):
         """The live peers of the run, sorted by id (asks the rendezvous; raises SwarmError)."""
         if self._loop is None or self._closed:
             raise RuntimeError("Swarm is not running")
-        fut = asyncio.run_coroutine_threadsafe(self._rv("GET", "/peers", None,
-                                                        self.timeouts.connect * 2), self._loop)
+        fut = asyncio.run_coroutine_threadsafe(self._rv("GET", "/peers", None, self.timeouts.connect * 2), self._loop)
         try:
             data = fut.result(timeout=self.timeouts.connect * 2 + 5)
         except Exception as e:
             raise SwarmError(f"rendezvous unreachable: {e}") from e
-        return [PeerInfo(p["peer_id"], p["address"], p["last_round"],
-                         p["seconds_since_heartbeat"], dict(p.get("info") or {})) for p in data["peers"]]
+        return [
+            PeerInfo(
+                p["peer_id"], p["address"], p["last_round"], p["seconds_since_heartbeat"], dict(p.get("info") or {})
+            )
+            for p in data["peers"]
+        ]
 
     def wait_for_peers(self, n: int, timeout: float = 60.0) -> list[PeerInfo]:
         """Block until at least ``n`` live peers (this one included) are registered.
@@ -398,10 +432,10 @@ class Swarm(_StateMixin):
     # ------------------------------------------------------------------ loop side: start/stop
     async def _astart(self) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=256, ssl=self._client_ssl
-                                           if self._client_ssl is not None else True),
+            connector=aiohttp.TCPConnector(limit=256, ssl=self._client_ssl if self._client_ssl is not None else True),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect),
-            read_bufsize=READ_BUFSIZE)
+            read_bufsize=READ_BUFSIZE,
+        )
         self._tasks: set[asyncio.Task[Any]] = set()
         self._round_lock = asyncio.Lock()
         self._ring_slots = asyncio.Semaphore(RING_INFLIGHT)
@@ -415,16 +449,15 @@ class Swarm(_StateMixin):
         app.router.add_put(base + "/ring/{phase}/{step}/{seg}", self._h_put_ring)
         app.router.add_get("/health", self._h_health)
         app.router.add_get("/v1/runs/{run_id}/state", self._h_get_state)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                                     shutdown_timeout=1.0, read_bufsize=READ_BUFSIZE)
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=1.0, read_bufsize=READ_BUFSIZE
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self._listen[0], self._listen[1],
-                           ssl_context=self._ssl, reuse_address=True)
+        site = web.TCPSite(self._runner, self._listen[0], self._listen[1], ssl_context=self._ssl, reuse_address=True)
         try:
             await site.start()
         except OSError as e:
-            raise SwarmError(f"cannot listen on {self._listen[0]}:{self._listen[1]}: "
-                             f"{e.strerror or e}") from None
+            raise SwarmError(f"cannot listen on {self._listen[0]}:{self._listen[1]}: {e.strerror or e}") from None
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.address = self._advertise or self._guess_address()
         deadline = time.monotonic() + self.timeouts.part + self.timeouts.connect
@@ -433,7 +466,7 @@ class Swarm(_StateMixin):
             try:
                 await self._rv("POST", "/join", self._hello(), self.timeouts.connect * 2)
                 break
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 last = e
                 await asyncio.sleep(0.2)
             except (HTTPStatusError, PermissionError) as e:
@@ -482,28 +515,33 @@ class Swarm(_StateMixin):
         return f"{scheme}://{host}:{self.port}"
 
     def _hello(self) -> dict[str, Any]:
-        return {"peer_id": self.peer_id, "address": self.address, "last_round": self._last_round,
-                "info": self._info}
+        return {"peer_id": self.peer_id, "address": self.address, "last_round": self._last_round, "info": self._info}
 
-    async def _rv(self, method: str, path: str, payload: Any, total: float,
-                  round_: int | None = None) -> Any:
+    async def _rv(self, method: str, path: str, payload: Any, total: float, round_: int | None = None) -> Any:
         return await signed_json(
-            self._session, self.rendezvous_url, method, f"/v1/runs/{self.run_id}{path}",
-            token=self._token, run_id=self.run_id, peer=self.peer_id, payload=payload,
-            round_=round_, ssl=self._client_ssl,
-            timeout=aiohttp.ClientTimeout(total=max(total, 0.05),
-                                          sock_connect=self.timeouts.connect))
+            self._session,
+            self.rendezvous_url,
+            method,
+            f"/v1/runs/{self.run_id}{path}",
+            token=self._token,
+            run_id=self.run_id,
+            peer=self.peer_id,
+            payload=payload,
+            round_=round_,
+            ssl=self._client_ssl,
+            timeout=aiohttp.ClientTimeout(total=max(total, 0.05), sock_connect=self.timeouts.connect),
+        )
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.timeouts.heartbeat)
             try:
-                r = await self._rv("POST", "/heartbeat", self._hello(),
-                                   min(self.timeouts.heartbeat * 2, self.timeouts.eviction))
+                r = await self._rv(
+                    "POST", "/heartbeat", self._hello(), min(self.timeouts.heartbeat * 2, self.timeouts.eviction)
+                )
                 self._note_left(r.get("left"))
                 if r.get("registered"):
-                    log.info("%s: re-registered with the rendezvous (epoch %s)", self.peer_id,
-                             r.get("epoch"))
+                    log.info("%s: re-registered with the rendezvous (epoch %s)", self.peer_id, r.get("epoch"))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - keep beating; the next one re-registers
@@ -537,17 +575,26 @@ class Swarm(_StateMixin):
         if request.match_info.get("run_id") != self.run_id:
             raise web.HTTPNotFound(text="unknown run")
         try:
-            peer, _, body = _auth.verify(self._token, request.headers, method=request.method,
-                                         path=request.path, run_id=self.run_id,
-                                         nonces=self._nonces, extra=extra)
+            peer, _, body = _auth.verify(
+                self._token,
+                request.headers,
+                method=request.method,
+                path=request.path,
+                run_id=self.run_id,
+                nonces=self._nonces,
+                extra=extra,
+            )
         except _auth.AuthError as e:
             raise web.HTTPUnauthorized(text=f"unauthorized: {e}") from None
         return peer, body
 
     def _route_ints(self, request: web.Request) -> tuple[int, int, int]:
         try:
-            return (int(request.match_info["round"]), int(request.match_info["attempt"]),
-                    int(request.match_info["part"]))
+            return (
+                int(request.match_info["round"]),
+                int(request.match_info["attempt"]),
+                int(request.match_info["part"]),
+            )
         except ValueError:
             raise web.HTTPBadRequest(text="round, attempt and part must be integers") from None
 
@@ -563,8 +610,11 @@ class Swarm(_StateMixin):
             self._early_parts += 1
             try:
                 until = time.monotonic() + self.timeouts.part
-                while (r > max(self._current_round, self._last_round) + 2 and (r, a) not in self._attempts
-                       and time.monotonic() < until):
+                while (
+                    r > max(self._current_round, self._last_round) + 2
+                    and (r, a) not in self._attempts
+                    and time.monotonic() < until
+                ):
                     await asyncio.sleep(0.01)
             finally:
                 self._early_parts -= 1
@@ -576,14 +626,15 @@ class Swarm(_StateMixin):
         if not st.entered.is_set():
             try:
                 await asyncio.wait_for(st.entered.wait(), self.timeouts.part)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise web.HTTPConflict(text=f"round {r} attempt {a} not started here") from None
         if st.closed and not st.group:
             raise web.HTTPConflict(text="peer is closing")
         return st
 
-    async def _read_part(self, request: web.Request, st: _Attempt, dec: PartDecoder,
-                         claimed: str, limit: int, stop: Callable[[], bool]) -> np.ndarray:
+    async def _read_part(
+        self, request: web.Request, st: _Attempt, dec: PartDecoder, claimed: str, limit: int, stop: Callable[[], bool]
+    ) -> np.ndarray:
         """Stream a signed part body into ``dec``: one pass that hashes (the signed body digest)
         and decodes each chunk as the socket delivers it (no re-chunking, no whole-body copy).
         Maps every failure to the HTTP error the sender gets."""
@@ -599,14 +650,16 @@ class Swarm(_StateMixin):
             return dec.finish()
         except (WireFormatError, NonFiniteError) as e:
             if dec.nbytes > limit:
-                raise web.HTTPRequestEntityTooLarge(max_size=limit,
-                                                    actual_size=dec.nbytes) from None
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=dec.nbytes) from None
             raise web.HTTPBadRequest(text=f"bad part: {e}") from None
-        except (aiohttp.ClientPayloadError, ConnectionError, asyncio.IncompleteReadError,
-                aiohttp.http_exceptions.HttpProcessingError) as e:
+        except (
+            aiohttp.ClientPayloadError,
+            ConnectionError,
+            asyncio.IncompleteReadError,
+            aiohttp.http_exceptions.HttpProcessingError,
+        ) as e:
             # the sender vanished mid-body (killed, network gone): nothing was stored
-            log.info("%s: body from %s cut off: %r", self.peer_id,
-                     request.headers.get(_auth.H_PEER), e)
+            log.info("%s: body from %s cut off: %r", self.peer_id, request.headers.get(_auth.H_PEER), e)
             raise web.HTTPBadRequest(text="body cut off") from None
 
     async def _h_put_part(self, request: web.Request) -> web.Response:
@@ -626,8 +679,7 @@ class Swarm(_StateMixin):
         if sender not in st.group or sender == self.peer_id:
             raise web.HTTPForbidden(text="sender is not in this round's group")
         if manifest != st.manifest:
-            raise web.HTTPBadRequest(text="part does not match the round manifest "
-                                     "(leaf names, shapes or codec differ)")
+            raise web.HTTPBadRequest(text="part does not match the round manifest (leaf names, shapes or codec differ)")
         if st.closed:
             raise web.HTTPConflict(text="too late: the reduce-scatter of this attempt is over")
         if sender in st.received or sender in st.receiving:
@@ -635,8 +687,7 @@ class Swarm(_StateMixin):
         length = st.hi - st.lo
         limit = max_message_bytes(length)
         if request.content_length is not None and request.content_length > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit,
-                                                actual_size=request.content_length)
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
         st.receiving.add(sender)
         try:
             dec = PartDecoder(name=f"part{k}", length=length, codec=st.codec, max_bytes=limit)
@@ -673,8 +724,7 @@ class Swarm(_StateMixin):
         lo, hi = st.bounds[k]
         limit = max_message_bytes(hi - lo)
         if request.content_length is not None and request.content_length > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit,
-                                                actual_size=request.content_length)
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
         dec = PartDecoder(name=f"result{k}", length=hi - lo, codec=st.codec, max_bytes=limit)
         vec = await self._read_part(request, st, dec, claimed, limit, lambda: st.gather_closed)
         if st.gather_closed:
@@ -689,29 +739,62 @@ class Swarm(_StateMixin):
         path = f"/v1/runs/{self.run_id}/rounds/{r}/{a}/{kind}/{k}"
         return group_addr.rstrip("/") + path, path
 
-    async def _send_part(self, st: _Attempt, addr: str, k: int, data: bytes, digest: str,
-                         weight: np.float32, timeout: float) -> int:
+    async def _send_part(
+        self, st: _Attempt, addr: str, k: int, data: bytes, digest: str, weight: np.float32, timeout: float
+    ) -> int:
         url, path = self._url(addr, st.round, st.attempt, "parts", k)
         weight_s = repr(float(weight))
-        return await self._put(st, url, path, data, digest, f"{weight_s}|{st.manifest}",
-                               {H_WEIGHT: weight_s, H_MANIFEST: st.manifest}, timeout)
+        return await self._put(
+            st,
+            url,
+            path,
+            data,
+            digest,
+            f"{weight_s}|{st.manifest}",
+            {H_WEIGHT: weight_s, H_MANIFEST: st.manifest},
+            timeout,
+        )
 
-    async def _push_result(self, st: _Attempt, addr: str, data: bytes, digest: str, tag: str,
-                           timeout: float) -> int:
+    async def _push_result(self, st: _Attempt, addr: str, data: bytes, digest: str, tag: str, timeout: float) -> int:
         if self._serve_delay:  # test hook: a part owner slow to deliver its result
             await asyncio.sleep(self._serve_delay)
         url, path = self._url(addr, st.round, st.attempt, "results", st.me)
-        return await self._put(st, url, path, data, digest, f"{tag}|{st.manifest}",
-                               {H_CONTRIB: tag, H_MANIFEST: st.manifest}, timeout, slow=False)
+        return await self._put(
+            st,
+            url,
+            path,
+            data,
+            digest,
+            f"{tag}|{st.manifest}",
+            {H_CONTRIB: tag, H_MANIFEST: st.manifest},
+            timeout,
+            slow=False,
+        )
 
-    async def _put(self, st: _Attempt, url: str, path: str, data: bytes, digest: str,
-                   extra: str, extra_headers: dict[str, str], timeout: float,
-                   slow: bool = True) -> int:
+    async def _put(
+        self,
+        st: _Attempt,
+        url: str,
+        path: str,
+        data: bytes,
+        digest: str,
+        extra: str,
+        extra_headers: dict[str, str],
+        timeout: float,
+        slow: bool = True,
+    ) -> int:
         """One signed, streamed PUT of ``data`` (whose body digest is ``digest``) over the
         session's keep-alive connections; returns the bytes sent once the receiver answered."""
-        headers = _auth.sign(self._token, method="PUT", path=path, run_id=self.run_id,
-                             peer=self.peer_id, round_=st.round, body_digest=digest,
-                             extra=extra)
+        headers = _auth.sign(
+            self._token,
+            method="PUT",
+            path=path,
+            run_id=self.run_id,
+            peer=self.peer_id,
+            round_=st.round,
+            body_digest=digest,
+            extra=extra,
+        )
         headers.update(extra_headers)
         headers["Content-Length"] = str(len(data))
         headers["Content-Type"] = "application/octet-stream"
@@ -723,30 +806,32 @@ class Swarm(_StateMixin):
             for off in range(0, len(data), step):
                 if delay:
                     await asyncio.sleep(delay)
-                yield mv[off:off + step]
+                yield mv[off : off + step]
 
         async with self._session.put(
-                url, data=body(), headers=headers, ssl=self._client_ssl,
-                timeout=aiohttp.ClientTimeout(total=max(timeout, 0.05),
-                                              sock_connect=self.timeouts.connect)) as resp:
+            url,
+            data=body(),
+            headers=headers,
+            ssl=self._client_ssl,
+            timeout=aiohttp.ClientTimeout(total=max(timeout, 0.05), sock_connect=self.timeouts.connect),
+        ) as resp:
             text = await resp.content.read(4096)
             if resp.status != 200:
                 raise HTTPStatusError(resp.status, text.decode(errors="replace"))
         return len(data)
 
-    async def _vote(self, r: int, epoch: str, a: int, phase: str, data: dict[str, Any],
-                    deadline: float) -> dict[str, Any]:
-        payload = {"peer_id": self.peer_id, "epoch": epoch, "attempt": a, "phase": phase,
-                   "data": data}
+    async def _vote(
+        self, r: int, epoch: str, a: int, phase: str, data: dict[str, Any], deadline: float
+    ) -> dict[str, Any]:
+        payload = {"peer_id": self.peer_id, "epoch": epoch, "attempt": a, "phase": phase, "data": data}
         last: Exception | None = None
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise _RoundFail(f"no {phase} decision from the rendezvous before the round "
-                                 f"deadline ({last!r})")
+                raise _RoundFail(f"no {phase} decision from the rendezvous before the round deadline ({last!r})")
             try:
                 return await self._rv("POST", f"/rounds/{r}/vote", payload, left, round_=r)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 last = e  # rendezvous down or restarting: try again until the deadline
                 await asyncio.sleep(min(0.25, max(left, 0)))
             except (HTTPStatusError, PermissionError) as e:
@@ -754,9 +839,14 @@ class Swarm(_StateMixin):
 
     async def _begin(self, deadline: float, expected: int | None = None) -> dict[str, Any]:
         after = self._last_round if expected is None else expected - 1
-        payload = {**self._hello(), "after": after, "part_s": self.timeouts.part,
-                   "grace_s": self.timeouts.grace, "max_attempts": self.timeouts.max_attempts,
-                   "expect": expected is not None}
+        payload = {
+            **self._hello(),
+            "after": after,
+            "part_s": self.timeouts.part,
+            "grace_s": self.timeouts.grace,
+            "max_attempts": self.timeouts.max_attempts,
+            "expect": expected is not None,
+        }
         last: Exception | None = None
         while True:
             left = deadline - time.monotonic()
@@ -766,19 +856,23 @@ class Swarm(_StateMixin):
             try:
                 res = await self._rv("POST", "/rounds/begin", payload, left)
                 if res.get("missed") is not None:
-                    raise _RoundFail(f"missed round {expected}: round {res['missed']} runs "
-                                     "without this peer")
+                    raise _RoundFail(f"missed round {expected}: round {res['missed']} runs without this peer")
                 if res.get("round") is not None:
                     return res
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 last = e
                 await asyncio.sleep(min(0.25, max(left, 0)))
             except (HTTPStatusError, PermissionError) as e:
                 raise _RoundFail(f"rendezvous refused the round: {e}") from e
 
-    async def _round(self, vec: np.ndarray, weight: np.float32, manifest: str,
-                     expected: int | None = None,
-                     state: tuple[int, str] | None = None) -> tuple[np.ndarray, RoundRecord]:
+    async def _round(
+        self,
+        vec: np.ndarray,
+        weight: np.float32,
+        manifest: str,
+        expected: int | None = None,
+        state: tuple[int, str] | None = None,
+    ) -> tuple[np.ndarray, RoundRecord]:
         me = asyncio.current_task()
         if me is not None:  # so that close() cancels a round in flight
             self._tasks.add(me)
@@ -792,23 +886,33 @@ class Swarm(_StateMixin):
             arrive: asyncio.Task[Any] | None = None
             try:
                 nxt, self._next = self._next, None
-                if (nxt is not None and self.peer_id in nxt["group"]
-                        and int(nxt["round"]) > self._last_round
-                        and (expected is None or expected == int(nxt["round"]))):
+                if (
+                    nxt is not None
+                    and self.peer_id in nxt["group"]
+                    and int(nxt["round"]) > self._last_round
+                    and (expected is None or expected == int(nxt["round"]))
+                ):
                     # the rendezvous handed us this round's group with the last commit: start at
                     # once; the begin request only marks our arrival (it starts the round's
                     # clock) and, when its answer comes, tightens our part deadline
                     begin = nxt
                     # (left to finish in the background: cancelling it would close a
                     # keep-alive connection to the rendezvous)
-                    arrive = self._spawn(self._arrival(
-                        min(deadline, time.monotonic() + self.timeouts.part), int(nxt["round"])))
+                    arrive = self._spawn(
+                        self._arrival(min(deadline, time.monotonic() + self.timeouts.part), int(nxt["round"]))
+                    )
                 else:
                     begin = await self._begin(deadline, expected)
                 r, epoch = int(begin["round"]), str(begin["epoch"])
-                log.debug("%s: round %d attempt %s with %s, %.3f s after the call%s", self.peer_id, r,
-                          begin.get("attempt"), begin.get("group"), time.monotonic() - t0,
-                          " (handed with the last commit)" if begin is nxt else "")
+                log.debug(
+                    "%s: round %d attempt %s with %s, %.3f s after the call%s",
+                    self.peer_id,
+                    r,
+                    begin.get("attempt"),
+                    begin.get("group"),
+                    time.monotonic() - t0,
+                    " (handed with the last commit)" if begin is nxt else "",
+                )
                 missed = expected is not None and r != expected
                 if missed:
                     # Too late for `expected`; this peer is in round r's group, so it takes part
@@ -818,16 +922,22 @@ class Swarm(_StateMixin):
                     vec = np.zeros_like(vec)
                     weight = np.float32(ABSTAIN_WEIGHT)
                 a, group = int(begin["attempt"]), tuple(begin["group"])
-                log.debug("%s: in round %d attempt %d", self.peer_id, r, a,
-                          extra={"rj_event": "round_begin", "rj_round": r, "rj_attempt": a})
+                log.debug(
+                    "%s: in round %d attempt %d",
+                    self.peer_id,
+                    r,
+                    a,
+                    extra={"rj_event": "round_begin", "rj_round": r, "rj_attempt": a},
+                )
                 addresses = dict(begin.get("addresses") or {})
                 addresses[self.peer_id] = self.address or ""
                 self._current_round = r
                 part_left = float(begin.get("part_left", self.timeouts.part))
                 while True:
                     attempts += 1
-                    out = await self._attempt(r, a, group, addresses, epoch, vec, weight,
-                                              manifest, deadline, stats, part_left, arrive, state)
+                    out = await self._attempt(
+                        r, a, group, addresses, epoch, vec, weight, manifest, deadline, stats, part_left, arrive, state
+                    )
                     arrive = None  # its answer only matters to the first attempt
                     if out[0] == "retry":
                         a, group = out[1], tuple(out[2])
@@ -841,26 +951,49 @@ class Swarm(_StateMixin):
                         # total_weight tells the caller whether anybody contributed: only
                         # abstainers (every member missed its round) means no peer is ahead
                         nobody = float(total) < 1e-20
-                        raise _RoundFail(f"missed round {expected}: the swarm is at round {r}"
-                                         + (" (no peer contributed to it)" if nobody else ""),
-                                         total_weight=float(total))
+                        raise _RoundFail(
+                            f"missed round {expected}: the swarm is at round {r}"
+                            + (" (no peer contributed to it)" if nobody else ""),
+                            total_weight=float(total),
+                        )
                     if self.peer_id in diverged:
-                        raise _RoundFail(f"diverged: this peer's global state after round {state[0] if state else '?'} "
-                                         "differs from the swarm's; its contribution was left out")
-                    rec = RoundRecord(round=r, ok=True, attempts=attempts, group=group,
-                                      contributors=tuple(contributors),
-                                      total_weight=float(total), bytes_sent=stats["sent"],
-                                      bytes_received=stats["received"],
-                                      seconds=time.monotonic() - t0, digest=digest,
-                                      codec=self.codec, algorithm=self.algorithm,
-                                      diverged=tuple(diverged))
+                        raise _RoundFail(
+                            f"diverged: this peer's global state after round {state[0] if state else '?'} "
+                            "differs from the swarm's; its contribution was left out"
+                        )
+                    rec = RoundRecord(
+                        round=r,
+                        ok=True,
+                        attempts=attempts,
+                        group=group,
+                        contributors=tuple(contributors),
+                        total_weight=float(total),
+                        bytes_sent=stats["sent"],
+                        bytes_received=stats["received"],
+                        seconds=time.monotonic() - t0,
+                        digest=digest,
+                        codec=self.codec,
+                        algorithm=self.algorithm,
+                        diverged=tuple(diverged),
+                    )
                     return res, rec
             except _RoundFail as e:
-                rec = RoundRecord(round=r, ok=False, attempts=attempts, group=group,
-                                  contributors=(), total_weight=e.total_weight, bytes_sent=stats["sent"],
-                                  bytes_received=stats["received"],
-                                  seconds=time.monotonic() - t0, digest="", codec=self.codec,
-                                  algorithm=self.algorithm, error=str(e), diverged=tuple(diverged))
+                rec = RoundRecord(
+                    round=r,
+                    ok=False,
+                    attempts=attempts,
+                    group=group,
+                    contributors=(),
+                    total_weight=e.total_weight,
+                    bytes_sent=stats["sent"],
+                    bytes_received=stats["received"],
+                    seconds=time.monotonic() - t0,
+                    digest="",
+                    codec=self.codec,
+                    algorithm=self.algorithm,
+                    error=str(e),
+                    diverged=tuple(diverged),
+                )
                 raise RoundFailed(rec) from None
             finally:
                 if r >= 0:
@@ -875,19 +1008,28 @@ class Swarm(_StateMixin):
                 # payload-sized buffers; collect the young generations now so RSS stays flat
                 gc.collect(GC_GENERATION)
 
-    async def _attempt(self, r: int, a: int, group: tuple[str, ...],
-                       membership: dict[str, str], epoch: str,
-                       vec: np.ndarray, weight: np.float32, manifest: str, deadline: float,
-                       stats: dict[str, int], part_left: float | None = None,
-                       arrive: asyncio.Task[Any] | None = None,
-                       state: tuple[int, str] | None = None) -> tuple[Any, ...]:
+    async def _attempt(
+        self,
+        r: int,
+        a: int,
+        group: tuple[str, ...],
+        membership: dict[str, str],
+        epoch: str,
+        vec: np.ndarray,
+        weight: np.float32,
+        manifest: str,
+        deadline: float,
+        stats: dict[str, int],
+        part_left: float | None = None,
+        arrive: asyncio.Task[Any] | None = None,
+        state: tuple[int, str] | None = None,
+    ) -> tuple[Any, ...]:
         if self.peer_id not in group:
             raise _RoundFail("not in the round's group")
         n = len(group)
         st = self._attempts.get((r, a)) or _Attempt(r, a)
         self._attempts[(r, a)] = st
-        st.group, st.me, st.manifest, st.codec = group, group.index(self.peer_id), manifest, \
-            self.codec
+        st.group, st.me, st.manifest, st.codec = group, group.index(self.peer_id), manifest, self.codec
         bounds = part_bounds(vec.size, n)
         st.bounds = bounds
         st.lo, st.hi = bounds[st.me]
@@ -899,7 +1041,7 @@ class Swarm(_StateMixin):
         plen = st.hi - st.lo
         if self._scratch.size < 2 * plen:  # reused from round to round: its pages stay mapped
             self._scratch = np.empty(2 * plen, np.float32)
-        own = np.multiply(vec[st.lo:st.hi], weight, out=self._scratch[:plen])
+        own = np.multiply(vec[st.lo : st.hi], weight, out=self._scratch[:plen])
         st.received[self.peer_id] = (weight, own)
         if len(st.received) == n:
             st.complete.set()
@@ -914,9 +1056,11 @@ class Swarm(_StateMixin):
                 continue
             lo, hi = bounds[k]
             data = encode_part(f"part{k}", vec[lo:hi], self.codec, **self.codec_options)
-            sends[owner] = asyncio.ensure_future(self._send_part(
-                st, membership[owner], k, data, _auth.body_digest(data), weight,
-                t_part - time.monotonic()))
+            sends[owner] = asyncio.ensure_future(
+                self._send_part(
+                    st, membership[owner], k, data, _auth.body_digest(data), weight, t_part - time.monotonic()
+                )
+            )
             del data
         complete = asyncio.ensure_future(st.complete.wait())
         gone = self._gone_wait()
@@ -928,8 +1072,7 @@ class Swarm(_StateMixin):
                 if gone.done():
                     gone = self._gone_wait()
                 waits = {complete, gone} | ({arrive} if arrive is not None and not arrive.done() else set())
-                done, _ = await asyncio.wait(waits, timeout=left,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 if arrive is not None and arrive in done:
                     t_part = min(t_part, self._arrived(arrive, r, t_part))
         finally:
@@ -946,13 +1089,25 @@ class Swarm(_StateMixin):
         vote: dict[str, Any] = {"received": sorted(st.received)}
         if state is not None:
             vote["state"] = list(state)
-        log.debug("%s: round %d attempt %d: gather vote, parts from %d of %d", self.peer_id, r, a,
-                  len(st.received), n, extra={"rj_event": "gather_vote", "rj_round": r, "rj_attempt": a})
+        log.debug(
+            "%s: round %d attempt %d: gather vote, parts from %d of %d",
+            self.peer_id,
+            r,
+            a,
+            len(st.received),
+            n,
+            extra={"rj_event": "gather_vote", "rj_round": r, "rj_attempt": a},
+        )
         gather = await self._vote(r, epoch, a, "gather", vote, deadline)
-        log.debug("%s: round %d attempt %d: gather decision %s", self.peer_id, r, a, gather.get("decision"),
-                  extra={"rj_event": "gather_decided", "rj_round": r, "rj_attempt": a,
-                         "rj_decision": gather.get("decision")})
-        for owner, t in sends.items():
+        log.debug(
+            "%s: round %d attempt %d: gather decision %s",
+            self.peer_id,
+            r,
+            a,
+            gather.get("decision"),
+            extra={"rj_event": "gather_decided", "rj_round": r, "rj_attempt": a, "rj_decision": gather.get("decision")},
+        )
+        for t in sends.values():
             if not t.done():
                 t.cancel()
         for owner, t in sends.items():
@@ -989,15 +1144,17 @@ class Swarm(_StateMixin):
             while True:
                 have = [k for k in others if (k, tag) in st.results]
                 left = t_gather - time.monotonic()
-                if len(have) == len(others) or left <= 0 or {
-                        group[k] for k in others if k not in have} <= self._gone.get((r, a), set()):
+                if (
+                    len(have) == len(others)
+                    or left <= 0
+                    or {group[k] for k in others if k not in have} <= self._gone.get((r, a), set())
+                ):
                     break  # complete, the deadline, or the owners still missing left the run
                 st.result_arrived.clear()
                 arrived = asyncio.ensure_future(st.result_arrived.wait())
                 gone = self._gone_wait()
                 try:
-                    await asyncio.wait({arrived, gone}, timeout=left,
-                                       return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait({arrived, gone}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     arrived.cancel()
                     gone.cancel()
@@ -1018,9 +1175,9 @@ class Swarm(_StateMixin):
             st.bytes_in = 0
             # the result is a pure function of the encoded result parts: hash their digests
             digest = result_digest([shas[k] for k in range(n)]) if ok else ""
-            commit = await self._vote(r, epoch, a, "commit", {"ok": ok, "digest": digest,
-                                                              "failed_owners": failed_owners},
-                                      deadline)
+            commit = await self._vote(
+                r, epoch, a, "commit", {"ok": ok, "digest": digest, "failed_owners": failed_owners}, deadline
+            )
             if commit["decision"] == "retry":
                 return ("retry", commit["attempt"], commit["group"])
             if commit["decision"] != "commit":
@@ -1045,7 +1202,7 @@ class Swarm(_StateMixin):
                 return {}
             try:
                 return await self._rv("POST", "/rounds/begin", payload, left)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 log.debug("%s: arrival at round %d: %r", self.peer_id, r, e)
                 await asyncio.sleep(min(0.25, max(left, 0)))
             except Exception as e:  # noqa: BLE001 - only a hint; the votes decide
@@ -1056,35 +1213,44 @@ class Swarm(_StateMixin):
         """The part deadline after the answer to our begin (arrival) request of round ``r``."""
         res = arrive.result()
         if res.get("round") != r:  # the round ended already (a fast peer) or was retried
-            log.debug("%s: rendezvous answered round %s to our arrival in %d", self.peer_id,
-                     res.get("round"), r)
+            log.debug("%s: rendezvous answered round %s to our arrival in %d", self.peer_id, res.get("round"), r)
             return t_part
         return time.monotonic() + float(res.get("part_left", self.timeouts.part))
 
-    def _reduce_and_push(self, st: _Attempt, contributors: tuple[str, ...],
-                         membership: dict[str, str], deadline: float,
-                         mine: dict[str, Any]) -> None:
+    def _reduce_and_push(
+        self,
+        st: _Attempt,
+        contributors: tuple[str, ...],
+        membership: dict[str, str],
+        deadline: float,
+        mine: dict[str, Any],
+    ) -> None:
         """Reduce own part over ``contributors``, encode it once, and push it to every other
         member (tasks in ``mine["pushes"]``); ``mine`` also gets the tag, digest, total weight
         and the round's output buffer with this part filled in."""
         plen = st.hi - st.lo
-        mean, total = mean_of_scaled(st.received, contributors,
-                                     out=self._scratch[plen:2 * plen])
+        mean, total = mean_of_scaled(st.received, contributors, out=self._scratch[plen : 2 * plen])
         tag = contributors_tag(contributors)
         data = encode_part(f"result{st.me}", mean, self.codec, **self.codec_options)
         digest = _auth.body_digest(data)
         out = np.empty(st.bounds[-1][1], dtype=np.float32)
         if self.codec == "fp32":  # lossless: decode(encode(mean)) == mean bit for bit
-            out[st.lo:st.hi] = mean
+            out[st.lo : st.hi] = mean
         else:
-            out[st.lo:st.hi] = decode_part(data, name=f"result{st.me}", length=st.hi - st.lo,
-                                           codec=self.codec)
+            out[st.lo : st.hi] = decode_part(data, name=f"result{st.me}", length=st.hi - st.lo, codec=self.codec)
         del mean
         t_end = min(time.monotonic() + self.timeouts.part, deadline)
-        mine.update(tag=tag, digest=digest, total=total, out=out, pushes=[
-            asyncio.ensure_future(self._push_result(st, membership[g], data, digest, tag,
-                                                    t_end - time.monotonic()))
-            for k, g in enumerate(st.group) if k != st.me and g in membership])
+        mine.update(
+            tag=tag,
+            digest=digest,
+            total=total,
+            out=out,
+            pushes=[
+                asyncio.ensure_future(self._push_result(st, membership[g], data, digest, tag, t_end - time.monotonic()))
+                for k, g in enumerate(st.group)
+                if k != st.me and g in membership
+            ],
+        )
 
     # ------------------------------------------------------------------ ring variant
     async def _h_put_ring(self, request: web.Request) -> web.Response:
@@ -1094,8 +1260,12 @@ class Swarm(_StateMixin):
         sender, claimed = self._auth_request(request, extra=f"{weight_s}|{manifest}")
         phase = request.match_info["phase"]
         try:
-            r, a, step, j = (int(request.match_info["round"]), int(request.match_info["attempt"]),
-                             int(request.match_info["step"]), int(request.match_info["seg"]))
+            r, a, step, j = (
+                int(request.match_info["round"]),
+                int(request.match_info["attempt"]),
+                int(request.match_info["step"]),
+                int(request.match_info["seg"]),
+            )
             w = np.float32(float(weight_s))
         except ValueError:
             raise web.HTTPBadRequest(text="bad round, attempt, step, segment or weight") from None
@@ -1116,10 +1286,8 @@ class Swarm(_StateMixin):
         lo, hi = st.segments[c][j]
         limit = max_message_bytes(hi - lo)
         if request.content_length is not None and request.content_length > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit,
-                                                actual_size=request.content_length)
-        dec = PartDecoder(name=f"ring{phase}{c}.{j}", length=hi - lo, codec=st.codec,
-                          max_bytes=limit)
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+        dec = PartDecoder(name=f"ring{phase}{c}.{j}", length=hi - lo, codec=st.codec, max_bytes=limit)
         h = _auth.body_hasher()
         # all-gather messages are forwarded unchanged to the right, except at the last step
         raw = bytearray() if phase == "ag" and step < n - 2 else None
@@ -1137,11 +1305,14 @@ class Swarm(_StateMixin):
             vec = dec.finish()
         except (WireFormatError, NonFiniteError) as e:
             if dec.nbytes > limit:
-                raise web.HTTPRequestEntityTooLarge(max_size=limit,
-                                                    actual_size=dec.nbytes) from None
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=dec.nbytes) from None
             raise web.HTTPBadRequest(text=f"bad ring message: {e}") from None
-        except (aiohttp.ClientPayloadError, ConnectionError, asyncio.IncompleteReadError,
-                aiohttp.http_exceptions.HttpProcessingError):
+        except (
+            aiohttp.ClientPayloadError,
+            ConnectionError,
+            asyncio.IncompleteReadError,
+            aiohttp.http_exceptions.HttpProcessingError,
+        ):
             raise web.HTTPBadRequest(text="body cut off") from None
         finally:
             st.ring_receiving.discard(key)
@@ -1153,27 +1324,40 @@ class Swarm(_StateMixin):
         st.ring_event(phase, step, j).set()
         return json_response(request, self._token, self.run_id, self.peer_id, {"ok": True})
 
-    async def _ring_send(self, st: _Attempt, addr: str, phase: str, step: int, j: int,
-                         data: Any, weight: np.float32, timeout: float,
-                         digest: str | None = None) -> int:
+    async def _ring_send(
+        self,
+        st: _Attempt,
+        addr: str,
+        phase: str,
+        step: int,
+        j: int,
+        data: Any,
+        weight: np.float32,
+        timeout: float,
+        digest: str | None = None,
+    ) -> int:
         """One signed PUT of segment ``j`` of ring step ``step``; ``data`` is the encoded bytes
         or a function that encodes them (called once a send slot is free, so that at most
         ``RING_INFLIGHT`` encoded messages wait per peer); ``digest``: its body digest when
         known (a forwarded message: no second hash pass)."""
-        path = (f"/v1/runs/{self.run_id}/rounds/{st.round}/{st.attempt}/ring/{phase}/{step}"
-                f"/{j}")
+        path = f"/v1/runs/{self.run_id}/rounds/{st.round}/{st.attempt}/ring/{phase}/{step}/{j}"
         weight_s = repr(float(weight))
         t_end = time.monotonic() + timeout
         async with self._ring_slots:
             if callable(data):
                 data = data()
-            return await self._put(st, addr.rstrip("/") + path, path, data,
-                                   digest or _auth.body_digest(data), f"{weight_s}|{st.manifest}",
-                                   {H_WEIGHT: weight_s, H_MANIFEST: st.manifest},
-                                   t_end - time.monotonic())
+            return await self._put(
+                st,
+                addr.rstrip("/") + path,
+                path,
+                data,
+                digest or _auth.body_digest(data),
+                f"{weight_s}|{st.manifest}",
+                {H_WEIGHT: weight_s, H_MANIFEST: st.manifest},
+                t_end - time.monotonic(),
+            )
 
-    async def _ring_phase(self, st: _Attempt, t_end: float, segment: Callable[..., Any],
-                          stats: dict[str, int]) -> None:
+    async def _ring_phase(self, st: _Attempt, t_end: float, segment: Callable[..., Any], stats: dict[str, int]) -> None:
         """Run ``segment(j, send)`` for every segment j concurrently (the pipeline: segment j
         moves on to its next step as soon as its own message of this step has arrived) until
         all are done and every PUT they started (``send(coro)``) was answered. Raises the first
@@ -1203,9 +1387,8 @@ class Swarm(_StateMixin):
                     return
                 left = t_end - time.monotonic()
                 if left <= 0:
-                    raise asyncio.TimeoutError("ring phase deadline")
-                await asyncio.wait([failed, *pending], timeout=left,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                    raise TimeoutError("ring phase deadline")
+                await asyncio.wait([failed, *pending], timeout=left, return_when=asyncio.FIRST_COMPLETED)
         finally:
             # a segment task that ends while we cancel may still start a send: repeat until
             # every task is done (segment tasks start no sends once done, so this ends)
@@ -1213,13 +1396,19 @@ class Swarm(_StateMixin):
                 for t in rest:
                     t.cancel()
                 await asyncio.gather(*rest, return_exceptions=True)
-            stats["sent"] += sum(t.result() for t in sends
-                                 if not t.cancelled() and t.exception() is None)
+            stats["sent"] += sum(t.result() for t in sends if not t.cancelled() and t.exception() is None)
 
-    async def _ring_attempt(self, st: _Attempt, membership: dict[str, str], epoch: str,
-                            vec: np.ndarray, weight: np.float32, deadline: float,
-                            stats: dict[str, int],
-                            state: tuple[int, str] | None = None) -> tuple[Any, ...]:
+    async def _ring_attempt(
+        self,
+        st: _Attempt,
+        membership: dict[str, str],
+        epoch: str,
+        vec: np.ndarray,
+        weight: np.float32,
+        deadline: float,
+        stats: dict[str, int],
+        state: tuple[int, str] | None = None,
+    ) -> tuple[Any, ...]:
         """Pipelined ring: every part is cut into S segments (``st.segments``), each segment its
         own encoded message and PUT; segment j of step s + 1 leaves as soon as segment j of step
         s has arrived (and, in the reduce-scatter, been added), while later segments of step s
@@ -1234,8 +1423,7 @@ class Swarm(_StateMixin):
         opts = self.codec_options
 
         def wait(phase: str, s: int, j: int, t_end: float) -> Any:
-            return asyncio.wait_for(st.ring_event(phase, s, j).wait(),
-                                    max(t_end - time.monotonic(), 0))
+            return asyncio.wait_for(st.ring_event(phase, s, j).wait(), max(t_end - time.monotonic(), 0))
 
         t_rs = min(time.monotonic() + self.timeouts.part, deadline)
 
@@ -1246,10 +1434,18 @@ class Swarm(_StateMixin):
             num = vec[lo:hi] * weight
             acc_w = weight
             for s in range(n - 1):
-                send(self._ring_send(
-                    st, right, "rs", s, j,
-                    lambda c=c, num=num: encode_part(f"ringrs{c}.{j}", num, self.codec, **opts),
-                    acc_w, t_rs - time.monotonic()))
+                send(
+                    self._ring_send(
+                        st,
+                        right,
+                        "rs",
+                        s,
+                        j,
+                        lambda c=c, num=num: encode_part(f"ringrs{c}.{j}", num, self.codec, **opts),
+                        acc_w,
+                        t_rs - time.monotonic(),
+                    )
+                )
                 await wait("rs", s, j, t_rs)
                 in_w, in_num, _, _ = st.ring_inbox.pop(("rs", s, j))
                 c = (i - s - 1) % n
@@ -1260,16 +1456,18 @@ class Swarm(_StateMixin):
             mean = np.divide(num, acc_w, out=num)
             data = encode_part(f"ringag{c}.{j}", mean, self.codec, **opts)
             lo, hi = segs[c][j]
-            out[lo:hi] = mean if self.codec == "fp32" else decode_part(
-                data, name=f"ringag{c}.{j}", length=hi - lo, codec=self.codec)
+            out[lo:hi] = (
+                mean
+                if self.codec == "fp32"
+                else decode_part(data, name=f"ringag{c}.{j}", length=hi - lo, codec=self.codec)
+            )
             shas[(c, j)] = _auth.body_digest(data)
             own[j], totals[j] = (data, shas[(c, j)]), acc_w
 
         complete = True
         try:
             await self._ring_phase(st, t_rs, reduce_scatter, stats)
-        except (asyncio.TimeoutError, aiohttp.ClientError, HTTPStatusError, PermissionError,
-                OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, HTTPStatusError, PermissionError, OSError) as e:
             log.info("%s: ring reduce-scatter failed: %r", self.peer_id, e)
             complete = False
         vote: dict[str, Any] = {"received": list(group) if complete else [], "ring": True}
@@ -1292,8 +1490,7 @@ class Swarm(_StateMixin):
         async def all_gather(j: int, send: Callable[[Any], None]) -> None:
             cur, sha = own.pop(j)
             for s in range(n - 1):
-                send(self._ring_send(st, right, "ag", s, j, cur, np.float32(1.0),
-                                     t_ag - time.monotonic(), sha))
+                send(self._ring_send(st, right, "ag", s, j, cur, np.float32(1.0), t_ag - time.monotonic(), sha))
                 await wait("ag", s, j, t_ag)
                 _, part, cur, sha = st.ring_inbox.pop(("ag", s, j))
                 k = (i - s) % n
@@ -1304,16 +1501,13 @@ class Swarm(_StateMixin):
         ok = True
         try:
             await self._ring_phase(st, t_ag, all_gather, stats)
-        except (asyncio.TimeoutError, aiohttp.ClientError, HTTPStatusError, PermissionError,
-                OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, HTTPStatusError, PermissionError, OSError) as e:
             log.info("%s: ring all-gather failed: %r", self.peer_id, e)
             ok = False
         stats["received"] += st.bytes_in
         st.bytes_in = 0
-        digest = result_digest([shas[(k, j)] for k in range(n)
-                                for j in range(len(segs[0]))]) if ok else ""
-        commit = await self._vote(r, epoch, a, "commit", {"ok": ok, "digest": digest,
-                                                          "failed_owners": []}, deadline)
+        digest = result_digest([shas[(k, j)] for k in range(n) for j in range(len(segs[0]))]) if ok else ""
+        commit = await self._vote(r, epoch, a, "commit", {"ok": ok, "digest": digest, "failed_owners": []}, deadline)
         st.ring_inbox.clear()
         if commit["decision"] == "retry":
             return ("retry", commit["attempt"], commit["group"])

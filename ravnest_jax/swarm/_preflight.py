@@ -50,8 +50,12 @@ def read_token(token_file: str | None = None, *, env: str = TOKEN_ENV) -> str:
         if not token:
             raise ValueError(f"--token-file {token_file} is empty")
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            log.warning("token file %s can be read by other users (mode %o); run: chmod 600 %s",
-                        token_file, stat.S_IMODE(mode), token_file)
+            log.warning(
+                "token file %s can be read by other users (mode %o); run: chmod 600 %s",
+                token_file,
+                stat.S_IMODE(mode),
+                token_file,
+            )
         return token
     token = os.environ.get(env, "").strip()
     if not token:
@@ -87,8 +91,7 @@ def check_listen(listen: str) -> None:
             raise ValueError(f"cannot listen on {listen}: {e.strerror or e}") from None
 
 
-def check_rendezvous(url: str, *, run_id: str, token: str | bytes, timeout: float = 10.0,
-                     ssl: object = None) -> None:
+def check_rendezvous(url: str, *, run_id: str, token: str | bytes, timeout: float = 10.0, ssl: object = None) -> None:
     """Asks the rendezvous for the run's peers with a signed request: it must answer and accept
     the token. Retries connection failures until ``timeout`` (a rendezvous that is starting).
 
@@ -105,18 +108,28 @@ def check_rendezvous(url: str, *, run_id: str, token: str | bytes, timeout: floa
             while time.monotonic() < deadline:
                 left = max(deadline - time.monotonic(), 0.1)
                 try:
-                    await signed_json(session, url, "GET", f"/v1/runs/{run_id}/peers", token=key,
-                                      run_id=run_id, peer="preflight", ssl=ssl,
-                                      timeout=aiohttp.ClientTimeout(total=min(left, 5.0)))
+                    await signed_json(
+                        session,
+                        url,
+                        "GET",
+                        f"/v1/runs/{run_id}/peers",
+                        token=key,
+                        run_id=run_id,
+                        peer="preflight",
+                        ssl=ssl,
+                        timeout=aiohttp.ClientTimeout(total=min(left, 5.0)),
+                    )
                     return
                 except HTTPStatusError as e:
                     if e.status == 401:
-                        raise SwarmError(f"the rendezvous at {url} refused our token (HTTP 401): "
-                                         "every peer and the rendezvous need the same run token") from None
+                        raise SwarmError(
+                            f"the rendezvous at {url} refused our token (HTTP 401): "
+                            "every peer and the rendezvous need the same run token"
+                        ) from None
                     raise SwarmError(f"the rendezvous at {url} answered {e}") from None
                 except PermissionError as e:
                     raise SwarmError(f"{url} is not a rendezvous of this run token: {e}") from None
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+                except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
                     last = e
                     await asyncio.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
         why = (getattr(last, "strerror", None) or str(last) or type(last).__name__) if last else "no answer"
@@ -140,8 +153,14 @@ ENV_VARS = {
 }
 
 
-def from_environment(rendezvous_url: str | None, run_id: str | None, token: str | bytes | None,
-                     codec: str | None, listen: str | None, peer_id: str | None) -> tuple:
+def from_environment(
+    rendezvous_url: str | None,
+    run_id: str | None,
+    token: str | bytes | None,
+    codec: str | None,
+    listen: str | None,
+    peer_id: str | None,
+) -> tuple:
     """The :class:`Swarm` arguments with every ``None`` filled from the environment
     (:data:`ENV_VARS`), then from the defaults (codec ``"fp32"``, listen ``"0.0.0.0:0"``, a random
     peer id: ``None``).

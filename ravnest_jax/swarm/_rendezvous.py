@@ -174,9 +174,9 @@ class Rendezvous:
     async def _auth(self, request: web.Request) -> tuple[_Run, str, Any]:
         run_id = request.match_info["run_id"]
         try:
-            peer, _, body_sha = _auth.verify(self.token, request.headers, method=request.method,
-                                             path=request.path, run_id=run_id,
-                                             nonces=self.nonces)
+            peer, _, body_sha = _auth.verify(
+                self.token, request.headers, method=request.method, path=request.path, run_id=run_id, nonces=self.nonces
+            )
         except _auth.AuthError as e:
             raise web.HTTPUnauthorized(text=f"unauthorized: {e}") from None
         payload = await read_json_body(request, body_sha)
@@ -199,8 +199,9 @@ class Rendezvous:
         if not isinstance(address, str) or not address.startswith(("http://", "https://")):
             raise web.HTTPBadRequest(text="address must be an http(s) URL")
         info = p.get("info")
-        if info is not None and (not isinstance(info, dict)
-                                 or len(json.dumps(info, separators=(",", ":"))) > MAX_INFO_BYTES):
+        if info is not None and (
+            not isinstance(info, dict) or len(json.dumps(info, separators=(",", ":"))) > MAX_INFO_BYTES
+        ):
             raise web.HTTPBadRequest(text=f"info must be a JSON object of at most {MAX_INFO_BYTES} bytes")
         now = time.monotonic()
         e = run.peers.get(peer)
@@ -236,20 +237,35 @@ class Rendezvous:
 
     def _live(self, run: _Run, *, for_group: bool = False) -> list[_Peer]:
         now = time.monotonic()
-        return sorted((e for e in run.peers.values() if now - e.last_seen <= self.eviction_s
-                       and not (for_group and e.suspect_since is not None
-                                and e.last_seen <= e.suspect_since)),
-                      key=lambda e: e.peer_id)
+        return sorted(
+            (
+                e
+                for e in run.peers.values()
+                if now - e.last_seen <= self.eviction_s
+                and not (for_group and e.suspect_since is not None and e.last_seen <= e.suspect_since)
+            ),
+            key=lambda e: e.peer_id,
+        )
 
     def _membership(self, run: _Run) -> dict[str, Any]:
         now = time.monotonic()
-        return {"epoch": self.epoch, "version": run.version,
-                "heartbeat_s": self.heartbeat_s, "eviction_s": self.eviction_s,
-                "peers": [{"peer_id": e.peer_id, "address": e.address,
-                           "last_round": e.last_round, "standby": e.standby,
-                           "seconds_since_heartbeat": round(now - e.last_seen, 3),
-                           "info": e.info}
-                          for e in self._live(run)]}
+        return {
+            "epoch": self.epoch,
+            "version": run.version,
+            "heartbeat_s": self.heartbeat_s,
+            "eviction_s": self.eviction_s,
+            "peers": [
+                {
+                    "peer_id": e.peer_id,
+                    "address": e.address,
+                    "last_round": e.last_round,
+                    "standby": e.standby,
+                    "seconds_since_heartbeat": round(now - e.last_seen, 3),
+                    "info": e.info,
+                }
+                for e in self._live(run)
+            ],
+        }
 
     # -- membership ----------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
@@ -267,10 +283,15 @@ class Rendezvous:
         _, new = self._touch(run, peer, p)
         # members that left (or were evicted from) the running attempts this peer is in: it
         # stops waiting for their parts at once instead of at the part deadline
-        left = [[r.number, a.number, g] for r in run.rounds.values() if r.outcome == "running"
-                for a in (r.attempts[max(r.attempts)],) if peer in a.group for g in sorted(a.left)]
-        return self._reply(request, run, {"epoch": self.epoch, "version": run.version,
-                                          "registered": new, "left": left})
+        left = [
+            [r.number, a.number, g]
+            for r in run.rounds.values()
+            if r.outcome == "running"
+            for a in (r.attempts[max(r.attempts)],)
+            if peer in a.group
+            for g in sorted(a.left)
+        ]
+        return self._reply(request, run, {"epoch": self.epoch, "version": run.version, "registered": new, "left": left})
 
     async def _leave(self, request: web.Request) -> web.Response:
         run, peer, _ = await self._auth(request)
@@ -312,16 +333,23 @@ class Rendezvous:
         out = self._membership(run)
         out["run_id"] = run.run_id
         out["last_round"] = run.latest
-        out["rounds"] = [{"round": r.number, "outcome": r.outcome,
-                          "attempts": len(r.attempts),
-                          "group": list(r.attempts[max(r.attempts)].group),
-                          "contributors": list(r.contributors), "digest": r.digest}
-                         for r in sorted(run.rounds.values(), key=lambda r: r.number)]
+        out["rounds"] = [
+            {
+                "round": r.number,
+                "outcome": r.outcome,
+                "attempts": len(r.attempts),
+                "group": list(r.attempts[max(r.attempts)].group),
+                "contributors": list(r.contributors),
+                "digest": r.digest,
+            }
+            for r in sorted(run.rounds.values(), key=lambda r: r.number)
+        ]
         return self._reply(request, run, out)
 
     # -- rounds --------------------------------------------------------------------------
-    def _create_round(self, run: _Run, after: int, p: dict[str, Any], asker: str,
-                      ahead: bool = False, first_ask: bool = False) -> _Round:
+    def _create_round(
+        self, run: _Run, after: int, p: dict[str, Any], asker: str, ahead: bool = False, first_ask: bool = False
+    ) -> _Round:
         number = max(-1 if run.latest is None else run.latest, after, run.max_reported_round) + 1
         live = self._live(run, for_group=True)
         ready = [e for e in live if not e.standby]
@@ -333,11 +361,14 @@ class Rendezvous:
         if not group:  # e.g. only suspects left: the asker itself is alive
             group = (asker,)
         now = time.monotonic()
-        rnd = _Round(number=number, created=now,
-                     part_s=float(min(max(p.get("part_s", 30.0), 0.01), 3600.0)),
-                     grace_s=float(min(max(p.get("grace_s", 1.0), 0.0), 600.0)),
-                     max_attempts=int(min(max(p.get("max_attempts", 3), 1), 10)),
-                     attempts={0: _Attempt(0, group, now, started=not ahead)})
+        rnd = _Round(
+            number=number,
+            created=now,
+            part_s=float(min(max(p.get("part_s", 30.0), 0.01), 3600.0)),
+            grace_s=float(min(max(p.get("grace_s", 1.0), 0.0), 600.0)),
+            max_attempts=int(min(max(p.get("max_attempts", 3), 1), 10)),
+            attempts={0: _Attempt(0, group, now, started=not ahead)},
+        )
         run.rounds[number] = rnd
         run.latest = number
         for old in sorted(run.rounds)[:-KEEP_ROUNDS]:
@@ -372,23 +403,37 @@ class Rendezvous:
             rnd = run.rounds.get(run.latest) if run.latest is not None else None
             me = run.peers.get(peer) or me
             # a member: in the round's group, and the process that was in it when it was created
-            member = rnd is not None and peer in rnd.attempts[0].group and \
-                peer in rnd.attempts[max(rnd.attempts)].group and me.joined <= rnd.created
+            member = (
+                rnd is not None
+                and peer in rnd.attempts[0].group
+                and peer in rnd.attempts[max(rnd.attempts)].group
+                and me.joined <= rnd.created
+            )
             if rnd is not None and rnd.outcome == "running" and member and after < rnd.number:
                 return self._reply(request, run, self._handout(run, rnd, arrived=True))
-            if rnd is not None and rnd.outcome == "running" and not member and expect \
-                    and after < rnd.number and self._has_live_member(run, rnd, peer):
+            if (
+                rnd is not None
+                and rnd.outcome == "running"
+                and not member
+                and expect
+                and after < rnd.number
+                and self._has_live_member(run, rnd, peer)
+            ):
                 # the round this peer's schedule expects (or a later one) runs without it: it
                 # was too late (for example, its state download finished after the round was
                 # created). Said at once, so that it resyncs instead of waiting for the round.
-                return self._reply(request, run, {"epoch": self.epoch, "round": None,
-                                                  "missed": rnd.number})
-            over = rnd is None or rnd.outcome != "running" or (
-                member and after >= rnd.number) or not self._has_live_member(run, rnd, peer)
+                return self._reply(request, run, {"epoch": self.epoch, "round": None, "missed": rnd.number})
+            over = (
+                rnd is None
+                or rnd.outcome != "running"
+                or (member and after >= rnd.number)
+                or not self._has_live_member(run, rnd, peer)
+            )
             if not over:  # stale: long past the time its attempts may take
                 assert rnd is not None
-                stale_at = max(rnd.created, rnd.attempts[0].start) + \
-                    rnd.max_attempts * 2 * (rnd.part_s + rnd.grace_s) + 1.0
+                stale_at = (
+                    max(rnd.created, rnd.attempts[0].start) + rnd.max_attempts * 2 * (rnd.part_s + rnd.grace_s) + 1.0
+                )
                 over = time.monotonic() >= stale_at
             if over:
                 # just (re)started: give every live peer one heartbeat to re-register first
@@ -403,16 +448,14 @@ class Rendezvous:
                 continue
             # joined while this round runs: wait for the next one (a new round, or this one's end)
             assert rnd is not None
-            stale_at = max(rnd.created, rnd.attempts[0].start) + \
-                rnd.max_attempts * 2 * (rnd.part_s + rnd.grace_s) + 1.0
+            stale_at = max(rnd.created, rnd.attempts[0].start) + rnd.max_attempts * 2 * (rnd.part_s + rnd.grace_s) + 1.0
             left = min(deadline, stale_at) - time.monotonic()
             if left <= 0 and time.monotonic() < stale_at:
-                return self._reply(request, run, {"epoch": self.epoch, "round": None,
-                                                  "wait": True})
+                return self._reply(request, run, {"epoch": self.epoch, "round": None, "wait": True})
             try:
                 async with run.new_round:
                     await asyncio.wait_for(run.new_round.wait(), max(left, 0.0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._touch(run, peer, p)
 
@@ -431,17 +474,27 @@ class Rendezvous:
         # the part phase ends at the same moment for everyone: the attempt's start plus
         # part_s, whenever a peer arrives (a late arrival has less time, not more)
         part_left = att.start + rnd.part_s - time.monotonic() if att.started else rnd.part_s
-        return {"epoch": self.epoch, "round": rnd.number, "attempt": att.number,
-                "group": list(att.group), "addresses": {g: run.peers[g].address for g in att.group if g in run.peers},
-                "part_left": max(part_left, 0.0)}
+        return {
+            "epoch": self.epoch,
+            "round": rnd.number,
+            "attempt": att.number,
+            "group": list(att.group),
+            "addresses": {g: run.peers[g].address for g in att.group if g in run.peers},
+            "part_left": max(part_left, 0.0),
+        }
 
     def _arrival(self, run: _Run, me: _Peer, number: int) -> dict[str, Any]:
         """A member that was handed round ``number`` with the last commit says it is here: the
         part clock starts (if it has not). Never creates a round: an arrival that comes after
         the round ended (a fast peer, alone or not) is answered ``round: None``."""
         rnd = run.rounds.get(number)
-        if (rnd is None or rnd.outcome != "running" or me.peer_id not in rnd.attempts[0].group
-                or me.joined > rnd.created or len(rnd.attempts) > 1):
+        if (
+            rnd is None
+            or rnd.outcome != "running"
+            or me.peer_id not in rnd.attempts[0].group
+            or me.joined > rnd.created
+            or len(rnd.attempts) > 1
+        ):
             return {"epoch": self.epoch, "round": None}
         return self._handout(run, rnd, arrived=True)
 
@@ -458,26 +511,34 @@ class Rendezvous:
             raise web.HTTPBadRequest(text="bad vote")
         state = data.get("state")
         if state is not None and not (
-                isinstance(state, list) and len(state) == 2 and isinstance(state[0], int)
-                and not isinstance(state[0], bool) and isinstance(state[1], str) and 0 < len(state[1]) <= 128):
+            isinstance(state, list)
+            and len(state) == 2
+            and isinstance(state[0], int)
+            and not isinstance(state[0], bool)
+            and isinstance(state[1], str)
+            and 0 < len(state[1]) <= 128
+        ):
             raise web.HTTPBadRequest(text="state must be [round, digest]: an int and a string of 1-128 chars")
         rnd = run.rounds.get(number)
         if p.get("epoch") != self.epoch or rnd is None:
-            return self._reply(request, run, {
-                "decision": "fail", "reason": "the rendezvous does not know this round "
-                "(it restarted or the round is too old)"})
+            return self._reply(
+                request,
+                run,
+                {
+                    "decision": "fail",
+                    "reason": "the rendezvous does not know this round (it restarted or the round is too old)",
+                },
+            )
         att = rnd.attempts.get(attempt)
         if att is None or peer not in att.group:
-            return self._reply(request, run, {"decision": "fail",
-                                              "reason": "not in this attempt's group"})
+            return self._reply(request, run, {"decision": "fail", "reason": "not in this attempt's group"})
         if phase == "commit" and "gather" not in att.decisions:
             raise web.HTTPBadRequest(text="commit before gather")
         att.arrive()
         ev = att.events.setdefault(phase, asyncio.Event())
         if phase not in att.decisions:
             att.votes.setdefault(phase, {})[peer] = data
-            log.debug("run %s round %d attempt %d: %s vote from %s", run.run_id, rnd.number, att.number,
-                      phase, peer)
+            log.debug("run %s round %d attempt %d: %s vote from %s", run.run_id, rnd.number, att.number, phase, peer)
             if set(att.votes[phase]) | att.left >= set(att.group):
                 self._decide(run, rnd, att, phase)
         while phase not in att.decisions:
@@ -488,7 +549,7 @@ class Rendezvous:
                 break
             try:
                 await asyncio.wait_for(ev.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return self._reply(request, run, att.decisions[phase])
 
@@ -517,34 +578,45 @@ class Rendezvous:
                 else:
                     decision = self._retry(run, rnd, att, voters, "ring incomplete")
             elif everyone and unreachable and 2 * len(unreachable) < n:
-                decision = self._retry(run, rnd, att,
-                                       tuple(v for v in voters if v not in unreachable),
-                                       "owners that most peers could not reach: " +
-                                       ",".join(sorted(unreachable)))
+                decision = self._retry(
+                    run,
+                    rnd,
+                    att,
+                    tuple(v for v in voters if v not in unreachable),
+                    "owners that most peers could not reach: " + ",".join(sorted(unreachable)),
+                )
             elif everyone:
                 contributors = set(att.group)
                 for g in got.values():
                     contributors &= g
-                if (att.number == 0 and 2 * len(contributors) <= n
-                        and any(len(g) > len(contributors) for g in got.values())):
+                if (
+                    att.number == 0
+                    and 2 * len(contributors) <= n
+                    and any(len(g) > len(contributors) for g in got.values())
+                ):
                     # Everybody is here (all voted) but the intersection kept at most half of
                     # the group: typically a peer that reached the round late, whose own part
                     # window was too short to receive the others' parts (with 2 peers that
                     # made the *on-time* peer the one left out: a 1-contributor round). Try
                     # once more with everyone; a second shortfall is taken as it is.
-                    decision = self._retry(run, rnd, att, voters, "most contributions were "
-                                           "late at some part owner: " + ",".join(
-                                               f"{k}:{len(g)}" for k, g in sorted(got.items())))
+                    decision = self._retry(
+                        run,
+                        rnd,
+                        att,
+                        voters,
+                        "most contributions were "
+                        "late at some part owner: " + ",".join(f"{k}:{len(g)}" for k, g in sorted(got.items())),
+                    )
                 elif contributors - set(diverged):
                     # a peer whose global state differs from the swarm's computed its
                     # pseudo-gradient against a wrong anchor: left out, and told to resync
                     decision = {"decision": "ok", "contributors": sorted(contributors - set(diverged))}
                 else:
-                    decision = {"decision": "fail", "reason": "no contribution reached every "
-                                "part owner"}
+                    decision = {"decision": "fail", "reason": "no contribution reached every part owner"}
             else:
-                decision = self._retry(run, rnd, att, voters, "missing gather votes from " +
-                                       ",".join(sorted(set(att.group) - set(voters))))
+                decision = self._retry(
+                    run, rnd, att, voters, "missing gather votes from " + ",".join(sorted(set(att.group) - set(voters)))
+                )
         else:
             digests = {v.get("digest") for v in votes.values()}
             if everyone and all(v.get("ok") for v in votes.values()) and len(digests) == 1:
@@ -561,10 +633,13 @@ class Rendezvous:
                 missing = sorted(set(att.group) - set(voters))
                 bad = sorted(k for k, v in votes.items() if not v.get("ok"))
                 blamed = {str(o) for v in votes.values() for o in v.get("failed_owners") or []}
-                decision = self._retry(run, rnd, att,
-                                       tuple(v for v in voters if v not in blamed),
-                                       f"all-gather incomplete (missing {missing}, failed {bad}, "
-                                       f"unreachable owners {sorted(blamed)})")
+                decision = self._retry(
+                    run,
+                    rnd,
+                    att,
+                    tuple(v for v in voters if v not in blamed),
+                    f"all-gather incomplete (missing {missing}, failed {bad}, unreachable owners {sorted(blamed)})",
+                )
         if phase == "gather" and decision["decision"] == "ok" and diverged:
             decision["diverged"] = diverged
         if decision["decision"] == "fail":
@@ -573,8 +648,7 @@ class Rendezvous:
         att.events.setdefault(phase, asyncio.Event()).set()
         if rnd.outcome != "running":  # peers waiting for this round's end ask again
             asyncio.ensure_future(self._notify(run))
-        log.info("run %s round %d attempt %d %s: %s", run.run_id, rnd.number, att.number,
-                 phase, decision)
+        log.info("run %s round %d attempt %d %s: %s", run.run_id, rnd.number, att.number, phase, decision)
 
     def _create_ahead(self, run: _Run, rnd: _Round) -> dict[str, Any] | None:
         """At a commit: create the next round now (its group: the live peers now) and hand it to
@@ -582,29 +656,40 @@ class Rendezvous:
         at once instead of asking first (one round trip less on the critical path). Its part
         clock starts when the first member arrives; a peer that joins from now on waits for
         the round after it, as it would while a round runs."""
-        if run.latest != rnd.number or len(rnd.attempts) > 1 or any(
-                e.suspect_since is not None or e.standby for e in run.peers.values()):
+        if (
+            run.latest != rnd.number
+            or len(rnd.attempts) > 1
+            or any(e.suspect_since is not None or e.standby for e in run.peers.values())
+        ):
             # after a retry, or while a peer left out of one has not beaten again, the group
             # of the next round is fixed when its first member asks (as without this): a peer
             # that was left out must be able to come back at once, not one round later; and
             # while a peer is on standby (downloading the state), so that it is in the next
             # round if it is ready by then
             return None
-        nxt = self._create_round(run, rnd.number, {"part_s": rnd.part_s, "grace_s": rnd.grace_s,
-                                                  "max_attempts": rnd.max_attempts},
-                                 rnd.attempts[max(rnd.attempts)].group[0], ahead=True)
+        nxt = self._create_round(
+            run,
+            rnd.number,
+            {"part_s": rnd.part_s, "grace_s": rnd.grace_s, "max_attempts": rnd.max_attempts},
+            rnd.attempts[max(rnd.attempts)].group[0],
+            ahead=True,
+        )
         group = nxt.attempts[0].group
         asyncio.ensure_future(self._notify(run))
-        return {"epoch": self.epoch, "round": nxt.number, "attempt": 0, "group": list(group),
-                "addresses": {g: run.peers[g].address for g in group if g in run.peers}}
+        return {
+            "epoch": self.epoch,
+            "round": nxt.number,
+            "attempt": 0,
+            "group": list(group),
+            "addresses": {g: run.peers[g].address for g in group if g in run.peers},
+        }
 
     @staticmethod
     async def _notify(run: _Run) -> None:
         async with run.new_round:
             run.new_round.notify_all()
 
-    def _retry(self, run: _Run, rnd: _Round, att: _Attempt, voters: tuple[str, ...],
-               reason: str) -> dict[str, Any]:
+    def _retry(self, run: _Run, rnd: _Round, att: _Attempt, voters: tuple[str, ...], reason: str) -> dict[str, Any]:
         now = time.monotonic()
         for left_out in set(att.group) - set(voters):  # no new groups until it beats again
             if left_out in run.peers:
@@ -643,16 +728,23 @@ def diverged_peers(states: dict[str, Any]) -> list[str]:
     return sorted(p for p, d in same.items() if d != winner)
 
 
-async def serve(host: str, port: int, token: str | bytes, *, heartbeat_s: float = 2.0,
-                eviction_s: float = 10.0, ssl_context: _ssl.SSLContext | None = None,
-                ready: Any = None, stop: asyncio.Event | None = None) -> None:
+async def serve(
+    host: str,
+    port: int,
+    token: str | bytes,
+    *,
+    heartbeat_s: float = 2.0,
+    eviction_s: float = 10.0,
+    ssl_context: _ssl.SSLContext | None = None,
+    ready: Any = None,
+    stop: asyncio.Event | None = None,
+) -> None:
     """Run a rendezvous until ``stop`` is set (or SIGINT/SIGTERM when ``stop`` is None).
 
     ``ready(bound_port)`` is called once the socket listens (``port=0`` picks a free port).
     """
     rv = Rendezvous(token, heartbeat_s=heartbeat_s, eviction_s=eviction_s)
-    runner = web.AppRunner(rv.make_app(), access_log=None, handle_signals=False,
-                           shutdown_timeout=1.0)
+    runner = web.AppRunner(rv.make_app(), access_log=None, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True)

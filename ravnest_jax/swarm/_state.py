@@ -103,13 +103,17 @@ class _StateMixin:
             # are not tried until the deadline
             try:
                 members = await self._rv("GET", "/peers", None, self.timeouts.connect * 2)  # type: ignore[attr-defined]
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            except (TimeoutError, aiohttp.ClientError, OSError):
                 if others is None:
                     raise
                 members = None  # the rendezvous restarting: the last list stands
             if members is not None:
-                others = [p for p in members["peers"] if p["peer_id"] != self.peer_id  # type: ignore[attr-defined]
-                          and not p.get("standby")]
+                others = [
+                    p
+                    for p in members["peers"]
+                    if p["peer_id"] != self.peer_id  # type: ignore[attr-defined]
+                    and not p.get("standby")
+                ]
             if not others:
                 if errors:
                     log.info("%s: no live peer left to download from: %s", self.peer_id, errors[-3:])  # type: ignore[attr-defined]
@@ -129,7 +133,7 @@ class _StateMixin:
                 except HTTPStatusError as e:
                     no_state += e.status == 404
                     errors.append(f"{p['peer_id']}: {e!r}")
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, PermissionError) as e:
+                except (TimeoutError, aiohttp.ClientError, OSError, PermissionError) as e:
                     errors.append(f"{p['peer_id']}: {e!r}")
             if no_state == len(others):
                 log.info("%s: no live peer has a state to download: %s", self.peer_id, errors[-3:])  # type: ignore[attr-defined]
@@ -140,7 +144,9 @@ class _StateMixin:
         path = f"/v1/runs/{self.run_id}/state"  # type: ignore[attr-defined]
         headers = _auth.sign(self._token, method="GET", path=path, run_id=self.run_id, peer=self.peer_id)  # type: ignore[attr-defined]
         async with self._session.get(  # type: ignore[attr-defined]
-            address.rstrip("/") + path, headers=headers, ssl=self._client_ssl,  # type: ignore[attr-defined]
+            address.rstrip("/") + path,
+            headers=headers,
+            ssl=self._client_ssl,  # type: ignore[attr-defined]
             timeout=aiohttp.ClientTimeout(total=max(timeout, 0.05), sock_connect=self.timeouts.connect),  # type: ignore[attr-defined]
         ) as resp:
             if resp.status != 200:
@@ -172,7 +178,7 @@ class _StateMixin:
             out = await loop.run_in_executor(None, provider)
             if isinstance(out, concurrent.futures.Future):
                 out = await asyncio.wait_for(asyncio.wrap_future(out), self.timeouts.round)  # type: ignore[attr-defined]
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise web.HTTPServiceUnavailable(text="state not ready in time") from None
         except Exception as e:  # noqa: BLE001 - reported to the requester
             log.warning("state provider failed: %r", e)
@@ -180,8 +186,14 @@ class _StateMixin:
         if not out:
             raise web.HTTPNotFound(text="this peer has no state yet")
         body = bytes(out)
-        headers = _auth.sign(self._token, method="RESPONSE", path=request.path, run_id=self.run_id,  # type: ignore[attr-defined]
-                             peer=self.peer_id, body_digest=_auth.body_digest(body))  # type: ignore[attr-defined]
+        headers = _auth.sign(
+            self._token,
+            method="RESPONSE",
+            path=request.path,
+            run_id=self.run_id,  # type: ignore[attr-defined]
+            peer=self.peer_id,
+            body_digest=_auth.body_digest(body),
+        )  # type: ignore[attr-defined]
         return await stream_body(request, headers, body, CHUNK)
 
 

@@ -127,6 +127,7 @@ def result_digest(part_sha256s: list[str]) -> str:
 
 # --- pytrees without jax: nested dict / list / tuple / namedtuple of arrays ------------------
 
+
 def flatten(tree: Any) -> tuple[list[str], list[np.ndarray], Callable[[list[np.ndarray]], Any]]:
     """Flatten a nested dict/list/tuple of float32 arrays.
 
@@ -141,18 +142,19 @@ def flatten(tree: Any) -> tuple[list[str], list[np.ndarray], Callable[[list[np.n
     def rec(node: Any, path: str) -> Callable[[list[np.ndarray]], Any]:
         if isinstance(node, dict):
             keys = sorted(node, key=str)
-            subs = [rec(node[k], f"{path}/{k}") for k in keys]
+            subs = [rec(node[k], f"{path}/{k}") for k in keys]  # noqa: F821 - del rec below
             cls = type(node)
 
             def build(it: list[np.ndarray]) -> Any:
                 return cls((k, s(it)) for k, s in zip(keys, subs))
+
             return build
         if isinstance(node, (list, tuple)):
             cls = type(node)
             if hasattr(node, "_fields"):
-                subs = [rec(v, f"{path}/{f}") for f, v in zip(node._fields, node)]
+                subs = [rec(v, f"{path}/{f}") for f, v in zip(node._fields, node)]  # noqa: F821
                 return lambda it: cls(*[s(it) for s in subs])
-            subs = [rec(v, f"{path}/{i}") for i, v in enumerate(node)]
+            subs = [rec(v, f"{path}/{i}") for i, v in enumerate(node)]  # noqa: F821
             return lambda it: cls(s(it) for s in subs)
         arr = np.asarray(node)
         if arr.dtype != np.float32:
@@ -164,6 +166,7 @@ def flatten(tree: Any) -> tuple[list[str], list[np.ndarray], Callable[[list[np.n
 
         def leaf(it: list[np.ndarray]) -> np.ndarray:
             return it[idx].reshape(shape)
+
         return leaf
 
     build = rec(tree, "")

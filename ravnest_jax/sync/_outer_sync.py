@@ -14,14 +14,14 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import json
 import logging
 import math
 import os
 import threading
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -340,16 +340,23 @@ class OuterSync:
             if mode == "blocking":
                 raise ValueError("overlap_steps='auto' does not apply to mode='blocking' (tau = 0)")
             if self._processes > 1:
-                raise ValueError("overlap_steps='auto' needs a peer of one process (every process "
-                                 "of a multi-process peer must merge at the same step)")
+                raise ValueError(
+                    "overlap_steps='auto' needs a peer of one process (every process "
+                    "of a multi-process peer must merge at the same step)"
+                )
             if gap < 2:
                 raise ValueError(f"overlap_steps='auto' needs at least 2 steps between rounds, got {gap}")
             if max_overlap_steps is None:
                 max_overlap_steps = max(1, min(gap - 1, tx.sync_every // 10))
-            if (isinstance(max_overlap_steps, bool) or not isinstance(max_overlap_steps, int)
-                    or not 1 <= max_overlap_steps < gap):
-                raise ValueError(f"max_overlap_steps must be an int in [1, {gap - 1}] (below the steps "
-                                 f"between rounds), got {max_overlap_steps!r}")
+            if (
+                isinstance(max_overlap_steps, bool)
+                or not isinstance(max_overlap_steps, int)
+                or not 1 <= max_overlap_steps < gap
+            ):
+                raise ValueError(
+                    f"max_overlap_steps must be an int in [1, {gap - 1}] (below the steps "
+                    f"between rounds), got {max_overlap_steps!r}"
+                )
         else:
             if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or overlap_steps < 0:
                 raise ValueError(f"overlap_steps must be an int >= 0 or 'auto', got {overlap_steps!r}")
@@ -366,7 +373,9 @@ class OuterSync:
                 )
         if not (isinstance(alpha, (int, float)) and 0.0 <= float(alpha) <= 1.0):
             raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
-        if not (isinstance(samples_per_step, (int, float)) and math.isfinite(samples_per_step) and samples_per_step > 0):
+        if not (
+            isinstance(samples_per_step, (int, float)) and math.isfinite(samples_per_step) and samples_per_step > 0
+        ):
             raise ValueError(f"samples_per_step must be a finite number > 0, got {samples_per_step!r}")
         if sync_every_seconds is not None:
             if not (isinstance(sync_every_seconds, (int, float)) and sync_every_seconds > 0):
@@ -481,10 +490,14 @@ class OuterSync:
 
             def speculate(params, state, snap):
                 spec = tx.outer_step(state, snap.pseudo_gradient, frag)
-                g = spec.global_params if frag is None else [
-                    jax.tree.leaves(spec.global_params)[i]
-                    for i in tx.fragment_leaf_ids(fragment, len(jax.tree.leaves(params)))
-                ]
+                g = (
+                    spec.global_params
+                    if frag is None
+                    else [
+                        jax.tree.leaves(spec.global_params)[i]
+                        for i in tx.fragment_leaf_ids(fragment, len(jax.tree.leaves(params)))
+                    ]
+                )
                 if frag is None:
                     new_params = jax.tree.map(lambda a, p: a.astype(p.dtype), g, params)
                 else:
@@ -557,8 +570,11 @@ class OuterSync:
             or not self._readied
             or bool(self._state_request)
             or bool(self._pending and self._pending[0].due_step <= nxt)
-            or (self.sync_every_seconds is not None
-                and time.monotonic() - self._round_clock >= self.sync_every_seconds and not self._pending)
+            or (
+                self.sync_every_seconds is not None
+                and time.monotonic() - self._round_clock >= self.sync_every_seconds
+                and not self._pending
+            )
             or (self.sync_every_seconds is None and bool(self.tx.due_fragments(nxt)))
         )
         if not busy:  # most steps: count only, no tree walk
@@ -593,7 +609,10 @@ class OuterSync:
         layout = _layout(params, state)
         for fragment in range(self.tx.fragments):
             like = self._ids(params, fragment)
-            f32 = [jax.ShapeDtypeStruct(np.shape(x), jnp.float32, sharding=None if layout is None else x.sharding) for x in like]
+            f32 = [
+                jax.ShapeDtypeStruct(np.shape(x), jnp.float32, sharding=None if layout is None else x.sharding)
+                for x in like
+            ]
             residual = f32 if self.error_feedback and self._lossy else None
             key = jax.random.fold_in(self._key, 0)
             start = self._fn("start", fragment, layout)
@@ -668,7 +687,11 @@ class OuterSync:
                 residual[str(f)] = np.zeros((n,), np.float32)
             elif isinstance(r, list):  # per leaf, on the devices: one flat vector in leaf order
                 host = jax.device_get(r)
-                residual[str(f)] = np.concatenate([np.ravel(np.asarray(a, np.float32)) for a in host]) if host else np.zeros((0,), np.float32)
+                residual[str(f)] = (
+                    np.concatenate([np.ravel(np.asarray(a, np.float32)) for a in host])
+                    if host
+                    else np.zeros((0,), np.float32)
+                )
             else:
                 residual[str(f)] = np.asarray(r, np.float32)
         base = self._swarm_base if self._swarm_base is not None else (-1, -1)
@@ -752,7 +775,10 @@ class OuterSync:
             for r in requests:
                 r.set_exception(RuntimeError("a peer over several processes does not serve its state"))
             return
-        copy = jax.tree.map(lambda a: a + jnp.zeros_like(a) if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.number) else a, state)
+        copy = jax.tree.map(
+            lambda a: a + jnp.zeros_like(a) if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.number) else a,
+            state,
+        )
         # everything the message holds is taken now, in the training thread: the worker may run
         # after this peer started its next round (a rounds_started read there paired the state of
         # step s with the round counter of step s + 1, and the joiner contributed a pseudo-
@@ -762,8 +788,13 @@ class OuterSync:
         def work():
             leaves = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(copy))]
             return serialization.msgpack_serialize(
-                {"format": "ravnest-state-v1", "step": int(step), "rounds_started": int(started),
-                 "swarm_base": list(base) if base is not None else [], "leaves": leaves}
+                {
+                    "format": "ravnest-state-v1",
+                    "step": int(step),
+                    "rounds_started": int(started),
+                    "swarm_base": list(base) if base is not None else [],
+                    "leaves": leaves,
+                }
             )
 
         def done(f: concurrent.futures.Future) -> None:
@@ -919,8 +950,9 @@ class OuterSync:
             return leaves
         return [leaves[i] for i in self.tx.fragment_leaf_ids(fragment, len(leaves))]
 
-    def _exchange(self, packed: Any, weight: float, expected: int | None, seq: int,
-                  state: tuple[int, str] | None = None) -> tuple[np.ndarray, Any, int, int, float]:
+    def _exchange(
+        self, packed: Any, weight: float, expected: int | None, seq: int, state: tuple[int, str] | None = None
+    ) -> tuple[np.ndarray, Any, int, int, float]:
         """Background thread: device->host, bytes, all-reduce. Returns (mean, record, payload
         bytes, float32 bytes, seconds the result took)."""
         t0 = time.perf_counter()
@@ -986,14 +1018,22 @@ class OuterSync:
                 params, state, mean_leaves, snap, self.alpha
             )
             m = RoundMetrics(
-                round=p.seq, fragment=p.fragment, step=p.step, merged_at_step=self.step, ok=True,
+                round=p.seq,
+                fragment=p.fragment,
+                step=p.step,
+                merged_at_step=self.step,
+                ok=True,
                 swarm_round=int(getattr(record, "round", -1)),
                 group_size=len(getattr(record, "contributors", ()) or ()),
                 bytes_sent=int(getattr(record, "bytes_sent", 0)),
                 bytes_received=int(getattr(record, "bytes_received", 0)),
-                payload_bytes=payload_bytes, codec_ratio=payload_bytes / max(float_bytes, 1),
-                exchange_seconds=exchange_seconds, stall_seconds=stall, compute_utilisation=utilisation,
-                result_digest=str(getattr(record, "digest", "")), state_digest=digest_hex(digest),
+                payload_bytes=payload_bytes,
+                codec_ratio=payload_bytes / max(float_bytes, 1),
+                exchange_seconds=exchange_seconds,
+                stall_seconds=stall,
+                compute_utilisation=utilisation,
+                result_digest=str(getattr(record, "digest", "")),
+                state_digest=digest_hex(digest),
                 overlap_steps=self.step - p.step,
             )
             self._state_digest = m.state_digest
@@ -1003,10 +1043,23 @@ class OuterSync:
             self.failed_rounds += 1
             log.warning("round %d (fragment %d) failed on this peer: %s", p.seq, p.fragment, error)
             m = RoundMetrics(
-                round=p.seq, fragment=p.fragment, step=p.step, merged_at_step=self.step, ok=False,
-                swarm_round=-1, group_size=0, bytes_sent=0, bytes_received=0, payload_bytes=0,
-                codec_ratio=math.nan, exchange_seconds=exchange_seconds, stall_seconds=stall,
-                compute_utilisation=utilisation, result_digest="", state_digest="", error=error,
+                round=p.seq,
+                fragment=p.fragment,
+                step=p.step,
+                merged_at_step=self.step,
+                ok=False,
+                swarm_round=-1,
+                group_size=0,
+                bytes_sent=0,
+                bytes_received=0,
+                payload_bytes=0,
+                codec_ratio=math.nan,
+                exchange_seconds=exchange_seconds,
+                stall_seconds=stall,
+                compute_utilisation=utilisation,
+                result_digest="",
+                state_digest="",
+                error=error,
                 overlap_steps=self.step - p.step,
             )
             params, state = self._after_failure(p, exc, params, state)
@@ -1015,7 +1068,9 @@ class OuterSync:
             self.on_round(m)
         return params, state
 
-    def _share_result(self, p: _Pending, mean: np.ndarray | None, error: str | None) -> tuple[np.ndarray | None, str | None]:
+    def _share_result(
+        self, p: _Pending, mean: np.ndarray | None, error: str | None
+    ) -> tuple[np.ndarray | None, str | None]:
         """A peer over several processes: process 0 tells the others whether the round worked
         and sends them the mean (two broadcasts, in the training thread of every process)."""
         ok = multihost_utils.broadcast_one_to_all(np.asarray([error is None], np.int32))
@@ -1071,7 +1126,9 @@ class OuterSync:
         if p.spec_params is not None:
             snap = p.snapshot._replace(params=p.spec_params)
             own = list(jax.tree.leaves(p.snapshot.pseudo_gradient))
-            params, state, _ = self._fn("merge", p.fragment, _layout(params, state))(params, state, own, snap, self.alpha)
+            params, state, _ = self._fn("merge", p.fragment, _layout(params, state))(
+                params, state, own, snap, self.alpha
+            )
         return params, state
 
     def _needs_resync(self, exc: BaseException | None) -> bool:

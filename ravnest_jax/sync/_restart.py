@@ -63,8 +63,9 @@ def running_peers(swarm: Any, *, wait_seconds: float = 3.0, poll_seconds: float 
         time.sleep(poll_seconds)
 
 
-def common_checkpoint_step(swarm: Any, steps: Iterable[int], *, num_peers: int,
-                           timeout: float = 300.0, poll_seconds: float = 0.2) -> int | None:
+def common_checkpoint_step(
+    swarm: Any, steps: Iterable[int], *, num_peers: int, timeout: float = 300.0, poll_seconds: float = 0.2
+) -> int | None:
     """The newest checkpoint step that every peer of a restarting swarm has.
 
     When a whole swarm stops (a crash, a reboot, Ctrl+C on every machine) the peers' checkpoint
@@ -119,27 +120,32 @@ def common_checkpoint_step(swarm: Any, steps: Iterable[int], *, num_peers: int,
         if len(peers) >= num_peers and all(isinstance(v, list) for v in published.values()):
             break
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"fewer than {num_peers} peers published their checkpoint steps after "
-                               f"{timeout} s: {published}")
+            raise TimeoutError(
+                f"fewer than {num_peers} peers published their checkpoint steps after {timeout} s: {published}"
+            )
         time.sleep(poll_seconds)
     lists = {pid: {int(s) for s in v} for pid, v in published.items()}
     if not any(lists.values()):
         return None
     if not all(lists.values()):
-        raise SwarmError("a whole-swarm restart needs a checkpoint on every peer; these have none: "
-                         f"{sorted(p for p, v in lists.items() if not v)} (steps per peer: "
-                         f"{ {p: sorted(v) for p, v in lists.items()} })")
+        raise SwarmError(
+            "a whole-swarm restart needs a checkpoint on every peer; these have none: "
+            f"{sorted(p for p, v in lists.items() if not v)} (steps per peer: "
+            f"{ {p: sorted(v) for p, v in lists.items()} })"
+        )
     common = set.intersection(*lists.values())
     if not common:
-        raise SwarmError("the peers have no checkpoint step in common; steps per peer: "
-                         f"{ {p: sorted(v) for p, v in lists.items()} }")
+        raise SwarmError(
+            f"the peers have no checkpoint step in common; steps per peer: { {p: sorted(v) for p, v in lists.items()} }"
+        )
     step = max(common)
     log.info("whole-swarm restart: %d peers agree on checkpoint step %d", len(lists), step)
     return step
 
 
-def wait_for_info(swarm: Any, key: str, value: Any, *, num_peers: int, timeout: float = 300.0,
-                  poll_seconds: float = 0.2) -> None:
+def wait_for_info(
+    swarm: Any, key: str, value: Any, *, num_peers: int, timeout: float = 300.0, poll_seconds: float = 0.2
+) -> None:
     """A barrier through the rendezvous: publishes ``info[key] = value`` and blocks until
     ``num_peers`` live peers (this one included) publish the same value.
 

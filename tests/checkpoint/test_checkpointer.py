@@ -99,7 +99,11 @@ def test_round_trip_types_and_dtypes(tmp_path: Path, abstract_targets: bool) -> 
         if abstract_targets:
             t_params = jax.eval_shape(lambda: params)
             t_state = jax.eval_shape(tx.init, params)
-            t_extra = {**extra, "key": jax.eval_shape(lambda: jax.random.key(0)), "pending": jax.eval_shape(lambda: extra["pending"])}
+            t_extra = {
+                **extra,
+                "key": jax.eval_shape(lambda: jax.random.key(0)),
+                "pending": jax.eval_shape(lambda: extra["pending"]),
+            }
         else:
             t_params, t_extra = small_params(0.0), extra
             t_state = tx.init(t_params)
@@ -191,6 +195,7 @@ def test_real_orbax_failure_surfaces(tmp_path: Path) -> None:
     params = small_params()
     _, state = small_state(params)
     ckpt = rj.Checkpointer(d)
+    (d / ".rj-lock").unlink()  # the directory's lock file (its lock stays held, on the open file)
     d.rmdir()
     d.write_text("not a directory")
     ckpt.save(1, params=params, opt_state=state)
@@ -300,8 +305,9 @@ def test_a_train_step_does_not_compile_again_after_a_restore(tmp_path: Path) -> 
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, state, x):
-        grads = jax.grad(lambda p: jnp.sum((x @ p["dense"]["w"] + p["dense"]["b"]) ** 2)
-                         + jnp.sum(p["emb"].astype(jnp.float32)))(params)
+        grads = jax.grad(
+            lambda p: jnp.sum((x @ p["dense"]["w"] + p["dense"]["b"]) ** 2) + jnp.sum(p["emb"].astype(jnp.float32))
+        )(params)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
@@ -314,7 +320,9 @@ def test_a_train_step_does_not_compile_again_after_a_restore(tmp_path: Path) -> 
         assert step._cache_size() == 1
         blank_params = small_params()
         r = ck.restore(params=blank_params, opt_state=tx.init(blank_params))
-        for a, b in zip(jax.tree.leaves((blank_params, tx.init(blank_params))), jax.tree.leaves((r.params, r.opt_state))):
+        for a, b in zip(
+            jax.tree.leaves((blank_params, tx.init(blank_params))), jax.tree.leaves((r.params, r.opt_state))
+        ):
             assert a.committed == b.committed and a.sharding == b.sharding
         step(r.params, r.opt_state, x)
         assert step._cache_size() == 1
@@ -325,3 +333,20 @@ def test_a_train_step_does_not_compile_again_after_a_restore(tmp_path: Path) -> 
         assert all(leaf.committed for leaf in jax.tree.leaves(r2.params))
     finally:
         ck.close()
+
+
+def test_a_directory_held_by_an_open_checkpointer_is_refused(tmp_path: Path) -> None:
+    """Two writers of one directory corrupt each other's saves: the second is refused (also
+    from another process), and the directory is free again once the first closes."""
+    import subprocess
+    import sys
+
+    d = tmp_path / "c"
+    with rj.Checkpointer(d):
+        with pytest.raises(CheckpointError, match=f"in use by another Checkpointer \\(process {os.getpid()}\\)"):
+            rj.Checkpointer(d)
+        code = f"import ravnest_jax as rj\ntry:\n    rj.Checkpointer({str(d)!r})\nexcept rj.CheckpointError as e:\n    print(e)\n"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert "in use by another Checkpointer" in out.stdout, (out.stdout, out.stderr[-2000:])
+    with rj.Checkpointer(d) as again:  # released by close()
+        assert again.all_steps() == []

@@ -16,6 +16,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 import ravnest_jax as rj
 
 pytestmark = pytest.mark.integration  # real processes: minutes in all
@@ -66,9 +67,23 @@ def test_exact_resume_after_kill9(tmp_path: Path, env: dict) -> None:
     d = tmp_path / "ckpt"
     # The first process runs the uninterrupted 2k-step reference from the same init, then the
     # checkpointed first half; the resumed process loads the compiled steps from the cache.
-    first = _start(env, "train", "--ref-out", str(tmp_path / "ref.npz"), "--ref-steps", str(2 * k),
-                   "--dir", str(d), "--steps", str(2 * k), "--save-at", str(k),
-                   "--kill-after-save", "--out", str(tmp_path / "unused.npz"))
+    first = _start(
+        env,
+        "train",
+        "--ref-out",
+        str(tmp_path / "ref.npz"),
+        "--ref-steps",
+        str(2 * k),
+        "--dir",
+        str(d),
+        "--steps",
+        str(2 * k),
+        "--save-at",
+        str(k),
+        "--kill-after-save",
+        "--out",
+        str(tmp_path / "unused.npz"),
+    )
     rc, out = _finish(first)
     assert rc == -signal.SIGKILL, out
     assert "reference done" in out and f"saved {k}" in out and "\ndone" not in out

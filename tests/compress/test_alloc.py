@@ -16,8 +16,9 @@ GLIBC = platform.libc_ver()[0] == "glibc"
 
 
 def _run(code: str, **env: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, **env}, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, **env}, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -190,7 +190,7 @@ def test_all_zero_and_tiny_blocks_decode_to_zero(codec):
 
 @pytest.mark.parametrize("codec", C.CODECS)
 def test_huge_magnitudes(codec):
-    x = np.array([2.0**127, -2.0**127, 1e38, -3e37, 1.0, 0.0], np.float32)
+    x = np.array([2.0**127, -(2.0**127), 1e38, -3e37, 1.0, 0.0], np.float32)
     dec = C.decode(C.encode(x, codec, block_size=2) if codec in F.BLOCK_CODECS else C.encode(x, codec))
     assert np.all(np.isfinite(dec))
     check_bound(codec, x, dec, block=2)
@@ -278,7 +278,10 @@ def test_topk_ties_break_toward_lower_indices():
 
 def test_weighted_mean():
     rng = np.random.default_rng(0)
-    trees = [{"a": rng.standard_normal((3, 4)).astype(np.float32), "b": [rng.standard_normal(5).astype(np.float32)]} for _ in range(3)]
+    trees = [
+        {"a": rng.standard_normal((3, 4)).astype(np.float32), "b": [rng.standard_normal(5).astype(np.float32)]}
+        for _ in range(3)
+    ]
     w = [1.0, 2.0, 5.0]
     out = C.weighted_mean(trees, w)
     ref = sum(wi * t["a"].astype(np.float64) for wi, t in zip(w, trees)) / sum(w)
@@ -333,8 +336,9 @@ def test_e2m1_comparison_count_is_round_half_to_even():
     lo, hi = np.float32(0.125).view(np.uint32), np.float32(8.0).view(np.uint32)
     a = np.arange(lo, hi, dtype=np.uint32).view(np.float32)
     np.testing.assert_array_equal(F._e2m1_round_nearest_even(np, a), _e2m1_codes_by_rounding(a))
-    b = np.concatenate([np.arange(0, 1 << 16, dtype=np.uint32).view(np.float32),
-                        np.float32([0.0, 6.0, 6.5, 7.0, 8.0, 100.0])])
+    b = np.concatenate(
+        [np.arange(0, 1 << 16, dtype=np.uint32).view(np.float32), np.float32([0.0, 6.0, 6.5, 7.0, 8.0, 100.0])]
+    )
     for t, _ in F._E2M1_DECISIONS + ((2.0, True), (4.0, True), (6.0, True)):
         tb = int(np.float32(t).view(np.uint32))
         b = np.concatenate([b, np.arange(tb - 64, tb + 65, dtype=np.uint32).view(np.float32)])
@@ -375,8 +379,28 @@ def test_host_fp16_bits_equal_the_half_cast_at_every_rounding_boundary():
     mids = ((halves[1:].astype(np.float64) + halves[:-1]) / 2).astype(np.float32)
     base = np.concatenate([halves, mids]).view(np.uint32).astype(np.int64)
     cands = [np.clip(base + d, 0, 0xFF7FFFFF).astype(np.uint32).view(np.float32) for d in range(-3, 4)]
-    cands.append(np.float32([65504, 65505, 65519, 65520, 65536, 1e9, -1e9, 2.0**127, -(2.0**127), 0.0, -0.0,
-                             2.0**-25, -(2.0**-25), 2.0**-24 * 1.5, 2.0**-149, -(2.0**-149)]))
+    cands.append(
+        np.float32(
+            [
+                65504,
+                65505,
+                65519,
+                65520,
+                65536,
+                1e9,
+                -1e9,
+                2.0**127,
+                -(2.0**127),
+                0.0,
+                -0.0,
+                2.0**-25,
+                -(2.0**-25),
+                2.0**-24 * 1.5,
+                2.0**-149,
+                -(2.0**-149),
+            ]
+        )
+    )
     x = np.concatenate(cands)
     ok, got = _host_fp16(x)
     want_ok, want = _fp16_by_cast(x)

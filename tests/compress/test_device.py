@@ -63,7 +63,8 @@ def test_large_parts_leave_the_device_as_slices_with_the_same_bytes(codec, monke
     assert C.packed_to_bytes(packed) == host
     assert b"".join(C.packed_to_chunks(packed)) == host
     packed_ef, res = jax.jit(functools.partial(C.device_encode, codec=codec, **opts))(
-        tree, residual=C.init_error_feedback(tree))
+        tree, residual=C.init_error_feedback(tree)
+    )
     assert C.packed_to_bytes(packed_ef) == C.packed_to_bytes(packed) and res is not None
     first = next(i for i, f in enumerate(packed.parts[1]) if isinstance(f, tuple))
     cut = list(packed.parts[1])
@@ -112,7 +113,7 @@ def test_error_feedback_tracks_the_sum_and_plain_quantisation_does_not(codec):
     sum_plain = np.zeros(n, np.float64)
     drift_ef = []
     max_err = 0.0
-    for t in range(rounds):
+    for _ in range(rounds):
         g = {"g": bias + 0.1 * rng.standard_normal(n).astype(np.float32)}
         packed, res = enc(g, residual=res)
         dec = C.decode(C.packed_to_bytes(packed))["g"]
@@ -304,13 +305,17 @@ def test_topk_host_callback_on_every_layout(where):
         first = jax.tree.map(lambda p: p[0], packed)
         second = jax.tree.map(lambda p: p[1], packed)
         assert C.packed_to_bytes(jax.device_get(first)) == want
-        assert C.packed_to_bytes(jax.device_get(second)) == C.encode(jax.tree.map(np.negative, tree), "topk", fraction=0.03)
+        assert C.packed_to_bytes(jax.device_get(second)) == C.encode(
+            jax.tree.map(np.negative, tree), "topk", fraction=0.03
+        )
         return
     if where.endswith("mesh"):
         axis = AxisType.Explicit if where == "explicit-mesh" else AxisType.Auto
         m = jax.make_mesh((4,), ("data",), axis_types=(axis,), devices=jax.devices()[:4])
-        tree = {"a": jax.device_put(tree["a"], NamedSharding(m, P("data", None))),
-                "b": jax.device_put(tree["b"][:300_000], NamedSharding(m, P("data")))}
+        tree = {
+            "a": jax.device_put(tree["a"], NamedSharding(m, P("data", None))),
+            "b": jax.device_put(tree["b"][:300_000], NamedSharding(m, P("data"))),
+        }
         want = C.encode(jax.device_get(tree), "topk", fraction=0.03)
     packed, _ = enc(tree)
     assert C.packed_to_bytes(jax.device_get(packed)) == want

@@ -118,7 +118,11 @@ GOOD_TREE = {"d": {"w": 0}}
         ({"codec": "fp32", "leaves": [], "tree": {"d": {}}, "extra": 3}, b"", "keys"),
         ([1, 2, 3], b"", "map"),
         ({"codec": "fp32", "leaves": [["w", [3], "float32", 0, 0]], "tree": GOOD_TREE}, b"\x00" * 8, "imply a payload"),
-        ({"codec": "fp32", "leaves": [["w", [3], "float32", 0, 0]], "tree": GOOD_TREE}, b"\x00" * 16, "imply a payload"),
+        (
+            {"codec": "fp32", "leaves": [["w", [3], "float32", 0, 0]], "tree": GOOD_TREE},
+            b"\x00" * 16,
+            "imply a payload",
+        ),
         ({"codec": "fp32", "leaves": [["w", [-3], "float32", 0, 0]], "tree": GOOD_TREE}, b"", "shape"),
         ({"codec": "fp32", "leaves": [["w", [2.5], "float32", 0, 0]], "tree": GOOD_TREE}, b"", "shape"),
         ({"codec": "fp32", "leaves": [["w", [1] * 40, "float32", 0, 0]], "tree": GOOD_TREE}, b"\x00" * 4, "shape"),
@@ -130,19 +134,55 @@ GOOD_TREE = {"d": {"w": 0}}
         ({"codec": "fp32", "leaves": [["w", [1], "float32", 0, 1]], "tree": GOOD_TREE}, b"\x00" * 4, "k must be 0"),
         ({"codec": "fp32", "leaves": [["w", [1], "float32", 0]], "tree": GOOD_TREE}, b"\x00" * 4, "leaf entry"),
         ({"codec": "fp32", "leaves": [[7, [1], "float32", 0, 0]], "tree": GOOD_TREE}, b"\x00" * 4, "name"),
-        ({"codec": "fp32", "leaves": [["w", [1], "float32", 0, 0]], "tree": {"d": {"v": 0}}}, b"\x00" * 4, "does not match its tree path"),
-        ({"codec": "fp32", "leaves": [["w", [1], "float32", 0, 0]], "tree": {"d": {"w": 1}}}, b"\x00" * 4, "tree structure"),
+        (
+            {"codec": "fp32", "leaves": [["w", [1], "float32", 0, 0]], "tree": {"d": {"v": 0}}},
+            b"\x00" * 4,
+            "does not match its tree path",
+        ),
+        (
+            {"codec": "fp32", "leaves": [["w", [1], "float32", 0, 0]], "tree": {"d": {"w": 1}}},
+            b"\x00" * 4,
+            "tree structure",
+        ),
         ({"codec": "fp32", "leaves": [["w", [1], "float32", 0, 0]], "tree": {"x": [0]}}, b"\x00" * 4, "tree structure"),
-        ({"codec": "fp32", "leaves": [["w", [1], "float32", 0, 0]], "tree": {"l": [0, 0]}}, b"\x00" * 4, "tree structure"),
+        (
+            {"codec": "fp32", "leaves": [["w", [1], "float32", 0, 0]], "tree": {"l": [0, 0]}},
+            b"\x00" * 4,
+            "tree structure",
+        ),
         ({"codec": "fp32", "leaves": [["w", [1], "float32", 0, 0]], "tree": "w"}, b"\x00" * 4, "tree structure"),
         # payload contents
-        ({"codec": "fp32", "leaves": [["w", [2], "float32", 0, 0]], "tree": GOOD_TREE}, np.array([1, np.nan], "<f4").tobytes(), "non-finite"),
-        ({"codec": "fp16", "leaves": [["w", [2], "float32", 0, 0]], "tree": GOOD_TREE}, np.array([1, np.inf], "<f2").tobytes(), "non-finite"),
+        (
+            {"codec": "fp32", "leaves": [["w", [2], "float32", 0, 0]], "tree": GOOD_TREE},
+            np.array([1, np.nan], "<f4").tobytes(),
+            "non-finite",
+        ),
+        (
+            {"codec": "fp16", "leaves": [["w", [2], "float32", 0, 0]], "tree": GOOD_TREE},
+            np.array([1, np.inf], "<f2").tobytes(),
+            "non-finite",
+        ),
         ({"codec": "bf16", "leaves": [["w", [1], "float32", 0, 0]], "tree": GOOD_TREE}, b"\xc0\x7f", "non-finite"),
-        ({"codec": "topk", "leaves": [["w", [4], "float32", 0, 2]], "tree": GOOD_TREE}, np.array([3, 1], "<u4").tobytes() + b"\x00" * 8, "indices"),
-        ({"codec": "topk", "leaves": [["w", [4], "float32", 0, 2]], "tree": GOOD_TREE}, np.array([1, 1], "<u4").tobytes() + b"\x00" * 8, "indices"),
-        ({"codec": "topk", "leaves": [["w", [4], "float32", 0, 1]], "tree": GOOD_TREE}, np.array([4], "<u4").tobytes() + b"\x00" * 4, "indices"),
-        ({"codec": "topk", "leaves": [["w", [4], "float32", 0, 1]], "tree": GOOD_TREE}, np.array([0], "<u4").tobytes() + np.array([np.inf], "<f4").tobytes(), "non-finite"),
+        (
+            {"codec": "topk", "leaves": [["w", [4], "float32", 0, 2]], "tree": GOOD_TREE},
+            np.array([3, 1], "<u4").tobytes() + b"\x00" * 8,
+            "indices",
+        ),
+        (
+            {"codec": "topk", "leaves": [["w", [4], "float32", 0, 2]], "tree": GOOD_TREE},
+            np.array([1, 1], "<u4").tobytes() + b"\x00" * 8,
+            "indices",
+        ),
+        (
+            {"codec": "topk", "leaves": [["w", [4], "float32", 0, 1]], "tree": GOOD_TREE},
+            np.array([4], "<u4").tobytes() + b"\x00" * 4,
+            "indices",
+        ),
+        (
+            {"codec": "topk", "leaves": [["w", [4], "float32", 0, 1]], "tree": GOOD_TREE},
+            np.array([0], "<u4").tobytes() + np.array([np.inf], "<f4").tobytes(),
+            "non-finite",
+        ),
         ({"codec": "int8", "leaves": [["w", [2], "float32", 2, 0]], "tree": GOOD_TREE}, b"\x80\x7f\x01\x01", "scales"),
         ({"codec": "int8", "leaves": [["w", [2], "float32", 2, 0]], "tree": GOOD_TREE}, b"\x80\xbf\x01\x01", "scales"),
         ({"codec": "int4", "leaves": [["w", [2], "float32", 2, 0]], "tree": GOOD_TREE}, b"\x7f\x7f\x01", "scales"),
@@ -173,7 +213,12 @@ def test_random_bytes_only_raise_wire_format_error(data):
 
 
 _msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
     lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=6), children, max_size=5),
     max_leaves=20,
 )
@@ -422,7 +467,7 @@ def test_fp16_decode_by_bit_arithmetic_on_every_bit_pattern():
     header = {"codec": "fp16", "leaves": [["w", [half.size], "float32", 0, 0]], "tree": GOOD_TREE}
     dec = C.decode(_craft(header, half.astype("<u2").tobytes()))["w"]
     np.testing.assert_array_equal(dec.view(np.uint32), want[finite].view(np.uint32))
-    for bad in bits[~finite][:: 97].tolist() + [0x7C00, 0xFC00, 0x7FFF, 0xFFFF, 0x7C01]:
+    for bad in bits[~finite][::97].tolist() + [0x7C00, 0xFC00, 0x7FFF, 0xFFFF, 0x7C01]:
         vals = np.full(300, 0x3C00, "<u2")  # 1.0
         vals[123] = bad
         header = {"codec": "fp16", "leaves": [["w", [300], "float32", 0, 0]], "tree": GOOD_TREE}

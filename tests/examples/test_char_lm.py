@@ -33,7 +33,9 @@ def test_text_file_corpus(tmp_path):
         char_lm.load_corpus(str(tmp_path / "short.txt"))
 
 
-@pytest.mark.parametrize("bad", [["--steps", "0"], ["--replicas", "-2"], ["--lr", "nan"], ["--d-model", "30", "--heads", "4"]])
+@pytest.mark.parametrize(
+    "bad", [["--steps", "0"], ["--replicas", "-2"], ["--lr", "nan"], ["--d-model", "30", "--heads", "4"]]
+)
 def test_bad_flags_exit_with_usage_error(bad, capsys):
     with pytest.raises(SystemExit) as e:
         char_lm.parse_args(bad)
@@ -44,11 +46,34 @@ def test_bad_flags_exit_with_usage_error(bad, capsys):
 @pytest.mark.integration
 def test_simulation_end_to_end_writes_summary(tmp_path):
     out = tmp_path / "summary.json"
-    rc = char_lm.main([
-        "--steps", "24", "--sync-every-list", "1", "12", "--replicas", "2", "--batch-size", "4",
-        "--seq-len", "32", "--d-model", "32", "--layers", "1", "--heads", "2", "--eval-batches", "2",
-        "--lr", "1e-2", "--no-progress", "--summary-json", str(out),
-    ])
+    rc = char_lm.main(
+        [
+            "--steps",
+            "24",
+            "--sync-every-list",
+            "1",
+            "12",
+            "--replicas",
+            "2",
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "32",
+            "--d-model",
+            "32",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--eval-batches",
+            "2",
+            "--lr",
+            "1e-2",
+            "--no-progress",
+            "--summary-json",
+            str(out),
+        ]
+    )
     assert rc == 0
     summary = json.loads(out.read_text())
     results = summary["results"]
@@ -60,8 +85,10 @@ def test_simulation_end_to_end_writes_summary(tmp_path):
 
 def test_devices_flag_validation(capsys):
     assert char_lm.parse_args(["--local-peers", "2", "--devices", "2", "--batch-size", "4"]).devices == 2
-    for bad in (["--local-peers", "2", "--devices", "3", "--batch-size", "4"],  # batch not divisible
-                ["--devices", "2"]):  # the simulation has no peers
+    for bad in (
+        ["--local-peers", "2", "--devices", "3", "--batch-size", "4"],  # batch not divisible
+        ["--devices", "2"],
+    ):  # the simulation has no peers
         with pytest.raises(SystemExit) as e:
             char_lm.parse_args(bad)
         assert e.value.code == 2
@@ -72,10 +99,13 @@ def test_overlap_flag(capsys):
     assert char_lm.parse_args(["--local-peers", "2"]).overlap_steps == "auto"
     assert char_lm.parse_args(["--local-peers", "2", "--overlap-steps", "3"]).overlap_steps == 3
     assert char_lm.parse_args(["--local-peers", "2", "--mode", "blocking"]).overlap_steps == 0
-    for bad in (["--local-peers", "2", "--overlap-steps", "soon"], ["--local-peers", "2", "--overlap-steps", "-1"],
-                ["--local-peers", "2", "--overlap-steps", "50"],  # not below H
-                ["--local-peers", "2", "--mode", "eager", "--overlap-steps", "0"],
-                ["--local-peers", "2", "--codec", "int5"]):
+    for bad in (
+        ["--local-peers", "2", "--overlap-steps", "soon"],
+        ["--local-peers", "2", "--overlap-steps", "-1"],
+        ["--local-peers", "2", "--overlap-steps", "50"],  # not below H
+        ["--local-peers", "2", "--mode", "eager", "--overlap-steps", "0"],
+        ["--local-peers", "2", "--codec", "int5"],
+    ):
         with pytest.raises(SystemExit) as e:
             char_lm.parse_args(bad)
         assert e.value.code == 2
@@ -128,9 +158,25 @@ def test_a_wrong_token_is_one_line_not_a_traceback(tmp_path):
     (tmp_path / "token").write_text("the-right-token")
     (tmp_path / "wrong").write_text("a-wrong-token")
     port_file = tmp_path / "port"
-    rv = subprocess.Popen([sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port", "0",
-                           "--port-file", str(port_file), "--token-file", str(tmp_path / "token"), "--quiet"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rv = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ravnest_jax.cli",
+            "rendezvous",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--token-file",
+            str(tmp_path / "token"),
+            "--quiet",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 30
         while not (port_file.exists() and port_file.read_text().strip()):
@@ -139,11 +185,39 @@ def test_a_wrong_token_is_one_line_not_a_traceback(tmp_path):
         text = tmp_path / "text.txt"
         text.write_bytes(Path(char_lm.__file__).read_bytes() * 4)
         out = subprocess.run(
-            [sys.executable, char_lm.__file__, "--rendezvous", f"http://127.0.0.1:{port_file.read_text().strip()}",
-             "--token-file", str(tmp_path / "wrong"), "--listen", "127.0.0.1:0", "--text", str(text),
-             "--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
-             "--eval-batches", "1", "--max-steps", "10", "--sync-every", "5", "--no-progress"],
-            capture_output=True, text=True, timeout=100)
+            [
+                sys.executable,
+                char_lm.__file__,
+                "--rendezvous",
+                f"http://127.0.0.1:{port_file.read_text().strip()}",
+                "--token-file",
+                str(tmp_path / "wrong"),
+                "--listen",
+                "127.0.0.1:0",
+                "--text",
+                str(text),
+                "--d-model",
+                "32",
+                "--layers",
+                "1",
+                "--heads",
+                "2",
+                "--seq-len",
+                "32",
+                "--batch-size",
+                "4",
+                "--eval-batches",
+                "1",
+                "--max-steps",
+                "10",
+                "--sync-every",
+                "5",
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=100,
+        )
         assert out.returncode == 1, out.stderr
         assert "Traceback" not in out.stderr and "error: " in out.stderr and "401" in out.stderr, out.stderr
     finally:

@@ -15,29 +15,46 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "char_lm.py")
-TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
-        "--eval-batches", "1", "--lr", "1e-2", "--no-progress"]
+TINY = [
+    "--d-model",
+    "32",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "1",
+    "--lr",
+    "1e-2",
+    "--no-progress",
+]
 
 
 def _strict(text: str) -> dict:
     """json.loads that refuses NaN / Infinity, as strict parsers (JavaScript, jq, Go) do."""
+
     def refuse(name: str) -> None:
         raise ValueError(f"non-standard JSON constant {name}")
+
     return json.loads(text, parse_constant=refuse)
 
 
 def _run(args: list[str], timeout: float = 240, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}
-    return subprocess.run([sys.executable, EXAMPLE, *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, **kw)
+    return subprocess.run(
+        [sys.executable, EXAMPLE, *args], capture_output=True, text=True, timeout=timeout, env=env, **kw
+    )
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_lone_peer_has_every_round_ok_and_a_strict_json_summary(tmp_path):
     out = tmp_path / "s.json"
-    r = _run(["--local-peers", "1", "--max-steps", "80", "--sync-every", "10", *TINY,
-              "--summary-json", str(out)])
+    r = _run(["--local-peers", "1", "--max-steps", "80", "--sync-every", "10", *TINY, "--summary-json", str(out)])
     assert r.returncode == 0, r.stdout + r.stderr
     summary = _strict(out.read_text())
     peer = summary["peers"][0]
@@ -54,7 +71,7 @@ def test_a_lone_peer_has_every_round_ok_and_a_strict_json_summary(tmp_path):
     assert peer["listen"] != "127.0.0.1:0", peer
     assert peer["eval_loss_end"] < peer["eval_loss_start"], peer
     # the table says what the JSON says
-    assert f"|      8 |      0 |" in r.stdout, r.stdout
+    assert "|      8 |      0 |" in r.stdout, r.stdout
 
 
 @pytest.mark.integration
@@ -92,9 +109,25 @@ def rendezvous(tmp_path):
     token.chmod(0o600)
     port_file = tmp_path / "port"
     with open(tmp_path / "rendezvous.log", "w") as log:
-        p = subprocess.Popen([sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1",
-                              "--port", "0", "--port-file", str(port_file), "--token-file", str(token), "--quiet"],
-                             stdout=subprocess.DEVNULL, stderr=log)
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ravnest_jax.cli",
+                "rendezvous",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--token-file",
+                str(token),
+                "--quiet",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
     try:
         deadline = time.monotonic() + 60
         while not (port_file.exists() and port_file.read_text().strip()):
@@ -134,11 +167,14 @@ def test_peer_errors_are_one_line_and_come_before_compiling(tmp_path, rendezvous
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        _one_line_error(_run([*peer, "--token-file", str(token), "--listen", f"127.0.0.1:{port}"]),
-                        f"127.0.0.1:{port}", "in use")
+        _one_line_error(
+            _run([*peer, "--token-file", str(token), "--listen", f"127.0.0.1:{port}"]), f"127.0.0.1:{port}", "in use"
+        )
     dead = _free_port()
-    _one_line_error(_run(["--rendezvous", f"http://127.0.0.1:{dead}", "--run-id", "e", "--token-file", str(token),
-                          *TINY]), "unreachable")
+    _one_line_error(
+        _run(["--rendezvous", f"http://127.0.0.1:{dead}", "--run-id", "e", "--token-file", str(token), *TINY]),
+        "unreachable",
+    )
     # all six before any model was built or compiled: seconds each, not the minute of compiling
     assert time.monotonic() - t0 < 90, time.monotonic() - t0
 

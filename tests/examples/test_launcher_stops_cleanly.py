@@ -17,9 +17,29 @@ import pytest
 pytestmark = pytest.mark.integration  # real processes: minutes in all
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
-        "--eval-batches", "1", "--lr", "1e-2", "--schedule-steps", "200", "--sync-every", "5", "--min-step-seconds", "0.05",
-        "--no-progress"]
+TINY = [
+    "--d-model",
+    "32",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "1",
+    "--lr",
+    "1e-2",
+    "--schedule-steps",
+    "200",
+    "--sync-every",
+    "5",
+    "--min-step-seconds",
+    "0.05",
+    "--no-progress",
+]
 
 
 def _descendants(pid: int) -> set[int]:
@@ -84,9 +104,25 @@ def test_launcher_stop_leaves_no_process_port_or_temp_file(tmp_path, how):
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     text = tmp_path / "text.txt"
     text.write_bytes(b"".join(p.read_bytes() for p in sorted(stdlib.glob("*.py"))[:40]))
-    launcher = subprocess.Popen([sys.executable, str(ROOT / "examples" / "char_lm.py"), "--local-peers", "2",
-                                 "--max-steps", "100000", "--text", str(text), *TINY], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env, cwd=tmp_path, start_new_session=True)
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "char_lm.py"),
+            "--local-peers",
+            "2",
+            "--max-steps",
+            "100000",
+            "--text",
+            str(text),
+            *TINY,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 180
         seen = []

@@ -53,8 +53,20 @@ def _children(run_id: str) -> list[int]:
 @pytest.mark.timeout(300)
 def test_the_docs_user_script_runs_on_three_peers(tmp_path):
     summary = tmp_path / "s.json"
-    r = _run(["--peers", "3", "--no-progress", "--summary-json", str(summary), "--",
-              "python", "examples/quickstart_peer.py", "--steps", "60"])
+    r = _run(
+        [
+            "--peers",
+            "3",
+            "--no-progress",
+            "--summary-json",
+            str(summary),
+            "--",
+            "python",
+            "examples/quickstart_peer.py",
+            "--steps",
+            "60",
+        ]
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert set(s["peers"]) == {"peer0", "peer1", "peer2"}, s
@@ -110,9 +122,12 @@ def test_peers_get_their_environment_and_a_dying_peer_is_reported(tmp_path):
     script.write_text(
         "import json, os, sys\n"
         "print(json.dumps({k: v for k, v in os.environ.items() if k.startswith('RAVNEST_')}))\n"
-        "sys.exit(3 if os.environ['RAVNEST_RANK'] == '1' else 0)\n")
-    r = _run(["--peers", "2", "--no-progress", "--codec", "int8", "--run-id", "envtest", "--", "python", str(script)],
-             timeout=60)
+        "sys.exit(3 if os.environ['RAVNEST_RANK'] == '1' else 0)\n"
+    )
+    r = _run(
+        ["--peers", "2", "--no-progress", "--codec", "int8", "--run-id", "envtest", "--", "python", str(script)],
+        timeout=60,
+    )
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert "peer1 exited with status 3" in r.stderr, r.stderr
     envs = {}
@@ -137,8 +152,13 @@ def test_stopping_the_launcher_leaves_no_process(tmp_path, how):
     script = tmp_path / "peer.py"
     script.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
     run_id = f"stop-{os.getpid()}-{how}"
-    p = subprocess.Popen([*LAUNCH, "--peers", "2", "--no-progress", "--run-id", run_id, "--", "python", str(script)],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [*LAUNCH, "--peers", "2", "--no-progress", "--run-id", run_id, "--", "python", str(script)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         up = set()
         deadline = time.monotonic() + 60

@@ -66,7 +66,9 @@ def state_on_mesh(state, m):
     """``tx.init`` leaves its scalars (step counts) on one device; a jitted step returns them on
     the mesh. Put them there from the start, so that the layouts never change (and nothing is
     compiled twice)."""
-    return jax.tree.map(lambda x: x if getattr(x.sharding, "mesh", None) == m else jax.device_put(x, NamedSharding(m, P())), state)
+    return jax.tree.map(
+        lambda x: x if getattr(x.sharding, "mesh", None) == m else jax.device_put(x, NamedSharding(m, P())), state
+    )
 
 
 def on_mesh(tree, m) -> object:

@@ -22,19 +22,19 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 def main() -> None:
     pid, port, url = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid,
-                               initialization_timeout=60)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=60
+    )
     here = Path(__file__).resolve().parent
     sys.path[:0] = [str(here), str(here.parent)]
     import numpy as np
     import optax
+    from _model import batch, init_params, make_step, mesh, param_shardings
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    import ravnest_jax as rj
-    from _model import batch, init_params, make_step, mesh, param_shardings
     from sync._local import FAST, TOKEN
 
+    import ravnest_jax as rj
     from ravnest_jax.sync import device_digest, digest_hex
 
     steps, h = int(os.environ.get("MP_STEPS", "10")), int(os.environ.get("MP_H", "4"))
@@ -48,15 +48,18 @@ def main() -> None:
     params = jax.tree.map(lambda x, s: put(np.asarray(x), s), init_params(), sh)
     tx = rj.diloco(optax.adam(2e-2), sync_every=h)
     # the scalars tx.init leaves on one device go on the mesh, as the jitted step returns them
-    state = jax.tree.map(lambda x: x if getattr(x.sharding, "mesh", None) == m else put(np.asarray(x), NamedSharding(m, P())),
-                         tx.init(params))
+    state = jax.tree.map(
+        lambda x: x if getattr(x.sharding, "mesh", None) == m else put(np.asarray(x), NamedSharding(m, P())),
+        tx.init(params),
+    )
     step = make_step(tx, params, state, m, gather=True)
     x0, y0 = batch(0, 0)
     jax.block_until_ready(step(params, state, put(x0, data_sh), put(y0, data_sh)))  # compile now
     swarm = None
     if pid == 0:
-        swarm = rj.Swarm(url, run_id="md-mp", token=TOKEN, codec="int4", listen="127.0.0.1:0",
-                         timeouts=FAST, peer_id="multiprocess")
+        swarm = rj.Swarm(
+            url, run_id="md-mp", token=TOKEN, codec="int4", listen="127.0.0.1:0", timeouts=FAST, peer_id="multiprocess"
+        )
     try:
         with rj.OuterSync(tx, swarm, mode="delayed", overlap_steps=1, codec="int4") as sync:
             sync.warmup(params, state)  # every process compiles the round functions before round 0

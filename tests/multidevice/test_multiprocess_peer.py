@@ -14,10 +14,9 @@ from pathlib import Path
 
 import jax
 import pytest
+from sync._local import FAST, TOKEN, rendezvous_thread
 
 from ravnest_jax.swarm import Swarm
-
-from sync._local import FAST, TOKEN, rendezvous_thread
 
 from .test_sharded_peer import _run_peer
 
@@ -41,10 +40,18 @@ def test_two_process_peer_is_one_swarm_member():
     with rendezvous_thread() as url:
         try:
             for pid in (0, 1):
-                procs.append(subprocess.Popen([sys.executable, str(WORKER), str(pid), str(port), url], env=env,
-                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-            with Swarm(url, run_id="md-mp", token=TOKEN, codec="int4", listen="127.0.0.1:0", timeouts=FAST,
-                       peer_id="single") as swarm:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(WORKER), str(pid), str(port), url],
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    )
+                )
+            with Swarm(
+                url, run_id="md-mp", token=TOKEN, codec="int4", listen="127.0.0.1:0", timeouts=FAST, peer_id="single"
+            ) as swarm:
                 swarm.wait_for_peers(2, timeout=120)
                 with concurrent.futures.ThreadPoolExecutor(1) as pool:
                     mine = pool.submit(_run_peer, swarm, 1).result(timeout=180)
@@ -54,7 +61,7 @@ def test_two_process_peer_is_one_swarm_member():
                 if p.poll() is None:
                     p.kill()
                     p.wait(timeout=30)
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-4000:]
     res = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     ours = [m.state_digest for m in mine["metrics"]]

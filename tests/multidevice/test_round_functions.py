@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import ravnest_jax as rj
@@ -23,7 +23,9 @@ IDS = [f"{layout}-{'explicit' if t == AxisType.Explicit else 'auto'}" for layout
 
 def _local(params, k):
     """Some local params a few steps away from the anchor."""
-    return jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.fold_in(jax.random.key(k), x.size), x.shape), params)
+    return jax.tree.map(
+        lambda x: x + 0.01 * jax.random.normal(jax.random.fold_in(jax.random.key(k), x.size), x.shape), params
+    )
 
 
 @pytest.mark.parametrize("layout,axis_type", CASES, ids=IDS)
@@ -119,7 +121,9 @@ def test_round_start_moves_no_pseudo_gradient_between_devices(axis_type):
     start = sync._fn("start", 0, _layout(params, state))
     residual = [jax.device_put(jnp.zeros(x.shape, jnp.float32), x.sharding) for x in jax.tree.leaves(params)]
     hlo = start.lower(params, state, residual, jax.random.key(1)).compile().as_text()
-    moved = re.findall(r"= \w+\[([\d,]*)\]\S* (?:all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)\(", hlo)
+    moved = re.findall(
+        r"= \w+\[([\d,]*)\]\S* (?:all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)\(", hlo
+    )
     sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in moved]
     assert sizes and max(sizes) <= 2, sizes
     _, packed, new_res = start(params, state, residual, jax.random.key(1))

@@ -12,11 +12,10 @@ import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from sync._local import local_swarm
 
 import ravnest_jax as rj
 from ravnest_jax.sync import OuterSync, device_digest, digest_hex
-
-from sync._local import local_swarm
 
 from ._model import batch, init_params, make_step, mesh, param_shardings, place, state_on_mesh
 
@@ -80,8 +79,12 @@ def unsharded_reference():
         ("fsdp", AxisType.Explicit, True, False),
         ("fsdp", AxisType.Auto, True, False),
     ],
-    ids=["replicated-explicit-whole-batch", "replicated-auto-data-parallel", "fsdp-explicit-data-parallel",
-         "fsdp-auto-data-parallel"],
+    ids=[
+        "replicated-explicit-whole-batch",
+        "replicated-auto-data-parallel",
+        "fsdp-explicit-data-parallel",
+        "fsdp-auto-data-parallel",
+    ],
 )
 def test_sharded_peer_matches_unsharded_peer(unsharded_reference, layout, axis_type, split_batch, exact):
     """Two rounds on 4 devices == two rounds on one. Bit-exact when every device computes the
@@ -94,10 +97,16 @@ def test_sharded_peer_matches_unsharded_peer(unsharded_reference, layout, axis_t
         r = _run_peer(peer, 0, layout=layout, axis_type=axis_type, split_batch=split_batch)
     assert len(r["metrics"]) == 2 == len(unsharded_reference["metrics"])
     _assert_layout_kept(r)
-    assert r["compiles"] == [1, 1, 1] == unsharded_reference["compiles"], (r["compiles"], unsharded_reference["compiles"])
+    assert r["compiles"] == [1, 1, 1] == unsharded_reference["compiles"], (
+        r["compiles"],
+        unsharded_reference["compiles"],
+    )
     got = jax.device_get((r["params"], r["state"].global_params, r["state"].outer_state))
-    ref = (unsharded_reference["params"], unsharded_reference["state"].global_params,
-           unsharded_reference["state"].outer_state)
+    ref = (
+        unsharded_reference["params"],
+        unsharded_reference["state"].global_params,
+        unsharded_reference["state"].outer_state,
+    )
     assert jax.tree.structure(got) == jax.tree.structure(ref)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         if exact:
@@ -123,8 +132,10 @@ def test_swarm_of_a_4_device_peer_and_a_1_device_peer_agrees():
     assert [m.result_digest for m in r0["metrics"]] == [m.result_digest for m in r1["metrics"]]
     _assert_layout_kept(r0)
     assert r0["compiles"] == [1, 1, 1] == r1["compiles"]
-    for a, b in zip(jax.tree.leaves(jax.device_get(r0["state"].global_params)),
-                    jax.tree.leaves(jax.device_get(r1["state"].global_params))):
+    for a, b in zip(
+        jax.tree.leaves(jax.device_get(r0["state"].global_params)),
+        jax.tree.leaves(jax.device_get(r1["state"].global_params)),
+    ):
         np.testing.assert_array_equal(a, b)
     # the digest of the sharded anchor equals that of its single-device copy
     g0 = r0["state"].global_params

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import ravnest_jax as rj
 
@@ -83,9 +84,7 @@ def test_init_does_not_alias_params():
     params = {"w": jnp.ones((4,))}
     state = rj.diloco(optax.sgd(0.1), sync_every=2).init(params)
     assert state.global_params["w"] is not params["w"]
-    assert (
-        state.global_params["w"].unsafe_buffer_pointer() != params["w"].unsafe_buffer_pointer()
-    )
+    assert state.global_params["w"].unsafe_buffer_pointer() != params["w"].unsafe_buffer_pointer()
 
 
 @pytest.mark.parametrize("sync_every", [1, 3, 7])
@@ -173,9 +172,7 @@ def test_vmap_equals_shard_map():
         p, s = _step(tx)(p, s, x, y)
         return jax.tree.map(lambda a: a[None], (p, s))
 
-    sstep = jax.jit(
-        jax.shard_map(per_device, mesh=mesh, in_specs=P("replica"), out_specs=P("replica"))
-    )
+    sstep = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("replica"), out_specs=P("replica")))
     pv, sv = p0, s0
     ps, ss = p0, s0
     for _ in range(2 * h + 1):

@@ -22,8 +22,15 @@ def expected_mean(seeds_weights: list[tuple[int, float]], i: int, size: int) -> 
     return num / sum(w for _, w in seeds_weights)
 
 
-def check_round(peers: dict[str, tuple[int, float]], events: dict[str, dict], i: int, size: int,
-                contributors: list[str], rtol: float = 1e-6, atol: float = 1e-6) -> None:
+def check_round(
+    peers: dict[str, tuple[int, float]],
+    events: dict[str, dict],
+    i: int,
+    size: int,
+    contributors: list[str],
+    rtol: float = 1e-6,
+    atol: float = 1e-6,
+) -> None:
     """All ``events`` (peer -> round event) are ok, agree, and match the numpy mean."""
     digests = {e["digest"] for e in events.values()}
     assert all(e["ok"] for e in events.values()), events
@@ -35,6 +42,7 @@ def check_round(peers: dict[str, tuple[int, float]], events: dict[str, dict], i:
         blobs = {np.load(e["result_file"]).tobytes() for e in events.values()}
         assert len(blobs) == 1, "results differ although digests agree"
     e = next(iter(events.values()))
-    got = (np.load(e["result_file"]) if e.get("result_file") else
-           np.asarray(e["result"], dtype=np.float32)).astype(np.float64)
+    got = (np.load(e["result_file"]) if e.get("result_file") else np.asarray(e["result"], dtype=np.float32)).astype(
+        np.float64
+    )
     np.testing.assert_allclose(got, exp, rtol=rtol, atol=atol)

@@ -19,7 +19,7 @@ import numpy as np
 def make_tree(seed: int, round_: int, size: int) -> dict:
     rng = np.random.default_rng([seed, round_])
     a = rng.standard_normal(size, dtype=np.float32)
-    return {"w": a[: size // 2].reshape(-1), "b": {"x": a[size // 2:], "s": np.float32(seed)}}
+    return {"w": a[: size // 2].reshape(-1), "b": {"x": a[size // 2 :], "s": np.float32(seed)}}
 
 
 def main() -> None:
@@ -36,8 +36,7 @@ def main() -> None:
     p.add_argument("--part-timeout", type=float, default=3.0)
     p.add_argument("--round-timeout", type=float, default=30.0)
     p.add_argument("--send-delay", type=float, default=0.0)
-    p.add_argument("--sleep-before-round", type=str, default="",
-                   help="ROUND:SECONDS straggle before that round")
+    p.add_argument("--sleep-before-round", type=str, default="", help="ROUND:SECONDS straggle before that round")
     p.add_argument("--start-delay", type=float, default=0.0)
     p.add_argument("--expect-peers", type=int, default=0)
     p.add_argument("--round-sleep", type=float, default=0.0)
@@ -50,11 +49,12 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
     import faulthandler
+
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the fixture dumps hung peers
 
     import logging
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(message)s")
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     from ravnest_jax.swarm import RoundFailed, Swarm, Timeouts
 
     class _Events(logging.Handler):
@@ -63,8 +63,17 @@ def main() -> None:
         def emit(self, record: logging.LogRecord) -> None:
             name = getattr(record, "rj_event", None)
             if name:
-                print(json.dumps({"event": name, "round": record.rj_round, "attempt": record.rj_attempt,
-                                  "decision": getattr(record, "rj_decision", None)}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "event": name,
+                            "round": record.rj_round,
+                            "attempt": record.rj_attempt,
+                            "decision": getattr(record, "rj_decision", None),
+                        }
+                    ),
+                    flush=True,
+                )
 
     swarm_log = logging.getLogger("ravnest_jax.swarm")
     swarm_log.setLevel(logging.DEBUG)
@@ -72,17 +81,26 @@ def main() -> None:
     for h in logging.getLogger().handlers:
         h.setLevel(logging.INFO)  # the stderr log stays at INFO
 
-    t = Timeouts(connect=2.0, part=args.part_timeout, grace=0.5, round=args.round_timeout,
-                 heartbeat=0.5, eviction=3.0)
+    t = Timeouts(connect=2.0, part=args.part_timeout, grace=0.5, round=args.round_timeout, heartbeat=0.5, eviction=3.0)
     straggle = {}
     if args.sleep_before_round:
         r, s = args.sleep_before_round.split(":")
         straggle[int(r)] = float(s)
     time.sleep(args.start_delay)
-    with Swarm(args.url, run_id=args.run_id, token=args.token, codec=args.codec,
-               listen="127.0.0.1:0", timeouts=t, peer_id=args.peer_id, advertise=args.advertise,
-               algorithm=args.algorithm, ring_segment_bytes=args.ring_segment_bytes,
-               _send_chunk_delay=args.send_delay, _serve_delay=args.serve_delay) as sw:
+    with Swarm(
+        args.url,
+        run_id=args.run_id,
+        token=args.token,
+        codec=args.codec,
+        listen="127.0.0.1:0",
+        timeouts=t,
+        peer_id=args.peer_id,
+        advertise=args.advertise,
+        algorithm=args.algorithm,
+        ring_segment_bytes=args.ring_segment_bytes,
+        _send_chunk_delay=args.send_delay,
+        _serve_delay=args.serve_delay,
+    ) as sw:
         print(json.dumps({"event": "ready", "port": sw.port, "pid": os.getpid()}), flush=True)
         if args.expect_peers:
             sw.wait_for_peers(args.expect_peers, timeout=60)
@@ -100,16 +118,32 @@ def main() -> None:
                 if args.out_dir:
                     rfile = os.path.join(args.out_dir, f"{args.peer_id}-{i}.npy")
                     np.save(rfile, vec)
-                print(json.dumps({"event": "round", "i": i, "ok": True, "round": rec.round,
-                                  "contributors": list(rec.contributors),
-                                  "digest": rec.digest, "attempts": rec.attempts, "algorithm": rec.algorithm,
-                                  "total_weight": rec.total_weight,
-                                  "seconds": rec.seconds, "result_file": rfile,
-                                  "result": vec.tolist() if not rfile else None}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "event": "round",
+                            "i": i,
+                            "ok": True,
+                            "round": rec.round,
+                            "contributors": list(rec.contributors),
+                            "digest": rec.digest,
+                            "attempts": rec.attempts,
+                            "algorithm": rec.algorithm,
+                            "total_weight": rec.total_weight,
+                            "seconds": rec.seconds,
+                            "result_file": rfile,
+                            "result": vec.tolist() if not rfile else None,
+                        }
+                    ),
+                    flush=True,
+                )
             except RoundFailed as e:
-                print(json.dumps({"event": "round", "i": i, "ok": False,
-                                  "round": e.record.round, "error": e.record.error}),
-                      flush=True)
+                print(
+                    json.dumps(
+                        {"event": "round", "i": i, "ok": False, "round": e.record.round, "error": e.record.error}
+                    ),
+                    flush=True,
+                )
     print(json.dumps({"event": "done"}), flush=True)
 
 

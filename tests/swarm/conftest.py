@@ -54,8 +54,9 @@ class Proc:
         self.name = name
         self.stderr_path = log_dir / f"{name}.err"
         self._err = open(self.stderr_path, "w")
-        self.p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._err, text=True,
-                                  env=env, start_new_session=True)
+        self.p = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env, start_new_session=True
+        )
         self.events: queue.Queue[dict] = queue.Queue()
         self.all: list[dict] = []
         self.port: int | None = None
@@ -80,8 +81,7 @@ class Proc:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"{self.name}: no {event!r} event within {timeout} s; "
-                                     f"stderr:\n{self.stderr()}")
+                raise AssertionError(f"{self.name}: no {event!r} event within {timeout} s; stderr:\n{self.stderr()}")
             try:
                 ev = self.events.get(timeout=left)
             except queue.Empty:
@@ -97,8 +97,7 @@ class Proc:
             if text in self.stderr_path.read_text():
                 return
             if time.monotonic() > deadline or self.p.poll() is not None:
-                raise AssertionError(f"{self.name}: {text!r} not logged within {timeout} s; "
-                                     f"stderr:\n{self.stderr()}")
+                raise AssertionError(f"{self.name}: {text!r} not logged within {timeout} s; stderr:\n{self.stderr()}")
             time.sleep(0.02)
 
     def stderr(self) -> str:
@@ -109,8 +108,7 @@ class Proc:
         try:
             return self.p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} did not exit within {timeout} s; "
-                                 f"stderr:\n{self.stderr()}") from None
+            raise AssertionError(f"{self.name} did not exit within {timeout} s; stderr:\n{self.stderr()}") from None
 
     def kill9(self) -> None:
         if self.p.poll() is None:
@@ -142,17 +140,37 @@ class Cluster:
         self.tmp = tmp_path
         self.procs: list[Proc] = []
         self.ports: set[int] = set()
-        self.env = {**os.environ, "RAVNEST_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1",
-                    "JAX_PLATFORMS": "cpu"}
+        self.env = {**os.environ, "RAVNEST_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
         self.rv: Proc | None = None
         self.url = ""
 
-    def rendezvous(self, port: int = 0, heartbeat: float = 0.5, eviction: float = 3.0,
-                   extra: tuple[str, ...] = (), scheme: str = "http") -> str:
+    def rendezvous(
+        self,
+        port: int = 0,
+        heartbeat: float = 0.5,
+        eviction: float = 3.0,
+        extra: tuple[str, ...] = (),
+        scheme: str = "http",
+    ) -> str:
         pf = self.tmp / f"rv-port-{len(self.procs)}"
-        args = [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1",
-                "--port", str(port), "--port-file", str(pf), "--heartbeat", str(heartbeat),
-                "--eviction", str(eviction), "--verbose", *extra]
+        args = [
+            sys.executable,
+            "-m",
+            "ravnest_jax.cli",
+            "rendezvous",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--port-file",
+            str(pf),
+            "--heartbeat",
+            str(heartbeat),
+            "--eviction",
+            str(eviction),
+            "--verbose",
+            *extra,
+        ]
         self.rv = p = Proc(f"rendezvous{len(self.procs)}", args, self.tmp, self.env)
         self.procs.append(p)
         deadline = time.monotonic() + 30
@@ -166,8 +184,18 @@ class Cluster:
         return self.url
 
     def peer(self, peer_id: str, seed: int, **kw: object) -> Proc:
-        args = [sys.executable, str(WORKER), "--url", self.url, "--token",
-                str(kw.pop("token", TOKEN)), "--peer-id", peer_id, "--seed", str(seed)]
+        args = [
+            sys.executable,
+            str(WORKER),
+            "--url",
+            self.url,
+            "--token",
+            str(kw.pop("token", TOKEN)),
+            "--peer-id",
+            peer_id,
+            "--seed",
+            str(seed),
+        ]
         kw.setdefault("out_dir", str(self.tmp))
         for k, v in kw.items():
             args += [f"--{k.replace('_', '-')}", str(v)]

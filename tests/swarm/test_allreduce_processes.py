@@ -10,15 +10,19 @@ pytestmark = pytest.mark.integration  # real processes: minutes in all
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("n,algorithm", [(2, "butterfly"), (4, "butterfly"), (8, "butterfly"),
-                                         (3, "ring"), (8, "ring")])
+@pytest.mark.parametrize(
+    "n,algorithm", [(2, "butterfly"), (4, "butterfly"), (8, "butterfly"), (3, "ring"), (8, "ring")]
+)
 def test_all_reduce_matches_numpy_weighted_mean(cluster, n, algorithm):
     cluster.rendezvous()
     size, rounds = 1001, 2
     peers = {f"p{i}": (10 + i, 1.0 + i) for i in range(n)}  # id -> (seed, weight)
-    procs = {pid: cluster.peer(pid, seed, weight=w, rounds=rounds, size=size, expect_peers=n,
-                               part_timeout=10, algorithm=algorithm)
-             for pid, (seed, w) in peers.items()}
+    procs = {
+        pid: cluster.peer(
+            pid, seed, weight=w, rounds=rounds, size=size, expect_peers=n, part_timeout=10, algorithm=algorithm
+        )
+        for pid, (seed, w) in peers.items()
+    }
     cluster.ready(list(procs.values()))
     for p in procs.values():
         p.expect("done", 60)
@@ -33,8 +37,14 @@ def test_all_reduce_matches_numpy_weighted_mean(cluster, n, algorithm):
 
 # worst-case |result - exact mean| / max|input| after two quantisations (parts, then the
 # all-gathered mean), from the per-codec bounds of docs/compression.md
-LOSSY_BOUND = {"fp16": 2 * 2.0**-11, "bf16": 2 * 2.0**-8, "int8": 2 / 254 * 1.02,
-               "int4": 2 / 14 * 1.02, "fp4": 0.5, "topk": 2.0}
+LOSSY_BOUND = {
+    "fp16": 2 * 2.0**-11,
+    "bf16": 2 * 2.0**-8,
+    "int8": 2 / 254 * 1.02,
+    "int4": 2 / 14 * 1.02,
+    "fp4": 0.5,
+    "topk": 2.0,
+}
 
 
 @pytest.mark.timeout(60)
@@ -47,9 +57,10 @@ def test_lossy_codecs_within_bound_and_identical(cluster, codec):
     cluster.rendezvous()
     size = 2001
     peers = {f"p{i}": (20 + i, 1.0 + i) for i in range(3)}
-    procs = {pid: cluster.peer(pid, seed, weight=w, rounds=1, size=size, expect_peers=3,
-                               codec=codec, part_timeout=10)
-             for pid, (seed, w) in peers.items()}
+    procs = {
+        pid: cluster.peer(pid, seed, weight=w, rounds=1, size=size, expect_peers=3, codec=codec, part_timeout=10)
+        for pid, (seed, w) in peers.items()
+    }
     cluster.ready(list(procs.values()))
     for p in procs.values():
         p.expect("done", 40)

@@ -7,7 +7,9 @@ themselves with the exact mean, and keep working afterwards.
 from __future__ import annotations
 
 import asyncio
+
 import aiohttp
+import numpy as np
 import pytest
 
 from ravnest_jax.swarm import _auth
@@ -17,8 +19,6 @@ from ravnest_jax.swarm._http import HTTPStatusError, signed_json
 
 from ._expect import check_round
 from .conftest import TOKEN
-
-import numpy as np
 
 pytestmark = pytest.mark.integration  # real swarms (processes or threads): minutes in all
 
@@ -36,18 +36,34 @@ async def _impostor(url: str) -> dict[str, int]:
         async with s.post(f"{url}/v1/runs/{run}/join", json={"peer_id": me}) as r:
             out["rv_unsigned"] = r.status
         try:
-            await signed_json(s, url, "POST", f"/v1/runs/{run}/join", token=b"wrong", run_id=run,
-                              peer=me, payload={"peer_id": me, "address": "http://127.0.0.1:9"},
-                              timeout=timeout)
+            await signed_json(
+                s,
+                url,
+                "POST",
+                f"/v1/runs/{run}/join",
+                token=b"wrong",
+                run_id=run,
+                peer=me,
+                payload={"peer_id": me, "address": "http://127.0.0.1:9"},
+                timeout=timeout,
+            )
         except Exception as e:  # noqa: BLE001
             out["rv_wrong_token"] = getattr(e, "status", -1)
         hello = {"peer_id": me, "address": "http://127.0.0.1:9", "last_round": -1}
-        await signed_json(s, url, "POST", f"/v1/runs/{run}/join", token=token, run_id=run,
-                          peer=me, payload=hello, timeout=timeout)
-        beg = await signed_json(s, url, "POST", f"/v1/runs/{run}/rounds/begin", token=token,
-                                run_id=run, peer=me, timeout=timeout,
-                                payload={**hello, "after": -1, "part_s": 3.0, "grace_s": 0.5,
-                                         "wait_s": 10})
+        await signed_json(
+            s, url, "POST", f"/v1/runs/{run}/join", token=token, run_id=run, peer=me, payload=hello, timeout=timeout
+        )
+        beg = await signed_json(
+            s,
+            url,
+            "POST",
+            f"/v1/runs/{run}/rounds/begin",
+            token=token,
+            run_id=run,
+            peer=me,
+            timeout=timeout,
+            payload={**hello, "after": -1, "part_s": 3.0, "grace_s": 0.5, "wait_s": 10},
+        )
         r, group, addrs = beg["round"], beg["group"], beg["addresses"]
         assert me in group and len(group) == 3
         k = group.index("a")
@@ -55,21 +71,35 @@ async def _impostor(url: str) -> dict[str, int]:
         base = addrs["a"]
         path = f"/v1/runs/{run}/rounds/{r}/0/parts/{k}"
 
-        async def put(body: bytes, *, tok: bytes = token, manifest: str = "0" * 32,
-                      sign: bool = True, claimed: bytes | None = None, p: str = path,
-                      length: int | None = None) -> int:
+        async def put(
+            body: bytes,
+            *,
+            tok: bytes = token,
+            manifest: str = "0" * 32,
+            sign: bool = True,
+            claimed: bytes | None = None,
+            p: str = path,
+            length: int | None = None,
+        ) -> int:
             h = {}
             if sign:
-                h = _auth.sign(tok, method="PUT", path=p, run_id=run, peer=me, round_=r,
-                               body_digest=_auth.body_digest(claimed if claimed is not None
-                                                             else body),
-                               extra=f"1.0|{manifest}")
+                h = _auth.sign(
+                    tok,
+                    method="PUT",
+                    path=p,
+                    run_id=run,
+                    peer=me,
+                    round_=r,
+                    body_digest=_auth.body_digest(claimed if claimed is not None else body),
+                    extra=f"1.0|{manifest}",
+                )
             h.update({"X-RJ-Weight": "1.0", "X-RJ-Manifest": manifest})
             if length is not None:
                 h["Content-Length"] = str(length)
+
             async def gen():  # stream like a real peer does
                 for off in range(0, len(body), 1 << 16):
-                    yield body[off:off + (1 << 16)]
+                    yield body[off : off + (1 << 16)]
 
             h["Content-Length"] = h.get("Content-Length", str(len(body)))
             try:
@@ -85,13 +115,12 @@ async def _impostor(url: str) -> dict[str, int]:
         out["wrong_token"] = await put(good, tok=b"not-the-token")
         out["wrong_manifest"] = await put(good)
         from ravnest_jax.swarm._allreduce import manifest_digest
-        manifest = manifest_digest(["/b/s", "/b/x", "/w"], [(), (SIZE - SIZE // 2,),
-                                                           (SIZE // 2,)], "fp32/butterfly")
+
+        manifest = manifest_digest(["/b/s", "/b/x", "/w"], [(), (SIZE - SIZE // 2,), (SIZE // 2,)], "fp32/butterfly")
         out["tampered_body"] = await put(good, manifest=manifest, claimed=b"other body")
         out["garbage"] = await put(b"\x00garbage" * 100, manifest=manifest)
         out["truncated"] = await put(good[: len(good) // 2], manifest=manifest)
-        out["oversize"] = await put(b"\x00" * (4 * (hi - lo) + (1 << 20) + 1),
-                                    manifest=manifest)
+        out["oversize"] = await put(b"\x00" * (4 * (hi - lo) + (1 << 20) + 1), manifest=manifest)
         wrong_k = f"/v1/runs/{run}/rounds/{r}/0/parts/{(k + 1) % 3}"
         out["wrong_part"] = await put(good, manifest=manifest, p=wrong_k)
         corrupt = bytearray(good)
@@ -101,8 +130,17 @@ async def _impostor(url: str) -> dict[str, int]:
         out["wrong_shape"] = await put(wrong_shape, manifest=manifest)
         # leave without voting (after b surely saw three peers): a and b retry without us
         await asyncio.sleep(2.0)
-        await signed_json(s, url, "POST", f"/v1/runs/{run}/leave", token=token, run_id=run,
-                          peer=me, payload={"peer_id": me}, timeout=timeout)
+        await signed_json(
+            s,
+            url,
+            "POST",
+            f"/v1/runs/{run}/leave",
+            token=token,
+            run_id=run,
+            peer=me,
+            payload={"peer_id": me},
+            timeout=timeout,
+        )
     return out
 
 
@@ -110,15 +148,24 @@ async def _impostor(url: str) -> dict[str, int]:
 def test_bad_requests_are_refused_without_effect(cluster):
     url = cluster.rendezvous()
     peers = {"a": (1, 1.0), "b": (2, 3.0)}
-    procs = {pid: cluster.peer(pid, s, weight=w, size=SIZE, rounds=2, expect_peers=3,
-                               part_timeout=3.0)
-             for pid, (s, w) in peers.items()}
+    procs = {
+        pid: cluster.peer(pid, s, weight=w, size=SIZE, rounds=2, expect_peers=3, part_timeout=3.0)
+        for pid, (s, w) in peers.items()
+    }
     cluster.ready(list(procs.values()))
     statuses = asyncio.run(_impostor(url))
     assert statuses == {
-        "rv_unsigned": 401, "rv_wrong_token": 401,
-        "unsigned": 401, "wrong_token": 401, "wrong_manifest": 400, "tampered_body": 401,
-        "garbage": 400, "truncated": 400, "oversize": 413, "wrong_part": 400, "corrupt": 400,
+        "rv_unsigned": 401,
+        "rv_wrong_token": 401,
+        "unsigned": 401,
+        "wrong_token": 401,
+        "wrong_manifest": 400,
+        "tampered_body": 401,
+        "garbage": 400,
+        "truncated": 400,
+        "oversize": 413,
+        "wrong_part": 400,
+        "corrupt": 400,
         "wrong_shape": 400,
     }
     for p in procs.values():
@@ -148,8 +195,17 @@ def test_malformed_rendezvous_requests_get_400_and_it_keeps_serving(cluster):
 
             async def call(name: str, path: str, payload) -> None:
                 try:
-                    await signed_json(s, url, "POST", f"/v1/runs/{run}{path}", token=token, run_id=run,
-                                      peer=me, payload=payload, timeout=timeout)
+                    await signed_json(
+                        s,
+                        url,
+                        "POST",
+                        f"/v1/runs/{run}{path}",
+                        token=token,
+                        run_id=run,
+                        peer=me,
+                        payload=payload,
+                        timeout=timeout,
+                    )
                     out[name] = 200
                 except HTTPStatusError as e:
                     out[name] = e.status
@@ -157,8 +213,9 @@ def test_malformed_rendezvous_requests_get_400_and_it_keeps_serving(cluster):
             await call("join", "/join", {"peer_id": me, "address": "http://127.0.0.1:9"})
             body = b"[" * 100_000 + b"]" * 100_000
             path = f"/v1/runs/{run}/heartbeat"
-            headers = _auth.sign(token, method="POST", path=path, run_id=run, peer=me,
-                                 body_digest=_auth.body_digest(body))
+            headers = _auth.sign(
+                token, method="POST", path=path, run_id=run, peer=me, body_digest=_auth.body_digest(body)
+            )
             async with s.post(url + path, data=body, headers=headers) as r:
                 out["deep_json"] = r.status
             hello = {"peer_id": me, "address": "http://127.0.0.1:9", "after": -1}
@@ -176,9 +233,18 @@ def test_malformed_rendezvous_requests_get_400_and_it_keeps_serving(cluster):
 
     url = cluster.rendezvous()
     statuses = asyncio.run(go(url))
-    assert statuses == {"join": 200, "deep_json": 400, "wait_s_str": 400, "part_s_str": 400,
-                        "max_attempts_null": 400, "grace_s_inf": 400, "after_bool": 400,
-                        "attempt_overflow": 400, "bad_state": 400, "health": 200}, statuses
+    assert statuses == {
+        "join": 200,
+        "deep_json": 400,
+        "wait_s_str": 400,
+        "part_s_str": 400,
+        "max_attempts_null": 400,
+        "grace_s_inf": 400,
+        "after_bool": 400,
+        "attempt_overflow": 400,
+        "bad_state": 400,
+        "health": 200,
+    }, statuses
 
 
 def test_a_malformed_begin_of_an_unknown_sender_registers_nothing(cluster):
@@ -194,14 +260,23 @@ def test_a_malformed_begin_of_an_unknown_sender_registers_nothing(cluster):
         async with aiohttp.ClientSession() as s:
             for bad in ({"after": "x"}, {"after": 1.5}, {"wait_s": "x"}, {"expect": 3}, {"arrive": "x"}):
                 try:
-                    await signed_json(s, url, "POST", f"/v1/runs/{run}/rounds/begin", token=token, run_id=run,
-                                      peer="ghost", payload={"peer_id": "ghost", "address": "http://127.0.0.1:9",
-                                                             "wait_s": 0, **bad}, timeout=timeout)
+                    await signed_json(
+                        s,
+                        url,
+                        "POST",
+                        f"/v1/runs/{run}/rounds/begin",
+                        token=token,
+                        run_id=run,
+                        peer="ghost",
+                        payload={"peer_id": "ghost", "address": "http://127.0.0.1:9", "wait_s": 0, **bad},
+                        timeout=timeout,
+                    )
                     statuses.append(200)
                 except HTTPStatusError as e:
                     statuses.append(e.status)
-            peers = await signed_json(s, url, "GET", f"/v1/runs/{run}/peers", token=token, run_id=run,
-                                      peer="observer", timeout=timeout)
+            peers = await signed_json(
+                s, url, "GET", f"/v1/runs/{run}/peers", token=token, run_id=run, peer="observer", timeout=timeout
+            )
         return statuses, [p["peer_id"] for p in peers["peers"]]
 
     statuses, peers = asyncio.run(go())

@@ -14,31 +14,39 @@ pytestmark = pytest.mark.integration  # real swarms (processes or threads): minu
 
 
 def test_help_explains_rendezvous():
-    out = subprocess.run([sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--help"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0
-    for word in ("--token-file", "RAVNEST_TOKEN", "--port", "--heartbeat", "--eviction",
-                 "--certfile"):
+    for word in ("--token-file", "RAVNEST_TOKEN", "--port", "--heartbeat", "--eviction", "--certfile"):
         assert word in out.stdout
 
 
 def test_missing_token_is_an_error(monkeypatch):
     monkeypatch.delenv("RAVNEST_TOKEN", raising=False)
     env = {k: v for k, v in __import__("os").environ.items() if k != "RAVNEST_TOKEN"}
-    out = subprocess.run([sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--port", "0"],
-                         capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert out.returncode != 0 and "token" in out.stderr
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--token-file", "/nonexistent/token"], ["--token-file", "No such file"]),
-    (["--token-file", "EMPTY"], ["--token-file", "empty"]),
-    (["--heartbeat", "-1"], ["--heartbeat", "number > 0"]),
-    (["--heartbeat", "nan"], ["--heartbeat", "number > 0"]),
-    (["--heartbeat", "5", "--eviction", "2"], ["--eviction", "--heartbeat"]),
-    (["--port", "99999"], ["--port", "0-65535"]),
-    (["--certfile", "/nonexistent/cert.pem"], ["--certfile"]),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--token-file", "/nonexistent/token"], ["--token-file", "No such file"]),
+        (["--token-file", "EMPTY"], ["--token-file", "empty"]),
+        (["--heartbeat", "-1"], ["--heartbeat", "number > 0"]),
+        (["--heartbeat", "nan"], ["--heartbeat", "number > 0"]),
+        (["--heartbeat", "5", "--eviction", "2"], ["--eviction", "--heartbeat"]),
+        (["--port", "99999"], ["--port", "0-65535"]),
+        (["--certfile", "/nonexistent/cert.pem"], ["--certfile"]),
+    ],
+)
 def test_bad_rendezvous_flags_give_one_clear_line(tmp_path, capsys, args, words):
     from ravnest_jax.cli import main
 
@@ -65,9 +73,13 @@ def test_signal_stops_rendezvous_and_peer_cleanly(cluster, sig):
     cluster.ready([peer])
     peer.expect("round", 20)
     if sig == signal.SIGTERM:  # the status command sees the peer and its rounds
-        out = subprocess.run([sys.executable, "-m", "ravnest_jax.cli", "status", cluster.url,
-                              "--run-id", "test"], capture_output=True, text=True, timeout=60,
-                             env=cluster.env)
+        out = subprocess.run(
+            [sys.executable, "-m", "ravnest_jax.cli", "status", cluster.url, "--run-id", "test"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=cluster.env,
+        )
         assert out.returncode == 0, out.stderr
         status = __import__("json").loads(out.stdout)
         assert [p["peer_id"] for p in status["peers"]] == ["a"]

@@ -19,12 +19,12 @@ pytestmark = pytest.mark.integration  # real processes: minutes in all
 SIZE = 200_001  # floats: parts of 3 peers are ~267 kB, i.e. 2 streamed chunks
 
 
-
-
 def _launch(cluster, peers, per_peer, **common):
     cluster.rendezvous(eviction=4.0)
-    procs = {pid: cluster.peer(pid, seed, weight=w, **{**common, **per_peer.get(pid, {})})
-             for pid, (seed, w) in peers.items()}
+    procs = {
+        pid: cluster.peer(pid, seed, weight=w, **{**common, **per_peer.get(pid, {})})
+        for pid, (seed, w) in peers.items()
+    }
     cluster.ready(list(procs.values()))
     for p in procs.values():
         p.expect("peers", 30)
@@ -46,8 +46,7 @@ PEERS3 = {"a": (1, 1.0), "b": (2, 2.0), "c": (3, 3.0)}
 
 @pytest.mark.timeout(60)
 def test_kill9_peer_while_it_sends(cluster):
-    procs = _launch(cluster, PEERS3, {"c": {"send_delay": 1.0}}, size=SIZE, rounds=2,
-                    expect_peers=3, part_timeout=2.0)
+    procs = _launch(cluster, PEERS3, {"c": {"send_delay": 1.0}}, size=SIZE, rounds=2, expect_peers=3, part_timeout=2.0)
     time.sleep(0.8)  # c is streaming its parts (1 s per chunk)
     procs["c"].kill9()
     t0 = time.monotonic()
@@ -64,8 +63,15 @@ def test_kill9_peer_while_it_sends(cluster):
 @pytest.mark.timeout(60)
 def test_kill9_part_owner_mid_round(cluster):
     # a and b stream slowly, so c (fast) has sent everything and is only a part owner when killed
-    procs = _launch(cluster, PEERS3, {"a": {"send_delay": 0.6}, "b": {"send_delay": 0.6}},
-                    size=SIZE, rounds=2, expect_peers=3, part_timeout=2.5)
+    procs = _launch(
+        cluster,
+        PEERS3,
+        {"a": {"send_delay": 0.6}, "b": {"send_delay": 0.6}},
+        size=SIZE,
+        rounds=2,
+        expect_peers=3,
+        part_timeout=2.5,
+    )
     time.sleep(0.5)
     procs["c"].kill9()
     live = {k: v for k, v in procs.items() if k != "c"}
@@ -80,8 +86,7 @@ def test_kill9_part_owner_mid_round(cluster):
 def test_kill9_part_owner_during_all_gather(cluster):
     """c dies after the gather vote, before serving its result part: the commit vote fails,
     a and b retry the round without c and agree."""
-    procs = _launch(cluster, PEERS3, {"c": {"serve_delay": 3.0}}, size=SIZE, rounds=2,
-                    expect_peers=3, part_timeout=2.0)
+    procs = _launch(cluster, PEERS3, {"c": {"serve_delay": 3.0}}, size=SIZE, rounds=2, expect_peers=3, part_timeout=2.0)
     time.sleep(1.0)  # phase 1 takes well under a second; c now delays its result part
     procs["c"].kill9()
     live = {k: v for k, v in procs.items() if k != "c"}
@@ -99,23 +104,37 @@ def test_kill9_part_owner_during_all_gather(cluster):
 def test_unreachable_peer_is_left_out_not_everybody_else(cluster):
     """c advertises a dead address (think: behind NAT): it reaches the others, they cannot
     reach it. The round must go on among a and b, not shrink to c's contribution alone."""
-    procs = _launch(cluster, PEERS3, {"c": {"advertise": "http://127.0.0.1:9"}}, size=1001,
-                    rounds=2, expect_peers=3, part_timeout=1.5)
+    procs = _launch(
+        cluster,
+        PEERS3,
+        {"c": {"advertise": "http://127.0.0.1:9"}},
+        size=1001,
+        rounds=2,
+        expect_peers=3,
+        part_timeout=1.5,
+    )
     _finish(procs)
     live = {k: v for k, v in procs.items() if k != "c"}
     for i in range(2):
         check_round(PEERS3, _round_events(live, i), i, 1001, ["a", "b"])
     assert not any(e["ok"] for e in procs["c"].rounds())
-    assert "could not reach" in procs["c"].rounds()[0]["error"] or \
-        "left out" in procs["c"].rounds()[0]["error"]
+    assert "could not reach" in procs["c"].rounds()[0]["error"] or "left out" in procs["c"].rounds()[0]["error"]
 
 
 @pytest.mark.timeout(60)
 def test_ring_survives_a_peer_killed_mid_round(cluster):
     peers = {"a": (1, 1.0), "b": (2, 2.0), "c": (3, 3.0), "d": (4, 4.0)}
-    procs = _launch(cluster, peers, {"c": {"send_delay": 1.0}}, size=SIZE, rounds=2,
-                    expect_peers=4, part_timeout=2.0, algorithm="ring",
-                    ring_segment_bytes=64 * 1024)  # parts of ~200 kB: 4 segments
+    procs = _launch(
+        cluster,
+        peers,
+        {"c": {"send_delay": 1.0}},
+        size=SIZE,
+        rounds=2,
+        expect_peers=4,
+        part_timeout=2.0,
+        algorithm="ring",
+        ring_segment_bytes=64 * 1024,
+    )  # parts of ~200 kB: 4 segments
     time.sleep(0.8)
     procs["c"].kill9()
     live = {k: v for k, v in procs.items() if k != "c"}
@@ -148,10 +167,12 @@ def test_hung_peer_past_the_deadline(cluster, hung_before_vote):
     hung_before_vote=True: c hangs as a part owner before voting: a and b retry without it and
     finish; c, once resumed, gets a clear failed result and joins a later round.
     """
-    slow = ({"a": {"send_delay": 0.5}, "b": {"send_delay": 0.5}, "c": {"send_delay": 0.5}}
-            if hung_before_vote else {"c": {"send_delay": 0.5}})
-    procs = _launch(cluster, PEERS3, slow, size=SIZE, rounds=4, expect_peers=3,
-                    part_timeout=2.0, round_sleep=0.2)
+    slow = (
+        {"a": {"send_delay": 0.5}, "b": {"send_delay": 0.5}, "c": {"send_delay": 0.5}}
+        if hung_before_vote
+        else {"c": {"send_delay": 0.5}}
+    )
+    procs = _launch(cluster, PEERS3, slow, size=SIZE, rounds=4, expect_peers=3, part_timeout=2.0, round_sleep=0.2)
     # stop c at the moment the case needs, whatever the load: once it voted (it holds every
     # part it owns), or as soon as it is in round 0 (its slow senders need >= 1 s to reach it)
     ev = procs["c"].expect("round_begin" if hung_before_vote else "gather_vote", 30)
@@ -179,16 +200,16 @@ def test_hung_peer_past_the_deadline(cluster, hung_before_vote):
         assert c0["ok"] and c0["digest"] == ev0["a"]["digest"], (c0, ev0)
         assert c0["contributors"] == ["a", "b"], (c0, ev0)
     by_round = _agree_by_round(procs)
-    assert any(len(evs) == 3 and evs[0]["contributors"] == ["a", "b", "c"]
-               for evs in by_round.values()), "c never took part again"
+    assert any(len(evs) == 3 and evs[0]["contributors"] == ["a", "b", "c"] for evs in by_round.values()), (
+        "c never took part again"
+    )
 
 
 @pytest.mark.timeout(60)
 def test_wrong_token_peer_is_refused_and_others_go_on(cluster):
     cluster.rendezvous()
     peers = {"a": (1, 1.0), "b": (2, 1.0)}
-    procs = {pid: cluster.peer(pid, s, weight=w, size=101, rounds=2, expect_peers=2)
-             for pid, (s, w) in peers.items()}
+    procs = {pid: cluster.peer(pid, s, weight=w, size=101, rounds=2, expect_peers=2) for pid, (s, w) in peers.items()}
     bad = cluster.peer("evil", 9, token="wrong-token", size=101, rounds=1)
     assert bad.wait(30) != 0
     assert "401" in bad.stderr() or "refused" in bad.stderr()
@@ -202,9 +223,12 @@ def test_wrong_token_peer_is_refused_and_others_go_on(cluster):
 def test_rendezvous_killed_and_restarted_during_a_run(cluster):
     url = cluster.rendezvous()
     peers = {"a": (1, 1.0), "b": (2, 2.0), "c": (3, 1.5)}
-    procs = {pid: cluster.peer(pid, s, weight=w, size=1001, rounds=8, expect_peers=3,
-                               part_timeout=2.0, round_timeout=20, round_sleep=0.4)
-             for pid, (s, w) in peers.items()}
+    procs = {
+        pid: cluster.peer(
+            pid, s, weight=w, size=1001, rounds=8, expect_peers=3, part_timeout=2.0, round_timeout=20, round_sleep=0.4
+        )
+        for pid, (s, w) in peers.items()
+    }
     cluster.ready(list(procs.values()))
     for p in procs.values():
         p.expect("round", 30)

@@ -12,8 +12,10 @@ PART = 8.0  # the part deadline: a leave must cost less than this
 
 def _start(cluster, peers: dict[str, dict]):
     cluster.rendezvous(eviction=30.0)  # eviction would take 30 s: only the leave can help
-    procs = {pid: cluster.peer(pid, i + 1, expect_peers=len(peers), part_timeout=PART, size=20_001, **kw)
-             for i, (pid, kw) in enumerate(peers.items())}
+    procs = {
+        pid: cluster.peer(pid, i + 1, expect_peers=len(peers), part_timeout=PART, size=20_001, **kw)
+        for i, (pid, kw) in enumerate(peers.items())
+    }
     cluster.ready(list(procs.values()))
     for p in procs.values():
         p.expect("peers", 30)

@@ -21,16 +21,35 @@ SEG = 256  # bytes per segment: 64 floats, so a part of ~333 floats is 5-6 segme
 
 def _inputs(n: int, size: int) -> list[tuple[dict, float]]:
     rng = np.random.default_rng(n)
-    return [({"w": rng.standard_normal((size // 3, 3)).astype(np.float32),
-              "b": rng.standard_normal(size % 3 + 1).astype(np.float32)}, 1.0 + i)
-            for i in range(n)]
+    return [
+        (
+            {
+                "w": rng.standard_normal((size // 3, 3)).astype(np.float32),
+                "b": rng.standard_normal(size % 3 + 1).astype(np.float32),
+            },
+            1.0 + i,
+        )
+        for i in range(n)
+    ]
 
 
 def _run(url, n, size, cls=Swarm, codec="fp32", run_id=None, **kw):
     inputs = _inputs(n, size)
-    swarms = [cls(url, run_id=run_id or f"ring{n}{codec}", token=TOKEN, listen="127.0.0.1:0",
-                  timeouts=T, peer_id=f"p{i}", algorithm="ring", codec=codec,
-                  ring_segment_bytes=SEG, **kw) for i in range(n)]
+    swarms = [
+        cls(
+            url,
+            run_id=run_id or f"ring{n}{codec}",
+            token=TOKEN,
+            listen="127.0.0.1:0",
+            timeouts=T,
+            peer_id=f"p{i}",
+            algorithm="ring",
+            codec=codec,
+            ring_segment_bytes=SEG,
+            **kw,
+        )
+        for i in range(n)
+    ]
     try:
         for s in swarms:
             s.start()
@@ -40,11 +59,9 @@ def _run(url, n, size, cls=Swarm, codec="fp32", run_id=None, **kw):
     finally:
         for s in swarms:
             s.close()
-    num = sum(w * np.concatenate([x["w"].ravel(), x["b"]]).astype(np.float64)
-              for x, w in inputs)
+    num = sum(w * np.concatenate([x["w"].ravel(), x["b"]]).astype(np.float64) for x, w in inputs)
     exp = num / sum(w for _, w in inputs)
-    return res, exp, max(np.abs(np.concatenate([x["w"].ravel(), x["b"]])).max()
-                         for x, _ in inputs)
+    return res, exp, max(np.abs(np.concatenate([x["w"].ravel(), x["b"]])).max() for x, _ in inputs)
 
 
 def _flat(out):
@@ -124,10 +141,26 @@ def test_pipelined_ring_corrupt_segment_costs_one_retry(cluster):
 def test_ring_peers_with_another_segment_size_refuse_each_other(cluster):
     url = cluster.rendezvous()
     t = Timeouts(connect=1.0, part=1.0, grace=0.3, round=4.0, heartbeat=0.5, eviction=3.0)
-    a = Swarm(url, run_id="segs", token=TOKEN, listen="127.0.0.1:0", timeouts=t, peer_id="a",
-              algorithm="ring", ring_segment_bytes=SEG)
-    b = Swarm(url, run_id="segs", token=TOKEN, listen="127.0.0.1:0", timeouts=t, peer_id="b",
-              algorithm="ring", ring_segment_bytes=2 * SEG)
+    a = Swarm(
+        url,
+        run_id="segs",
+        token=TOKEN,
+        listen="127.0.0.1:0",
+        timeouts=t,
+        peer_id="a",
+        algorithm="ring",
+        ring_segment_bytes=SEG,
+    )
+    b = Swarm(
+        url,
+        run_id="segs",
+        token=TOKEN,
+        listen="127.0.0.1:0",
+        timeouts=t,
+        peer_id="b",
+        algorithm="ring",
+        ring_segment_bytes=2 * SEG,
+    )
     with a, b:
         a.wait_for_peers(2, timeout=10)
         x = {"x": np.ones(1000, np.float32)}
@@ -137,7 +170,6 @@ def test_ring_peers_with_another_segment_size_refuse_each_other(cluster):
                 f.result(30)
     with pytest.raises(ValueError):
         Swarm(url, run_id="segs", token=TOKEN, algorithm="ring", ring_segment_bytes=0)
-
 
 
 class _Probe(Swarm):
@@ -153,9 +185,11 @@ class _Probe(Swarm):
             data = data() if callable(data) else data
             lo, hi = st.segments[0][0]
             big = b"\0" * (4 * (hi - lo) + (1 << 20) + 1)  # to a message not yet sent
-            for name, ph, jj, body in [("duplicate", "rs", 0, data),
-                                       ("bad_segment", "rs", len(st.segments[0]), data),
-                                       ("oversize", "ag", 0, big)]:
+            for name, ph, jj, body in [
+                ("duplicate", "rs", 0, data),
+                ("bad_segment", "rs", len(st.segments[0]), data),
+                ("oversize", "ag", 0, big),
+            ]:
                 try:
                     await super()._ring_send(st, addr, ph, step, jj, body, weight, timeout)
                     self.statuses[name] = 200

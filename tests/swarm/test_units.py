@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -18,22 +17,32 @@ from ravnest_jax.swarm._types import flatten
 
 
 def test_import_swarm_does_not_import_jax():
-    code = ("import sys, ravnest_jax.swarm, ravnest_jax.cli; "
-            "assert 'jax' not in sys.modules, 'jax imported'; print('ok')")
+    code = (
+        "import sys, ravnest_jax.swarm, ravnest_jax.cli; assert 'jax' not in sys.modules, 'jax imported'; print('ok')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 def test_top_level_exports_swarm_lazily():
-    code = ("import sys, ravnest_jax as rj; s = rj.Swarm; r = rj.RoundRecord; "
-            "assert 'jax' not in sys.modules; print(s.__name__)")
+    code = (
+        "import sys, ravnest_jax as rj; s = rj.Swarm; r = rj.RoundRecord; "
+        "assert 'jax' not in sys.modules; print(s.__name__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "Swarm", out.stderr
 
 
 def _headers(**kw):
-    args = dict(method="PUT", path="/v1/runs/r/rounds/3/0/parts/1", run_id="r", peer="p",
-                round_=3, body_digest="ab" * 32, extra="1.0|m")
+    args = dict(
+        method="PUT",
+        path="/v1/runs/r/rounds/3/0/parts/1",
+        run_id="r",
+        peer="p",
+        round_=3,
+        body_digest="ab" * 32,
+        extra="1.0|m",
+    )
     args.update(kw)
     return _auth.sign("tok", **args)
 
@@ -48,18 +57,24 @@ def test_auth_roundtrip():
     assert _verify(_headers()) == ("p", "3", "ab" * 32)
 
 
-@pytest.mark.parametrize("field,kw", [
-    ("token", {"token": "other"}), ("method", {"method": "GET"}),
-    ("path", {"path": "/v1/runs/r/rounds/4/0/parts/1"}), ("run", {"run_id": "x"}),
-    ("extra", {"extra": "2.0|m"}),
-])
+@pytest.mark.parametrize(
+    "field,kw",
+    [
+        ("token", {"token": "other"}),
+        ("method", {"method": "GET"}),
+        ("path", {"path": "/v1/runs/r/rounds/4/0/parts/1"}),
+        ("run", {"run_id": "x"}),
+        ("extra", {"extra": "2.0|m"}),
+    ],
+)
 def test_auth_rejects_any_change(field, kw):
     with pytest.raises(_auth.AuthError):
         _verify(_headers(), **kw)
 
 
-@pytest.mark.parametrize("header", [_auth.H_PEER, _auth.H_ROUND, _auth.H_BODY, _auth.H_SIG,
-                                    _auth.H_TIME, _auth.H_NONCE])
+@pytest.mark.parametrize(
+    "header", [_auth.H_PEER, _auth.H_ROUND, _auth.H_BODY, _auth.H_SIG, _auth.H_TIME, _auth.H_NONCE]
+)
 def test_auth_rejects_tampered_or_missing_header(header):
     h = _headers()
     h[header] = h[header][:-1] + ("0" if h[header][-1] != "0" else "1")
@@ -92,8 +107,7 @@ def test_part_bounds_cover_everything_once(total, n):
 
 def test_weighted_mean_is_order_independent_and_exact():
     rng = np.random.default_rng(0)
-    parts = {f"p{i}": (np.float32(i + 1), rng.standard_normal(100, dtype=np.float32))
-             for i in range(5)}
+    parts = {f"p{i}": (np.float32(i + 1), rng.standard_normal(100, dtype=np.float32)) for i in range(5)}
     a, wa = weighted_mean(parts, ["p3", "p0", "p4", "p1", "p2"])
     b, wb = weighted_mean(dict(reversed(parts.items())), sorted(parts))
     assert a.dtype == np.float32 and a.tobytes() == b.tobytes() and wa == wb == 15
@@ -110,8 +124,10 @@ def test_manifest_digest_depends_on_names_shapes_codec():
 
 def test_flatten_roundtrip_and_dtype_check():
     Pair = __import__("collections").namedtuple("Pair", "x y")
-    tree = {"z": np.zeros((2, 3), np.float32), "a": [np.float32(1.0), Pair(np.ones(2, np.float32),
-                                                                          np.ones(1, np.float32))]}
+    tree = {
+        "z": np.zeros((2, 3), np.float32),
+        "a": [np.float32(1.0), Pair(np.ones(2, np.float32), np.ones(1, np.float32))],
+    }
     names, leaves, unflatten = flatten(tree)
     assert names == ["/a/0", "/a/1/x", "/a/1/y", "/z"]
     back = unflatten(leaves)
@@ -134,7 +150,7 @@ def test_part_decoder_streaming_any_chunking(n, cut):
     data = encode_part("part0", x, "fp32")
     dec = PartDecoder(name="part0", length=n, codec="fp32", max_bytes=len(data))
     for off in range(0, len(data), cut):
-        dec.feed(data[off:off + cut])
+        dec.feed(data[off : off + cut])
     assert dec.finish().tobytes() == x.tobytes()
 
 
@@ -261,7 +277,8 @@ def test_a_diverged_peer_is_left_out_of_the_contributors_and_named():
     # a ring cannot leave it out of the partial sums: it is only named
     rnd2 = rv._create_round(run, rnd.number, {"part_s": 5.0, "grace_s": 1.0}, "a")
     att2 = rnd2.attempts[0]
-    att2.votes["gather"] = {p: {"received": list("abc"), "ring": True, "state": [7, "d1" if p != "c" else "d2"]}
-                            for p in "abc"}
+    att2.votes["gather"] = {
+        p: {"received": list("abc"), "ring": True, "state": [7, "d1" if p != "c" else "d2"]} for p in "abc"
+    }
     rv._decide(run, rnd2, att2, "gather")
     assert att2.decisions["gather"] == {"decision": "ok", "contributors": ["a", "b", "c"], "diverged": ["c"]}

@@ -13,8 +13,28 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "char_lm.py"
-TINY = ["--log-level", "DEBUG", "--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
-        "--eval-batches", "1", "--lr", "1e-2", "--log-every", "1", "--schedule-steps", "200"]
+TINY = [
+    "--log-level",
+    "DEBUG",
+    "--d-model",
+    "32",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "1",
+    "--lr",
+    "1e-2",
+    "--log-every",
+    "1",
+    "--schedule-steps",
+    "200",
+]
 
 
 class Cluster:
@@ -24,6 +44,7 @@ class Cluster:
         self.files: list = []
         # a small real text (standard-library source) keeps each peer's start-up short
         import sysconfig
+
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         text = b"".join(sorted(stdlib.glob("*.py"))[i].read_bytes() for i in range(0, 40))
         self.text_file = tmp / "text.txt"
@@ -32,10 +53,27 @@ class Cluster:
         self.token_file.write_text("e2e-test-token")
         port_file = tmp / "port"
         self.rendezvous = subprocess.Popen(
-            [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port", "0",
-             "--port-file", str(port_file), "--token-file", str(self.token_file),
-             "--heartbeat", "0.5", "--eviction", "6"],
-            stdout=subprocess.DEVNULL, stderr=self._open(tmp / "rendezvous.log"))
+            [
+                sys.executable,
+                "-m",
+                "ravnest_jax.cli",
+                "rendezvous",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--token-file",
+                str(self.token_file),
+                "--heartbeat",
+                "0.5",
+                "--eviction",
+                "6",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=self._open(tmp / "rendezvous.log"),
+        )
         deadline = time.monotonic() + 30
         while not port_file.exists():
             assert self.rendezvous.poll() is None and time.monotonic() < deadline, "rendezvous did not start"
@@ -47,15 +85,38 @@ class Cluster:
         self.files.append(f)
         return f
 
-    def start_peer(self, name: str, *extra: str, peer_id: str | None = None, data_seed: int | None = None) -> subprocess.Popen:
+    def start_peer(
+        self, name: str, *extra: str, peer_id: str | None = None, data_seed: int | None = None
+    ) -> subprocess.Popen:
         """Starts a peer; ``name`` names its output files (and is its id unless ``peer_id``)."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
         seed = len(self.procs) if data_seed is None else data_seed
-        cmd = [sys.executable, str(EXAMPLE), "--rendezvous", self.url, "--run-id", "e2e", "--token-file",
-               str(self.token_file), "--peer-id", peer_id or name, "--data-seed", str(seed), "--listen",
-               "127.0.0.1:0", "--json-events", "--summary-json", str(self.tmp / f"{name}.json"), "--text", str(self.text_file),
-               *TINY, *extra]
-        p = subprocess.Popen(cmd, stdout=self._open(self.tmp / f"{name}.out"), stderr=self._open(self.tmp / f"{name}.log"), env=env)
+        cmd = [
+            sys.executable,
+            str(EXAMPLE),
+            "--rendezvous",
+            self.url,
+            "--run-id",
+            "e2e",
+            "--token-file",
+            str(self.token_file),
+            "--peer-id",
+            peer_id or name,
+            "--data-seed",
+            str(seed),
+            "--listen",
+            "127.0.0.1:0",
+            "--json-events",
+            "--summary-json",
+            str(self.tmp / f"{name}.json"),
+            "--text",
+            str(self.text_file),
+            *TINY,
+            *extra,
+        ]
+        p = subprocess.Popen(
+            cmd, stdout=self._open(self.tmp / f"{name}.out"), stderr=self._open(self.tmp / f"{name}.log"), env=env
+        )
         self.procs[name] = p
         return p
 

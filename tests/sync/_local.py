@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 from ravnest_jax.swarm import Swarm, Timeouts
 from ravnest_jax.swarm._rendezvous import serve
@@ -27,8 +27,15 @@ def rendezvous_thread(timeouts: Timeouts = FAST) -> Iterator[str]:
         asyncio.set_event_loop(loop)
 
         async def main() -> None:
-            await serve("127.0.0.1", 0, TOKEN, heartbeat_s=timeouts.heartbeat, eviction_s=timeouts.eviction,
-                        ready=lambda p: (port.append(p), ready.set()), stop=stop)
+            await serve(
+                "127.0.0.1",
+                0,
+                TOKEN,
+                heartbeat_s=timeouts.heartbeat,
+                eviction_s=timeouts.eviction,
+                ready=lambda p: (port.append(p), ready.set()),
+                stop=stop,
+            )
 
         loop.run_until_complete(main())
 
@@ -44,12 +51,23 @@ def rendezvous_thread(timeouts: Timeouts = FAST) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def local_swarm(n: int, *, codec: str = "fp32", run_id: str = "sync-test", timeouts: Timeouts = FAST) -> Iterator[list[Swarm]]:
+def local_swarm(
+    n: int, *, codec: str = "fp32", run_id: str = "sync-test", timeouts: Timeouts = FAST
+) -> Iterator[list[Swarm]]:
     """``n`` started peers of one run (ids p0, p1, ...), closed on exit."""
     with rendezvous_thread(timeouts) as url, contextlib.ExitStack() as stack:
         peers = [
-            stack.enter_context(Swarm(url, run_id=run_id, token=TOKEN, codec=codec, listen="127.0.0.1:0",
-                                      timeouts=timeouts, peer_id=f"p{i}"))
+            stack.enter_context(
+                Swarm(
+                    url,
+                    run_id=run_id,
+                    token=TOKEN,
+                    codec=codec,
+                    listen="127.0.0.1:0",
+                    timeouts=timeouts,
+                    peer_id=f"p{i}",
+                )
+            )
             for i in range(n)
         ]
         peers[0].wait_for_peers(n, timeout=20)

@@ -40,8 +40,10 @@ def train_step(params, state, batch):
     return optax.apply_updates(params, updates), state
 
 
-with rj.Swarm(URL, run_id="readme", token=TOKEN, codec="int4", peer_id=PEER, listen="127.0.0.1:0") as swarm, \
-     rj.OuterSync(tx, swarm, overlap_steps="auto") as sync:
+with (
+    rj.Swarm(URL, run_id="readme", token=TOKEN, codec="int4", peer_id=PEER, listen="127.0.0.1:0") as swarm,
+    rj.OuterSync(tx, swarm, overlap_steps="auto") as sync,
+):
     params, state, *_ = rj.join_or_resume(swarm, sync, params, state)
     start = int(state.count)
     batches = (jnp.asarray(rng.integers(0, text.shape[0] - 1, 64)) for _ in range(start, TOTAL))

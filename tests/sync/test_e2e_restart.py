@@ -10,12 +10,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ._cluster import cluster, digests_by_step  # noqa: F401 - cluster is a fixture
+from ._cluster import digests_by_step
 
 pytestmark = pytest.mark.integration  # real processes: minutes in all
 
-ARGS = ["--sync-every", "5", "--codec", "int4", "--overlap-steps", "1", "--part-timeout", "3",
-        "--min-step-seconds", "0.1"]
+ARGS = [
+    "--sync-every",
+    "5",
+    "--codec",
+    "int4",
+    "--overlap-steps",
+    "1",
+    "--part-timeout",
+    "3",
+    "--min-step-seconds",
+    "0.1",
+]
 
 
 def _steps_on_disk(d: Path) -> set[int]:
@@ -27,8 +37,12 @@ def _losses(events: list[dict]) -> list[tuple[int, float]]:
 
 
 def _is_round(step_at_least: int, group: int | None = None):
-    return lambda e: (e.get("event") == "round" and e.get("ok") and e["step"] >= step_at_least
-                      and (group is None or e["group_size"] == group))
+    return lambda e: (
+        e.get("event") == "round"
+        and e.get("ok")
+        and e["step"] >= step_at_least
+        and (group is None or e["group_size"] == group)
+    )
 
 
 def _ready(e: dict) -> bool:
@@ -44,9 +58,21 @@ def test_peer_killed_and_restarted_from_its_checkpoint_rejoins(cluster):
     ck = cluster.tmp / "ck"
     cue = cluster.tmp / "restart-now"
     for i in range(3):
-        cluster.start_peer(f"peer{i}", *ARGS, "--max-steps", "70", "--min-peers", "3", "--checkpoint-dir", str(ck / f"peer{i}"))
-    cluster.start_peer("peer2-restarted", *ARGS, "--max-steps", "70", "--checkpoint-dir", str(ck / "peer2"),
-                       "--join-when-exists", str(cue), peer_id="peer2", data_seed=2)
+        cluster.start_peer(
+            f"peer{i}", *ARGS, "--max-steps", "70", "--min-peers", "3", "--checkpoint-dir", str(ck / f"peer{i}")
+        )
+    cluster.start_peer(
+        "peer2-restarted",
+        *ARGS,
+        "--max-steps",
+        "70",
+        "--checkpoint-dir",
+        str(ck / "peer2"),
+        "--join-when-exists",
+        str(cue),
+        peer_id="peer2",
+        data_seed=2,
+    )
     cluster.wait_event("peer2-restarted", _ready, 180)
     cluster.wait_event("peer2", lambda e: e.get("event") == "progress" and e["step"] >= 18, 180)
     cluster.procs["peer2"].send_signal(signal.SIGKILL)
@@ -59,7 +85,7 @@ def test_peer_killed_and_restarted_from_its_checkpoint_rejoins(cluster):
     res = {n: cluster.result(n, 200) for n in ("peer0", "peer1", "peer2-restarted")}
     back = res["peer2-restarted"]
     assert back["resumed_from_step"] == max(saved)  # it restored its own newest checkpoint ...
-    assert back["joined_running_swarm"]             # ... then took the swarm's state instead
+    assert back["joined_running_swarm"]  # ... then took the swarm's state instead
     assert back["start_step"] > back["resumed_from_step"] + 5, "it did not take the swarm's progress"
     # It registers before its state download ends, so a round or two may go on without it (a
     # peer joining mid-round waits for the next round, and one late for its round resyncs);
@@ -86,10 +112,24 @@ def test_whole_swarm_restarts_from_the_newest_common_checkpoint(cluster):
     ck = cluster.tmp / "ck"
     cue = cluster.tmp / "restart-now"
     for i in range(3):
-        cluster.start_peer(f"peer{i}", *ARGS, "--max-steps", "40", "--min-peers", "3", "--checkpoint-dir", str(ck / f"peer{i}"))
+        cluster.start_peer(
+            f"peer{i}", *ARGS, "--max-steps", "40", "--min-peers", "3", "--checkpoint-dir", str(ck / f"peer{i}")
+        )
     for i in range(3):
-        cluster.start_peer(f"peer{i}-restarted", *ARGS, "--max-steps", "40", "--min-peers", "3", "--checkpoint-dir",
-                           str(ck / f"peer{i}"), "--join-when-exists", str(cue), peer_id=f"peer{i}", data_seed=i)
+        cluster.start_peer(
+            f"peer{i}-restarted",
+            *ARGS,
+            "--max-steps",
+            "40",
+            "--min-peers",
+            "3",
+            "--checkpoint-dir",
+            str(ck / f"peer{i}"),
+            "--join-when-exists",
+            str(cue),
+            peer_id=f"peer{i}",
+            data_seed=i,
+        )
     cluster.wait_event("peer0", lambda e: e.get("event") == "progress" and e["step"] >= 18, 240)
     cluster.procs["peer0"].send_signal(signal.SIGKILL)  # peer0 dies first ...
     cluster.procs["peer0"].wait(10)
@@ -98,7 +138,9 @@ def test_whole_swarm_restarts_from_the_newest_common_checkpoint(cluster):
     for name in ("peer1", "peer2"):  # ... then the rest of the swarm
         cluster.procs[name].send_signal(signal.SIGKILL)
         cluster.procs[name].wait(10)
-    eval_fresh = max(e["eval_loss"] for n in ("peer0", "peer1", "peer2") for e in cluster.events(n) if e.get("event") == "start")
+    eval_fresh = max(
+        e["eval_loss"] for n in ("peer0", "peer1", "peer2") for e in cluster.events(n) if e.get("event") == "start"
+    )
     on_disk = {i: _steps_on_disk(ck / f"peer{i}") for i in range(3)}
     common = max(set.intersection(*on_disk.values()))
     assert max(on_disk[1]) > common, f"the peers' checkpoints should differ: {on_disk}"
@@ -107,12 +149,17 @@ def test_whole_swarm_restarts_from_the_newest_common_checkpoint(cluster):
     cue.touch()  # the rendezvous lives on (it remembers its round numbers)
     res = [cluster.result(f"peer{i}-restarted", 240) for i in range(3)]
     for r in res:
-        assert r["resumed_from_step"] == common and r["start_step"] == common, (r["resumed_from_step"], r["start_step"], on_disk)
+        assert r["resumed_from_step"] == common and r["start_step"] == common, (
+            r["resumed_from_step"],
+            r["start_step"],
+            on_disk,
+        )
         assert not r["joined_running_swarm"]
         # the first round may go on without a peer that is slow to get there; it resyncs,
         # and on a loaded machine it can be late once more right after its download
         assert r["failed_rounds"] <= 2 and all(m["ok"] for m in r["round_log"][-3:]), [
-            (m["round"], m["step"], m["ok"], m["group_size"], m["error"]) for m in r["round_log"]]
+            (m["round"], m["step"], m["ok"], m["group_size"], m["error"]) for m in r["round_log"]
+        ]
     digests = [digests_by_step(r) for r in res]
     common_steps = set.intersection(*(set(d) for d in digests))
     assert len(common_steps) >= 3, digests

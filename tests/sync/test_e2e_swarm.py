@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ._cluster import cluster, digests_by_step  # noqa: F401 - cluster is a fixture
+from ._cluster import digests_by_step
 
 pytestmark = pytest.mark.integration  # real processes: minutes in all
 
@@ -26,8 +26,20 @@ def test_swarm_trains_survives_a_stall_a_kill_and_a_join(cluster):
     - peer3, compiled and waiting, joins mid-run: it downloads the state and its digest matches
       the others' from its first round.
     """
-    args = ["--max-steps", "110", "--sync-every", "5", "--codec", "int4", "--overlap-steps", "1",
-            "--part-timeout", "3", "--min-step-seconds", "0.1"]
+    args = [
+        "--max-steps",
+        "110",
+        "--sync-every",
+        "5",
+        "--codec",
+        "int4",
+        "--overlap-steps",
+        "1",
+        "--part-timeout",
+        "3",
+        "--min-step-seconds",
+        "0.1",
+    ]
     cue = cluster.tmp / "join-now"
     for i in range(3):
         cluster.start_peer(f"peer{i}", *args, "--min-peers", "3")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,11 @@ DIM = 6
 
 def _init():
     k = jax.random.key(0)
-    return {"w1": jax.random.normal(k, (DIM, 32)) * 0.3, "b1": jnp.zeros(32), "w2": jax.random.normal(jax.random.fold_in(k, 1), (32, 2)) * 0.3}
+    return {
+        "w1": jax.random.normal(k, (DIM, 32)) * 0.3,
+        "b1": jnp.zeros(32),
+        "w2": jax.random.normal(jax.random.fold_in(k, 1), (32, 2)) * 0.3,
+    }
 
 
 def _batch(peer: int, step: int):
@@ -60,13 +63,22 @@ def _run_peer(swarm, peer, *, steps, tx_kwargs, sync_kwargs):
             params, state = sync(params, state)
             losses.append(float(loss))
         params, state = sync.flush(params, state)
-        return {"params": jax.device_get(params), "state": jax.device_get(state), "losses": losses, "metrics": list(sync.metrics), "summary": sync.summary()}
+        return {
+            "params": jax.device_get(params),
+            "state": jax.device_get(state),
+            "losses": losses,
+            "metrics": list(sync.metrics),
+            "summary": sync.summary(),
+        }
 
 
 def _run_swarm(n, *, steps, codec="fp32", tx_kwargs, sync_kwargs):
     with local_swarm(n, codec=codec) as peers:
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
-            futs = [pool.submit(_run_peer, s, i, steps=steps, tx_kwargs=tx_kwargs, sync_kwargs=sync_kwargs) for i, s in enumerate(peers)]
+            futs = [
+                pool.submit(_run_peer, s, i, steps=steps, tx_kwargs=tx_kwargs, sync_kwargs=sync_kwargs)
+                for i, s in enumerate(peers)
+            ]
             return [f.result(timeout=120) for f in futs]
 
 
@@ -184,8 +196,10 @@ def test_bad_config_raises_value_error():
         OuterSync(tx, Fake(), overlap_steps=1, max_overlap_steps=2)
     # the default cap of "auto": H / 10, below the steps between round starts
     assert OuterSync(rj.diloco(optax.sgd(0.1), sync_every=50), Fake(), overlap_steps="auto").max_overlap_steps == 5
-    assert OuterSync(rj.diloco(optax.sgd(0.1), sync_every=50, fragments=5), Fake(),
-                     overlap_steps="auto").max_overlap_steps == 5
+    assert (
+        OuterSync(rj.diloco(optax.sgd(0.1), sync_every=50, fragments=5), Fake(), overlap_steps="auto").max_overlap_steps
+        == 5
+    )
     assert OuterSync(tx, Fake(), overlap_steps="auto").max_overlap_steps == 1
 
 
@@ -224,8 +238,12 @@ def test_joining_peer_downloads_state_and_matches_from_its_first_round():
                     params, state = sync(params, state)
                     time.sleep(0.05)  # slow enough for the joiner to arrive mid-run
                 params, state = sync.flush(params, state)
-                results[i] = {"start": start, "joined": joined, "metrics": list(sync.metrics),
-                              "global": jax.device_get(state.global_params)}
+                results[i] = {
+                    "start": start,
+                    "joined": joined,
+                    "metrics": list(sync.metrics),
+                    "global": jax.device_get(state.global_params),
+                }
 
         # p2 is registered from the start (local_swarm), but only starts training later
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
@@ -249,10 +267,24 @@ def test_prometheus_exporter_serves_round_metrics():
 
     from ravnest_jax.sync import PrometheusExporter, RoundMetrics
 
-    m = RoundMetrics(round=3, fragment=0, step=40, merged_at_step=41, ok=True, swarm_round=3, group_size=4,
-                     bytes_sent=1000, bytes_received=2000, payload_bytes=500, codec_ratio=0.13,
-                     exchange_seconds=0.5, stall_seconds=0.25, compute_utilisation=0.97,
-                     result_digest="x", state_digest="y")
+    m = RoundMetrics(
+        round=3,
+        fragment=0,
+        step=40,
+        merged_at_step=41,
+        ok=True,
+        swarm_round=3,
+        group_size=4,
+        bytes_sent=1000,
+        bytes_received=2000,
+        payload_bytes=500,
+        codec_ratio=0.13,
+        exchange_seconds=0.5,
+        stall_seconds=0.25,
+        compute_utilisation=0.97,
+        result_digest="x",
+        state_digest="y",
+    )
     with PrometheusExporter(0) as prom:
         prom(m)
         prom(m._replace(ok=False) if hasattr(m, "_replace") else __import__("dataclasses").replace(m, ok=False))
@@ -278,8 +310,9 @@ def test_time_based_rounds_weight_by_samples():
             step = _make_step(tx)
             params = _init()
             state = tx.init(params)
-            with OuterSync(tx, swarm, mode="delayed", overlap_steps=3, sync_every_seconds=1.0,
-                           samples_per_step=16) as sync:
+            with OuterSync(
+                tx, swarm, mode="delayed", overlap_steps=3, sync_every_seconds=1.0, samples_per_step=16
+            ) as sync:
                 jax.block_until_ready(step(params, state, *_batch(i, 0)))  # compile outside the clock
                 sync.warmup(params, state)
                 t_end = time.monotonic() + 5.0
@@ -290,7 +323,11 @@ def test_time_based_rounds_weight_by_samples():
                     time.sleep(step_sleep)
                     t += 1
                 params, state = sync.flush(params, state)
-                results[i] = {"steps": t, "metrics": [m for m in sync.metrics if m.ok], "global": jax.device_get(state.global_params)}
+                results[i] = {
+                    "steps": t,
+                    "metrics": [m for m in sync.metrics if m.ok],
+                    "global": jax.device_get(state.global_params),
+                }
 
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             futs = [pool.submit(peer, 0, peers[0], 0.01), pool.submit(peer, 1, peers[1], 0.08)]
@@ -299,7 +336,7 @@ def test_time_based_rounds_weight_by_samples():
     assert results[0]["steps"] > 1.5 * results[1]["steps"]
     n = min(len(results[0]["metrics"]), len(results[1]["metrics"]))
     assert n >= 3
-    for a, b in zip(results[0]["metrics"][:n - 1], results[1]["metrics"][:n - 1]):
+    for a, b in zip(results[0]["metrics"][: n - 1], results[1]["metrics"][: n - 1]):
         # the same rounds, the same mean, the same global state, despite unequal step counts
         assert a.result_digest == b.result_digest and a.group_size == 2
         assert a.state_digest == b.state_digest
@@ -350,7 +387,9 @@ def test_auto_overlap_hides_the_exchange_and_keeps_the_state_identical():
     assert min(taus) >= 2 and any(t > 2 for t in taus), taus  # a round takes several 5 ms steps
     # covered: the training loop waited for far less than the exchanges took
     assert sum(m.stall_seconds for m in a[2:]) < 0.5 * sum(m.exchange_seconds for m in a[2:]), (
-        [round(m.stall_seconds, 3) for m in a], [round(m.exchange_seconds, 3) for m in a])
+        [round(m.stall_seconds, 3) for m in a],
+        [round(m.exchange_seconds, 3) for m in a],
+    )
 
 
 @pytest.mark.timeout(180)
@@ -367,8 +406,9 @@ def test_a_diverged_peer_is_left_out_and_resyncs():
     def peer(i, swarm):
         params = _init()
         state = tx.init(params)
-        with OuterSync(tx, swarm, mode="delayed", overlap_steps=1,
-                       resync=lambda: swarm.fetch_state(timeout=10)) as sync:
+        with OuterSync(
+            tx, swarm, mode="delayed", overlap_steps=1, resync=lambda: swarm.fetch_state(timeout=10)
+        ) as sync:
             swarm.serve_state(sync.request_state)
             for t in range(40):
                 params, state, _ = step(params, state, *_batch(i, t))

@@ -27,8 +27,16 @@ TOTAL = 150
 def _ok_rounds(url: str) -> int:
     async def ask() -> dict:
         async with aiohttp.ClientSession() as s:
-            return await signed_json(s, url, "GET", "/v1/runs/readme/status", token=TOKEN.encode(), run_id="readme",
-                                     peer="test", timeout=aiohttp.ClientTimeout(total=5))
+            return await signed_json(
+                s,
+                url,
+                "GET",
+                "/v1/runs/readme/status",
+                token=TOKEN.encode(),
+                run_id="readme",
+                peer="test",
+                timeout=aiohttp.ClientTimeout(total=5),
+            )
 
     try:
         return sum(r["outcome"] == "ok" for r in asyncio.run(ask())["rounds"])
@@ -42,10 +50,16 @@ def test_readme_code_a_third_peer_joins_and_agrees(tmp_path):
     procs, logs = {}, []
     with rendezvous_thread() as url:
         try:
+
             def start(name: str) -> None:
                 logs.append(open(tmp_path / f"{name}.log", "w"))
-                procs[name] = subprocess.Popen([sys.executable, SCRIPT, url, TOKEN, name, str(TOTAL)], env=env,
-                                               stdout=subprocess.PIPE, stderr=logs[-1], text=True)
+                procs[name] = subprocess.Popen(
+                    [sys.executable, SCRIPT, url, TOKEN, name, str(TOTAL)],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=logs[-1],
+                    text=True,
+                )
 
             start("a")
             start("b")

@@ -21,8 +21,10 @@ pytestmark = pytest.mark.integration  # real processes: minutes in all
 
 def _agree(peers, steps, **kw):
     with concurrent.futures.ThreadPoolExecutor(len(peers)) as pool:
-        futs = [pool.submit(rj.sync.common_checkpoint_step, s, st, num_peers=len(peers), timeout=20, **kw)
-                for s, st in zip(peers, steps)]
+        futs = [
+            pool.submit(rj.sync.common_checkpoint_step, s, st, num_peers=len(peers), timeout=20, **kw)
+            for s, st in zip(peers, steps)
+        ]
         return [f.result(timeout=40) for f in futs]
 
 
@@ -76,20 +78,27 @@ def test_bad_arguments_and_timeout():
 @pytest.mark.timeout(120)
 def test_running_peers_sees_a_training_swarm_but_not_a_dead_entry():
     with rendezvous_thread() as url, contextlib.ExitStack() as stack:
-        a, b = (stack.enter_context(Swarm(url, run_id="r", token=TOKEN, listen="127.0.0.1:0", timeouts=FAST,
-                                          peer_id=f"p{i}")) for i in range(2))
+        a, b = (
+            stack.enter_context(
+                Swarm(url, run_id="r", token=TOKEN, listen="127.0.0.1:0", timeouts=FAST, peer_id=f"p{i}")
+            )
+            for i in range(2)
+        )
         a.wait_for_peers(2, timeout=20)
         assert rj.sync.running_peers(a, wait_seconds=2) == []  # nobody has finished a round
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             futs = [pool.submit(s.all_reduce, {"x": np.ones(4, np.float32)}, weight=1.0) for s in (a, b)]
             [f.result(timeout=30) for f in futs]
-        late = stack.enter_context(Swarm(url, run_id="r", token=TOKEN, listen="127.0.0.1:0", timeouts=FAST, peer_id="p9"))
+        late = stack.enter_context(
+            Swarm(url, run_id="r", token=TOKEN, listen="127.0.0.1:0", timeouts=FAST, peer_id="p9")
+        )
         for _ in range(100):  # the rendezvous learns of finished rounds from the heartbeats
             if all(p.last_round >= 0 for p in late.peers() if p.peer_id != "p9"):
                 break
             time.sleep(0.1)
         running = [p.peer_id for p in rj.sync.running_peers(late, wait_seconds=3)]
         assert running and set(running) <= {"p0", "p1"}, running
+
         # b stops heartbeating without leaving (as if killed): its entry stays until eviction,
         # yet it is not taken for a running peer
         async def silence():
@@ -116,9 +125,17 @@ def test_rendezvous_refuses_bad_info_with_400():
     async def join(url, info):
         async with aiohttp.ClientSession() as s:
             try:
-                await signed_json(s, url, "POST", "/v1/runs/r/join", token=TOKEN.encode(), run_id="r", peer="x",
-                                  payload={"peer_id": "x", "address": "http://127.0.0.1:9", "last_round": -1, "info": info},
-                                  timeout=aiohttp.ClientTimeout(total=10))
+                await signed_json(
+                    s,
+                    url,
+                    "POST",
+                    "/v1/runs/r/join",
+                    token=TOKEN.encode(),
+                    run_id="r",
+                    peer="x",
+                    payload={"peer_id": "x", "address": "http://127.0.0.1:9", "last_round": -1, "info": info},
+                    timeout=aiohttp.ClientTimeout(total=10),
+                )
             except Exception as e:  # noqa: BLE001
                 return getattr(e, "status", repr(e))
             return 200

@@ -26,10 +26,40 @@ EXAMPLE = str(ROOT / "examples" / "char_lm.py")
 H = 10
 PART = 10.0  # the part deadline of every peer (seconds)
 MAX_STEPS = 1000
-PEER = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
-        "--eval-batches", "1", "--lr", "1e-2", "--no-progress", "--sync-every", str(H), "--overlap-steps", "1",
-        "--codec", "int8", "--part-timeout", str(PART), "--max-steps", str(MAX_STEPS), "--schedule-steps",
-        str(MAX_STEPS), "--min-step-seconds", "0.03", "--log-every", str(H), "--json-events"]
+PEER = [
+    "--d-model",
+    "32",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "1",
+    "--lr",
+    "1e-2",
+    "--no-progress",
+    "--sync-every",
+    str(H),
+    "--overlap-steps",
+    "1",
+    "--codec",
+    "int8",
+    "--part-timeout",
+    str(PART),
+    "--max-steps",
+    str(MAX_STEPS),
+    "--schedule-steps",
+    str(MAX_STEPS),
+    "--min-step-seconds",
+    "0.03",
+    "--log-every",
+    str(H),
+    "--json-events",
+]
 
 
 class Peer:
@@ -60,8 +90,10 @@ class Peer:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or (self.p.poll() is not None and self.events.empty()):
-                raise AssertionError(f"{self.name}: no {what} within {timeout} s (exit {self.p.poll()}); "
-                                     f"log:\n{self.log_path.read_text()[-3000:]}")
+                raise AssertionError(
+                    f"{self.name}: no {what} within {timeout} s (exit {self.p.poll()}); "
+                    f"log:\n{self.log_path.read_text()[-3000:]}"
+                )
             try:
                 ev = self.events.get(timeout=min(left, 0.5))
             except queue.Empty:
@@ -107,9 +139,30 @@ def test_a_peer_restarted_three_times_rejoins_within_two_rounds(tmp_path, n):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
     port_file = tmp_path / "port"
     with open(tmp_path / "rendezvous.log", "w") as rv_log:
-        rv = subprocess.Popen([sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port",
-                               "0", "--port-file", str(port_file), "--token-file", str(token), "--heartbeat", "1",
-                               "--eviction", "5", "--quiet"], stdout=subprocess.DEVNULL, stderr=rv_log, env=env)
+        rv = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ravnest_jax.cli",
+                "rendezvous",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--token-file",
+                str(token),
+                "--heartbeat",
+                "1",
+                "--eviction",
+                "5",
+                "--quiet",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=rv_log,
+            env=env,
+        )
     procs: list[Peer] = []
     try:
         deadline = time.monotonic() + 60
@@ -119,9 +172,25 @@ def test_a_peer_restarted_three_times_rejoins_within_two_rounds(tmp_path, n):
         url = f"http://127.0.0.1:{int(port_file.read_text())}"
 
         def start(i: int, gen: int) -> Peer:
-            cmd = [sys.executable, EXAMPLE, "--rendezvous", url, "--run-id", "soak", "--token-file", str(token),
-                   "--listen", "127.0.0.1:0", "--checkpoint-dir", str(tmp_path / f"ckpt{i}"), "--data-seed", str(i),
-                   "--min-peers", str(n), *PEER]
+            cmd = [
+                sys.executable,
+                EXAMPLE,
+                "--rendezvous",
+                url,
+                "--run-id",
+                "soak",
+                "--token-file",
+                str(token),
+                "--listen",
+                "127.0.0.1:0",
+                "--checkpoint-dir",
+                str(tmp_path / f"ckpt{i}"),
+                "--data-seed",
+                str(i),
+                "--min-peers",
+                str(n),
+                *PEER,
+            ]
             p = Peer(f"peer{i}.{gen}", cmd, tmp_path / f"peer{i}.log", env)
             procs.append(p)
             return p
@@ -157,8 +226,10 @@ def test_a_peer_restarted_three_times_rejoins_within_two_rounds(tmp_path, n):
     restarts = [p for p in procs if p.name.endswith((".1", ".2", ".3"))]
     for p in procs:  # shown with -s: what each process saw
         rs = p.rounds()
-        print(f"{p.name}: {len(rs)} rounds, failed {[(r['swarm_round'], r['error']) for r in rs if not r['ok']]}, "
-              f"max stall {max((r['stall_seconds'] for r in rs), default=0):.2f} s")
+        print(
+            f"{p.name}: {len(rs)} rounds, failed {[(r['swarm_round'], r['error']) for r in rs if not r['ok']]}, "
+            f"max stall {max((r['stall_seconds'] for r in rs), default=0):.2f} s"
+        )
     # rounds ok again within 2 rounds of each restart: in every process, a failed round is one of
     # the first 2 after a stop or a start (by wall time)
     marks = sorted(stops + [next(e["t"] for e in p.all if e.get("event") == "start") for p in restarts])

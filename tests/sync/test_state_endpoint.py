@@ -9,7 +9,6 @@ import urllib.request
 
 import pytest
 
-
 from ._local import local_swarm
 
 pytestmark = pytest.mark.integration  # real swarms (processes or threads): minutes in all
