@@ -1145,7 +1145,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
     g = p.add_argument_group("mode")
     g.add_argument("--local-peers", type=_positive_int, default=None, help="run a local swarm of N peer processes")
-    g.add_argument("--rendezvous", default=None, help="rendezvous URL: run one peer of a swarm")
+    # under `ravnest-jax local -- python examples/char_lm.py` the launcher's RAVNEST_* variables
+    # are the defaults: each process is one peer of the launcher's swarm
+    env = os.environ.get
+    g.add_argument(
+        "--rendezvous",
+        default=env("RAVNEST_RENDEZVOUS"),
+        help="rendezvous URL: run one peer of a swarm ($RAVNEST_RENDEZVOUS)",
+    )
     g.add_argument("--simulate", action="store_true", help="the replica simulation (the default without the two above)")
     p.add_argument("--text", default=None, help="text file to train on (default: the stdlib's .py files)")
     p.add_argument("--replicas", type=_positive_int, default=4, help="DiLoCo replicas N")
@@ -1161,12 +1168,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the initial params (the same on every peer)")
     p.add_argument("--summary-json", default=None, help="write the figures to this JSON file")
     s = p.add_argument_group("swarm (--local-peers / --rendezvous)")
-    s.add_argument("--run-id", default="char-lm", help="run id of the swarm")
+    s.add_argument("--run-id", default=env("RAVNEST_RUN_ID", "char-lm"), help="run id of the swarm ($RAVNEST_RUN_ID)")
     s.add_argument("--token-file", default=None, help="file with the run token (else $RAVNEST_TOKEN)")
     s.add_argument("--max-steps", type=_positive_int, default=600, help="inner steps of each peer")
     s.add_argument("--sync-every", type=_positive_int, default=50, help="H, inner steps per outer round")
     p.add_argument(
-        "--codec", default=None, help="pseudo-gradient codec (default: int4 in a swarm, none in the simulation)"
+        "--codec",
+        default=env("RAVNEST_CODEC"),
+        help="pseudo-gradient codec (default: $RAVNEST_CODEC, else int4 in a swarm, none in the simulation)",
     )
     s.add_argument(
         "--overlap-steps",
@@ -1181,17 +1190,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument(
         "--part-timeout", type=_positive_float, default=30.0, help="deadline of each phase of a round, seconds"
     )
-    s.add_argument("--listen", default="0.0.0.0:0", help="host:port this peer's server binds")
+    s.add_argument(
+        "--listen",
+        default=env("RAVNEST_LISTEN", "0.0.0.0:0"),
+        help="host:port this peer's server binds ($RAVNEST_LISTEN)",
+    )
     s.add_argument("--advertise", default=None, help="URL other peers reach this peer at (behind NAT)")
     s.add_argument(
         "--peer-id",
-        default=None,
-        help="this peer's id (default: kept in --checkpoint-dir, so a restart is the same peer; else random)",
+        default=env("RAVNEST_PEER_ID"),
+        help="this peer's id (default: $RAVNEST_PEER_ID, else kept in --checkpoint-dir, so a restart is the same "
+        "peer; else random)",
     )
     s.add_argument(
-        "--data-seed", type=int, default=None, help="seed of this peer's data order (default from the peer id)"
+        "--data-seed",
+        type=int,
+        default=int(env("RAVNEST_RANK")) if env("RAVNEST_RANK", "").isdigit() else None,
+        help="seed of this peer's data order (default: $RAVNEST_RANK, else from the peer id)",
     )
-    s.add_argument("--min-peers", type=int, default=1, help="wait for this many peers before training")
+    s.add_argument(
+        "--min-peers",
+        type=int,
+        default=int(env("RAVNEST_WORLD_SIZE")) if env("RAVNEST_WORLD_SIZE", "").isdigit() else 1,
+        help="wait for this many peers before training (default: $RAVNEST_WORLD_SIZE, else 1)",
+    )
     s.add_argument("--log-every", type=_positive_int, default=10, help="progress every this many steps")
     s.add_argument(
         "--min-step-seconds",
@@ -1267,6 +1289,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--devices applies to swarm peers (--local-peers / --rendezvous)")
     if args.batch_size % args.devices:
         p.error(f"--batch-size ({args.batch_size}) must be a multiple of --devices ({args.devices})")
+    if args.checkpoint_dir and args.rendezvous and os.environ.get("RAVNEST_PEER_ID") and not args.local_peers:
+        # under `ravnest-jax local`: one subfolder per peer, as with --local-peers
+        args.checkpoint_dir = str(Path(args.checkpoint_dir) / os.environ["RAVNEST_PEER_ID"])
     if not (args.local_peers or args.rendezvous):
         args.simulate = True
     elif args.codec is None:
