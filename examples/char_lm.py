@@ -890,6 +890,8 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
 
     from tqdm.auto import tqdm
 
+    from ravnest_jax.launch import stop_processes
+
     check_text(args.text)  # before anything starts
     n = args.local_peers
     procs: list[subprocess.Popen] = []
@@ -1039,24 +1041,8 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
         interrupted = True
         print("\ninterrupted: stopping the peers and the rendezvous", file=sys.stderr)
     finally:
-        for p in procs[1:]:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 20
-        for p in procs[1:]:
-            try:
-                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for p in procs[:1]:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        stop_processes(procs[1:], signal.SIGINT, 20.0)  # the peers: as Ctrl+C, they save and report
+        stop_processes(procs[:1])  # then the rendezvous
         time.sleep(0.2)  # the pump threads read the last lines of the peers that stopped
         while not events.empty():
             handle(*events.get())

@@ -1,15 +1,16 @@
-"""The docs' 30-line peer script: a byte bigram model on real text (a standard-library module).
+"""The docs' short peer script (about 40 lines of code): a byte bigram model on real text (a
+standard-library module), plain pytrees, the README's loop.
 
-ravnest-jax local --peers 3 -- python examples/quickstart_peer.py --steps 200
+    ravnest-jax local --peers 3 --codec int8 -- python examples/quickstart_peer.py --steps 200
 """
 
-import argparse  # noqa: E401
+import argparse
 import inspect
 import json
 import os
 import string
 
-import jax  # noqa: E401
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -42,7 +43,7 @@ def train_step(params, state, idx):
     return optax.apply_updates(params, updates), state, loss
 
 
-with rj.Swarm(codec="int8") as swarm, rj.OuterSync(tx, swarm, overlap_steps=1) as sync:
+with rj.Swarm() as swarm, rj.OuterSync(tx, swarm, overlap_steps=1) as sync:
     params, state, *_ = rj.join_or_resume(swarm, sync, params, state)
     for _ in range(int(state.count), args.steps):
         params, state, loss = train_step(params, state, jnp.asarray(rng.integers(0, len(text) - 1, 256)))

@@ -215,16 +215,33 @@ def build_parser() -> argparse.ArgumentParser:
         "RAVNEST_LISTEN, RAVNEST_RANK and RAVNEST_WORLD_SIZE (and RAVNEST_CODEC with --codec); "
         "rj.Swarm() reads them when its arguments are left out. The peers' output is shown "
         "prefixed with their names; at the end every peer's OuterSync summary is printed. "
-        "Ctrl+C stops every peer.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "Ctrl+C stops every peer (a second Ctrl+C kills them).",
     )
-    lo.add_argument("--peers", type=_positive_int, required=True, help="peer processes to start")
-    lo.add_argument("--codec", default=None, help="the swarm's wire codec (RAVNEST_CODEC; default: the script's)")
+    lo.add_argument("--peers", type=_positive_int, required=True, metavar="N", help="peer processes to start")
+    lo.add_argument(
+        "--codec",
+        default=None,
+        metavar="CODEC",
+        help="sets RAVNEST_CODEC, the wire codec of a script that leaves rj.Swarm(codec=) out: fp32, fp16, "
+        "bf16, int8, int4, fp4 or topk (default: what the script sets, else fp32)",
+    )
     lo.add_argument("--run-id", default=None, help="run id (default: local- and 6 random hex digits)")
-    lo.add_argument("--heartbeat", type=_positive_float, default=1.0, help="heartbeat interval, seconds")
-    lo.add_argument("--eviction", type=_positive_float, default=5.0, help="drop a peer silent for this long, seconds")
-    lo.add_argument("--no-progress", action="store_true", help="no progress line (logs)")
-    lo.add_argument("--summary-json", default=None, help="write the peers' exit codes and summaries here")
+    lo.add_argument(
+        "--heartbeat", type=_positive_float, default=1.0, metavar="S", help="heartbeat interval, seconds (default 1)"
+    )
+    lo.add_argument(
+        "--eviction",
+        type=_positive_float,
+        default=5.0,
+        metavar="S",
+        help="drop a peer silent this long, seconds (default 5)",
+    )
+    lo.add_argument(
+        "--no-progress", action="store_true", help="no progress line (off anyway when stderr is no terminal)"
+    )
+    lo.add_argument(
+        "--summary-json", default=None, metavar="PATH", help="write the peers' exit codes and summaries here"
+    )
     lo.add_argument("command", nargs=argparse.REMAINDER, help="-- then the peer command, e.g. python train.py")
     lo.set_defaults(func=_cmd_local)
     return p

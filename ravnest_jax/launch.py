@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PEER_ENV", "run_local"]
+__all__ = ["PEER_ENV", "run_local", "stop_processes"]
 
 #: environment variables each peer process gets (``RAVNEST_*`` read by ``rj.Swarm()``)
 PEER_ENV = (
@@ -46,7 +46,11 @@ PEER_ENV = (
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: the child gets SIGTERM when the launcher dies (even by SIGKILL)."""
+    """In the child before exec: its own process group (a terminal's Ctrl+C reaches only the
+    launcher, which forwards exactly one SIGINT to each peer: a second one would interrupt the
+    peer's own Ctrl+C handling, a checkpoint save say), and on Linux SIGTERM when the launcher
+    dies (even by SIGKILL)."""
+    os.setpgrp()
     try:
         import ctypes
 
@@ -54,6 +58,21 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+    """Sends ``sig`` to every process still running, waits up to ``timeout`` seconds in all,
+    then kills (SIGKILL) those still running and reaps them."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        p.send_signal(sig)
+    deadline = time.monotonic() + timeout
+    for p in live:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def check_command(command: Sequence[str]) -> list[str]:
@@ -86,31 +105,53 @@ def check_command(command: Sequence[str]) -> list[str]:
 
 
 def _fmt_bytes(n: Any) -> str:
-    return "-" if not isinstance(n, (int, float)) else f"{n / 1e6:.1f} MB"
+    if not isinstance(n, (int, float)):
+        return "-"
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} KB"
+
+
+def _fmt_exit(code: int | None) -> str:
+    """``0``, ``3`` or a signal's name (``SIGINT``) for a process killed by one."""
+    if code is None:
+        return "-"
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return str(code)
+    return str(code)
 
 
 def print_summaries(summaries: dict[str, dict], codes: dict[str, int | None], write: Callable[[str], None]) -> bool:
-    """A table of the peers' summaries; returns whether the last state digests are equal."""
-    write(f"{'peer':<10} {'exit':>5} {'rounds':>6} {'failed':>6} {'resyncs':>7} {'sent':>10} {'stall s':>8}  digest")
-    digests = set()
+    """A table of the peers' summaries and a line on their global state: compared among the peers
+    that exited 0 (a peer that died reported the digest of its last round). Returns whether
+    those digests are equal."""
+    write(f"{'peer':<10} {'exit':>7} {'rounds':>6} {'failed':>6} {'resyncs':>7} {'sent':>10} {'stall s':>8}  digest")
     for name in sorted(codes, key=lambda s: (len(s), s)):
         s = summaries.get(name, {})
         d = s.get("last_state_digest") or "-"
-        if d != "-":
-            digests.add(d)
         stall = s.get("stall_seconds")
         write(
-            f"{name:<10} {str(codes[name]):>5} {s.get('rounds', '-')!s:>6} {s.get('failed_rounds', '-')!s:>6} "
+            f"{name:<10} {_fmt_exit(codes[name]):>7} {s.get('rounds', '-')!s:>6} {s.get('failed_rounds', '-')!s:>6} "
             f"{s.get('resyncs', '-')!s:>7} {_fmt_bytes(s.get('bytes_sent')):>10} "
             f"{'-' if stall is None else f'{stall:.1f}':>8}  {d[:16]}"
         )
-    equal = len(digests) == 1 and all(summaries.get(n, {}).get("last_state_digest") for n in codes)
-    if summaries:
+    finished = [n for n, c in codes.items() if c == 0]
+    digests = {summaries.get(n, {}).get("last_state_digest") or None for n in finished}
+    equal = len(digests) == 1 and None not in digests
+    others = len(finished) < len(codes)
+    if not finished:
+        write("global state: no peer finished")
+    elif digests == {None}:
+        write("global state: no outer round completed")
+    elif equal:
         write(
-            "global state: identical on every peer"
-            if equal
-            else f"global state: {len(digests)} different digests among the peers that reported one"
+            f"global state: identical on the {len(finished)} peers that finished ({', '.join(finished)})"
+            if others
+            else "global state: identical on every peer"
         )
+    else:
+        write(f"global state: {len(digests - {None})} different digests among the {len(finished)} peers that finished")
     return equal
 
 
@@ -152,6 +193,8 @@ def run_local(
     if not isinstance(peers, int) or peers < 1:
         raise ValueError(f"--peers must be an integer >= 1, got {peers!r}")
     from tqdm.auto import tqdm
+
+    progress = progress and sys.stderr.isatty()  # a log file gets plain lines, no redraws
 
     run_id = run_id or f"local-{secrets.token_hex(3)}"
     token = secrets.token_hex(16)
@@ -238,7 +281,10 @@ def run_local(
             if rv.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the rendezvous did not start: " + "".join(tails.get("rendezvous:err", [])))
             time.sleep(0.05)
-        write(f"rendezvous {url}, run {run_id}: starting {peers} peers of: {' '.join(cmd)}")
+        write(
+            f"rendezvous {url}, run {run_id}, codec {codec or 'as the script sets it'}: starting {peers} "
+            f"peer{'s' if peers > 1 else ''} of: {' '.join(cmd)}"
+        )
         for i, name in enumerate(peer_names):
             r, w = os.pipe()
             env = {
@@ -265,31 +311,23 @@ def run_local(
             time.sleep(0.5)
     except KeyboardInterrupt:
         interrupted = True
-        write("interrupted: stopping the peers", err=True)
+        write(f"interrupted: stopping the peers (up to {stop_seconds:.0f} s; Ctrl+C again kills them now)", err=True)
     finally:
-        live = [n for n in peer_names if n in procs and procs[n].poll() is None]
-        for n in live:
-            procs[n].send_signal(signal.SIGINT)
-        deadline = time.monotonic() + stop_seconds
-        for n in live:
-            try:
-                procs[n].wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                procs[n].kill()
-                procs[n].wait()
-        rv = procs.get("rendezvous")
-        if rv is not None and rv.poll() is None:
-            rv.terminate()
-            try:
-                rv.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                rv.kill()
-                rv.wait()
+        peer_procs = [procs[n] for n in peer_names if n in procs]
+        try:
+            stop_processes(peer_procs, signal.SIGINT, stop_seconds)
+        except KeyboardInterrupt:  # a second Ctrl+C: no more waiting
+            interrupted = True
+            write("killing the peers", err=True)
+            stop_processes(peer_procs, signal.SIGKILL, 5.0)
+        if "rendezvous" in procs:
+            stop_processes([procs["rendezvous"]])
         for t in threads:
             t.join(timeout=5)
         bar.close()
     codes = {n: procs[n].returncode for n in peer_names if n in procs}
-    failed = {n: c for n, c in codes.items() if c not in (0, None) and not (interrupted and c in (130, -2))}
+    # after Ctrl+C any exit is the interrupt's (it may land anywhere, an import say), not a failure
+    failed = {} if interrupted else {n: c for n, c in codes.items() if c not in (0, None)}
     for n, c in failed.items():
         how = f"was killed by {signal.Signals(-c).name}" if c < 0 else f"exited with status {c}"
         err = [ln.rstrip() for ln in tails.get(f"{n}:err", []) if ln.strip()][-5:]

@@ -26,6 +26,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._alloc import host_allocator_settings as host_allocator_settings
+from ._alloc import release_free_heap as release_free_heap
 from ._alloc import tune_host_allocator as tune_host_allocator
 from ._errors import NonFiniteError as NonFiniteError
 from ._errors import WireFormatError as WireFormatError
@@ -78,6 +79,7 @@ __all__ = sorted(
         "decode",
         "encode",
         "host_allocator_settings",
+        "release_free_heap",
         "host_pack",
         "packed_to_bytes",
         "packed_to_chunks",

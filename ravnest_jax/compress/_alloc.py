@@ -78,3 +78,26 @@ def tune_host_allocator(
 def host_allocator_settings() -> dict[str, int] | None:
     """What :func:`tune_host_allocator` applied in this process (bytes), or None."""
     return None if _applied is None else dict(_applied)
+
+
+def release_free_heap() -> bool:
+    """Returns the heap's free memory to the operating system (glibc ``malloc_trim(0)``).
+
+    The allocator settings keep freed buffers for reuse, which suits round buffers (the same
+    sizes every round) but not the one-off buffers of a state transfer (several copies of the
+    whole state): without this, a peer serving the state to joiners kept up to about 15 times
+    the state's size of freed memory in its RSS (measured: 20 MB state, 300 downloads, +300 MB,
+    of which ``malloc_trim`` returned 230 MB). Called after a state is served or downloaded
+    (rare: once per join or resync). A few milliseconds; safe from any thread.
+
+    Returns:
+      True if glibc's ``malloc_trim`` ran (and released something), False otherwise (not glibc,
+      or nothing to release).
+    """
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -10,7 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from ravnest_jax.compress import CODECS, NonFiniteError, StreamDecoder, WireFormatError, encode, tune_host_allocator
+from ravnest_jax.compress import (
+    CODECS,
+    NonFiniteError,
+    StreamDecoder,
+    WireFormatError,
+    encode,
+    release_free_heap,
+    tune_host_allocator,
+)
 
 __all__ = [
     "NonFiniteError",
@@ -20,6 +28,7 @@ __all__ = [
     "check_codec",
     "decode_part",
     "encode_part",
+    "release_free_heap",
     "tune_host_allocator",
 ]
 

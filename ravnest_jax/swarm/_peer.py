@@ -96,6 +96,13 @@ class _Attempt:
         return self._ring_events.setdefault((phase, step, seg), asyncio.Event())
 
 
+def _why(e: BaseException | None) -> str:
+    """One short line for a connection error (aiohttp's repr spans a screen)."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return str(e.os_error.strerror or e.os_error)
+    return "no answer" if e is None else f"{type(e).__name__}: {e}"
+
+
 class _RoundFail(Exception):
     def __init__(self, message: str, total_weight: float = 0.0):
         super().__init__(message)
@@ -472,7 +479,10 @@ class Swarm(_StateMixin):
             except (HTTPStatusError, PermissionError) as e:
                 raise SwarmError(f"the rendezvous refused to register us: {e}") from e
         else:
-            raise SwarmError(f"rendezvous {self.rendezvous_url} unreachable: {last!r}")
+            raise SwarmError(
+                f"rendezvous {self.rendezvous_url} unreachable for {self.timeouts.part + self.timeouts.connect:.0f} s: "
+                f"{_why(last)} (is `ravnest-jax rendezvous` running there?)"
+            )
         self._spawn(self._heartbeat_loop())
 
     async def _astop(self) -> None:

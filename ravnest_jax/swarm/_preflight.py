@@ -182,7 +182,15 @@ def from_environment(
     if token is None and not env.get(TOKEN_ENV, "").strip() and env.get(ENV_VARS["token_file"]):
         token = read_token(env[ENV_VARS["token_file"]])
     token = need(token, "token", "run token")
-    codec = codec if codec is not None else env.get(ENV_VARS["codec"]) or "fp32"
+    if codec is None and env.get(ENV_VARS["codec"]):
+        from ._codec import available_codecs
+
+        codec = env[ENV_VARS["codec"]].strip()
+        if codec not in available_codecs():
+            raise ValueError(
+                f"${ENV_VARS['codec']}={codec!r}: unknown codec; available: {', '.join(available_codecs())}"
+            )
+    codec = codec if codec is not None else "fp32"
     listen = listen if listen is not None else env.get(ENV_VARS["listen"]) or "0.0.0.0:0"
     peer_id = peer_id if peer_id is not None else env.get(ENV_VARS["peer_id"]) or None
     return rendezvous_url, run_id, token, codec, listen, peer_id

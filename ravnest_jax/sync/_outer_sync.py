@@ -542,6 +542,11 @@ class OuterSync:
         if _nnx.is_optimizer(state):
             return self._call_nnx(params, state)
         if self.step is None:
+            if not isinstance(state, DiLoCoState):
+                raise TypeError(
+                    f"state must be the DiLoCoState of tx.init(params), got {type(state).__name__} (with flax "
+                    "nnx: sync(model, optimizer) with the nnx.Optimizer itself)"
+                )
             _check_plain(params, state)
             self.step = int(state.count) - 1  # one host read, on the first call only
             self._first_step = self.step
@@ -809,7 +814,11 @@ class OuterSync:
                 except concurrent.futures.InvalidStateError:  # cancelled meanwhile
                     pass
 
-        self._state_pool.submit(work).add_done_callback(done)
+        try:
+            self._state_pool.submit(work).add_done_callback(done)
+        except RuntimeError:  # closed meanwhile (close() runs on another thread)
+            for r in requests:
+                r.cancel()
 
     def load_state_bytes(self, data: bytes, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
         """Replaces the local state with one downloaded from a peer (see :meth:`request_state`).
@@ -861,6 +870,8 @@ class OuterSync:
         self._last_state = None  # the next merged round's digest is the first one to compare
         self._state_digest = None
         self._tau_clock = None  # the step counter jumped
+        del d, leaves
+        compress.release_free_heap()  # the state's one-off host copies (see its docstring)
         return params, new_state
 
     # ------------------------------------------------------------------ rounds
