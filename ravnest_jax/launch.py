@@ -232,6 +232,7 @@ def run_local(
     def spawn(name: str, argv: list[str], env: dict, echo: bool, pass_fds=()) -> subprocess.Popen:
         p = subprocess.Popen(
             argv,
+            stdin=subprocess.DEVNULL,  # its own process group: reading the terminal would stop it
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
