@@ -323,8 +323,9 @@ def run_local(
             stop_processes(peer_procs, signal.SIGKILL, 5.0)
         if "rendezvous" in procs:
             stop_processes([procs["rendezvous"]])
+        deadline = time.monotonic() + 5.0  # the readers end with the pipes: 5 s for all of them
         for t in threads:
-            t.join(timeout=5)
+            t.join(timeout=max(deadline - time.monotonic(), 0.01))
         bar.close()
     codes = {n: procs[n].returncode for n in peer_names if n in procs}
     # after Ctrl+C any exit is the interrupt's (it may land anywhere, an import say), not a failure

@@ -5,6 +5,7 @@ whole swarm from the checkpoint every peer has.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, NamedTuple
 
 from ravnest_jax.swarm import SwarmError
@@ -62,7 +63,7 @@ def join_or_resume(
     state: Any,
     *,
     checkpointer: Any = None,
-    min_peers: int = 1,
+    min_peers: int | None = None,
     extra: dict | None = None,
     timeout: float = 300.0,
     fetch_timeout: float = 120.0,
@@ -97,7 +98,8 @@ def join_or_resume(
         wrt=nnx.Param)``.
       checkpointer: an ``rj.Checkpointer`` or ``None``.
       min_peers: peers to wait for before deciding (int >= 1); also the number of peers of a
-        whole-swarm restart.
+        whole-swarm restart. Default: ``$RAVNEST_WORLD_SIZE`` when set (``ravnest-jax local``
+        sets it: the peers it starts begin, or resume, together), else 1.
       extra: your own part of the checkpoint's ``extra`` target (for example a data position):
         the same dict you pass to :func:`checkpoint_extra`.
       timeout: seconds to wait for ``min_peers`` peers and for a whole-swarm restart's barrier.
@@ -114,6 +116,9 @@ def join_or_resume(
         every peer's steps).
       CheckpointError: no checkpoint in ``checkpointer``'s directory can be read.
     """
+    if min_peers is None:
+        env = os.environ.get("RAVNEST_WORLD_SIZE", "")
+        min_peers = int(env) if env.isdigit() and int(env) >= 1 else 1
     if not isinstance(min_peers, int) or min_peers < 1:
         raise ValueError(f"min_peers must be an int >= 1, got {min_peers!r}")
     nnx_objs = (params, state) if _nnx.is_optimizer(state) else None

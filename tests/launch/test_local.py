@@ -92,13 +92,13 @@ def test_an_nnx_model_trains_across_two_peers_and_resumes(tmp_path):
         assert v["eval_loss_end"] < v["eval_loss_start"] - 1.0, v
     assert len({v["digest"] for v in first.values()}) == 1, first
     assert "60" in os.listdir(ckpt / "peer0"), os.listdir(ckpt / "peer0")  # the end state is saved
-    # both peers stopped; started again with more steps, each resumes from its checkpoint (or,
-    # if the other already finished a round, downloads the swarm's state)
+    # both peers stopped; started again with more steps: the launcher's peers wait for each
+    # other (min_peers = RAVNEST_WORLD_SIZE) and restart together from their common checkpoint
     r = _run([*cmd, "--steps", "100"])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     second = _results(r.stdout)
     for v in second.values():
-        assert v["how"] in ("resumed", "joined") and v["start_step"] == 60, v
+        assert v["how"] == "restarted" and v["start_step"] == 60, v
         assert v["end_step"] == 100 and v["failed_rounds"] == 0, v
         assert v["eval_loss_start"] == pytest.approx(first["peer0"]["eval_loss_end"], rel=1e-6), (v, first)
         assert v["eval_loss_end"] < v["eval_loss_start"], v
@@ -170,9 +170,11 @@ def test_stopping_the_launcher_leaves_no_process(tmp_path, how):
         assert len(_children(run_id)) == 3, _children(run_id)  # the rendezvous and 2 peers
         t0 = time.monotonic()
         p.send_signal(getattr(signal, how))
-        rc = p.wait(timeout=40)
+        # the launcher's own bound: 30 s for the peers, 10 s for the rendezvous, 5 s for its
+        # readers (an idle machine: about 1 s)
+        rc = p.wait(timeout=90)
         if how == "SIGINT":
-            assert rc == 130 and time.monotonic() - t0 < 30, (rc, time.monotonic() - t0)
+            assert rc == 130 and time.monotonic() - t0 < 50, (rc, time.monotonic() - t0)
         deadline = time.monotonic() + 20
         while _children(run_id) and time.monotonic() < deadline:
             time.sleep(0.1)

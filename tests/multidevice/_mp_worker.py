@@ -32,7 +32,7 @@ def main() -> None:
     from _model import batch, init_params, make_step, mesh, param_shardings
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-    from sync._local import FAST, TOKEN
+    from sync._local import PATIENT, TOKEN
 
     import ravnest_jax as rj
     from ravnest_jax.sync import device_digest, digest_hex
@@ -58,7 +58,13 @@ def main() -> None:
     swarm = None
     if pid == 0:
         swarm = rj.Swarm(
-            url, run_id="md-mp", token=TOKEN, codec="int4", listen="127.0.0.1:0", timeouts=FAST, peer_id="multiprocess"
+            url,
+            run_id="md-mp",
+            token=TOKEN,
+            codec="int4",
+            listen="127.0.0.1:0",
+            timeouts=PATIENT,
+            peer_id="multiprocess",
         )
     try:
         with rj.OuterSync(tx, swarm, mode="delayed", overlap_steps=1, codec="int4") as sync:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from sync._local import FAST, TOKEN, rendezvous_thread
+from sync._local import PATIENT, TOKEN, rendezvous_thread
 
 from ravnest_jax.swarm import Swarm
 
@@ -37,7 +37,7 @@ def test_two_process_peer_is_one_swarm_member():
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
     env.pop("JAX_NUM_CPU_DEVICES", None)
     procs: list[subprocess.Popen] = []
-    with rendezvous_thread() as url:
+    with rendezvous_thread(PATIENT) as url:
         try:
             for pid in (0, 1):
                 procs.append(
@@ -50,7 +50,7 @@ def test_two_process_peer_is_one_swarm_member():
                     )
                 )
             with Swarm(
-                url, run_id="md-mp", token=TOKEN, codec="int4", listen="127.0.0.1:0", timeouts=FAST, peer_id="single"
+                url, run_id="md-mp", token=TOKEN, codec="int4", listen="127.0.0.1:0", timeouts=PATIENT, peer_id="single"
             ) as swarm:
                 swarm.wait_for_peers(2, timeout=120)
                 with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -13,6 +13,9 @@ from ravnest_jax.swarm._rendezvous import serve
 
 TOKEN = "sync-test-token"
 FAST = Timeouts(connect=2.0, part=8.0, grace=0.5, round=30.0, heartbeat=0.3, eviction=1.5, max_attempts=3)
+# for peers whose every round must include everyone (a multi-process peer under load): a part
+# deadline long enough that a slow process is waited for, never left out
+PATIENT = Timeouts(connect=5.0, part=60.0, grace=1.0, round=180.0, heartbeat=0.5, eviction=30.0, max_attempts=3)
 
 
 @contextlib.contextmanager
