@@ -51,6 +51,10 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
     peer's own Ctrl+C handling, a checkpoint save say), and on Linux SIGTERM when the launcher
     dies (even by SIGKILL)."""
     os.setpgrp()
+    # a launcher started where SIGINT is ignored (a background job of a script, some CI
+    # runners) would pass SIG_IGN on through exec, and its peers would ignore the forwarded
+    # SIGINT: they get the default
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         import ctypes
 
@@ -195,6 +199,10 @@ def run_local(
     from tqdm.auto import tqdm
 
     progress = progress and sys.stderr.isatty()  # a log file gets plain lines, no redraws
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl+C must reach this loop even where SIGINT was ignored when the launcher started
+        # (Python then installs no KeyboardInterrupt handler): a background job of a script
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     run_id = run_id or f"local-{secrets.token_hex(3)}"
     token = secrets.token_hex(16)

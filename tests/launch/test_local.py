@@ -152,8 +152,11 @@ def test_stopping_the_launcher_leaves_no_process(tmp_path, how):
     script = tmp_path / "peer.py"
     script.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
     run_id = f"stop-{os.getpid()}-{how}"
+    # started with SIGINT ignored, as a background job of a script is (and as this test process
+    # may be, after other tests): the launcher and its peers must still stop on SIGINT
     p = subprocess.Popen(
         [*LAUNCH, "--peers", "2", "--no-progress", "--run-id", run_id, "--", "python", str(script)],
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
