@@ -155,8 +155,22 @@ def test_stopping_the_launcher_leaves_no_process(tmp_path, how):
     # started with SIGINT ignored, as a background job of a script is (and as this test process
     # may be, after other tests): the launcher and its peers must still stop on SIGINT
     p = subprocess.Popen(
-        [*LAUNCH, "--peers", "2", "--no-progress", "--run-id", run_id, "--", "python", str(script)],
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        # (sh ignores SIGINT and execs: no preexec_fn, which forks this jax process in Python)
+        [
+            "sh",
+            "-c",
+            "trap '' INT; exec \"$@\"",
+            "sh",
+            *LAUNCH,
+            "--peers",
+            "2",
+            "--no-progress",
+            "--run-id",
+            run_id,
+            "--",
+            "python",
+            str(script),
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
