@@ -173,7 +173,7 @@ def run_swarm_mode(mode: str, args, url: str, graphdef, params0, train, seed: in
             rj.OuterSync(tx, s, mode=sync_mode, overlap_steps=tau, samples_per_step=args.batch_size) for s in swarms
         ]
         for s in syncs[1:]:
-            s._jit_cache = syncs[0]._jit_cache
+            s._fns.cache = syncs[0]._fns.cache
         syncs[0].warmup(params0, tx.init(params0))
     try:
         for s in swarms:

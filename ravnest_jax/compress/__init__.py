@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 from ._alloc import host_allocator_settings as host_allocator_settings
 from ._alloc import release_free_heap as release_free_heap
 from ._alloc import tune_host_allocator as tune_host_allocator
+from ._decode import StreamDecoder as StreamDecoder
+from ._decode import decode as decode
 from ._errors import NonFiniteError as NonFiniteError
 from ._errors import WireFormatError as WireFormatError
 from ._formats import CODECS as CODECS
@@ -45,8 +47,6 @@ from ._wire import LeafInfo as LeafInfo
 from ._wire import LeafSpec as LeafSpec
 from ._wire import Manifest as Manifest
 from ._wire import Packed as Packed
-from ._wire import StreamDecoder as StreamDecoder
-from ._wire import decode as decode
 from ._wire import packed_to_bytes as packed_to_bytes
 from ._wire import packed_to_chunks as packed_to_chunks
 from ._wire import read_header as read_header

@@ -136,9 +136,10 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
     It is an ``optax.GradientTransformationExtraArgs`` (``init``, ``update``) and can be used
     anywhere one is accepted (``flax.nnx.Optimizer``, a linen ``TrainState``, plain ``jax.jit``).
     It also carries the round functions used when the host drives rounds
-    (``axis_name=None``): :meth:`round_start`, :meth:`outer_step` and :meth:`round_merge`, all
-    pure and jittable, and the fragment schedule (:meth:`fragment_leaf_ids`,
-    :meth:`fragment_offset`, :meth:`due_fragments`). Its static configuration is available as
+    (``axis_name=None``): :meth:`round_start`, :meth:`outer_step`, :meth:`speculate` (eager
+    updates) and :meth:`round_merge`, all pure and jittable, and the fragment schedule
+    (:meth:`fragment_leaf_ids`, :meth:`fragment_leaves`, :meth:`fragment_offset`,
+    :meth:`due_fragments`). Its static configuration is available as
     ``inner``, ``outer``, ``sync_every``, ``axis_name`` and ``fragments``.
 
     The round functions are elementwise in every leaf, so they take params laid out over a
@@ -179,6 +180,16 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
             for f in range(self.fragments)
             if step >= h + self.fragment_offset(f) and (step - self.fragment_offset(f)) % h == 0
         )
+
+    def fragment_leaves(self, tree: PyTree, fragment: int | None = None) -> list:
+        """The leaves of ``tree`` (in ``jax.tree.leaves`` order) that ``fragment`` synchronises:
+        all of them with ``fragments == 1``, else those of :meth:`fragment_leaf_ids`.
+
+        Raises:
+          ValueError: ``fragment`` does not match the configuration.
+        """
+        ids = self._ids(tree, fragment)
+        return list(jax.tree.leaves(tree)) if ids is None else _select(tree, ids)
 
     def _check_fragment(self, fragment: int | None) -> None:
         if self.fragments == 1:
@@ -261,6 +272,43 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
             global_params=new_global,
             rounds=state.rounds + 1,
         )
+
+    def speculate(
+        self, params: optax.Params, state: DiLoCoState, snapshot: RoundSnapshot, fragment: int | None = None
+    ) -> tuple[optax.Params, list]:
+        """Eager updates (Kale et al., arXiv 2502.12996): at a round boundary, the local
+        pseudo-gradient stands in for the average that is still on the wire.
+
+        The outer step is applied to the anchor with ``snapshot.pseudo_gradient`` (this peer's
+        own); the params restart from that speculative anchor at once. When the true mean
+        arrives, :meth:`round_merge` with ``snapshot._replace(params=anchor)`` recomputes the
+        anchor from the mean and rebases the local progress made since onto it, so the global
+        state stays identical on all peers. Pure and jittable.
+
+        Args:
+          params: local params at the boundary.
+          state: the :class:`DiLoCoState` the snapshot was taken from.
+          snapshot: the round's :class:`RoundSnapshot` (:meth:`round_start`).
+          fragment: the fragment (static int) with ``fragments > 1``; only its leaves change.
+
+        Returns:
+          ``(new_params, anchor)``: the params with the fragment's leaves replaced by the
+          speculative anchor (the params' dtypes), and a copy of that anchor shaped like
+          ``snapshot.params`` (a separate buffer: the params may be donated by the next train
+          step).
+
+        Raises:
+          ValueError: a wrong ``fragment``.
+        """
+        ids = self._ids(params, fragment)
+        spec = self.outer_step(state, snapshot.pseudo_gradient, fragment)
+        if ids is None:
+            anchor = spec.global_params
+            new_params = jax.tree.map(lambda a, p: a.astype(p.dtype), anchor, params)
+        else:
+            anchor = _select(spec.global_params, ids)
+            new_params = _scatter(params, ids, [a.astype(p.dtype) for a, p in zip(anchor, _select(params, ids))])
+        return new_params, jax.tree.map(lambda a: a + jnp.zeros_like(a), anchor)
 
     def round_merge(
         self,

@@ -26,7 +26,6 @@ finds no other peer ready (the whole swarm restarted), every live peer is in the
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import math
@@ -40,70 +39,19 @@ from aiohttp import web
 
 from . import _auth
 from ._http import json_response, read_json_body
+from ._votes import (
+    KEEP_ROUNDS,
+    MAX_INFO_BYTES,
+    MAX_PEERS_PER_RUN,
+    MAX_RUNS,
+    _Attempt,
+    _Peer,
+    _Round,
+    _Run,
+    decide,
+)
 
 log = logging.getLogger("ravnest_jax.swarm.rendezvous")
-
-KEEP_ROUNDS = 32
-MAX_PEERS_PER_RUN = 4096
-MAX_RUNS = 1024
-MAX_INFO_BYTES = 4096  # a peer's published info object, as compact JSON
-
-
-@dataclasses.dataclass
-class _Peer:
-    peer_id: str
-    address: str
-    joined: float
-    last_seen: float
-    last_round: int = -1
-    suspect_since: float | None = None  # left out of a retry; cleared by its next heartbeat
-    # joined a run that has had rounds, and has not asked for one yet (it is downloading the
-    # swarm's state, or restoring a checkpoint): in no new round's group until it asks
-    standby: bool = False
-    fresh: bool = False  # joined a run that has had rounds and has not asked for a round yet
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class _Attempt:
-    number: int
-    group: tuple[str, ...]
-    start: float
-    votes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    decisions: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    events: dict[str, asyncio.Event] = dataclasses.field(default_factory=dict)
-    gather_decided_at: float | None = None
-    left: set[str] = dataclasses.field(default_factory=set)  # members that said they leave
-    started: bool = True  # False: created ahead (at the previous round's commit); the clock
-    # (``start``) starts when the first member arrives (its begin or a vote)
-
-    def arrive(self) -> None:
-        if not self.started:
-            self.start, self.started = time.monotonic(), True
-
-
-@dataclasses.dataclass
-class _Round:
-    number: int
-    created: float
-    part_s: float
-    grace_s: float
-    max_attempts: int
-    attempts: dict[int, _Attempt]
-    outcome: str = "running"
-    contributors: tuple[str, ...] = ()
-    digest: str = ""
-
-
-class _Run:
-    def __init__(self, run_id: str):
-        self.run_id = run_id
-        self.peers: dict[str, _Peer] = {}
-        self.version = 0
-        self.rounds: dict[int, _Round] = {}
-        self.latest: int | None = None
-        self.max_reported_round = -1
-        self.new_round = asyncio.Condition()
 
 
 class Rendezvous:
@@ -556,92 +504,7 @@ class Rendezvous:
     def _decide(self, run: _Run, rnd: _Round, att: _Attempt, phase: str) -> None:
         if phase in att.decisions:
             return
-        votes = att.votes.get(phase, {})
-        voters = tuple(sorted(votes))
-        everyone = set(voters) >= set(att.group)
-        decision: dict[str, Any]
-        diverged: list[str] = []
-        if phase == "gather":
-            att.gather_decided_at = time.monotonic()
-            n = len(att.group)
-            got = {k: set(v.get("received", [])) & set(att.group) for k, v in votes.items()}
-            # an owner that received from at most half of the group (while most owners did
-            # better) is the problem, not the senders: retry without it rather than keep only
-            # the senders that reached it (n >= 3; with 2 peers the fault cannot be placed)
-            unreachable = {k for k, g in got.items() if 2 * len(g) <= n} if n >= 3 else set()
-            diverged = diverged_peers({k: v.get("state") for k, v in votes.items()})
-            if any(v.get("ring") for v in votes.values()):
-                # a ring's partial sums hold everybody: all complete, or retry the survivors
-                # (a diverged peer cannot be taken out of them: it is only told to resync)
-                if everyone and all(g >= set(att.group) for g in got.values()):
-                    decision = {"decision": "ok", "contributors": sorted(att.group)}
-                else:
-                    decision = self._retry(run, rnd, att, voters, "ring incomplete")
-            elif everyone and unreachable and 2 * len(unreachable) < n:
-                decision = self._retry(
-                    run,
-                    rnd,
-                    att,
-                    tuple(v for v in voters if v not in unreachable),
-                    "owners that most peers could not reach: " + ",".join(sorted(unreachable)),
-                )
-            elif everyone:
-                contributors = set(att.group)
-                for g in got.values():
-                    contributors &= g
-                if (
-                    att.number == 0
-                    and 2 * len(contributors) <= n
-                    and any(len(g) > len(contributors) for g in got.values())
-                ):
-                    # Everybody is here (all voted) but the intersection kept at most half of
-                    # the group: typically a peer that reached the round late, whose own part
-                    # window was too short to receive the others' parts (with 2 peers that
-                    # made the *on-time* peer the one left out: a 1-contributor round). Try
-                    # once more with everyone; a second shortfall is taken as it is.
-                    decision = self._retry(
-                        run,
-                        rnd,
-                        att,
-                        voters,
-                        "most contributions were "
-                        "late at some part owner: " + ",".join(f"{k}:{len(g)}" for k, g in sorted(got.items())),
-                    )
-                elif contributors - set(diverged):
-                    # a peer whose global state differs from the swarm's computed its
-                    # pseudo-gradient against a wrong anchor: left out, and told to resync
-                    decision = {"decision": "ok", "contributors": sorted(contributors - set(diverged))}
-                else:
-                    decision = {"decision": "fail", "reason": "no contribution reached every part owner"}
-            else:
-                decision = self._retry(
-                    run, rnd, att, voters, "missing gather votes from " + ",".join(sorted(set(att.group) - set(voters)))
-                )
-        else:
-            digests = {v.get("digest") for v in votes.values()}
-            if everyone and all(v.get("ok") for v in votes.values()) and len(digests) == 1:
-                decision = {"decision": "commit"}
-                rnd.outcome = "ok"
-                rnd.contributors = tuple(att.decisions["gather"]["contributors"])
-                rnd.digest = str(digests.pop())
-                nxt = self._create_ahead(run, rnd)
-                if nxt is not None:
-                    decision["next"] = nxt
-            elif everyone and len({v.get("digest") for v in votes.values() if v.get("ok")}) > 1:
-                decision = {"decision": "fail", "reason": "result digests differ"}
-            else:
-                missing = sorted(set(att.group) - set(voters))
-                bad = sorted(k for k, v in votes.items() if not v.get("ok"))
-                blamed = {str(o) for v in votes.values() for o in v.get("failed_owners") or []}
-                decision = self._retry(
-                    run,
-                    rnd,
-                    att,
-                    tuple(v for v in voters if v not in blamed),
-                    f"all-gather incomplete (missing {missing}, failed {bad}, unreachable owners {sorted(blamed)})",
-                )
-        if phase == "gather" and decision["decision"] == "ok" and diverged:
-            decision["diverged"] = diverged
+        decision = decide(run, rnd, att, phase, lambda: self._create_ahead(run, rnd))
         if decision["decision"] == "fail":
             rnd.outcome = "failed"
         att.decisions[phase] = decision
@@ -688,44 +551,6 @@ class Rendezvous:
     async def _notify(run: _Run) -> None:
         async with run.new_round:
             run.new_round.notify_all()
-
-    def _retry(self, run: _Run, rnd: _Round, att: _Attempt, voters: tuple[str, ...], reason: str) -> dict[str, Any]:
-        now = time.monotonic()
-        for left_out in set(att.group) - set(voters):  # no new groups until it beats again
-            if left_out in run.peers:
-                run.peers[left_out].suspect_since = now
-        nxt = att.number + 1
-        if not voters or nxt >= rnd.max_attempts:
-            return {"decision": "fail", "reason": reason + "; no attempts left"}
-        rnd.attempts[nxt] = _Attempt(nxt, voters, time.monotonic())
-        return {"decision": "retry", "attempt": nxt, "group": list(voters), "reason": reason}
-
-
-def diverged_peers(states: dict[str, Any]) -> list[str]:
-    """Peers whose global state differs from the swarm's, from the ``[round, digest]`` each
-    voter reported for the state after its last merged round (``None``: not reported).
-
-    Compared among the peers that report the most recent round reported by at least two: the
-    digest most of them hold is the swarm's (a tie goes to the digest of the smallest peer id
-    among the tied ones); every other peer reporting that round has diverged. Returns their
-    sorted ids (empty when fewer than two peers report a common round).
-    """
-    reported = {p: (int(s[0]), str(s[1])) for p, s in states.items() if s is not None}
-    counts: dict[int, int] = {}
-    for r, _ in reported.values():
-        counts[r] = counts.get(r, 0) + 1
-    common = [r for r, c in counts.items() if c >= 2]
-    if not common:
-        return []
-    r = max(common)
-    same = {p: d for p, (rr, d) in reported.items() if rr == r}
-    tally: dict[str, int] = {}
-    for d in same.values():
-        tally[d] = tally.get(d, 0) + 1
-    top = max(tally.values())
-    tied = {d for d, c in tally.items() if c == top}
-    winner = same[min(p for p, d in same.items() if d in tied)]
-    return sorted(p for p, d in same.items() if d != winner)
 
 
 async def serve(

@@ -3,7 +3,8 @@ current state from a live peer.
 
 ``GET /v1/runs/{run}/state`` on a peer's server (signed like every request; the answer is signed
 with the body digest) returns the opaque state bytes its training loop provides
-(``Swarm.serve_state``). The swarm never looks inside: the sync layer serialises and checks.
+(``Swarm.serve_state``; ``rj.OuterSync`` registers itself). The swarm never looks inside: the
+sync layer serialises and checks. A :class:`StateTransfer` is one user of the transport.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -21,6 +21,7 @@ from . import _auth
 from ._allreduce import CHUNK
 from ._codec import release_free_heap
 from ._http import HTTPStatusError, stream_body
+from ._transport import Transport
 from ._types import SwarmError
 
 log = logging.getLogger("ravnest_jax.swarm")
@@ -30,72 +31,24 @@ DEFAULT_MAX_STATE_BYTES = 64 << 30
 StateProvider = Callable[[], "concurrent.futures.Future[bytes] | bytes | None"]
 
 
-class _StateMixin:
-    """Methods of :class:`~ravnest_jax.swarm.Swarm` for serving and fetching the global state."""
+class StateTransfer:
+    """Serves this peer's global state and downloads another peer's, over the transport.
 
-    _state_provider: StateProvider | None = None
-    max_state_bytes: int = DEFAULT_MAX_STATE_BYTES
+    Args:
+      transport: the peer's transport (the ``GET /state`` route is added here).
+      avoid: returns the peers the last round found diverged (downloaded from last).
+      serve_timeout: seconds a provider's future may take (the round deadline).
+    """
 
-    # ------------------------------------------------------------------ caller thread
-    def serve_state(self, provider: StateProvider | None) -> None:
-        """Lets other peers download this peer's current global state.
+    def __init__(self, transport: Transport, avoid: Callable[[], set[str]], serve_timeout: float):
+        self.transport, self._avoid, self._serve_timeout = transport, avoid, serve_timeout
+        self.provider: StateProvider | None = None
+        self.max_state_bytes = DEFAULT_MAX_STATE_BYTES
+        transport.route("GET", "/state", self._h_get_state)
 
-        Args:
-          provider: called (in a worker thread) for each authenticated request; returns the
-            state bytes, or a ``concurrent.futures.Future`` of them (``rj.OuterSync
-            .request_state`` does), or ``None`` when it has none. ``None`` stops serving.
-        """
-        self._state_provider = provider
-
-    def fetch_state(self, timeout: float = 120.0) -> bytes | None:
-        """Downloads the current global state from a live peer of the run.
-
-        Tries the other live peers that train (not on standby), most advanced first (by their
-        last round; peers the last round found diverged last), until one answers. A peer that
-        has no state yet answers 404 at once; when every peer did, there is nobody to download
-        from and the answer is ``None``.
-
-        Args:
-          timeout: overall deadline, seconds.
-
-        Returns:
-          The state bytes, or ``None`` when no other peer is live or none has a state.
-
-        Raises:
-          SwarmError: peers are live but none delivered a state before the deadline.
-        """
-        loop = self._loop  # type: ignore[attr-defined]
-        if loop is None or self._closed:  # type: ignore[attr-defined]
-            raise RuntimeError("Swarm is not running")
-        # a task that close() cancels: Ctrl+C during a download ends it at once
-        fut = asyncio.run_coroutine_threadsafe(self._tracked(self._afetch_state(timeout)), loop)  # type: ignore[attr-defined]
-        try:
-            return fut.result(timeout=timeout + 5)
-        except concurrent.futures.CancelledError:
-            raise SwarmError("the swarm closed during the state download") from None
-
-    def round_outcome(self, round_: int) -> str:
-        """The rendezvous' outcome of a round: ``"ok"``, ``"failed"``, ``"running"`` or
-        ``"unknown"`` (too old, or the rendezvous restarted since). Raises SwarmError when the
-        rendezvous cannot be reached."""
-        st = self.status()
-        for r in st.get("rounds", []):
-            if r.get("round") == round_:
-                return str(r.get("outcome"))
-        return "unknown"
-
-    def status(self) -> dict[str, Any]:
-        """The run's status from the rendezvous (peers, membership version, recent rounds)."""
-        loop = self._loop  # type: ignore[attr-defined]
-        t = self.timeouts.connect * 2  # type: ignore[attr-defined]
-        fut = asyncio.run_coroutine_threadsafe(self._rv("GET", "/status", None, t), loop)  # type: ignore[attr-defined]
-        try:
-            return fut.result(timeout=t + 5)
-        except Exception as e:
-            raise SwarmError(f"rendezvous unreachable: {e}") from e
-
-    # ------------------------------------------------------------------ loop side
-    async def _afetch_state(self, timeout: float) -> bytes | None:
+    async def fetch(self, timeout: float) -> bytes | None:
+        """See :meth:`Swarm.fetch_state` (runs on the loop)."""
+        t, me = self.transport, self.transport.peer_id
         deadline = asyncio.get_running_loop().time() + timeout
         errors: list[str] = []
         others: list[dict] | None = None
@@ -103,24 +56,19 @@ class _StateMixin:
             # the members are asked anew every sweep: peers that left (a swarm that finished)
             # are not tried until the deadline
             try:
-                members = await self._rv("GET", "/peers", None, self.timeouts.connect * 2)  # type: ignore[attr-defined]
+                members = await t.rendezvous("GET", "/peers", None, t.timeouts.connect * 2)
             except (TimeoutError, aiohttp.ClientError, OSError):
                 if others is None:
                     raise
                 members = None  # the rendezvous restarting: the last list stands
             if members is not None:
-                others = [
-                    p
-                    for p in members["peers"]
-                    if p["peer_id"] != self.peer_id  # type: ignore[attr-defined]
-                    and not p.get("standby")
-                ]
+                others = [p for p in members["peers"] if p["peer_id"] != me and not p.get("standby")]
             if not others:
                 if errors:
-                    log.info("%s: no live peer left to download from: %s", self.peer_id, errors[-3:])  # type: ignore[attr-defined]
+                    log.info("%s: no live peer left to download from: %s", me, errors[-3:])
                 return None
             # most advanced first; a peer the last round found diverged only as a last resort
-            avoid = getattr(self, "_diverged", set())
+            avoid = self._avoid()
             others.sort(key=lambda p: (p["peer_id"] in avoid, -int(p.get("last_round", -1)), p["peer_id"]))
             no_state = 0
             for p in others:
@@ -128,8 +76,8 @@ class _StateMixin:
                 if left <= 0:
                     raise SwarmError(f"no live peer delivered the state in {timeout} s: {errors[-3:]}")
                 try:
-                    data = await self._get_state(p["address"], left)
-                    log.info("%s: downloaded the state (%d bytes) from %s", self.peer_id, len(data), p["peer_id"])  # type: ignore[attr-defined]
+                    data = await t.get(p["address"], "/state", left, self.max_state_bytes)
+                    log.info("%s: downloaded the state (%d bytes) from %s", me, len(data), p["peer_id"])
                     return data
                 except HTTPStatusError as e:
                     no_state += e.status == 404
@@ -137,48 +85,20 @@ class _StateMixin:
                 except (TimeoutError, aiohttp.ClientError, OSError, PermissionError) as e:
                     errors.append(f"{p['peer_id']}: {e!r}")
             if no_state == len(others):
-                log.info("%s: no live peer has a state to download: %s", self.peer_id, errors[-3:])  # type: ignore[attr-defined]
+                log.info("%s: no live peer has a state to download: %s", me, errors[-3:])
                 return None
             await asyncio.sleep(min(0.5, max(deadline - asyncio.get_running_loop().time(), 0)))
 
-    async def _get_state(self, address: str, timeout: float) -> bytes:
-        path = f"/v1/runs/{self.run_id}/state"  # type: ignore[attr-defined]
-        headers = _auth.sign(self._token, method="GET", path=path, run_id=self.run_id, peer=self.peer_id)  # type: ignore[attr-defined]
-        async with self._session.get(  # type: ignore[attr-defined]
-            address.rstrip("/") + path,
-            headers=headers,
-            ssl=self._client_ssl,  # type: ignore[attr-defined]
-            timeout=aiohttp.ClientTimeout(total=max(timeout, 0.05), sock_connect=self.timeouts.connect),  # type: ignore[attr-defined]
-        ) as resp:
-            if resp.status != 200:
-                raise HTTPStatusError(resp.status, (await resp.content.read(4096)).decode(errors="replace"))
-            try:
-                _auth.verify(self._token, resp.headers, method="RESPONSE", path=path, run_id=self.run_id)  # type: ignore[attr-defined]
-            except _auth.AuthError as e:
-                raise PermissionError(f"state answer not signed with the run token: {e}") from None
-            if (resp.content_length or 0) > self.max_state_bytes:
-                raise HTTPStatusError(502, "state larger than max_state_bytes")
-            h = _auth.body_hasher()
-            buf = bytearray()
-            async for chunk, _ in resp.content.iter_chunks():
-                h.update(chunk)
-                buf += chunk
-                if len(buf) > self.max_state_bytes:
-                    raise HTTPStatusError(502, "state larger than max_state_bytes")
-            if not _auth.digest_matches(resp.headers[_auth.H_BODY], h.hexdigest()):
-                raise PermissionError("state does not match its signed digest")
-            return bytes(buf)
-
     async def _h_get_state(self, request: web.Request) -> web.StreamResponse:
-        self._auth_request(request)  # type: ignore[attr-defined]
-        provider = self._state_provider
+        self.transport.verify(request)
+        provider = self.provider
         if provider is None:
             raise web.HTTPNotFound(text="this peer serves no state")
         loop = asyncio.get_running_loop()
         try:
             out = await loop.run_in_executor(None, provider)
             if isinstance(out, concurrent.futures.Future):
-                out = await asyncio.wait_for(asyncio.wrap_future(out), self.timeouts.round)  # type: ignore[attr-defined]
+                out = await asyncio.wait_for(asyncio.wrap_future(out), self._serve_timeout)
         except TimeoutError:
             raise web.HTTPServiceUnavailable(text="state not ready in time") from None
         except Exception as e:  # noqa: BLE001 - reported to the requester
@@ -187,14 +107,7 @@ class _StateMixin:
         if not out:
             raise web.HTTPNotFound(text="this peer has no state yet")
         body = bytes(out)
-        headers = _auth.sign(
-            self._token,
-            method="RESPONSE",
-            path=request.path,
-            run_id=self.run_id,  # type: ignore[attr-defined]
-            peer=self.peer_id,
-            body_digest=_auth.body_digest(body),
-        )  # type: ignore[attr-defined]
+        headers = self.transport.sign_response(request, _auth.body_digest(body))
         try:
             return await stream_body(request, headers, body, CHUNK)
         finally:
@@ -205,4 +118,4 @@ class _StateMixin:
             loop.run_in_executor(None, release_free_heap)
 
 
-__all__ = ["DEFAULT_MAX_STATE_BYTES", "StateProvider"]
+__all__ = ["DEFAULT_MAX_STATE_BYTES", "StateProvider", "StateTransfer"]

@@ -343,7 +343,7 @@ def test_host_api_does_not_import_jax():
 @pytest.mark.parametrize("codec, bad", [("fp32", np.float32(np.inf)), ("fp16", np.float16(np.nan)), ("bf16", None)])
 def test_non_finite_past_the_first_decode_chunk_is_found(codec, bad):
     # the decoder converts and checks in chunks of _wire._CHUNK elements: the check covers all
-    from ravnest_jax.compress._wire import _CHUNK
+    from ravnest_jax.compress._decode import _CHUNK
 
     n = 2 * _CHUNK + 3
     if codec == "fp32":

@@ -89,7 +89,7 @@ def main() -> None:
                 "layout_kept": kept,
                 "global_digest": digest_hex(device_digest(state.global_params)),
                 "addressable_devices": len(jax.local_devices()),
-                "compiles": [step._cache_size()] + [fn._cache_size() for fn in sync._jit_cache.values()],
+                "compiles": [step._cache_size()] + [fn._cache_size() for fn in sync._fns.cache.values()],
             }
     finally:
         if swarm is not None:

@@ -103,7 +103,8 @@ def test_round_start_moves_no_pseudo_gradient_between_devices(axis_type):
     devices, and the packed parts of the large leaves come out spread over the 4 devices."""
     import re
 
-    from ravnest_jax.sync._outer_sync import OuterSync, _layout
+    from ravnest_jax.sync._layout import layout_of
+    from ravnest_jax.sync._outer_sync import OuterSync
 
     class Exchange:
         codec = "int4"
@@ -118,7 +119,7 @@ def test_round_start_moves_no_pseudo_gradient_between_devices(axis_type):
     tx = rj.diloco(optax.adam(1e-2), sync_every=2)
     state = tx.init(params)
     sync = OuterSync(tx, Exchange())
-    start = sync._fn("start", 0, _layout(params, state))
+    start = sync._fns.start(0, layout_of(params, state))
     residual = [jax.device_put(jnp.zeros(x.shape, jnp.float32), x.sharding) for x in jax.tree.leaves(params)]
     hlo = start.lower(params, state, residual, jax.random.key(1)).compile().as_text()
     moved = re.findall(

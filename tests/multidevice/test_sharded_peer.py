@@ -52,7 +52,7 @@ def _run_peer(swarm, data_peer, *, layout=None, axis_type=AxisType.Explicit, spl
         params, state = sync.flush(params, state)
         metrics = [r for r in sync.metrics if r.ok]
         # compilations: the inner step and every round function once, whatever the layout
-        compiles = [step._cache_size()] + [fn._cache_size() for fn in sync._jit_cache.values()]
+        compiles = [step._cache_size()] + [fn._cache_size() for fn in sync._fns.cache.values()]
     return {"params": params, "state": state, "metrics": metrics, "shardings": shardings, "compiles": compiles}
 
 

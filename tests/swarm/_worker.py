@@ -22,6 +22,34 @@ def make_tree(seed: int, round_: int, size: int) -> dict:
     return {"w": a[: size // 2].reshape(-1), "b": {"x": a[size // 2 :], "s": np.float32(seed)}}
 
 
+def _slow_swarm(send_delay: float, serve_delay: float):
+    """A Swarm whose transport uploads parts slowly (``send_delay`` seconds per 256 KiB chunk)
+    and delivers its reduced result parts late (``serve_delay`` seconds): a slow link, a slow
+    part owner."""
+    import asyncio
+
+    from ravnest_jax.swarm import Swarm
+    from ravnest_jax.swarm._transport import Transport
+
+    class SlowTransport(Transport):
+        async def body_chunks(self, data, kind):
+            if kind == "result":
+                await asyncio.sleep(serve_delay)
+            if kind == "result" or not send_delay:
+                async for c in super().body_chunks(data, kind):
+                    yield c
+                return
+            mv, step = memoryview(data), 256 * 1024
+            for off in range(0, len(data), step):
+                await asyncio.sleep(send_delay)
+                yield mv[off : off + step]
+
+    class SlowSwarm(Swarm):
+        transport_class = SlowTransport
+
+    return SlowSwarm
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--url", required=True)
@@ -87,7 +115,10 @@ def main() -> None:
         r, s = args.sleep_before_round.split(":")
         straggle[int(r)] = float(s)
     time.sleep(args.start_delay)
-    with Swarm(
+    swarm_class = Swarm
+    if args.send_delay or args.serve_delay:
+        swarm_class = _slow_swarm(args.send_delay, args.serve_delay)
+    with swarm_class(
         args.url,
         run_id=args.run_id,
         token=args.token,
@@ -98,8 +129,6 @@ def main() -> None:
         advertise=args.advertise,
         algorithm=args.algorithm,
         ring_segment_bytes=args.ring_segment_bytes,
-        _send_chunk_delay=args.send_delay,
-        _serve_delay=args.serve_delay,
     ) as sw:
         print(json.dumps({"event": "ready", "port": sw.port, "pid": os.getpid()}), flush=True)
         if args.expect_peers:

@@ -10,6 +10,7 @@ import pytest
 from ravnest_jax.swarm import RoundFailed, Swarm, Timeouts
 from ravnest_jax.swarm._allreduce import part_bounds, ring_segments
 from ravnest_jax.swarm._http import HTTPStatusError
+from ravnest_jax.swarm._ring import Ring
 
 from .conftest import TOKEN
 
@@ -116,21 +117,26 @@ def test_pipelined_ring_lossy_codec_within_bound(cluster):
     assert 0 < err <= bound
 
 
-class _CorruptOnce(Swarm):
+def _with_ring(ring_class):
+    """A Swarm whose ring is ``ring_class`` (a test subclass of the ring algorithm)."""
+    return type("TestSwarm", (Swarm,), {"algorithms": {**Swarm.algorithms, "ring": ring_class}})
+
+
+class _CorruptOnce(Ring):
     """Flips one byte of one reduce-scatter segment in the first attempt."""
 
-    async def _ring_send(self, st, addr, phase, step, j, data, weight, timeout, digest=None):
+    async def _send(self, st, addr, phase, step, j, data, weight, timeout, digest=None):
         if st.attempt == 0 and phase == "rs" and step == 0 and j == 1:
             raw = bytearray(data() if callable(data) else data)
             raw[len(raw) // 2] ^= 0xFF
             data = bytes(raw)
-        return await super()._ring_send(st, addr, phase, step, j, data, weight, timeout, digest)
+        return await super()._send(st, addr, phase, step, j, data, weight, timeout, digest)
 
 
 @pytest.mark.timeout(60)
 def test_pipelined_ring_corrupt_segment_costs_one_retry(cluster):
     url = cluster.rendezvous()
-    res, exp, _ = _run(url, 3, 1001, cls=_CorruptOnce)
+    res, exp, _ = _run(url, 3, 1001, cls=_with_ring(_CorruptOnce))
     recs = [rec for _, rec in res]
     assert all(r.ok and r.attempts == 2 for r in recs), recs
     assert len({r.digest for r in recs}) == 1
@@ -172,15 +178,15 @@ def test_ring_peers_with_another_segment_size_refuse_each_other(cluster):
         Swarm(url, run_id="segs", token=TOKEN, algorithm="ring", ring_segment_bytes=0)
 
 
-class _Probe(Swarm):
+class _Probe(Ring):
     """After its first segment of the first attempt is answered, sends it again (409), to a
     segment index out of range (400), and an oversize all-gather body (413); records the
     statuses."""
 
     statuses: dict[str, int]
 
-    async def _ring_send(self, st, addr, phase, step, j, data, weight, timeout, digest=None):
-        sent = await super()._ring_send(st, addr, phase, step, j, data, weight, timeout, digest)
+    async def _send(self, st, addr, phase, step, j, data, weight, timeout, digest=None):
+        sent = await super()._send(st, addr, phase, step, j, data, weight, timeout, digest)
         if st.attempt == 0 and phase == "rs" and step == 0 and j == 0:
             data = data() if callable(data) else data
             lo, hi = st.segments[0][0]
@@ -191,7 +197,7 @@ class _Probe(Swarm):
                 ("oversize", "ag", 0, big),
             ]:
                 try:
-                    await super()._ring_send(st, addr, ph, step, jj, body, weight, timeout)
+                    await super()._send(st, addr, ph, step, jj, body, weight, timeout)
                     self.statuses[name] = 200
                 except HTTPStatusError as e:
                     self.statuses[name] = e.status
@@ -202,7 +208,7 @@ class _Probe(Swarm):
 def test_pipelined_ring_refuses_duplicate_bad_and_oversize_segments(cluster):
     url = cluster.rendezvous()
     _Probe.statuses = {}
-    res, exp, _ = _run(url, 2, 1001, cls=_Probe)
+    res, exp, _ = _run(url, 2, 1001, cls=_with_ring(_Probe))
     assert _Probe.statuses == {"duplicate": 409, "bad_segment": 400, "oversize": 413}
     recs = [rec for _, rec in res]
     assert all(r.ok and r.attempts == 1 for r in recs) and len({r.digest for r in recs}) == 1

@@ -189,7 +189,7 @@ def test_lossy_part_roundtrip_keeps_shape(codec):
 def _two_peer_round(rv, peers=("a", "b")):
     import time as _time
 
-    from ravnest_jax.swarm._rendezvous import _Peer, _Run
+    from ravnest_jax.swarm._votes import _Peer, _Run
 
     run = _Run("r")
     now = _time.monotonic()
@@ -250,7 +250,7 @@ def test_commit_hands_out_the_next_round_whose_clock_starts_at_arrival():
 
 
 def test_diverged_peers_is_the_minority_of_the_latest_common_round():
-    from ravnest_jax.swarm._rendezvous import diverged_peers
+    from ravnest_jax.swarm._votes import diverged_peers
 
     assert diverged_peers({}) == []
     assert diverged_peers({"a": [3, "x"], "b": None}) == []  # nothing to compare with

@@ -462,12 +462,12 @@ def test_served_state_is_the_state_of_the_step_it_was_asked_at():
     params = _init()
     state = tx.init(params)
     with OuterSync(tx, Fake(), mode="delayed", overlap_steps=1) as sync:
-        sync.step, sync.rounds_started, sync._swarm_base = 29, 5, (3, 0)
+        sync.step, sync._schedule.rounds_started, sync._schedule.swarm_base = 29, 5, (3, 0)
         gate = threading.Event()
-        sync._state_pool.submit(gate.wait, 10)  # the worker is busy ...
+        sync._server._pool.submit(gate.wait, 10)  # the worker is busy ...
         fut = sync.request_state()
         sync._serve_state(params, state)
-        sync.step, sync.rounds_started, sync._swarm_base = 30, 6, (4, 1)  # ... while training goes on
+        sync.step, sync._schedule.rounds_started, sync._schedule.swarm_base = 30, 6, (4, 1)  # ... training goes on
         gate.set()
         d = serialization.msgpack_restore(fut.result(timeout=10))
     assert (int(d["step"]), int(d["rounds_started"])) == (29, 5)

@@ -1,0 +1,348 @@
+"""Decoding messages of the wire format (``_wire.py``) on the host, numpy only: whole messages
+(:func:`decode`) and streams fed chunk by chunk as a socket delivers them (:class:`StreamDecoder`).
+
+Every leaf is decoded in chunks of :data:`_CHUNK` elements with lookup tables built from the
+same ``_formats`` functions as the device-side math, and checked finite; see ``_wire.py`` for
+the layout and the validation that runs before any buffer is allocated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _formats as F
+from . import _tree
+from ._errors import WireFormatError
+from ._wire import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_DECODED_BYTES,
+    PREFIX_NBYTES,
+    LeafInfo,
+    Manifest,
+    _as_view,
+    _check_limit,
+    _crc32,
+    _parse_header,
+    _parse_prefix,
+    read_header,
+)
+
+
+def decode(
+    data: bytes | bytearray | memoryview,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+) -> Any:
+    """Decodes a message into a pytree of numpy float32 arrays (host, numpy only).
+
+    Args:
+      data: one whole message, as produced by ``encode`` or ``packed_to_bytes``.
+      max_bytes: largest accepted message (bytes), default :data:`DEFAULT_MAX_BYTES`.
+      max_decoded_bytes: largest accepted decoded size (float32 bytes), default
+        :data:`DEFAULT_MAX_DECODED_BYTES`.
+
+    Returns:
+      The encoded nesting (dicts with sorted str keys, lists, tuples) with writable float32 numpy
+      arrays of the encoded shapes.
+
+    Raises:
+      WireFormatError: anything wrong with ``data`` (see :class:`WireFormatError`).
+      TypeError: ``data`` is not bytes-like.
+    """
+    mv = _as_view(data)
+    manifest = read_header(mv, max_bytes=max_bytes, max_decoded_bytes=max_decoded_bytes)
+    if len(mv) < manifest.total_nbytes:
+        raise WireFormatError(f"truncated message: {len(mv)} bytes, the header declares {manifest.total_nbytes}")
+    if len(mv) > manifest.total_nbytes:
+        raise WireFormatError(
+            f"{len(mv) - manifest.total_nbytes} trailing bytes after a message of {manifest.total_nbytes}"
+        )
+    payload = mv[manifest.header_nbytes :]
+    if _crc32(payload) != manifest.payload_crc32:
+        raise WireFormatError("payload checksum mismatch (corrupted message)")
+    return decode_payload(manifest, payload)
+
+
+# lookup tables, built from the one implementation in _formats
+_E8M0_LUT = F.e8m0_scale_values(np, np.arange(256, dtype=np.uint8))
+
+
+def _pair_lut(codec: str) -> np.ndarray:
+    """(256,) uint64: a packed int4/fp4 byte -> its two float32 values, as the 8 bytes of a
+    ``float32[2]`` (the low nibble's value first).
+
+    Built from the same ``_formats`` functions as the device-side math (``unpack_nibbles``,
+    ``int_code_values``, ``e2m1_code_values``); one ``np.take`` of these 8-byte entries writes
+    two decoded (unscaled) float32 values per payload byte.
+    """
+    pairs = F.unpack_nibbles(np, np.arange(256, dtype=np.uint8)[:, None])  # (256, 2) codes
+    if codec == "int4":
+        vals = F.int_code_values(np, "int4", pairs)
+    else:
+        vals = F.e2m1_code_values(np, pairs)
+    return np.ascontiguousarray(vals, dtype=np.float32).reshape(-1).view(np.uint64)
+
+
+_PAIR_LUT = {"int4": _pair_lut("int4"), "fp4": _pair_lut("fp4")}
+
+_F16_SCALE = np.float32(F._F16_TO_F32_SCALE)
+_F16_MASK = np.int32(-0x70000001)  # 0x8FFFFFFF: the sign and bits 0..27
+_F16_MAX = float(F.FP16_MAX)
+
+
+# Largest valid scales: q * s stays finite (the encoder stays below these for |x| <= 2**127).
+_MAX_INT_SCALE = {"int8": 1.5 * F.MAX_ABS / 127, "int4": 1.5 * F.MAX_ABS / 7}
+_MAX_E8M0 = 252
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+_CHUNK = 1 << 16
+"""Elements decoded per numpy pass: a chunk's source bytes and its float32 output (256 KiB) stay
+in the L2 cache while the few passes over it (convert, scale, finiteness check) run."""
+
+
+def _check_finite(name: str, a: np.ndarray) -> None:
+    # two reductions, no temporary array; NaN propagates through max/min and fails the test
+    if a.size and not (float(a.max()) <= _F32_MAX and float(a.min()) >= -_F32_MAX):
+        raise WireFormatError(f"leaf {name!r} decodes to non-finite values")
+
+
+def _decode_dense(codec: str, leaf: LeafInfo, src: np.ndarray) -> np.ndarray:
+    """fp32 / fp16 / bf16 payload -> new float32 array, chunk by chunk, each chunk checked finite.
+
+    fp32 is a copy; fp16 is :func:`._formats.fp16_bits_to_f32` computed in place in the output
+    (the half bits sign-extended into int32, shifted, masked, then one float multiply; exact;
+    Inf/NaN halves come out as ``|v| >= 65536`` and fail the check against ``FP16_MAX``); bf16
+    the bits shifted into the high half of a uint32 (``_formats.bf16_bits_to_f32``, in place).
+    Inf and NaN (possible in fp16/bf16 bits of a malformed message) fail the finiteness check.
+    """
+    n = src.shape[0]
+    out = np.empty(n, np.float32)
+    out_bits = out.view(np.uint32)
+    out_ints = out.view(np.int32)
+    src_signed = src.view(np.int16) if codec == "fp16" else src
+    for a in range(0, n, _CHUNK):
+        b = min(n, a + _CHUNK)
+        o = out[a:b]
+        if codec == "bf16":
+            u = out_bits[a:b]
+            np.copyto(u, src[a:b])  # uint16 -> uint32, zero-extended
+            np.left_shift(u, 16, out=u)
+        elif codec == "fp16":
+            i = out_ints[a:b]
+            np.copyto(i, src_signed[a:b])  # int16 -> int32, sign-extended: the sign fills 16..31
+            np.left_shift(i, 13, out=i)
+            np.bitwise_and(i, _F16_MASK, out=i)
+            np.multiply(o, _F16_SCALE, out=o)
+            if o.size and not (float(o.max()) <= _F16_MAX and float(o.min()) >= -_F16_MAX):
+                raise WireFormatError(f"leaf {leaf.name!r} decodes to non-finite values")
+            continue
+        else:
+            np.copyto(o, src[a:b])
+        _check_finite(leaf.name, o)
+    return out
+
+
+def _decode_blocks(codec: str, leaf: LeafInfo, s: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """int8 / int4 / fp4 payload -> new float32 array of ``nb * B`` values (block padding
+    included): the code values times their block's scale, chunk by chunk.
+
+    int8: the byte read as int8 (``_formats.int_code_values``) converted to float32; int4 and
+    fp4: two values per byte from :data:`_PAIR_LUT`. Then one in-place multiply by the scales.
+    The scales were checked, so every product is finite.
+    """
+    B = leaf.block_size
+    total = s.shape[0] * B
+    out = np.empty(total, np.float32)
+    step = B * max(1, _CHUNK // B)
+    if codec == "int8":
+        q = codes.view(np.int8)
+    else:
+        lut = _PAIR_LUT[codec]
+        out_pairs = out.view(np.uint64)  # B is even: a block is B / 2 whole pairs
+    for a in range(0, total, step):
+        b = min(total, a + step)
+        if codec == "int8":
+            np.copyto(out[a:b], q[a:b])
+        else:  # mode="clip" (indices are bytes < 256 anyway): "raise" would buffer the output
+            np.take(lut, codes[a // 2 : b // 2], out=out_pairs[a // 2 : b // 2], mode="clip")
+        o = out[a:b].reshape(-1, B)
+        np.multiply(o, s[a // B : b // B, None], out=o)
+    return out
+
+
+def _decode_leaf(codec: str, leaf: LeafInfo, buf: memoryview, owned: bool = False) -> np.ndarray:
+    n = leaf.size
+    lens = F.part_lengths(codec, n, leaf.block_size, leaf.k)
+    parts = []
+    off = leaf.offset
+    for length, dt in zip(lens, F.part_dtypes(codec)):
+        parts.append(np.frombuffer(buf, dt, length, off))
+        off += length * dt.itemsize
+    if codec in ("fp32", "fp16", "bf16"):
+        if owned and codec == "fp32" and parts[0].dtype.isnative and parts[0].flags.writeable:
+            # the decoder's own buffer: the float32 values are already where they can stay
+            _check_finite(leaf.name, parts[0])
+            return parts[0].view(np.float32).reshape(leaf.shape)
+        return _decode_dense(codec, leaf, parts[0]).reshape(leaf.shape)
+    if codec == "topk":
+        idx, vals = parts
+        if leaf.k:
+            if int(idx[-1]) >= n or (leaf.k > 1 and not bool(np.all(idx[1:] > idx[:-1]))):
+                raise WireFormatError(f"leaf {leaf.name!r}: topk indices not strictly increasing below {n}")
+            _check_finite(leaf.name, vals)
+        out = np.zeros(n, np.float32)
+        out[idx.astype(np.intp)] = vals
+        return out.reshape(leaf.shape)
+    if n == 0:
+        return np.zeros(leaf.shape, np.float32)
+    s_raw, codes = parts
+    if codec == "fp4":
+        if int(s_raw.max()) > _MAX_E8M0:
+            raise WireFormatError(f"leaf {leaf.name!r}: E8M0 scale code above {_MAX_E8M0}")
+        s = _E8M0_LUT[s_raw]
+    else:
+        s = F.bf16_bits_to_f32(np, s_raw)
+        if not (bool(np.all(s >= 0)) and float(s.max()) <= _MAX_INT_SCALE[codec]):
+            raise WireFormatError(f"leaf {leaf.name!r}: block scales negative, non-finite or too large")
+    return _decode_blocks(codec, leaf, s, codes)[:n].reshape(leaf.shape)
+
+
+def decode_payload(manifest: Manifest, payload: memoryview, *, owned: bool = False) -> Any:
+    """Decodes a payload (already length- and checksum-checked) described by ``manifest``.
+
+    ``owned``: the payload is a writable buffer that nothing else uses (the StreamDecoder's):
+    fp32 leaves are then returned as views into it instead of copies.
+    """
+    leaves = [_decode_leaf(manifest.codec, leaf, payload, owned) for leaf in manifest.leaves]
+    return _tree.unflatten(manifest.structure, leaves)
+
+
+class StreamDecoder:
+    """Incremental decoder for a message arriving in chunks (for example aiohttp
+    ``request.content.iter_chunked``).
+
+    The prefix and header are validated as soon as they arrive (:attr:`header` is then set, so a
+    server can check leaf names, shapes and codec and stop early); the payload buffer is
+    allocated only after the declared sizes passed ``max_bytes`` / ``max_decoded_bytes``; the
+    CRC is computed incrementally. Errors are sticky: after a :class:`WireFormatError` every
+    further call raises it again.
+
+    Example::
+
+        dec = rj.compress.StreamDecoder(max_bytes=limit)
+        async for chunk in request.content.iter_chunked(1 << 16):
+            dec.feed(chunk)
+            if dec.header is not None and dec.header.names != expected_names: ...
+        tree = dec.finish()
+
+    Args:
+      max_bytes: largest accepted message (bytes).
+      max_decoded_bytes: largest accepted decoded size (float32 bytes).
+    """
+
+    def __init__(self, *, max_bytes: int = DEFAULT_MAX_BYTES, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES):
+        self._max_bytes = _check_limit("max_bytes", max_bytes)
+        self._max_decoded = _check_limit("max_decoded_bytes", max_decoded_bytes)
+        self._head = bytearray()
+        self._header_len: int | None = None
+        self._manifest: Manifest | None = None
+        self._payload: np.ndarray | None = None
+        self._filled = 0
+        self._crc = 0
+        self._error: WireFormatError | None = None
+        self._finished = False
+        self._result: tuple[Any] | None = None
+
+    @property
+    def header(self) -> Manifest | None:
+        """The validated :class:`Manifest` once the header arrived, else None."""
+        return self._manifest
+
+    @property
+    def nbytes_received(self) -> int:
+        """Bytes fed so far."""
+        return len(self._head) + self._filled
+
+    def feed(self, chunk: bytes | bytearray | memoryview) -> None:
+        """Adds the next bytes of the message.
+
+        Raises:
+          WireFormatError: the bytes so far are not a valid start of a message, exceed a
+            maximum, or go past the declared end of the message.
+        """
+        if self._error is not None:
+            raise self._error
+        if self._finished:
+            raise WireFormatError("feed() after finish()")
+        try:
+            self._feed(_as_view(chunk))
+        except WireFormatError as e:
+            self._error = e
+            raise
+
+    def _feed(self, mv: memoryview) -> None:
+        while len(mv):
+            if self._manifest is None:
+                target = PREFIX_NBYTES if self._header_len is None else PREFIX_NBYTES + self._header_len
+                take = min(target - len(self._head), len(mv))
+                self._head += mv[:take]
+                mv = mv[take:]
+                if len(self._head) < target:
+                    return
+                if self._header_len is None:
+                    self._header_len = _parse_prefix(self._head, self._max_bytes)[0]
+                    continue
+                self._manifest = _parse_header(
+                    self._head[:PREFIX_NBYTES], self._head[PREFIX_NBYTES:], self._max_bytes, self._max_decoded
+                )
+                # numpy's buffer (not bytearray(n), which zero-fills): large ones get huge pages
+                self._payload = np.empty(self._manifest.payload_nbytes, np.uint8)
+                continue
+            assert self._payload is not None
+            remaining = len(self._payload) - self._filled
+            if len(mv) > remaining:
+                raise WireFormatError(
+                    f"bytes past the declared end of a message of {self._manifest.total_nbytes} bytes"
+                )
+            end = self._filled + len(mv)
+            self._payload[self._filled : end] = mv
+            self._crc = _crc32(mv, self._crc)
+            self._filled = end
+            return
+
+    def finish(self) -> Any:
+        """Checks that the whole message arrived intact and decodes it.
+
+        fp32 leaves are views into the decoder's payload buffer (no copy); other codecs decode
+        into new arrays. A second call returns the same pytree.
+
+        Returns:
+          The pytree of writable float32 numpy arrays (as :func:`decode`).
+
+        Raises:
+          WireFormatError: truncated message, checksum mismatch, bad payload contents.
+        """
+        if self._error is not None:
+            raise self._error
+        if self._result is not None:
+            return self._result[0]
+        try:
+            if self._manifest is None or self._payload is None:
+                raise WireFormatError(f"truncated message: {len(self._head)} bytes received, the header is incomplete")
+            if self._filled < len(self._payload):
+                raise WireFormatError(
+                    f"truncated message: {self.nbytes_received} of {self._manifest.total_nbytes} bytes received"
+                )
+            if self._crc != self._manifest.payload_crc32:
+                raise WireFormatError("payload checksum mismatch (corrupted message)")
+            self._finished = True
+            payload, self._payload = self._payload, None  # handed over: fp32 leaves view it
+            self._result = (decode_payload(self._manifest, memoryview(payload), owned=True),)
+            return self._result[0]
+        except WireFormatError as e:
+            self._error = e
+            raise

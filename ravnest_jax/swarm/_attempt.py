@@ -1,0 +1,186 @@
+"""One attempt of one round: its per-peer state, what an all-reduce algorithm gets to run it,
+and the typed outcomes it returns (:class:`Reduced`, :class:`Retry`, or :class:`RoundFail`)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, Protocol
+
+import numpy as np
+from aiohttp import web
+
+
+class Attempt:
+    """This peer's state for one attempt of one round (as a part owner and as a receiver).
+
+    Created by whichever comes first: the round driver entering the attempt, or a request of a
+    faster member for it (then it waits on :attr:`entered`).
+    """
+
+    def __init__(self, round_: int, attempt: int):
+        self.round, self.attempt = round_, attempt
+        self.entered = asyncio.Event()
+        self.complete = asyncio.Event()
+        self.group: tuple[str, ...] = ()
+        self.me = -1
+        self.lo = self.hi = 0
+        self.manifest = ""
+        self.codec = ""
+        self.algorithm = "butterfly"
+        self.bounds: list[tuple[int, int]] = []
+        self.closed = False  # the reduce-scatter is over: late parts are refused
+        self.gather_closed = False  # the all-gather is over
+        self.bytes_in = 0
+        # butterfly: weighted parts by sender -> (w, w * x); result parts pushed to us by
+        # (part, contributor tag) -> (vec, digest)
+        self.received: dict[str, tuple[np.float32, np.ndarray]] = {}
+        self.receiving: set[str] = set()
+        self.results: dict[tuple[int, str], tuple[np.ndarray, str]] = {}
+        self.result_arrived = asyncio.Event()
+        # ring: segments[c][j] = (lo, hi) of segment j of part c; messages by (phase, step, j)
+        self.segments: list[list[tuple[int, int]]] = [[(0, 0)]]
+        self.ring_inbox: dict[tuple[str, int, int], tuple[Any, ...]] = {}
+        self.ring_seen: set[tuple[str, int, int]] = set()  # every message stored (409 again)
+        self.ring_receiving: set[tuple[str, int, int]] = set()
+        self._ring_events: dict[tuple[str, int, int], asyncio.Event] = {}
+
+    def ring_event(self, phase: str, step: int, seg: int) -> asyncio.Event:
+        return self._ring_events.setdefault((phase, step, seg), asyncio.Event())
+
+    def close(self) -> None:
+        """Refuse everything from now on and drop the buffers (wakes every waiter)."""
+        self.closed = self.gather_closed = True
+        self.received.clear()
+        self.results.clear()
+        self.ring_inbox.clear()
+        self.entered.set()
+        self.result_arrived.set()
+
+
+class RoundFail(Exception):
+    """The round failed on this peer (a decision of the rendezvous, a deadline, a miss).
+
+    ``total_weight``: the round's total weight when it is known (a missed round: tells the caller
+    whether any peer contributed)."""
+
+    def __init__(self, message: str, total_weight: float = 0.0):
+        super().__init__(message)
+        self.total_weight = total_weight
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduced:
+    """An attempt that produced the round's mean.
+
+    Attributes:
+      out: the mean, float32 of the input vector's length, bit-identical on every contributor.
+      contributors: the peer ids the mean is over.
+      total: the sum of their weights.
+      digest: the result digest (equal on every peer that got it).
+      diverged: peers whose global state digest differed from the majority's.
+      next: the next round's group when the rendezvous handed it out with the commit.
+    """
+
+    out: np.ndarray
+    contributors: tuple[str, ...]
+    total: float
+    digest: str
+    diverged: tuple[str, ...]
+    next: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Retry:
+    """The rendezvous decided to retry the round as ``attempt`` with ``group``."""
+
+    attempt: int
+    group: tuple[str, ...]
+
+
+@dataclasses.dataclass
+class AttemptInput:
+    """What one attempt of this peer starts from.
+
+    Attributes:
+      membership: peer id -> base URL of every member that can be reached (this one included).
+      epoch: the rendezvous epoch the votes carry.
+      vec: this peer's contribution, float32, flat.
+      weight: its weight (float32 > 0).
+      deadline: the round's deadline (``time.monotonic()``, seconds).
+      stats: ``{"sent": bytes, "received": bytes}``, accumulated over the round's attempts.
+      part_left: seconds left of the part deadline when the attempt starts (``None``: a whole one).
+      arrive: the arrival request of a round handed out with the last commit (its answer
+        tightens the part deadline), else ``None``.
+      state: ``(round, state digest)`` sent with the gather vote (divergence check), or ``None``.
+    """
+
+    membership: dict[str, str]
+    epoch: str
+    vec: np.ndarray
+    weight: np.float32
+    deadline: float
+    stats: dict[str, int]
+    part_left: float | None = None
+    arrive: asyncio.Task[Any] | None = None
+    state: tuple[int, str] | None = None
+
+
+class Voter(Protocol):
+    """What an algorithm needs from the round driver (:class:`~ravnest_jax.swarm._rounds.Rounds`)."""
+
+    async def vote(
+        self, r: int, epoch: str, a: int, phase: str, data: dict[str, Any], deadline: float
+    ) -> dict[str, Any]: ...
+
+    async def wait_entered(self, r: int, a: int) -> Attempt: ...
+
+    def gone(self, r: int, a: int) -> set[str]: ...
+
+    def gone_wait(self) -> asyncio.Future[Any]: ...
+
+    def arrived(self, arrive: asyncio.Task[Any], r: int, t_part: float) -> float: ...
+
+    def note_diverged(self, diverged: tuple[str, ...]) -> None: ...
+
+
+class Algorithm(Protocol):
+    """One all-reduce algorithm over the transport (``_butterfly.py``, ``_ring.py``).
+
+    ``name`` is what peers agree on (part of the round manifest with :meth:`wire`); the
+    algorithm adds its routes to the transport at construction and runs one attempt of a round
+    with :meth:`run`, returning :class:`Reduced` or :class:`Retry`, or raising
+    :class:`RoundFail`."""
+
+    name: str
+
+    def wire(self) -> str: ...
+
+    def prepare(self, st: Attempt, n_elements: int) -> None: ...
+
+    async def run(self, st: Attempt, inp: AttemptInput) -> Reduced | Retry: ...
+
+
+def route_ints(request: web.Request, *names: str) -> tuple[int, ...]:
+    """The integer path fields ``names`` of ``request``.
+
+    Raises:
+      web.HTTPBadRequest: one is not an integer.
+    """
+    try:
+        return tuple(int(request.match_info[n]) for n in names)
+    except ValueError:
+        raise web.HTTPBadRequest(text=f"{', '.join(names)} must be integers") from None
+
+
+def decided(decision: dict[str, Any], ok: str) -> Retry | None:
+    """A vote's decision: :class:`Retry` for ``"retry"``, ``None`` for ``ok``.
+
+    Raises:
+      RoundFail: any other decision (with the rendezvous' reason).
+    """
+    if decision["decision"] == "retry":
+        return Retry(int(decision["attempt"]), tuple(decision["group"]))
+    if decision["decision"] != ok:
+        raise RoundFail(decision.get("reason", "round failed"))
+    return None

@@ -1,0 +1,289 @@
+"""Pipelined ring all-reduce: 2(n - 1) neighbour steps, every part cut into segments.
+
+Each segment of each step is its own encoded message and PUT to the right neighbour; segment j of
+step s + 1 leaves as soon as segment j of step s has arrived (and, in the reduce-scatter, been
+added), while later segments of step s are still on the wire. Per element the float32 arithmetic
+is the unsegmented ring's. A ring cannot leave a member out: any failure fails the attempt and the
+rendezvous retries it without the members that did not vote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+
+from . import _auth
+from ._allreduce import max_message_bytes, part_bounds, ring_segments
+from ._attempt import Attempt, AttemptInput, Reduced, Retry, RoundFail, Voter, decided, route_ints
+from ._butterfly import H_MANIFEST, H_WEIGHT
+from ._codec import PartDecoder, decode_part, encode_part
+from ._http import HTTPStatusError
+from ._transport import Transport
+from ._types import Timeouts, result_digest
+
+log = logging.getLogger("ravnest_jax.swarm")
+
+RING_INFLIGHT = 4  # ring PUTs in flight per peer at most (the others wait, not yet encoded)
+RING = "/rounds/{round}/{attempt}/ring/{phase}/{step}/{seg}"
+_FAILURES = (TimeoutError, aiohttp.ClientError, HTTPStatusError, PermissionError, OSError)
+
+
+class Ring:
+    """The pipelined ring of one peer (see the module docstring).
+
+    Args:
+      transport, rounds, codec, codec_options, timeouts: as for :class:`Butterfly`.
+      segment_bytes: float32 bytes per segment (part of the round manifest: equal on all peers).
+    """
+
+    name = "ring"
+
+    def __init__(
+        self,
+        transport: Transport,
+        rounds: Voter,
+        codec: str,
+        codec_options: dict[str, Any],
+        timeouts: Timeouts,
+        segment_bytes: int,
+    ):
+        self.transport, self.rounds = transport, rounds
+        self.codec, self.codec_options, self.timeouts = codec, codec_options, timeouts
+        self.segment_bytes = segment_bytes
+        self.peer_id = transport.peer_id
+        self._slots = asyncio.Semaphore(RING_INFLIGHT)
+        transport.route("PUT", RING, self._h_put_ring)
+
+    def wire(self) -> str:
+        return f"{self.codec}/ring/{self.segment_bytes}"
+
+    def prepare(self, st: Attempt, n_elements: int) -> None:
+        st.bounds = part_bounds(n_elements, len(st.group))
+        st.lo, st.hi = st.bounds[st.me]
+        st.algorithm = self.name
+        st.segments = ring_segments(st.bounds, self.segment_bytes)
+
+    # ------------------------------------------------------------------ server side
+    async def _h_put_ring(self, request: web.Request) -> web.Response:
+        """One segment of one ring step from the left neighbour, streamed into its decoder."""
+        weight_s = request.headers.get(H_WEIGHT, "")
+        manifest = request.headers.get(H_MANIFEST, "")
+        sender, claimed = self.transport.verify(request, extra=f"{weight_s}|{manifest}")
+        phase = request.match_info["phase"]
+        r, a, step, j = route_ints(request, "round", "attempt", "step", "seg")
+        try:
+            w = np.float32(float(weight_s))
+        except ValueError:
+            raise web.HTTPBadRequest(text="bad weight") from None
+        if phase not in ("rs", "ag") or not (np.isfinite(w) and w > 0):
+            raise web.HTTPBadRequest(text="bad phase or weight")
+        st = await self.rounds.wait_entered(r, a)
+        n = len(st.group)
+        if st.algorithm != self.name or manifest != st.manifest:
+            raise web.HTTPBadRequest(text="part does not match the round manifest")
+        if sender != st.group[(st.me - 1) % n]:
+            raise web.HTTPForbidden(text="only the left neighbour sends ring messages")
+        if not 0 <= step < n - 1 or not 0 <= j < len(st.segments[0]):
+            raise web.HTTPBadRequest(text="bad ring step or segment")
+        key = (phase, step, j)
+        if key in st.ring_seen or key in st.ring_receiving or st.closed:
+            raise web.HTTPConflict(text="duplicate or late ring message")
+        c = (st.me - 1 - step) % n if phase == "rs" else (st.me - step) % n
+        lo, hi = st.segments[c][j]
+        limit = max_message_bytes(hi - lo)
+        if request.content_length is not None and request.content_length > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+        dec = PartDecoder(name=f"ring{phase}{c}.{j}", length=hi - lo, codec=st.codec, max_bytes=limit)
+        # all-gather messages are forwarded unchanged to the right, except at the last step
+        raw = bytearray() if phase == "ag" and step < n - 2 else None
+        st.ring_receiving.add(key)
+        try:
+            vec, sha = await self.transport.read_body(
+                request, dec, claimed, limit, lambda: st.closed, raw=raw, what="ring message"
+            )
+        finally:
+            st.ring_receiving.discard(key)
+        if st.closed:
+            raise web.HTTPConflict(text="too late")
+        st.ring_seen.add(key)
+        st.ring_inbox[key] = (w, vec, raw if raw is not None else b"", sha)
+        st.bytes_in += dec.nbytes
+        st.ring_event(phase, step, j).set()
+        return self.transport.reply(request, {"ok": True})
+
+    # ------------------------------------------------------------------ client side
+    async def _send(
+        self,
+        st: Attempt,
+        addr: str,
+        phase: str,
+        step: int,
+        j: int,
+        data: Any,
+        weight: np.float32,
+        timeout: float,
+        digest: str | None = None,
+    ) -> int:
+        """One signed PUT of segment ``j`` of ring step ``step``; ``data`` is the encoded bytes
+        or a function that encodes them (called once a send slot is free, so that at most
+        ``RING_INFLIGHT`` encoded messages wait per peer); ``digest``: its body digest when
+        known (a forwarded message: no second hash pass)."""
+        weight_s = repr(float(weight))
+        t_end = time.monotonic() + timeout
+        async with self._slots:
+            if callable(data):
+                data = data()
+            return await self.transport.put(
+                addr,
+                f"/rounds/{st.round}/{st.attempt}/ring/{phase}/{step}/{j}",
+                data,
+                digest=digest or _auth.body_digest(data),
+                round_=st.round,
+                extra=f"{weight_s}|{st.manifest}",
+                headers={H_WEIGHT: weight_s, H_MANIFEST: st.manifest},
+                timeout=t_end - time.monotonic(),
+                kind="ring",
+            )
+
+    async def _phase(self, st: Attempt, t_end: float, segment: Callable[..., Any], stats: dict[str, int]) -> None:
+        """Run ``segment(j, send)`` for every segment j concurrently (the pipeline: segment j
+        moves on to its next step as soon as its own message of this step has arrived) until
+        all are done and every PUT they started (``send(coro)``) was answered. Raises the first
+        failure of any of them, or ``TimeoutError`` at ``t_end``; cancels the rest."""
+        loop = asyncio.get_running_loop()
+        failed: asyncio.Future[BaseException] = loop.create_future()
+        sends: list[asyncio.Future[int]] = []
+
+        def watch(t: asyncio.Future[Any]) -> None:
+            if not t.cancelled() and not failed.done():
+                e = t.exception()
+                if e is not None:
+                    failed.set_result(e)
+
+        def send(coro: Any) -> None:
+            t = asyncio.ensure_future(coro)
+            t.add_done_callback(watch)
+            sends.append(t)
+
+        tasks = [asyncio.ensure_future(segment(j, send)) for j in range(len(st.segments[0]))]
+        for t in tasks:
+            t.add_done_callback(watch)
+        try:
+            while True:
+                pending = [t for t in (*tasks, *sends) if not t.done()]
+                if failed.done():
+                    raise failed.result()
+                if not pending:
+                    return
+                left = t_end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("ring phase deadline")
+                await asyncio.wait([failed, *pending], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # a segment task that ends while we cancel may still start a send: repeat until
+            # every task is done (segment tasks start no sends once done, so this ends)
+            while rest := [t for t in (*tasks, *sends) if not t.done()]:
+                for t in rest:
+                    t.cancel()
+                await asyncio.gather(*rest, return_exceptions=True)
+            stats["sent"] += sum(t.result() for t in sends if not t.cancelled() and t.exception() is None)
+
+    async def run(self, st: Attempt, inp: AttemptInput) -> Reduced | Retry:
+        r, a, group, n, i = st.round, st.attempt, st.group, len(st.group), st.me
+        vec, weight, stats, deadline = inp.vec, inp.weight, inp.stats, inp.deadline
+        st.entered.set()
+        right = inp.membership.get(group[(i + 1) % n], "")
+        segs = st.segments
+        out = np.empty(vec.size, dtype=np.float32)
+        shas: dict[tuple[int, int], str] = {}
+        own: dict[int, tuple[bytes, str]] = {}
+        totals: dict[int, np.float32] = {}
+        codec, opts = self.codec, self.codec_options
+
+        def wait(phase: str, s: int, j: int, t_end: float) -> Any:
+            return asyncio.wait_for(st.ring_event(phase, s, j).wait(), max(t_end - time.monotonic(), 0))
+
+        t_rs = min(time.monotonic() + self.timeouts.part, deadline)
+
+        async def reduce_scatter(j: int, send: Callable[[Any], None]) -> None:
+            # partial weighted sums of segment j of one part, passed to the right, n - 1 steps
+            c = i
+            lo, hi = segs[c][j]
+            num = vec[lo:hi] * weight
+            acc_w = weight
+            for s in range(n - 1):
+                encode = lambda c=c, num=num: encode_part(f"ringrs{c}.{j}", num, codec, **opts)  # noqa: E731
+                send(self._send(st, right, "rs", s, j, encode, acc_w, t_rs - time.monotonic()))
+                await wait("rs", s, j, t_rs)
+                in_w, in_num, _, _ = st.ring_inbox.pop(("rs", s, j))
+                c = (i - s - 1) % n
+                lo, hi = segs[c][j]
+                num = np.multiply(vec[lo:hi], weight)
+                np.add(in_num, num, out=num)  # in_num + w * x, as the unsegmented ring
+                acc_w = np.float32(in_w + weight)
+            mean = np.divide(num, acc_w, out=num)
+            data = encode_part(f"ringag{c}.{j}", mean, codec, **opts)
+            lo, hi = segs[c][j]
+            out[lo:hi] = (
+                mean if codec == "fp32" else decode_part(data, name=f"ringag{c}.{j}", length=hi - lo, codec=codec)
+            )
+            shas[(c, j)] = _auth.body_digest(data)
+            own[j], totals[j] = (data, shas[(c, j)]), acc_w
+
+        complete = True
+        try:
+            await self._phase(st, t_rs, reduce_scatter, stats)
+        except _FAILURES as e:
+            log.info("%s: ring reduce-scatter failed: %r", self.peer_id, e)
+            complete = False
+        vote: dict[str, Any] = {"received": list(group) if complete else [], "ring": True}
+        if inp.state is not None:
+            vote["state"] = list(inp.state)
+        gather = await self.rounds.vote(r, inp.epoch, a, "gather", vote, deadline)
+        retry = decided(gather, "ok")
+        if retry is not None:
+            return retry
+        diverged = tuple(str(d) for d in gather.get("diverged") or ())
+        self.rounds.note_diverged(diverged)
+        if not complete:  # cannot happen with an honest rendezvous
+            raise RoundFail("ring: gather decided ok without this peer's parts")
+        total = float(totals[0])
+
+        # all-gather: forward the encoded final segments unchanged as they arrive, n - 1 steps
+        t_ag = min(time.monotonic() + self.timeouts.part, deadline)
+
+        async def all_gather(j: int, send: Callable[[Any], None]) -> None:
+            cur, sha = own.pop(j)
+            for s in range(n - 1):
+                send(self._send(st, right, "ag", s, j, cur, np.float32(1.0), t_ag - time.monotonic(), sha))
+                await wait("ag", s, j, t_ag)
+                _, part, cur, sha = st.ring_inbox.pop(("ag", s, j))
+                k = (i - s) % n
+                lo, hi = segs[k][j]
+                out[lo:hi] = part
+                shas[(k, j)] = sha
+
+        ok = True
+        try:
+            await self._phase(st, t_ag, all_gather, stats)
+        except _FAILURES as e:
+            log.info("%s: ring all-gather failed: %r", self.peer_id, e)
+            ok = False
+        stats["received"] += st.bytes_in
+        st.bytes_in = 0
+        digest = result_digest([shas[(k, j)] for k in range(n) for j in range(len(segs[0]))]) if ok else ""
+        commit = await self.rounds.vote(
+            r, inp.epoch, a, "commit", {"ok": ok, "digest": digest, "failed_owners": []}, deadline
+        )
+        st.ring_inbox.clear()
+        retry = decided(commit, "commit")
+        if retry is not None:
+            return retry
+        return Reduced(out, tuple(group), total, digest, diverged)

@@ -1,0 +1,359 @@
+"""The round driver of one peer: begins a round with the rendezvous, runs its attempts with the
+all-reduce algorithm, votes, and turns the outcome into a :class:`RoundRecord`.
+
+Also the part owner's bookkeeping every algorithm shares: the open attempts by ``(round,
+attempt)`` (a faster member's request may arrive before this peer entered the attempt), and the
+members the rendezvous reports as gone (a phase stops waiting for them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+
+from ._attempt import Algorithm, Attempt, AttemptInput, Reduced, Retry, RoundFail
+from ._http import HTTPStatusError
+from ._transport import Transport
+from ._types import RoundFailed, RoundRecord, Timeouts
+
+log = logging.getLogger("ravnest_jax.swarm")
+
+ABSTAIN_WEIGHT = 1e-30  # w + 1e-30 == w in float32 for any weight w >= 1e-22
+MAX_EARLY_PARTS = 64  # part requests at most that wait for this peer to begin their round
+GC_GENERATION = 1  # collected after every round (cheap: young objects only)
+_RETRIED = (TimeoutError, aiohttp.ClientError, OSError)  # the rendezvous down or restarting
+
+
+class Rounds:
+    """Rounds of one peer, one at a time, in call order (see the module docstring).
+
+    Args:
+      transport: the peer's transport.
+      timeouts: round, part and grace deadlines (seconds) and the attempt limit.
+      codec: the wire codec of the rounds (recorded in every attempt and record).
+      hello: returns this peer's registration payload (id, address, last round, info).
+      spawn: starts a background task that the swarm's close cancels.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        timeouts: Timeouts,
+        codec: str,
+        hello: Callable[[], dict[str, Any]],
+        spawn: Callable[[Any], asyncio.Task[Any]],
+    ):
+        self.transport, self.timeouts, self.codec = transport, timeouts, codec
+        self.peer_id = transport.peer_id
+        self._hello, self._spawn = hello, spawn
+        self.algorithm: Algorithm | None = None  # set by the swarm (the algorithm needs us first)
+        self.attempts: dict[tuple[int, int], Attempt] = {}
+        self.last_round = -1
+        self.current_round = -1
+        self.diverged: set[str] = set()  # peers the last round found diverged: no state source
+        self._early_parts = 0  # requests waiting for this peer to begin their round
+        self._next: dict[str, Any] | None = None  # the next round, handed out with a commit
+        self._lock = asyncio.Lock()
+        # (round, attempt) -> members the rendezvous says left; the event is set when that grows
+        self._gone: dict[tuple[int, int], set[str]] = {}
+        self._gone_event = asyncio.Event()
+
+    # ------------------------------------------------------------------ shared bookkeeping
+    def note_left(self, left: Any) -> None:
+        """Members of running attempts that left the run (from a heartbeat answer)."""
+        if not isinstance(left, list):
+            return
+        changed = False
+        for item in left:
+            if isinstance(item, list) and len(item) == 3 and all(isinstance(x, int) for x in item[:2]):
+                key = (int(item[0]), int(item[1]))
+                if key in self.attempts and str(item[2]) not in self._gone.setdefault(key, set()):
+                    self._gone[key].add(str(item[2]))
+                    changed = True
+        for key in [k for k in self._gone if k not in self.attempts]:
+            del self._gone[key]
+        if changed:
+            self._gone_event.set()
+            self._gone_event = asyncio.Event()
+
+    def gone(self, r: int, a: int) -> set[str]:
+        return self._gone.get((r, a), set())
+
+    def gone_wait(self) -> asyncio.Future[Any]:
+        return asyncio.ensure_future(self._gone_event.wait())
+
+    def note_diverged(self, diverged: tuple[str, ...]) -> None:
+        self.diverged = set(diverged)
+
+    async def wait_entered(self, r: int, a: int) -> Attempt:
+        """The attempt ``(r, a)`` once this peer entered it (a request of a faster member waits).
+
+        Raises:
+          web.HTTPConflict: the round is not open here (over, or too far ahead), or this peer
+          did not enter it within a part deadline, or is closing.
+        """
+        st = self.attempts.get((r, a))
+        if st is None and r > max(self.current_round, self.last_round) + 2:
+            # Further ahead than this peer has seen: a new process (joined, restarted) learns the
+            # swarm's round number only from its own begin, which may answer a moment after a
+            # faster member's part arrives. Wait for it (bounded in time and in number of such
+            # requests) rather than refuse the part and be dropped from the round as unreachable.
+            if self._early_parts >= MAX_EARLY_PARTS:
+                raise web.HTTPConflict(text=f"round {r} is not open here")
+            self._early_parts += 1
+            try:
+                until = time.monotonic() + self.timeouts.part
+                while (
+                    r > max(self.current_round, self.last_round) + 2
+                    and (r, a) not in self.attempts
+                    and time.monotonic() < until
+                ):
+                    await asyncio.sleep(0.01)
+            finally:
+                self._early_parts -= 1
+            st = self.attempts.get((r, a))
+        if st is None:
+            if r <= self.last_round or r > max(self.current_round, self.last_round) + 2:
+                raise web.HTTPConflict(text=f"round {r} is not open here")
+            st = self.attempts[(r, a)] = Attempt(r, a)
+        if not st.entered.is_set():
+            try:
+                await asyncio.wait_for(st.entered.wait(), self.timeouts.part)
+            except TimeoutError:
+                raise web.HTTPConflict(text=f"round {r} attempt {a} not started here") from None
+        if st.closed and not st.group:
+            raise web.HTTPConflict(text="peer is closing")
+        return st
+
+    def close_all(self) -> None:
+        """The swarm closes: every open attempt refuses further requests."""
+        for st in self.attempts.values():
+            st.close()
+
+    # ------------------------------------------------------------------ talking to the rendezvous
+    async def _ask(
+        self, what: str, refused: str, rest: str, payload: dict, deadline: float, round_: int | None = None
+    ) -> Any:
+        """A rendezvous request retried on connection errors until ``deadline``.
+
+        Raises:
+          RoundFail: the deadline passed, or the rendezvous refused (an HTTP error)."""
+        last: Exception | None = None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RoundFail(f"no {what} from the rendezvous before the round deadline ({last!r})")
+            if "wait_s" in payload:
+                payload["wait_s"] = max(left - 0.5, 0.0)
+            try:
+                return await self.transport.rendezvous("POST", rest, payload, left, round_=round_)
+            except _RETRIED as e:
+                last = e  # rendezvous down or restarting: try again until the deadline
+                await asyncio.sleep(min(0.25, max(left, 0)))
+            except (HTTPStatusError, PermissionError) as e:
+                raise RoundFail(f"rendezvous refused the {refused}: {e}") from e
+
+    async def vote(
+        self, r: int, epoch: str, a: int, phase: str, data: dict[str, Any], deadline: float
+    ) -> dict[str, Any]:
+        """This peer's ``phase`` vote (``"gather"`` / ``"commit"``) of attempt ``a``; the decision."""
+        payload = {"peer_id": self.peer_id, "epoch": epoch, "attempt": a, "phase": phase, "data": data}
+        return await self._ask(f"{phase} decision", f"{phase} vote", f"/rounds/{r}/vote", payload, deadline, round_=r)
+
+    async def _begin(self, deadline: float, expected: int | None = None) -> dict[str, Any]:
+        after = self.last_round if expected is None else expected - 1
+        payload = {
+            **self._hello(),
+            "after": after,
+            "part_s": self.timeouts.part,
+            "grace_s": self.timeouts.grace,
+            "max_attempts": self.timeouts.max_attempts,
+            "expect": expected is not None,
+            "wait_s": 0.0,
+        }
+        while True:
+            res = await self._ask("round", "round", "/rounds/begin", payload, deadline)
+            if res.get("missed") is not None:
+                raise RoundFail(f"missed round {expected}: round {res['missed']} runs without this peer")
+            if res.get("round") is not None:
+                return res
+
+    async def _arrival(self, deadline: float, r: int) -> dict[str, Any]:
+        """Tells the rendezvous this member is at round ``r`` (handed out with the last commit):
+        the round's part clock starts. Returns the answer (``{}`` when none came)."""
+        payload = {**self._hello(), "after": r - 1, "arrive": r}
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return {}
+            try:
+                return await self.transport.rendezvous("POST", "/rounds/begin", payload, left)
+            except _RETRIED as e:
+                log.debug("%s: arrival at round %d: %r", self.peer_id, r, e)
+                await asyncio.sleep(min(0.25, max(left, 0)))
+            except Exception as e:  # noqa: BLE001 - only a hint; the votes decide
+                log.info("%s: arrival at round %d refused: %r", self.peer_id, r, e)
+                return {}
+
+    def arrived(self, arrive: asyncio.Task[Any], r: int, t_part: float) -> float:
+        """The part deadline after the answer to our begin (arrival) request of round ``r``."""
+        res = arrive.result()
+        if res.get("round") != r:  # the round ended already (a fast peer) or was retried
+            log.debug("%s: rendezvous answered round %s to our arrival in %d", self.peer_id, res.get("round"), r)
+            return t_part
+        return time.monotonic() + float(res.get("part_left", self.timeouts.part))
+
+    # ------------------------------------------------------------------ one round
+    async def run(
+        self,
+        vec: np.ndarray,
+        weight: np.float32,
+        manifest: str,
+        expected: int | None = None,
+        state: tuple[int, str] | None = None,
+    ) -> tuple[np.ndarray, RoundRecord]:
+        """One round: the weighted mean of ``vec`` (float32, flat) over the round's contributors.
+
+        Raises:
+          RoundFailed: the round failed on this peer (its record says why).
+        """
+        algorithm = self.algorithm
+        assert algorithm is not None
+        async with self._lock:
+            t0 = time.monotonic()
+            deadline = t0 + self.timeouts.round
+            stats = {"sent": 0, "received": 0}
+            r, attempts, group = -1, 0, ()
+            diverged: tuple[str, ...] = ()
+
+            def record(ok: bool, **kw: Any) -> RoundRecord:
+                return RoundRecord(
+                    round=r,
+                    ok=ok,
+                    attempts=attempts,
+                    group=group,
+                    bytes_sent=stats["sent"],
+                    bytes_received=stats["received"],
+                    seconds=time.monotonic() - t0,
+                    codec=self.codec,
+                    algorithm=algorithm.name,
+                    diverged=tuple(diverged),
+                    **kw,
+                )
+
+            try:
+                arrive: asyncio.Task[Any] | None = None
+                nxt, self._next = self._next, None
+                if (
+                    nxt is not None
+                    and self.peer_id in nxt["group"]
+                    and int(nxt["round"]) > self.last_round
+                    and (expected is None or expected == int(nxt["round"]))
+                ):
+                    # the rendezvous handed us this round's group with the last commit: start at
+                    # once; the begin request only marks our arrival (it starts the round's
+                    # clock) and, when its answer comes, tightens our part deadline (left to
+                    # finish in the background: cancelling it would close a keep-alive
+                    # connection to the rendezvous)
+                    begin = nxt
+                    arrive = self._spawn(
+                        self._arrival(min(deadline, time.monotonic() + self.timeouts.part), int(nxt["round"]))
+                    )
+                else:
+                    begin = await self._begin(deadline, expected)
+                r, epoch = int(begin["round"]), str(begin["epoch"])
+                log.debug(
+                    "%s: round %d attempt %s with %s, %.3f s after the call%s",
+                    self.peer_id,
+                    r,
+                    begin.get("attempt"),
+                    begin.get("group"),
+                    time.monotonic() - t0,
+                    " (handed with the last commit)" if begin is nxt else "",
+                )
+                missed = expected is not None and r != expected
+                if missed:
+                    # Too late for `expected`; this peer is in round r's group, so it takes part
+                    # as an abstainer (zeros, a weight that vanishes next to any real one in
+                    # float32) rather than make the others wait out the part deadline; then it
+                    # reports the miss.
+                    vec = np.zeros_like(vec)
+                    weight = np.float32(ABSTAIN_WEIGHT)
+                a, group = int(begin["attempt"]), tuple(begin["group"])
+                log.debug(
+                    "%s: in round %d attempt %d",
+                    self.peer_id,
+                    r,
+                    a,
+                    extra={"rj_event": "round_begin", "rj_round": r, "rj_attempt": a},
+                )
+                membership = dict(begin.get("addresses") or {})
+                membership[self.peer_id] = self.transport.address or ""
+                self.current_round = r
+                inp = AttemptInput(
+                    membership, epoch, vec, weight, deadline, stats, float(begin.get("part_left", self.timeouts.part))
+                )
+                inp.arrive, inp.state = arrive, state
+                while True:
+                    attempts += 1
+                    out = await self._attempt(r, a, group, manifest, inp)
+                    inp.arrive = None  # its answer only matters to the first attempt
+                    if isinstance(out, Retry):
+                        a, group = out.attempt, out.group
+                        inp.part_left = self.timeouts.part
+                        log.info("%s: round %d retry %d with %s", self.peer_id, r, a, group)
+                        if self.peer_id not in group:
+                            raise RoundFail("left out of the retry group (too late)")
+                        continue
+                    diverged = out.diverged
+                    if missed:
+                        # total_weight tells the caller whether anybody contributed: only
+                        # abstainers (every member missed its round) means no peer is ahead
+                        nobody = out.total < 1e-20
+                        raise RoundFail(
+                            f"missed round {expected}: the swarm is at round {r}"
+                            + (" (no peer contributed to it)" if nobody else ""),
+                            total_weight=out.total,
+                        )
+                    if self.peer_id in diverged:
+                        raise RoundFail(
+                            f"diverged: this peer's global state after round {state[0] if state else '?'} "
+                            "differs from the swarm's; its contribution was left out"
+                        )
+                    rec = record(True, contributors=out.contributors, total_weight=out.total, digest=out.digest)
+                    return out.out, rec
+            except RoundFail as e:
+                rec = record(False, contributors=(), total_weight=e.total_weight, digest="", error=str(e))
+                raise RoundFailed(rec) from None
+            finally:
+                if r >= 0:
+                    self.last_round = max(self.last_round, r)
+                for key in [key for key in self.attempts if key[0] <= self.last_round]:
+                    self.attempts.pop(key).close()
+                # a round leaves reference cycles (tasks, exceptions and their frames) that hold
+                # payload-sized buffers; collect the young generations now so RSS stays flat
+                gc.collect(GC_GENERATION)
+
+    async def _attempt(
+        self, r: int, a: int, group: tuple[str, ...], manifest: str, inp: AttemptInput
+    ) -> Reduced | Retry:
+        if self.peer_id not in group:
+            raise RoundFail("not in the round's group")
+        algorithm = self.algorithm
+        assert algorithm is not None
+        st = self.attempts.get((r, a)) or Attempt(r, a)
+        self.attempts[(r, a)] = st
+        st.group, st.me, st.manifest, st.codec = group, group.index(self.peer_id), manifest, self.codec
+        algorithm.prepare(st, inp.vec.size)
+        out = await algorithm.run(st, inp)
+        if isinstance(out, Reduced):
+            self._next = out.next  # the next round's group, handed out with the commit
+        return out

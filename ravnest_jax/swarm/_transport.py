@@ -1,0 +1,361 @@
+"""The transport: authenticated, streamed messages between the peers of one run and to its
+rendezvous, over one aiohttp client session and this peer's aiohttp server.
+
+Every request and answer is signed with the run token (HMAC-SHA256 over method, path, run, peer,
+nonce and the SHA-256 of the body, see ``_auth.py``). Binary bodies stream both ways: a sender
+yields its buffer in chunks (no copy), a receiver hashes and decodes each chunk as the socket
+delivers it (:meth:`Transport.read_body`, the one part reader of butterfly, ring and the state
+transfer). The all-reduce algorithms, the state transfer and (later) pipeline activations are
+users of this layer; none of them signs, hashes or opens connections itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl as _ssl
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import aiohttp.http_exceptions
+import numpy as np
+from aiohttp import web
+
+from . import _auth
+from ._allreduce import CHUNK
+from ._codec import NonFiniteError, PartDecoder, WireFormatError
+from ._http import HTTPStatusError, json_response, signed_json
+from ._types import SwarmError, Timeouts
+
+log = logging.getLogger("ravnest_jax.swarm")
+
+READ_BUFSIZE = 1 << 22  # bytes buffered per connection before reading pauses
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def why(e: BaseException | None) -> str:
+    """One short line for a connection error (aiohttp's repr spans a screen)."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return str(e.os_error.strerror or e.os_error)
+    return "no answer" if e is None else f"{type(e).__name__}: {e}"
+
+
+class Transport:
+    """Signed, streamed requests between this peer, the other peers of its run and the rendezvous.
+
+    Args:
+      rendezvous_url: base URL of the rendezvous (no trailing ``/``).
+      run_id: the run; every path is under ``/v1/runs/{run_id}``.
+      token: the run token (bytes, non-empty): signs and verifies every message.
+      peer_id: this peer's id (the signer of what it sends).
+      timeouts: connect deadline (seconds) of every connection.
+      listen: ``(host, port)`` to bind; port 0 picks a free one (see :attr:`port`).
+      ssl: server-side ``ssl.SSLContext`` or ``None``.
+      client_ssl: ``ssl=`` of outgoing requests (``None``: aiohttp's defaults).
+      advertise: the base URL other peers use to reach this one (default: guessed, see
+        :meth:`start`).
+
+    Routes are added with :meth:`route` before :meth:`start`. All methods but the constructor,
+    :meth:`route` and :meth:`verify` run on the swarm's event loop.
+    """
+
+    def __init__(
+        self,
+        *,
+        rendezvous_url: str,
+        run_id: str,
+        token: bytes,
+        peer_id: str,
+        timeouts: Timeouts,
+        listen: tuple[str, int],
+        ssl: _ssl.SSLContext | None = None,
+        client_ssl: Any = None,
+        advertise: str | None = None,
+    ):
+        self.rendezvous_url, self.run_id, self.peer_id = rendezvous_url, run_id, peer_id
+        self.token = token
+        self.timeouts = timeouts
+        self._listen = listen
+        self._ssl = ssl
+        self.client_ssl = client_ssl
+        self._advertise = advertise
+        self._nonces = _auth.NonceCache()
+        self._routes: list[tuple[str, str, Handler]] = [("GET", "/health", self._h_health)]
+        self.port: int | None = None
+        self.address: str | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+
+    # ------------------------------------------------------------------ server
+    def route(self, method: str, path: str, handler: Handler) -> None:
+        """Serve ``handler`` at ``path`` (relative to ``/v1/runs/{run_id}``, aiohttp route syntax)."""
+        self._routes.append((method, "/v1/runs/{run_id}" + path, handler))
+
+    async def start(self) -> None:
+        """Opens the client session and binds the server.
+
+        Raises:
+          SwarmError: the listen address cannot be bound (one line naming it and why).
+        """
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=256, ssl=self.client_ssl if self.client_ssl is not None else True),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect),
+            read_bufsize=READ_BUFSIZE,
+        )
+        app = web.Application(client_max_size=1 << 20)
+        for method, path, handler in self._routes:
+            app.router.add_route(method, path, handler)
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=1.0, read_bufsize=READ_BUFSIZE
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._listen[0], self._listen[1], ssl_context=self._ssl, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as e:
+            raise SwarmError(f"cannot listen on {self._listen[0]}:{self._listen[1]}: {e.strerror or e}") from None
+        server = site._server
+        assert isinstance(server, asyncio.base_events.Server)
+        self.port = server.sockets[0].getsockname()[1]
+        self.address = self._advertise or self._guess_address()
+
+    async def stop(self) -> None:
+        """Stops the server and closes the session (idempotent)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+            # let the connector's transports finish closing before the loop stops (aiohttp's
+            # graceful-shutdown advice); otherwise they are reported as unclosed at GC time
+            await asyncio.sleep(0.1)
+
+    def _guess_address(self) -> str:
+        scheme = "https" if self._ssl is not None else "http"
+        host = self._listen[0]
+        if host in ("0.0.0.0", "::", ""):
+            u = urllib.parse.urlsplit(self.rendezvous_url)
+            try:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    s.connect((u.hostname or "127.0.0.1", u.port or 80))  # no packet is sent
+                    host = s.getsockname()[0]
+            except OSError:
+                host = "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{scheme}://{host}:{self.port}"
+
+    async def _h_health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    # ------------------------------------------------------------------ receiving
+    def verify(self, request: web.Request, extra: str = "") -> tuple[str, str]:
+        """Checks a request's run and signature; returns ``(sender peer id, claimed body digest)``.
+
+        Raises:
+          web.HTTPNotFound: another run's path. web.HTTPUnauthorized: a bad or replayed signature.
+        """
+        if request.match_info.get("run_id") != self.run_id:
+            raise web.HTTPNotFound(text="unknown run")
+        try:
+            peer, _, body = _auth.verify(
+                self.token,
+                request.headers,
+                method=request.method,
+                path=request.path,
+                run_id=self.run_id,
+                nonces=self._nonces,
+                extra=extra,
+            )
+        except _auth.AuthError as e:
+            raise web.HTTPUnauthorized(text=f"unauthorized: {e}") from None
+        return peer, body
+
+    async def read_body(
+        self,
+        request: web.Request,
+        dec: PartDecoder,
+        claimed: str,
+        limit: int,
+        stop: Callable[[], bool],
+        raw: bytearray | None = None,
+        what: str = "part",
+    ) -> tuple[np.ndarray, str]:
+        """Streams a signed binary body into ``dec``: one pass that hashes (the signed body
+        digest) and decodes each chunk as the socket delivers it (no re-chunking, no whole-body
+        copy); ``raw`` also gets the bytes (a message forwarded unchanged).
+
+        Returns:
+          ``(decoded float32 vector, hex SHA-256 of the body)``.
+
+        Raises (the HTTP error the sender gets):
+          web.HTTPConflict: ``stop()`` became true (too late). web.HTTPUnauthorized: the body
+          does not match its signed digest. web.HTTPRequestEntityTooLarge: over ``limit`` bytes.
+          web.HTTPBadRequest: a malformed or non-finite body, or one cut off mid-way.
+        """
+        h = _auth.body_hasher()
+        try:
+            async for chunk, _ in request.content.iter_chunks():
+                h.update(chunk)
+                dec.feed(chunk)
+                if raw is not None:
+                    raw += chunk
+                if stop():
+                    raise web.HTTPConflict(text="too late")
+            if not _auth.digest_matches(claimed, h.hexdigest()):
+                raise web.HTTPUnauthorized(text="body does not match its signed digest")
+            return dec.finish(), h.hexdigest()
+        except (WireFormatError, NonFiniteError) as e:
+            if dec.nbytes > limit:
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=dec.nbytes) from None
+            raise web.HTTPBadRequest(text=f"bad {what}: {e}") from None
+        except (
+            aiohttp.ClientPayloadError,
+            ConnectionError,
+            asyncio.IncompleteReadError,
+            aiohttp.http_exceptions.HttpProcessingError,
+        ) as e:
+            # the sender vanished mid-body (killed, network gone): nothing was stored
+            log.info("%s: body from %s cut off: %r", self.peer_id, request.headers.get(_auth.H_PEER), e)
+            raise web.HTTPBadRequest(text="body cut off") from None
+
+    def reply(self, request: web.Request, payload: Any) -> web.Response:
+        """A signed JSON answer to ``request``."""
+        return json_response(request, self.token, self.run_id, self.peer_id, payload)
+
+    def sign_response(self, request: web.Request, body_digest: str) -> dict[str, str]:
+        """Signature headers of a binary answer to ``request`` whose body hashes to ``body_digest``."""
+        return _auth.sign(
+            self.token,
+            method="RESPONSE",
+            path=request.path,
+            run_id=self.run_id,
+            peer=self.peer_id,
+            body_digest=body_digest,
+        )
+
+    # ------------------------------------------------------------------ sending
+    def path(self, rest: str) -> str:
+        """The full path of ``rest`` under this run: ``/v1/runs/{run_id}{rest}``."""
+        return f"/v1/runs/{self.run_id}{rest}"
+
+    async def rendezvous(self, method: str, rest: str, payload: Any, total: float, round_: int | None = None) -> Any:
+        """One signed JSON request to the rendezvous; returns its verified JSON answer.
+
+        Raises:
+          HTTPStatusError: a non-200 answer. PermissionError: an answer not signed with the token.
+          TimeoutError, aiohttp.ClientError, OSError: no answer in ``total`` seconds.
+        """
+        assert self.session is not None
+        return await signed_json(
+            self.session,
+            self.rendezvous_url,
+            method,
+            self.path(rest),
+            token=self.token,
+            run_id=self.run_id,
+            peer=self.peer_id,
+            payload=payload,
+            round_=round_,
+            ssl=self.client_ssl,
+            timeout=aiohttp.ClientTimeout(total=max(total, 0.05), sock_connect=self.timeouts.connect),
+        )
+
+    async def body_chunks(self, data: bytes, kind: str) -> AsyncIterator[memoryview]:
+        """The chunks a PUT of ``data`` streams (views, no copy). ``kind`` names the message
+        (``"part"``, ``"result"``, ``"ring"``); a test transport overrides this to send slowly."""
+        mv = memoryview(data)
+        for off in range(0, len(data), CHUNK):
+            yield mv[off : off + CHUNK]
+
+    async def put(
+        self,
+        address: str,
+        rest: str,
+        data: bytes,
+        *,
+        digest: str,
+        round_: int,
+        extra: str,
+        headers: dict[str, str],
+        timeout: float,
+        kind: str,
+    ) -> int:
+        """One signed, streamed PUT of ``data`` (body digest ``digest``; ``extra``: the headers'
+        values that the signature covers too) to the peer at ``address``, over the session's
+        keep-alive connections.
+
+        Returns:
+          the bytes sent, once the receiver answered 200.
+
+        Raises:
+          HTTPStatusError: any other answer. TimeoutError, aiohttp.ClientError, OSError.
+        """
+        assert self.session is not None
+        path = self.path(rest)
+        signed = _auth.sign(
+            self.token,
+            method="PUT",
+            path=path,
+            run_id=self.run_id,
+            peer=self.peer_id,
+            round_=round_,
+            body_digest=digest,
+            extra=extra,
+        )
+        signed.update(headers)
+        signed["Content-Length"] = str(len(data))
+        signed["Content-Type"] = "application/octet-stream"
+        async with self.session.put(
+            address.rstrip("/") + path,
+            data=self.body_chunks(data, kind),
+            headers=signed,
+            ssl=self.client_ssl,
+            timeout=aiohttp.ClientTimeout(total=max(timeout, 0.05), sock_connect=self.timeouts.connect),
+        ) as resp:
+            text = await resp.content.read(4096)
+            if resp.status != 200:
+                raise HTTPStatusError(resp.status, text.decode(errors="replace"))
+        return len(data)
+
+    async def get(self, address: str, rest: str, timeout: float, max_bytes: int) -> bytes:
+        """One signed GET of a binary resource from the peer at ``address``; the answer's
+        signature and body digest are checked while it streams in.
+
+        Raises:
+          HTTPStatusError: a non-200 answer, or a body over ``max_bytes`` (502).
+          PermissionError: an answer not signed with the run token, or a body that does not
+          match its signed digest. TimeoutError, aiohttp.ClientError, OSError.
+        """
+        assert self.session is not None
+        path = self.path(rest)
+        headers = _auth.sign(self.token, method="GET", path=path, run_id=self.run_id, peer=self.peer_id)
+        async with self.session.get(
+            address.rstrip("/") + path,
+            headers=headers,
+            ssl=self.client_ssl,
+            timeout=aiohttp.ClientTimeout(total=max(timeout, 0.05), sock_connect=self.timeouts.connect),
+        ) as resp:
+            if resp.status != 200:
+                raise HTTPStatusError(resp.status, (await resp.content.read(4096)).decode(errors="replace"))
+            try:
+                _auth.verify(self.token, resp.headers, method="RESPONSE", path=path, run_id=self.run_id)
+            except _auth.AuthError as e:
+                raise PermissionError(f"answer not signed with the run token: {e}") from None
+            if (resp.content_length or 0) > max_bytes:
+                raise HTTPStatusError(502, f"answer larger than {max_bytes} bytes")
+            h = _auth.body_hasher()
+            buf = bytearray()
+            async for chunk, _ in resp.content.iter_chunks():
+                h.update(chunk)
+                buf += chunk
+                if len(buf) > max_bytes:
+                    raise HTTPStatusError(502, f"answer larger than {max_bytes} bytes")
+            if not _auth.digest_matches(resp.headers[_auth.H_BODY], h.hexdigest()):
+                raise PermissionError("answer does not match its signed digest")
+            return bytes(buf)
+

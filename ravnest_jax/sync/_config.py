@@ -1,0 +1,96 @@
+"""The options of :class:`~ravnest_jax.sync.OuterSync`, checked before anything compiles."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ravnest_jax.optim import DiLoCo
+
+MODES = ("blocking", "delayed", "eager")
+
+
+def check_options(
+    tx: Any,
+    swarm: Any,
+    mode: str,
+    overlap_steps: Any,
+    max_overlap_steps: Any,
+    alpha: Any,
+    samples_per_step: Any,
+    sync_every_seconds: Any,
+    codec: str | None,
+    *,
+    processes: int,
+    leader: bool,
+) -> int | None:
+    """Checks :class:`OuterSync`'s options (see its docstring); returns ``max_overlap_steps``
+    (its default filled in with ``"auto"``, else ``None``).
+
+    Raises:
+      ValueError: one line naming the bad option and what it must be.
+    """
+    if not isinstance(tx, DiLoCo):
+        raise ValueError("tx must be the transformation returned by rj.diloco")
+    if tx.axis_name is not None:
+        raise ValueError("tx: OuterSync drives rounds from the host; build it with axis_name=None")
+    if swarm is None and not (processes > 1 and not leader):
+        raise ValueError(
+            "swarm must be an rj.Swarm; None only on the processes other than 0 of a peer that "
+            "spans several processes (jax.distributed)"
+        )
+    if swarm is None and codec is None:
+        raise ValueError("codec must be given with swarm=None (the codec of process 0's swarm)")
+    if swarm is not None and not hasattr(swarm, "all_reduce_async"):
+        raise ValueError("swarm must provide all_reduce_async(tree, weight=...) (an rj.Swarm)")
+    if swarm is not None and codec is not None and codec != getattr(swarm, "codec", "fp32"):
+        raise ValueError(f"codec {codec!r} is not the swarm's codec {getattr(swarm, 'codec', 'fp32')!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    auto = overlap_steps == "auto"
+    gap = tx.sync_every // tx.fragments if tx.fragments > 1 else tx.sync_every
+    if auto:
+        if mode == "blocking":
+            raise ValueError("overlap_steps='auto' does not apply to mode='blocking' (tau = 0)")
+        if processes > 1:
+            raise ValueError(
+                "overlap_steps='auto' needs a peer of one process (every process "
+                "of a multi-process peer must merge at the same step)"
+            )
+        if gap < 2:
+            raise ValueError(f"overlap_steps='auto' needs at least 2 steps between rounds, got {gap}")
+        if max_overlap_steps is None:
+            max_overlap_steps = max(1, min(gap - 1, tx.sync_every // 10))
+        if (
+            isinstance(max_overlap_steps, bool)
+            or not isinstance(max_overlap_steps, int)
+            or not 1 <= max_overlap_steps < gap
+        ):
+            raise ValueError(
+                f"max_overlap_steps must be an int in [1, {gap - 1}] (below the steps "
+                f"between rounds), got {max_overlap_steps!r}"
+            )
+    else:
+        if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or overlap_steps < 0:
+            raise ValueError(f"overlap_steps must be an int >= 0 or 'auto', got {overlap_steps!r}")
+        if max_overlap_steps is not None:
+            raise ValueError("max_overlap_steps applies only to overlap_steps='auto'")
+        if mode == "blocking" and overlap_steps != 0:
+            raise ValueError("overlap_steps must be 0 in mode='blocking'")
+        if mode == "eager" and overlap_steps < 1:
+            raise ValueError("overlap_steps must be >= 1 in mode='eager' (tau = 0 is 'blocking')")
+        if sync_every_seconds is None and overlap_steps >= gap:
+            raise ValueError(
+                f"overlap_steps ({overlap_steps}) must be smaller than the steps between rounds "
+                f"({gap} = sync_every / fragments)"
+            )
+    if not (isinstance(alpha, (int, float)) and 0.0 <= float(alpha) <= 1.0):
+        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
+    if not (isinstance(samples_per_step, (int, float)) and math.isfinite(samples_per_step) and samples_per_step > 0):
+        raise ValueError(f"samples_per_step must be a finite number > 0, got {samples_per_step!r}")
+    if sync_every_seconds is not None:
+        if not (isinstance(sync_every_seconds, (int, float)) and sync_every_seconds > 0):
+            raise ValueError(f"sync_every_seconds must be > 0, got {sync_every_seconds!r}")
+        if tx.fragments > 1:
+            raise ValueError("sync_every_seconds works with fragments=1 only")
+    return max_overlap_steps if auto else None

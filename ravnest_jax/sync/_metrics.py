@@ -1,0 +1,128 @@
+"""What rounds cost and produced: :class:`RoundMetrics` per round, and the totals a peer reports
+(:func:`summarize`; under ``ravnest-jax local`` also to the launcher's pipe)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundMetrics:
+    """What one outer round cost and produced on this peer.
+
+    Attributes:
+      round: exchange number on this peer's schedule (0, 1, ...; one per fragment round).
+      fragment: the fragment synchronised (0 without fragments).
+      step: inner step at the round boundary.
+      merged_at_step: inner step at which the result was merged (``step + overlap``).
+      ok: the round produced a result that was merged.
+      swarm_round: the swarm's round number (``-1`` if unknown).
+      group_size: peers that contributed to the mean.
+      bytes_sent: body bytes this peer sent in the exchange.
+      bytes_received: body bytes it received.
+      payload_bytes: encoded size of this peer's pseudo-gradient (bytes).
+      codec_ratio: ``payload_bytes`` / float32 size of the pseudo-gradient.
+      exchange_seconds: wall time from the round boundary until the result was in (seconds).
+      overlap_steps: tau of this round: inner steps from its boundary to its merge (chosen per
+        round with ``overlap_steps="auto"``).
+      stall_seconds: time the training loop blocked waiting for this round (seconds).
+      compute_utilisation: ``1 - stall / wall`` over the inner steps since the previous round.
+      result_digest: digest of the averaged pseudo-gradient (equal on every contributor).
+      state_digest: digest of the global params and outer state after the merge (equal on every
+        live peer when they agree).
+      error: why the round failed, else ``None``.
+    """
+
+    round: int
+    fragment: int
+    step: int
+    merged_at_step: int
+    ok: bool
+    swarm_round: int
+    group_size: int
+    bytes_sent: int
+    bytes_received: int
+    payload_bytes: int
+    codec_ratio: float
+    exchange_seconds: float
+    stall_seconds: float
+    compute_utilisation: float
+    result_digest: str
+    state_digest: str
+    error: str | None = None
+    overlap_steps: int = 0
+
+
+def round_metrics(
+    seq: int,
+    fragment: int,
+    step: int,
+    merged_at_step: int,
+    exchange_seconds: float,
+    stall_seconds: float,
+    utilisation: float,
+    *,
+    record: Any = None,
+    payload_bytes: int = 0,
+    float_bytes: int = 0,
+    state_digest: str = "",
+    error: str | None = None,
+) -> RoundMetrics:
+    """The :class:`RoundMetrics` of a merged round (``error`` None, with the swarm's ``record``)
+    or of a failed one (``error`` set: no bytes, no digests, ``codec_ratio`` NaN)."""
+    ok = error is None
+    return RoundMetrics(
+        round=seq,
+        fragment=fragment,
+        step=step,
+        merged_at_step=merged_at_step,
+        ok=ok,
+        swarm_round=int(getattr(record, "round", -1)) if ok else -1,
+        group_size=len(getattr(record, "contributors", ()) or ()) if ok else 0,
+        bytes_sent=int(getattr(record, "bytes_sent", 0)) if ok else 0,
+        bytes_received=int(getattr(record, "bytes_received", 0)) if ok else 0,
+        payload_bytes=payload_bytes if ok else 0,
+        codec_ratio=payload_bytes / max(float_bytes, 1) if ok else math.nan,
+        exchange_seconds=exchange_seconds,
+        stall_seconds=stall_seconds,
+        compute_utilisation=utilisation,
+        result_digest=str(getattr(record, "digest", "")) if ok else "",
+        state_digest=state_digest if ok else "",
+        error=error,
+        overlap_steps=merged_at_step - step,
+    )
+
+
+def summarize(metrics: list[RoundMetrics], failed_rounds: int, resyncs: int, stall_seconds: float) -> dict:
+    """Totals over ``metrics``: rounds, failures, resyncs, bytes, stall seconds, mean utilisation,
+    mean overlap tau (steps). Means over no round are ``None`` (the dict is strict JSON)."""
+    ok = [m for m in metrics if m.ok]
+    return {
+        "rounds": len(ok),
+        "mean_overlap_steps": float(np.mean([m.overlap_steps for m in ok])) if ok else None,
+        "failed_rounds": failed_rounds,
+        "resyncs": resyncs,
+        "bytes_sent": int(sum(m.bytes_sent for m in metrics)),
+        "bytes_received": int(sum(m.bytes_received for m in metrics)),
+        "stall_seconds": stall_seconds,
+        "compute_utilisation": float(np.mean([m.compute_utilisation for m in ok])) if ok else None,
+        "last_state_digest": ok[-1].state_digest if ok else "",
+    }
+
+
+def report_summary(summary: dict) -> None:
+    """Under ``ravnest-jax local``: one JSON line of :meth:`OuterSync.summary` to the launcher's
+    pipe (``$RAVNEST_SUMMARY_FD``). Elsewhere nothing."""
+    fd = os.environ.get("RAVNEST_SUMMARY_FD")
+    if not fd:
+        return
+    try:
+        os.write(int(fd), (json.dumps(summary) + "\n").encode())
+    except (OSError, ValueError, TypeError):  # not our launcher's pipe
+        pass

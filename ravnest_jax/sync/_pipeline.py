@@ -1,0 +1,246 @@
+"""The rounds in flight of one :class:`~ravnest_jax.sync.OuterSync`: started at a boundary, run
+beside training, waited for and merged when due.
+
+A round start is one jitted call (the pseudo-gradient, encoded on the device with error
+feedback, see ``_round_fns.py``) and a non-blocking device-to-host copy; the exchange runs on one
+worker thread (rounds in the same order on every peer); the merge is one jitted call. The
+training thread never waits here unless a result is due and not in yet.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from ravnest_jax.optim import DiLoCo, RoundSnapshot
+
+from ._digest import digest_hex
+from ._exchange import exchange, share_result
+from ._layout import layout_of, put_like, split_host
+from ._round_fns import RoundFunctions
+from ._schedule import Plan
+
+
+@dataclasses.dataclass
+class Pending:
+    """A round in flight.
+
+    Attributes:
+      seq: this driver's exchange number.
+      fragment: the fragment it synchronises.
+      step: the inner step of its boundary.
+      due_step: the inner step it merges at (``step + tau``).
+      snapshot: the round's :class:`RoundSnapshot`.
+      spec_params: eager mode: the speculative anchor the params restarted from, else ``None``.
+      future: the exchange's future (``None`` result on processes other than 0).
+      started: ``time.perf_counter()`` at the boundary (seconds).
+      done_at: ``[perf_counter when the result was in]``, set by the future's callback.
+    """
+
+    seq: int
+    fragment: int
+    step: int
+    due_step: int
+    snapshot: RoundSnapshot
+    spec_params: Any
+    future: concurrent.futures.Future
+    started: float
+    done_at: list
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What a round produced on this peer (:meth:`RoundPipeline.wait`).
+
+    Attributes:
+      mean: the averaged pseudo-gradient, float32 ``(n,)``, or ``None`` when the round failed.
+      record: the swarm's ``RoundRecord`` (``None`` when failed, or not process 0).
+      payload_bytes, float_bytes: this peer's encoded and float32 sizes (bytes).
+      error: why the round failed (one line), else ``None``; ``exc`` the exception.
+      stall_seconds: how long the wait blocked the training thread.
+      exchange_seconds: from the boundary until the result was in.
+    """
+
+    mean: np.ndarray | None
+    record: Any
+    payload_bytes: int
+    float_bytes: int
+    error: str | None
+    exc: BaseException | None
+    stall_seconds: float
+    exchange_seconds: float
+
+
+class RoundPipeline:
+    """Starts, waits for and merges rounds (see the module docstring).
+
+    Args:
+      tx: the :func:`rj.diloco` transformation.
+      swarm: the exchange (``None`` on the processes other than 0 of a multi-process peer).
+      fns: the jitted round functions.
+      alpha: mixing weight of the merge.
+      error_feedback: carry the codec's residual into the fragment's next round (lossy codecs).
+      seed: PRNG seed of stochastic rounding (folded with the exchange number).
+    """
+
+    def __init__(
+        self,
+        tx: DiLoCo,
+        swarm: Any,
+        fns: RoundFunctions,
+        *,
+        alpha: float,
+        error_feedback: bool,
+        eager: bool,
+        seed: int,
+    ):
+        self.tx, self.swarm, self.fns = tx, swarm, fns
+        self.alpha, self.eager = alpha, eager
+        self.error_feedback = error_feedback and fns.codec != "fp32"
+        self._key = jax.random.key(seed)
+        self._processes = jax.process_count()
+        self._leader = jax.process_index() == 0
+        self.pending: collections.deque[Pending] = collections.deque()
+        # per fragment: the error-feedback residual, a list of float32 leaves laid out like the
+        # params (or a flat host vector restored from a checkpoint, cut into leaves at the next round)
+        self.residual: dict[int, list | np.ndarray] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rj-sync")
+
+    def _frag(self, fragment: int) -> int | None:
+        return None if self.tx.fragments == 1 else fragment
+
+    def compile(self, params: Any, state: Any) -> None:
+        """Compiles every round function for these params and state (runs nothing)."""
+        layout = layout_of(params, state)
+        for fragment in range(self.tx.fragments):
+            like = self.tx.fragment_leaves(params, self._frag(fragment))
+            f32 = [
+                jax.ShapeDtypeStruct(np.shape(x), np.float32, sharding=None if layout is None else x.sharding)
+                for x in like
+            ]
+            residual = f32 if self.error_feedback else None
+            key = jax.random.fold_in(self._key, 0)
+            start = self.fns.start(fragment, layout)
+            snap, _, _ = jax.eval_shape(start, params, state, residual, key)
+            start.lower(params, state, residual, key).compile()
+            self.fns.merge(fragment, layout).lower(params, state, f32, snap, self.alpha).compile()
+            if self.eager:
+                self.fns.speculate(fragment, layout).lower(params, state, snap).compile()
+
+    def _residual_for(self, fragment: int, params: Any) -> list | None:
+        if not self.error_feedback:
+            return None
+        like = self.tx.fragment_leaves(params, self._frag(fragment))
+        residual = self.residual.get(fragment)
+        if residual is None:
+            return put_like([np.zeros(np.shape(x), np.float32) for x in like], like)
+        if not isinstance(residual, list):  # restored from a checkpoint: a flat host vector
+            return put_like(split_host(np.asarray(residual, np.float32), like), like)
+        return residual
+
+    def start(
+        self, fragment: int, params: Any, state: Any, step: int, plan: Plan, last_state: tuple[int, str] | None
+    ) -> Any:
+        """Starts round ``plan.seq`` of ``fragment`` at inner step ``step``, merging at ``step +
+        plan.tau``, with ``plan.weight`` (its swarm round ``plan.expected`` when known);
+        ``last_state``: ``(swarm round, state digest)`` for the divergence check. Returns the
+        params (eager mode: restarted from the speculative anchor; else unchanged).
+        """
+        seq = plan.seq
+        layout = layout_of(params, state)
+        key = jax.random.fold_in(self._key, seq)
+        started = time.perf_counter()
+        snap, packed, new_res = self.fns.start(fragment, layout)(
+            params, state, self._residual_for(fragment, params), key
+        )
+        if new_res is not None:
+            self.residual[fragment] = new_res
+        if self._processes > 1:
+            # a peer over several processes: the packed parts (compressed) to every host, here,
+            # in the training thread (a collective: all processes issue it in the same order)
+            packed = multihost_utils.process_allgather(packed, tiled=True)
+        else:
+            for leaf in jax.tree.leaves(packed):
+                leaf.copy_to_host_async()
+        if self.swarm is not None:
+            future = self._pool.submit(
+                exchange, self.swarm, packed, plan.weight, plan.expected, last_state, plan.learn_round
+            )
+        else:  # not process 0 of a multi-process peer: the mean comes from process 0 at the merge
+            future = concurrent.futures.Future()
+            future.set_result(None)
+        done_at: list = [None]
+        future.add_done_callback(lambda _: done_at.__setitem__(0, time.perf_counter()))
+        spec = None
+        if self.eager:
+            params, spec = self.fns.speculate(fragment, layout)(params, state, snap)
+        self.pending.append(Pending(seq, fragment, step, step + plan.tau, snap, spec, future, started, done_at))
+        return params
+
+    def wait(self, p: Pending) -> Outcome:
+        """Blocks until round ``p``'s exchange is over (a peer over several processes: shares
+        process 0's outcome with the others)."""
+        t0 = time.perf_counter()
+        mean = record = exc = error = None
+        payload_bytes = float_bytes = 0
+        try:
+            result = p.future.result()
+            if result is not None:
+                mean, record, payload_bytes, float_bytes = result[:4]
+        except Exception as e:  # noqa: BLE001 - a failed round is reported, then resynced
+            exc, error = e, f"{type(e).__name__}: {e}"
+        if self._processes > 1:
+            mean, error = share_result(self._leader, p.snapshot.pseudo_gradient, mean, error)
+        now = time.perf_counter()
+        return Outcome(
+            mean, record, payload_bytes, float_bytes, error, exc, now - t0, (p.done_at[0] or now) - p.started
+        )
+
+    def merge(self, p: Pending, params: Any, state: Any, mean: np.ndarray | None) -> tuple[Any, Any, str]:
+        """Merges round ``p`` with ``mean`` (float32 ``(n,)``); ``mean=None``: with this peer's own
+        pseudo-gradient (an eager round that found no live peer: a swarm of one). Returns
+        ``(params, state, state digest hex)``."""
+        snap = p.snapshot if p.spec_params is None else p.snapshot._replace(params=p.spec_params)
+        like = jax.tree.leaves(p.snapshot.pseudo_gradient)
+        # the same layout as the params
+        mean_leaves = list(like) if mean is None else put_like(split_host(mean, like), like)
+        params, state, digest = self.fns.merge(p.fragment, layout_of(params, state))(
+            params, state, mean_leaves, snap, self.alpha
+        )
+        return params, state, digest_hex(digest)
+
+    def residual_state(self, params: Any) -> dict[str, np.ndarray]:
+        """Every fragment's residual as one flat float32 host vector in leaf order (zeros before
+        its first round), by fragment number as a str: the checkpoint's ``residual``."""
+        out = {}
+        for f in range(self.tx.fragments):
+            n = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in self.tx.fragment_leaves(params, self._frag(f)))
+            r = self.residual.get(f)
+            if r is None:
+                out[str(f)] = np.zeros((n,), np.float32)
+            elif isinstance(r, list):  # per leaf, on the devices
+                host = jax.device_get(r)
+                flat = [np.ravel(np.asarray(a, np.float32)) for a in host]
+                out[str(f)] = np.concatenate(flat) if flat else np.zeros((0,), np.float32)
+            else:
+                out[str(f)] = np.asarray(r, np.float32)
+        return out
+
+    def load_residual(self, residual: dict) -> None:
+        """Restores :meth:`residual_state`'s dict (flat host vectors, cut into leaves at the next
+        round); all-zero ones are dropped."""
+        self.residual = {int(f): np.asarray(r, np.float32) for f, r in residual.items() if np.any(np.asarray(r))}
+
+    def close(self) -> None:
+        """Abandons the rounds in flight (the swarm cancels an exchange when it closes)."""
+        for p in self.pending:
+            p.future.cancel()
+        self.pending.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)

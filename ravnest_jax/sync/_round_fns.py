@@ -1,0 +1,109 @@
+"""The jitted round functions of :class:`~ravnest_jax.sync.OuterSync`: the DiLoCo math of
+:class:`~ravnest_jax.optim.DiLoCo` (``round_start``, ``speculate``, ``round_merge``) with the
+device-side encode and the state digest, compiled once per fragment and params/state layout."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ravnest_jax import compress
+from ravnest_jax.optim import DiLoCo
+
+from ._digest import device_digest
+from ._layout import encode_on_mesh
+
+
+class RoundFunctions:
+    """Builds and caches the jitted round functions of one ``tx`` and codec.
+
+    Every function is keyed by ``(kind, fragment, layout)``, with ``layout`` from
+    :func:`~ravnest_jax.sync._layout.layout_of` (``None`` on one device); on a mesh the merged
+    params and state come back with exactly the shardings they had.
+
+    Args:
+      tx: the :func:`rj.diloco` transformation.
+      codec, codec_options: the device-side encode of the pseudo-gradient.
+      keep_local_progress: the merge keeps the local progress since the boundary (every mode
+        but ``"blocking"``).
+    """
+
+    def __init__(self, tx: DiLoCo, codec: str, codec_options: dict, keep_local_progress: bool):
+        self.tx, self.codec, self.codec_options = tx, codec, dict(codec_options)
+        self.keep_local_progress = keep_local_progress
+        self.cache: dict[tuple, Callable] = {}  # (kind, fragment, layout) -> jitted function
+
+    def _frag(self, fragment: int) -> int | None:
+        return None if self.tx.fragments == 1 else fragment
+
+    @staticmethod
+    def _shardings(layout: tuple | None) -> tuple[Any, Any]:
+        if layout is None:
+            return None, None
+        return jax.tree.unflatten(layout[1], list(layout[2])), jax.tree.unflatten(layout[3], list(layout[4]))
+
+    def _cached(self, kind: str, fragment: int, layout: tuple | None, build: Callable[[], Callable]) -> Callable:
+        key = (kind, fragment, layout)
+        fn = self.cache.get(key)
+        if fn is None:
+            fn = self.cache[key] = build()
+        return fn
+
+    def start(self, fragment: int, layout: tuple | None) -> Callable:
+        """``start(params, state, residual, key) -> (snapshot, packed, new_residual)``: the
+        round's :class:`RoundSnapshot` and its pseudo-gradient encoded on the device (one packed
+        leaf per pseudo-gradient leaf: blocks never straddle two leaves, so every shard of a leaf
+        encodes on its own device), with error feedback when ``residual`` is given."""
+        tx, frag, codec, opts = self.tx, self._frag(fragment), self.codec, self.codec_options
+        mesh = None if layout is None else layout[0]
+
+        def build() -> Callable:
+            def encode(leaves, residual, key):
+                return compress.device_encode(leaves, codec, key=key, residual=residual, **opts)
+
+            def start(params, state, residual, key):
+                snap = tx.round_start(params, state, frag)
+                leaves = list(jax.tree.leaves(snap.pseudo_gradient))
+                packed, new_res = encode_on_mesh(encode, mesh, leaves, residual, key)
+                return snap, packed, new_res
+
+            return jax.jit(start)
+
+        return self._cached("start", fragment, layout, build)
+
+    def merge(self, fragment: int, layout: tuple | None) -> Callable:
+        """``merge(params, state, mean_leaves, snapshot, alpha) -> (params, state, digest)``:
+        ``tx.round_merge`` with the mean (a list of float32 leaves like the snapshot's
+        pseudo-gradient) and the device digest of ``(global_params, outer_state)`` after it."""
+        tx, frag, keep = self.tx, self._frag(fragment), self.keep_local_progress
+        params_sh, state_sh = self._shardings(layout)
+
+        def build() -> Callable:
+            def merge(params, state, mean_leaves, snap, alpha):
+                mean = jax.tree.unflatten(jax.tree.structure(snap.pseudo_gradient), list(mean_leaves))
+                params, state = tx.round_merge(
+                    params, state, mean, snap, fragment=frag, alpha=alpha, keep_local_progress=keep
+                )
+                return params, state, device_digest((state.global_params, state.outer_state))
+
+            if layout is None:
+                return jax.jit(merge)
+            return jax.jit(merge, out_shardings=(params_sh, state_sh, None))
+
+        return self._cached("merge", fragment, layout, build)
+
+    def speculate(self, fragment: int, layout: tuple | None) -> Callable:
+        """``speculate(params, state, snapshot) -> (params, anchor)``: ``tx.speculate`` (eager
+        updates, arXiv 2502.12996)."""
+        tx, frag = self.tx, self._frag(fragment)
+        params_sh, _ = self._shardings(layout)
+
+        def build() -> Callable:
+            def speculate(params, state, snap):
+                return tx.speculate(params, state, snap, frag)
+
+            return jax.jit(speculate) if layout is None else jax.jit(speculate, out_shardings=(params_sh, None))
+
+        return self._cached("speculate", fragment, layout, build)

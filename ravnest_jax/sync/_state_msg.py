@@ -1,0 +1,162 @@
+"""The global state a peer serves to one that joins or resyncs: the message (msgpack of the
+state's leaves and the driver's counters) and the server side that snapshots it between rounds
+and serialises it beside training."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import serialization
+
+FORMAT = "ravnest-state-v1"
+
+
+class StateMessage(NamedTuple):
+    """A decoded state message.
+
+    Attributes:
+      leaves: the state's leaves as host numpy arrays, in ``jax.tree.leaves`` order.
+      step: the sender's inner step.
+      rounds_started: the sender's exchanges started.
+      swarm_base: ``(swarm round, exchange)`` of its round mapping, or ``None``.
+    """
+
+    leaves: list[np.ndarray]
+    step: int
+    rounds_started: int
+    swarm_base: tuple[int, int] | None
+
+
+def decode_state(data: bytes, like: list) -> StateMessage:
+    """Decodes and checks a state message against ``like`` (the leaves of this peer's state).
+
+    Raises:
+      ValueError: not a state message, or one of another model/optimizer (leaf count, a leaf's
+        shape or dtype differ), with one line naming the first difference.
+    """
+    try:
+        d = serialization.msgpack_restore(data)
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ValueError("not a ravnest state message")
+        leaves = list(d["leaves"].values()) if isinstance(d["leaves"], dict) else list(d["leaves"])
+        step, started = int(d["step"]), int(d["rounds_started"])
+        base = d.get("swarm_base")
+        base = list(base.values()) if isinstance(base, dict) else list(base or [])
+        swarm_base = (int(base[0]), int(base[1])) if len(base) == 2 else None
+    except Exception as e:  # noqa: BLE001 - reported as one clear error
+        raise ValueError(f"downloaded state is malformed: {e}") from e
+    if len(leaves) != len(like):
+        raise ValueError(f"downloaded state has {len(leaves)} leaves, this model/optimizer has {len(like)}")
+    for i, (a, b) in enumerate(zip(like, leaves)):
+        if np.shape(a) != np.shape(b) or np.asarray(b).dtype != np.dtype(getattr(a, "dtype", np.asarray(a).dtype)):
+            raise ValueError(
+                f"downloaded state leaf {i} is {np.asarray(b).dtype}{list(np.shape(b))}, "
+                f"expected {getattr(a, 'dtype', '?')}{list(np.shape(a))}: not this model/optimizer"
+            )
+    return StateMessage([np.asarray(b) for b in leaves], step, started, swarm_base)
+
+
+class StateServer:
+    """Answers state requests of other peers (through ``Swarm.serve_state``) with this peer's
+    state at a step with no round in flight.
+
+    :meth:`request` (any thread) queues a request; the training thread calls :meth:`serve` at
+    such a step: it copies the state on the device and takes the counters now, and a worker
+    thread serialises it (the training loop does not wait for the device-to-host copy).
+    """
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rj-state")
+        self._fetch_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rj-fetch")
+        self._lock = threading.Lock()
+        self._requests: list[concurrent.futures.Future] = []
+        self.closed = False
+
+    @property
+    def wanted(self) -> bool:
+        """A request is waiting."""
+        return bool(self._requests)
+
+    def request(self) -> concurrent.futures.Future | None:
+        """A future of the state bytes; ``None`` once closed (the endpoint answers 404 at once)."""
+        if self.closed:
+            return None
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._requests.append(fut)
+        return fut
+
+    def serve(self, state: Any, step: int, rounds_started: int, swarm_base: tuple[int, int] | None) -> None:
+        """Answers every waiting request with ``state`` and the driver's counters of this step."""
+        with self._lock:
+            requests, self._requests = self._requests, []
+        copy = jax.tree.map(
+            lambda a: a + jnp.zeros_like(a) if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.number) else a,
+            state,
+        )
+
+        def work() -> bytes:
+            leaves = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(copy))]
+            return serialization.msgpack_serialize(
+                {
+                    "format": FORMAT,
+                    "step": int(step),
+                    "rounds_started": int(rounds_started),
+                    "swarm_base": list(swarm_base) if swarm_base is not None else [],
+                    "leaves": leaves,
+                }
+            )
+
+        def done(f: concurrent.futures.Future) -> None:
+            for r in requests:
+                if r.done():  # cancelled by close(), or the requester gave up
+                    continue
+                try:
+                    if f.cancelled() or f.exception() is not None:
+                        r.set_exception(f.exception() if not f.cancelled() else RuntimeError("closed"))
+                    else:
+                        r.set_result(f.result())
+                except concurrent.futures.InvalidStateError:  # cancelled meanwhile
+                    pass
+
+        try:
+            self._pool.submit(work).add_done_callback(done)
+        except RuntimeError:  # closed meanwhile (close() runs on another thread)
+            for r in requests:
+                r.cancel()
+
+    def fetch_while_serving(self, fetch: Any, serve: Any, timeout: float = 300.0) -> bytes | None:
+        """Runs ``fetch()`` (a state download) on its own thread and returns its result, calling
+        ``serve()`` meanwhile whenever a request waits: two peers that download from each other
+        then both still serve (each waited out the other's download before).
+
+        Raises:
+          whatever ``fetch`` raises; TimeoutError after ``timeout`` seconds.
+        """
+        job = self._fetch_pool.submit(fetch)
+        deadline = time.monotonic() + timeout
+        while not job.done() and time.monotonic() < deadline:
+            if self.wanted:
+                serve()
+            time.sleep(0.02)
+        return job.result(timeout=max(deadline - time.monotonic(), 0.0))
+
+    def refuse(self, why: str) -> None:
+        """Fails every waiting request (a peer over several processes serves no state)."""
+        with self._lock:
+            requests, self._requests = self._requests, []
+        for r in requests:
+            r.set_exception(RuntimeError(why))
+
+    def close(self) -> None:
+        self.closed = True
+        for f in self._requests:
+            f.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
