@@ -2,7 +2,7 @@
 """Chaos benchmark: the main job's peers under random kill -9, a rendezvous restart and a stream
 of malformed or unauthenticated requests (not run in CI: several minutes).
 
-Starts a rendezvous (``ravnest-jax rendezvous``) and 4 peer processes of ``examples/char_lm.py``
+Starts a rendezvous (``ravnest-jax rendezvous``) and 4 peer processes of ``examples/char_lm/main.py``
 (each with its own ``--checkpoint-dir``) on 127.0.0.1, trains for ``--rounds`` outer rounds and
 meanwhile:
 
@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _common import free_port, machine_info  # noqa: E402
 
-EXAMPLE = str(ROOT / "examples" / "char_lm.py")
+EXAMPLE = str(ROOT / "examples" / "char_lm" / "main.py")
 
 
 class Proc:

@@ -46,7 +46,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import char_lm  # noqa: E402
-
 import ravnest_jax as rj  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 feedback, against fp32 (no compression), in the in-process DiLoCo simulation.
 
 Setup (defaults): 4 replicas, H = 50 (``--sync-every``), the same model, data, seed and tokens
-for every run (``examples/char_lm.py``: byte-level transformer on the standard library's .py
+for every run (``examples/char_lm/main.py``: byte-level transformer on the standard library's .py
 files); only the codec differs. The codec is applied as the swarm does: each replica's
 pseudo-gradient is encoded and decoded (with its error-feedback residual), the decoded values are
 averaged, and the mean is encoded and decoded again (``ravnest_jax.compress.simulated``).
@@ -114,9 +114,9 @@ def main(argv=None) -> int:
         )
         return 0
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import char_lm  # examples/char_lm.py
     import jax
 
+    import char_lm  # examples/char_lm/main.py
     import ravnest_jax.compress as C
 
     cfg = char_lm.ModelConfig(d_model=args.d_model, num_layers=args.layers, num_heads=args.heads, seq_len=args.seq_len)

@@ -63,11 +63,11 @@ def check_mode(mode: str) -> str:
 
 def run_swarm_mode(mode: str, args, url: str, graphdef, params0, train, seed: int, log) -> dict:
     """``mode`` on ``args.peers`` real swarm peers; returns eval-ready global params + stats."""
-    import char_lm
     import jax
     import jax.numpy as jnp
     import optax
 
+    import char_lm
     import ravnest_jax as rj
     from ravnest_jax import compress
     from ravnest_jax.swarm import Swarm, Timeouts

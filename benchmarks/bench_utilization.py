@@ -126,10 +126,10 @@ def _peer_process(i: int, mode: str, args: argparse.Namespace, net: dict, barrie
 
 
 def _peer_run(i: int, mode: str, args: argparse.Namespace, net: dict, barrier) -> list[dict]:
-    import char_lm
     import jax
     import optax
 
+    import char_lm
     import ravnest_jax as rj
     from ravnest_jax.swarm import Swarm, Timeouts
 
@@ -438,8 +438,9 @@ def main() -> int:
         emu.set(3, 0, 0)
         emu.frozen = {2, 3}
 
-    import char_lm
     import jax
+
+    import char_lm
 
     def log(msg: str) -> None:
         print(msg, flush=True)

@@ -183,11 +183,11 @@ def test_a_wrong_token_is_one_line_not_a_traceback(tmp_path):
             assert rv.poll() is None and time.monotonic() < deadline, "rendezvous did not start"
             time.sleep(0.05)
         text = tmp_path / "text.txt"
-        text.write_bytes(Path(char_lm.__file__).read_bytes() * 4)
+        text.write_bytes(Path(char_lm.__file__).with_name("main.py").read_bytes() * 4)
         out = subprocess.run(
             [
                 sys.executable,
-                char_lm.__file__,
+                str(Path(char_lm.__file__).with_name("main.py")),
                 "--rendezvous",
                 f"http://127.0.0.1:{port_file.read_text().strip()}",
                 "--token-file",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = str(ROOT / "examples" / "char_lm.py")
+EXAMPLE = str(ROOT / "examples" / "char_lm" / "main.py")
 TINY = [
     "--d-model",
     "32",

@@ -1,4 +1,4 @@
-"""The main job (`examples/char_lm.py --local-peers N`) leaves nothing behind: Ctrl+C on the
+"""The main job (`examples/char_lm/main.py --local-peers N`) leaves nothing behind: Ctrl+C on the
 launcher, or the launcher killed with SIGKILL, stops the rendezvous and every peer process, frees
 their ports and leaves no temporary files."""
 
@@ -107,7 +107,7 @@ def test_launcher_stop_leaves_no_process_port_or_temp_file(tmp_path, how):
     launcher = subprocess.Popen(
         [
             sys.executable,
-            str(ROOT / "examples" / "char_lm.py"),
+            str(ROOT / "examples" / "char_lm" / "main.py"),
             "--local-peers",
             "2",
             "--max-steps",

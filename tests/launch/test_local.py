@@ -79,6 +79,22 @@ def test_the_docs_user_script_runs_on_three_peers(tmp_path):
     assert len({round(v["eval_loss"], 6) for v in res.values()}) == 1, res  # one global model
 
 
+@pytest.mark.timeout(300)
+def test_the_char_lm_peer_script_runs_on_three_peers():
+    """The issue's command: ``ravnest-jax local --peers 3 -- python examples/char_lm/train.py
+    --max-steps 60``: 3 rounds on every peer, one global model whose eval loss fell."""
+    r = _run(["--peers", "3", "--no-progress", "--", "python", "examples/char_lm/train.py", "--max-steps", "60"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = _results(r.stdout)
+    assert set(res) == {"peer0", "peer1", "peer2"}, r.stdout[-3000:]
+    for v in res.values():
+        assert v["how"] == "fresh" and v["steps"] == 60 and v["rounds"] == 3 and v["failed_rounds"] == 0, v
+        assert v["eval_loss_end"] < v["eval_loss_start"] - 1.0, v
+    assert len({v["last_state_digest"] for v in res.values()}) == 1, res
+    assert len({v["eval_loss_end"] for v in res.values()}) == 1, res  # one global model
+    assert "global state: identical on every peer" in r.stdout, r.stdout[-2000:]
+
+
 @pytest.mark.timeout(400)
 def test_an_nnx_model_trains_across_two_peers_and_resumes(tmp_path):
     ckpt = tmp_path / "ckpt"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "char_lm.py"
+EXAMPLE = ROOT / "examples" / "char_lm" / "main.py"
 TINY = [
     "--log-level",
     "DEBUG",

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = str(ROOT / "examples" / "char_lm.py")
+EXAMPLE = str(ROOT / "examples" / "char_lm" / "main.py")
 H = 10
 PART = 10.0  # the part deadline of every peer (seconds)
 # long enough that a peer restarted the third time still has rounds left when the machine is

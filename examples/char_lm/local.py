@@ -1,0 +1,311 @@
+"""The main job's local swarm (``main.py --local-peers N``): a rendezvous and N peer processes
+on 127.0.0.1, one progress display, and the summary table and JSON of their results."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from char_lm.data import check_text
+from char_lm.report import machine_info, run_config
+
+_FORWARD = (
+    "text",
+    "sync_every",
+    "max_steps",
+    "batch_size",
+    "seq_len",
+    "d_model",
+    "layers",
+    "heads",
+    "lr",
+    "codec",
+    "overlap_steps",
+    "mode",
+    "alpha",
+    "fragments",
+    "eval_batches",
+    "seed",
+    "part_timeout",
+    "log_every",
+    "min_step_seconds",
+    "checkpoint_every",
+    "schedule_steps",
+    "devices",
+    "layout",
+    "log_level",
+)
+
+
+def _forward_flags(args: argparse.Namespace) -> list[str]:
+    out = []
+    for name in _FORWARD:
+        value = getattr(args, name)
+        if value is not None:
+            out += ["--" + name.replace("_", "-"), str(value)]
+    return out
+
+
+def print_peer_table(results: list[dict], dp_bytes: float | None) -> bool:
+    """The summary table of the peers that finished; returns whether their global states are
+    identical (final digest and every round's digest)."""
+    digests = {r["final_global_digest"] for r in results}
+    same_rounds = len({tuple(r["round_digests"]) for r in results}) == 1
+
+    def num(x, fmt):
+        return format(x, fmt) if x is not None else format("-", fmt.split(".")[0].rstrip("f") + "s")
+
+    print()
+    print(
+        f"| {'peer':<16} | {'eval start':>10} | {'eval end':>8} | {'rounds':>6} | {'failed':>6} | {'sent MB':>8} | "
+        f"{'DP would send MB':>16} | {'utilisation':>11} | {'stall s':>7} | {'mean tau':>8} |"
+    )
+    print(
+        f"|{'-' * 18}|{'-' * 12}|{'-' * 10}|{'-' * 8}|{'-' * 8}|{'-' * 10}|{'-' * 18}|{'-' * 13}|{'-' * 9}|{'-' * 10}|"
+    )
+    for r in results:
+        print(
+            f"| {r['peer']:<16} | {num(r['eval_loss_start'], '10.4f')} | {num(r['eval_loss_end'], '8.4f')} | "
+            f"{r['rounds']:6d} | {r['failed_rounds']:6d} | {r['bytes_sent'] / 1e6:8.2f} | "
+            f"{num(None if dp_bytes is None else dp_bytes / 1e6, '16.1f')} | "
+            f"{num(r['compute_utilisation'], '11.3f')} | {r['stall_seconds']:7.2f} | {num(r['mean_overlap_steps'], '8.1f')} |"
+        )
+    if len(results) > 1:
+        print(
+            f"\nglobal state (params and outer optimizer state) identical on all peers: "
+            f"{'yes' if len(digests) == 1 else 'NO'} (digest {str(sorted(map(str, digests))[0])[:16]}...); "
+            f"per-round digests identical: {'yes' if same_rounds else 'NO'}"
+        )
+    elif results:
+        print(f"\nglobal state digest {str(results[0]['final_global_digest'])[:16]}...")
+    return len(digests) == 1 and same_rounds
+
+
+def data_parallel_bytes(n: int, params: int, steps: int) -> float:
+    """Bytes one peer would send with data-parallel training: a ring all-reduce of float32
+    gradients every step sends 2 (N - 1) / N * 4 * params bytes per peer per step."""
+    return 2 * (n - 1) / n * 4 * params * steps
+
+
+def run_local_swarm(args: argparse.Namespace) -> dict:
+    """Starts a rendezvous and ``--local-peers`` peer processes on 127.0.0.1 and waits for them.
+
+    Nothing touches the disk (the token travels in the environment, results and logs through
+    pipes), so neither Ctrl+C nor a crash of this process leaves files behind; the children stop
+    by themselves when this process dies. Ctrl+C stops the peers (each saves a checkpoint and
+    reports what it did) and returns the summary so far with ``"interrupted": true``.
+    """
+    import collections
+    import queue
+    import secrets
+    import signal
+    import subprocess
+    import threading
+
+    from tqdm.auto import tqdm
+
+    from ravnest_jax.launch import stop_processes
+
+    check_text(args.text)  # before anything starts
+    n = args.local_peers
+    procs: list[subprocess.Popen] = []
+    run_id = f"char-lm-{secrets.token_hex(3)}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAVNEST_TOKEN": secrets.token_hex(16)}
+    events: queue.Queue = queue.Queue()
+    tails: dict[str, collections.deque] = {}
+
+    def pump(stream, name: str, parse: bool) -> None:
+        tail = tails.setdefault(name, collections.deque(maxlen=60))
+        for line in stream:
+            tail.append(line)
+            if parse:
+                try:
+                    events.put((name, json.loads(line)))
+                except ValueError:
+                    pass
+
+    def start(cmd: list[str], name: str, extra_env: dict | None = None) -> subprocess.Popen:
+        p = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, **(extra_env or {})}
+        )
+        procs.append(p)
+        threading.Thread(target=pump, args=(p.stdout, name, True), daemon=True).start()
+        threading.Thread(target=pump, args=(p.stderr, name + ":stderr", False), daemon=True).start()
+        return p
+
+    steps = [0] * n
+    results: dict[int, dict] = {}
+    peers: list[subprocess.Popen] = []
+    interrupted = False
+    bar = None
+    rounds = 0
+
+    def handle(name: str, ev: dict) -> None:
+        nonlocal rounds
+        if not name.startswith("peer"):
+            return
+        i = int(name[4:])
+        kind = ev.get("event")
+        if kind == "compiling" and bar is not None:
+            compiling.add(i)
+            bar.set_description_str(f"{n} peers (compiling {len(compiling)}/{n})")
+        elif kind == "start" and bar is not None:
+            started.add(i)
+            bar.set_description_str(f"{n} peers" if len(started) == n else f"{n} peers ({len(started)}/{n} training)")
+            steps[i] = ev.get("step", 0)
+            bar.update(max(sum(steps) - bar.n, 0))
+        elif kind == "progress":
+            steps[i] = ev["step"]
+            if bar is not None:
+                bar.update(max(sum(steps) - bar.n, 0))
+            if ev.get("loss") is not None:
+                losses[i] = ev["loss"]
+                if bar is not None:
+                    bar.set_postfix(loss=f"{np.mean(list(losses.values())):.3f}", rounds=rounds)
+        elif kind == "round" and i == 0:
+            rounds += bool(ev["ok"])
+            if bar is not None and losses:
+                bar.set_postfix(loss=f"{np.mean(list(losses.values())):.3f}", rounds=rounds)
+            if args.no_progress:  # a line per round for logs (the bar shows it otherwise)
+                loss = f", mean train loss {np.mean(list(losses.values())):.3f}" if losses else ""
+                print(
+                    f"round {ev['round']} at step {ev['step']}: {'ok' if ev['ok'] else 'failed: ' + str(ev.get('error'))}, "
+                    f"{ev['group_size']} peers{loss}",
+                    flush=True,
+                )
+        elif kind == "result":
+            results[i] = ev["result"]
+
+    compiling: set[int] = set()
+    started: set[int] = set()
+    losses: dict[int, float] = {}
+    url = None
+    try:
+        rv = start(
+            [
+                sys.executable,
+                "-m",
+                "ravnest_jax.cli",
+                "rendezvous",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--quiet",
+                "--heartbeat",
+                "1",
+                "--eviction",
+                "5",
+                "--exit-with-parent",
+            ],
+            "rendezvous",
+        )
+        url = None
+        deadline = time.monotonic() + 30
+        while url is None:
+            if rv.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    "the rendezvous did not start:\n"
+                    + "".join(tails.get("rendezvous", []))
+                    + "".join(tails.get("rendezvous:stderr", []))
+                )
+            text = "".join(tails.get("rendezvous", []))
+            if "listening on " in text:
+                url = text.split("listening on ", 1)[1].split()[0]
+            time.sleep(0.05)
+        print(
+            f"rendezvous {url}, run {run_id}; starting {n} peers "
+            f"(codec {args.codec}, H={args.sync_every}, overlap {args.overlap_steps}, mode {args.mode})"
+        )
+        # N peers share this machine's cores: one compute thread each
+        xla = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")}
+        for i in range(n):
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve().with_name("main.py")),
+                "--rendezvous",
+                url,
+                "--run-id",
+                run_id,
+                "--peer-id",
+                f"peer{i}",
+                "--data-seed",
+                str(i),
+                "--min-peers",
+                str(n),
+                "--listen",
+                "127.0.0.1:0",
+                "--json-events",
+                "--parent-pid",
+                str(os.getpid()),
+                *_forward_flags(args),
+            ]
+            if args.checkpoint_dir:
+                cmd += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve() / f"peer{i}")]
+            peers.append(start(cmd, f"peer{i}", xla))
+        bar = tqdm(total=n * args.max_steps, desc=f"{n} peers (starting)", disable=args.no_progress, dynamic_ncols=True)
+        if args.no_progress:
+            print(f"compiling on {n} peers (a minute or so on a small CPU machine)...", flush=True)
+        while any(p.poll() is None for p in peers) or not events.empty():
+            try:
+                handle(*events.get(timeout=0.5))
+            except queue.Empty:
+                continue
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted: stopping the peers and the rendezvous", file=sys.stderr)
+    finally:
+        stop_processes(procs[1:], signal.SIGINT, 20.0)  # the peers: as Ctrl+C, they save and report
+        stop_processes(procs[:1])  # then the rendezvous
+        time.sleep(0.2)  # the pump threads read the last lines of the peers that stopped
+        while not events.empty():
+            handle(*events.get())
+        if bar is not None:
+            bar.set_postfix(
+                loss=f"{np.mean(list(losses.values())):.3f}" if losses else "-",
+                rounds=results.get(0, {}).get("rounds", rounds),
+            )
+            bar.close()
+    failed = {}
+    for i, p in enumerate(peers):
+        rc = p.wait()
+        if interrupted and i in results:
+            continue
+        if rc != 0 or i not in results:
+            how = (
+                f"was killed by {signal.Signals(-rc).name}"
+                if rc < 0
+                else f"exited with status {rc}"
+                if rc
+                else "exited without a result"
+            )
+            err = [ln.rstrip() for ln in tails.get(f"peer{i}:stderr", []) if ln.strip()][-5:]
+            failed[f"peer{i}"] = f"{how} after step {steps[i]}" + "".join(f"\n    {ln}" for ln in err)
+    if not interrupted:
+        for name, why in failed.items():
+            print(f"{name} {why}", file=sys.stderr)
+    done = [results[i] for i in range(len(peers)) if i in results and f"peer{i}" not in failed]
+    if not done and not interrupted:
+        raise RuntimeError("no peer finished")
+    if failed and not interrupted:
+        print(f"\n{len(failed)} of {n} peers did not finish (above); the {len(done)} that did:")
+    dp_bytes = data_parallel_bytes(n, done[0]["params"], args.max_steps) if done else 0.0
+    equal = print_peer_table(done, dp_bytes) if done else False
+    return {
+        "mode": "local_swarm",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": machine_info(),
+        "config": run_config(args, run_id=run_id, rendezvous=url),
+        "interrupted": interrupted,
+        "peers": done,
+        "data_parallel_bytes_per_peer": dp_bytes,
+        "global_digests_equal": bool(done) and len({r["final_global_digest"] for r in done}) == 1,
+        "round_digests_equal": equal,
+        "failed_peers": failed,
+    }

@@ -1,0 +1,106 @@
+"""The char-LM: a decoder-only byte-level transformer in flax nnx, its loss, its inner
+optimizer (AdamW, warmup + cosine) and a jitted evaluator."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from char_lm.data import VOCAB
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    d_model: int = 96
+    num_layers: int = 2
+    num_heads: int = 4
+    seq_len: int = 64
+    mlp_ratio: int = 4
+
+
+def build_model(cfg: ModelConfig, seed: int = 0):
+    """A decoder-only transformer (flax nnx) over bytes.
+
+    Returns:
+      ``(graphdef, params)``: the nnx graph definition and the ``nnx.State`` of its parameters
+      (float32). ``apply(graphdef, params, tokens)`` gives logits.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            d = cfg.d_model
+            self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+            self.qkv = nnx.Linear(d, 3 * d, use_bias=False, rngs=rngs)
+            self.proj = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+            self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+            self.fc = nnx.Linear(d, cfg.mlp_ratio * d, rngs=rngs)
+            self.out = nnx.Linear(cfg.mlp_ratio * d, d, rngs=rngs)
+
+        def __call__(self, x):
+            b, t, d = x.shape
+            h = cfg.num_heads
+            q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
+            q, k, v = (z.reshape(b, t, h, d // h) for z in (q, k, v))
+            att = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(att.reshape(b, t, d))
+            return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+
+    class CharTransformer(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.embed = nnx.Embed(VOCAB, cfg.d_model, rngs=rngs)
+            self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.seq_len, cfg.d_model)))
+            self.blocks = nnx.List([Block(rngs) for _ in range(cfg.num_layers)])
+            self.ln = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+            self.head = nnx.Linear(cfg.d_model, VOCAB, use_bias=False, rngs=rngs)
+
+        def __call__(self, tokens):
+            x = self.embed(tokens) + self.pos[...][: tokens.shape[1]]
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln(x))
+
+    model = CharTransformer(nnx.Rngs(seed))
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, params
+
+
+def make_loss(graphdef):
+    """``loss(params, tokens) -> scalar``: mean next-byte cross-entropy (nats), tokens int32 ``(B, T+1)``."""
+    import optax
+    from flax import nnx
+
+    def loss(params, tokens):
+        model = nnx.merge(graphdef, params)
+        logits = model(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return loss
+
+
+def inner_optimizer(lr: float, steps: int):
+    """AdamW with linear warmup (5% of steps) and cosine decay to 10% (the DiLoCo inner setup)."""
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, lr, warmup_steps=max(1, steps // 20), decay_steps=steps, end_value=lr * 0.1
+    )
+    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1)
+
+
+def make_evaluator(graphdef, eval_tokens: np.ndarray):
+    """``evaluate(params) -> float``: mean eval loss over the fixed eval windows (nats/byte)."""
+    import jax
+    import jax.numpy as jnp
+
+    loss = make_loss(graphdef)
+    tokens = jnp.asarray(eval_tokens)
+
+    @jax.jit
+    def _eval(params):
+        return jax.lax.map(lambda b: loss(params, b), tokens).mean()
+
+    return lambda params: float(_eval(params))
