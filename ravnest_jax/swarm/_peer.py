@@ -227,8 +227,9 @@ class Swarm:
                 self._loop.close()
 
     def _run_loop(self) -> None:
+        assert self._loop is not None
         asyncio.set_event_loop(self._loop)
-        self._loop.run_forever()  # type: ignore[union-attr]
+        self._loop.run_forever()
 
     # ------------------------------------------------------------------ public API
     def all_reduce(self, tree: Any, *, weight: float = 1.0) -> tuple[Any, RoundRecord]:

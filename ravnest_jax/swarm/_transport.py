@@ -358,4 +358,3 @@ class Transport:
             if not _auth.digest_matches(resp.headers[_auth.H_BODY], h.hexdigest()):
                 raise PermissionError("answer does not match its signed digest")
             return bytes(buf)
-

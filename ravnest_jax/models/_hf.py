@@ -1,0 +1,181 @@
+"""Hugging Face checkpoints: a directory with ``config.json`` and ``model.safetensors`` (or shards
+listed in ``model.safetensors.index.json``) into a :class:`Transformer`, and back.
+
+Tensors are read with ``safetensors`` one at a time (the files are memory-mapped; no file is
+held twice in host memory) and checked against the model's shapes before anything is placed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ._config import TransformerConfig
+from ._transformer import Transformer
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def hf_name(path: tuple) -> tuple[str, bool]:
+    """The Hugging Face tensor name of a parameter at nnx state ``path``, and whether it is
+    stored transposed (a linear kernel: ours is ``(in, out)``, theirs ``(out, in)``)."""
+    parts = [str(p) for p in path]
+    leaf = parts[-1]
+    if parts[0] == "embed_tokens":
+        return "model.embed_tokens.weight", False
+    if parts[0] == "lm_head":
+        return "lm_head.weight", True
+    if parts[0] == "norm":
+        return "model.norm.weight", False
+    if parts[0] == "layers":
+        mod = ".".join(parts[1:-1])
+        if leaf == "kernel":
+            return f"model.layers.{mod}.weight", True
+        return f"model.layers.{mod}.{leaf}", False
+    raise KeyError(f"no Hugging Face name for parameter {'.'.join(parts)}")
+
+
+def _tensor_files(root: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it."""
+    index = root / INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map")
+        return {name: root / f for name, f in weight_map.items()}
+    single = root / SINGLE
+    if not single.is_file():
+        raise ValueError(f"no {SINGLE} or {INDEX} in {root}")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="flax") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_pretrained(
+    path: str | Path,
+    *,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = None,
+    quantize: str | None = None,
+    mesh: Any = None,
+) -> Transformer:
+    """Loads a Hugging Face checkpoint directory into a :class:`Transformer`.
+
+    Args:
+      path: a directory with ``config.json`` and ``model.safetensors`` or its shards with
+        ``model.safetensors.index.json`` (Llama 3, Mistral, Qwen 2.5, Qwen 3 layouts).
+      dtype: the compute dtype (``jnp.float32`` or ``jnp.bfloat16``).
+      param_dtype: the parameter dtype (default: ``dtype``); tensors are cast on load.
+      quantize: not yet supported (``None`` only).
+      mesh: not yet supported (``None`` only: the default device).
+
+    Returns:
+      The model with every parameter from the checkpoint.
+
+    Raises:
+      ValueError: no such directory, an unsupported architecture, a tensor missing from the
+        files, a tensor whose shape differs from the model's (each named), or an unsupported
+        ``quantize`` / ``mesh``.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"checkpoint directory {root} does not exist")
+    if quantize is not None:
+        raise ValueError(f"quantize={quantize!r} is not supported yet (None only)")
+    if mesh is not None:
+        raise ValueError("mesh= is not supported yet (None only)")
+    cfg = TransformerConfig.from_hf(root)
+    param_dtype = dtype if param_dtype is None else param_dtype
+    files = _tensor_files(root)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    wanted = {}
+    for p, var in flat:
+        name, transposed = hf_name(p)
+        if name not in files:
+            raise ValueError(f"tensor {name} (for {'.'.join(map(str, p))}) is missing from the checkpoint in {root}")
+        wanted[p] = (name, transposed, var)
+    from safetensors import safe_open
+
+    by_file: dict[Path, list] = {}
+    for p, item in wanted.items():
+        by_file.setdefault(files[item[0]], []).append((p, *item))
+    values = {}
+    for file, items in by_file.items():
+        if not file.is_file():
+            raise ValueError(f"{file} (listed in {INDEX}) does not exist")
+        with safe_open(str(file), framework="flax") as f:
+            for p, name, transposed, var in items:
+                shape = tuple(f.get_slice(name).get_shape())
+                want = tuple(var.get_value().shape)
+                got = shape[::-1] if transposed else shape
+                if got != want:
+                    raise ValueError(
+                        f"tensor {name} has shape {list(shape)}, the model needs "
+                        f"{list(want[::-1] if transposed else want)} (config.json and weights disagree)"
+                    )
+                t = f.get_tensor(name)
+                values[p] = jnp.asarray(t.T if transposed else t, dtype=var.get_value().dtype)
+                del t
+    for p, var in flat:
+        var.set_value(values[p])
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def save_pretrained(model: Transformer, path: str | Path) -> Path:
+    """Writes ``model`` as a Hugging Face checkpoint directory (``config.json`` and one
+    ``model.safetensors``) that ``transformers`` loads.
+
+    Returns:
+      the directory. Raises ValueError if ``path`` exists and is not an empty directory.
+    """
+    from safetensors.flax import save_file
+
+    root = Path(path)
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise ValueError(f"{root} exists and is not an empty directory")
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    tensors = {}
+    for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, transposed = hf_name(p)
+        a = var.get_value()
+        tensors[name] = jnp.asarray(a.T if transposed else a)
+    save_file(tensors, str(root / SINGLE), metadata={"format": "pt"})
+    (root / "config.json").write_text(
+        json.dumps(hf_config(cfg, dtype=str(jax.tree.leaves(tensors)[0].dtype)), indent=2)
+    )
+    return root
+
+
+def hf_config(cfg: TransformerConfig, dtype: str = "float32") -> dict:
+    """``cfg`` as a Hugging Face ``config.json`` dict."""
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    out = {
+        "architectures": [arch.get(cfg.model_type, "Qwen3ForCausalLM")],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": dtype,
+    }
+    return out
