@@ -493,7 +493,8 @@ class OuterSync:
             self._last_state = None
         elif self._resync_fn is not None and self._processes == 1 and needs_resync(self.swarm, exc):
             try:
-                data = self._server.fetch_while_serving(self._resync_fn, lambda: self._serve_state(params, state))
+                serve = lambda: self._serve_state(params, state)  # noqa: E731
+                data = self._server.fetch_past(self._resync_fn, serve, p.seq)
             except Exception as e:  # noqa: BLE001 - no live peer: keep training alone
                 log.warning("resync failed: %s; continuing with the local state", e)
             else:

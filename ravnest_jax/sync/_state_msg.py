@@ -5,16 +5,20 @@ and serialises it beside training."""
 from __future__ import annotations
 
 import concurrent.futures
+import io
+import logging
 import threading
 import time
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import msgpack
 import numpy as np
 from flax import serialization
 
 FORMAT = "ravnest-state-v1"
+log = logging.getLogger("ravnest_jax.sync")
 
 
 class StateMessage(NamedTuple):
@@ -60,6 +64,25 @@ def decode_state(data: bytes, like: list) -> StateMessage:
                 f"expected {getattr(a, 'dtype', '?')}{list(np.shape(a))}: not this model/optimizer"
             )
     return StateMessage([np.asarray(b) for b in leaves], step, started, swarm_base)
+
+
+def peek_counters(data: bytes) -> tuple[int, int] | None:
+    """``(step, rounds_started)`` of a state message, read from its head without decoding the
+    leaves (they come last); ``None`` when the bytes are not a state message."""
+    try:
+        u = msgpack.Unpacker(io.BytesIO(data), raw=False)
+        found: dict[str, int] = {}
+        for _ in range(u.read_map_header()):
+            key = u.unpack()
+            if key in ("step", "rounds_started"):
+                found[key] = int(u.unpack())
+                if len(found) == 2:
+                    return found["step"], found["rounds_started"]
+            else:
+                u.skip()
+    except Exception:  # noqa: BLE001 - not ours: the full decode reports it
+        return None
+    return None
 
 
 class StateServer:
@@ -146,6 +169,26 @@ class StateServer:
                 serve()
             time.sleep(0.02)
         return job.result(timeout=max(deadline - time.monotonic(), 0.0))
+
+    def fetch_past(self, fetch: Any, serve: Any, seq: int, timeout: float = 60.0) -> bytes | None:
+        """:meth:`fetch_while_serving` until the state downloaded is past this driver's
+        exchange ``seq`` (its ``rounds_started > seq``), for ``timeout`` seconds at most; then
+        the last one. A peer that missed a round created ahead (at the previous commit) may
+        download from peers that have not started that round yet: their state is the one it
+        already holds, and it would miss the same round again.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            data = self.fetch_while_serving(fetch, serve)
+            counters = peek_counters(data) if data else None
+            if counters is None or counters[1] > seq or time.monotonic() >= deadline:
+                return data
+            log.info("the state downloaded is from before round %d (step %d); asking again", seq, counters[0])
+            until = time.monotonic() + 0.25
+            while time.monotonic() < until:
+                if self.wanted:
+                    serve()
+                time.sleep(0.02)
 
     def refuse(self, why: str) -> None:
         """Fails every waiting request (a peer over several processes serves no state)."""

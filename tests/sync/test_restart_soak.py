@@ -134,7 +134,10 @@ def _ok_rounds(p: Peer, n: int, timeout: float) -> None:
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("n", [2, 3])
+# 2 peers in the default run (the survivor trains alone while the victim is down); the 3-peer
+# variant too with RAVNEST_SOAK_PEERS=2,3 (about 3 more minutes on 2 cores; 3 peers killed and
+# restarted from checkpoints are in test_e2e_restart.py and benchmarks/bench_chaos.py)
+@pytest.mark.parametrize("n", [int(x) for x in os.environ.get("RAVNEST_SOAK_PEERS", "2").split(",")])
 def test_a_peer_restarted_three_times_rejoins_within_two_rounds(tmp_path, n):
     token = tmp_path / "token"
     token.write_text("soak-token\n")
