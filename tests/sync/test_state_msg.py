@@ -12,7 +12,13 @@ from ravnest_jax.sync._state_msg import StateServer, peek_counters
 
 def _msg(step: int, started: int) -> bytes:
     return serialization.msgpack_serialize(
-        {"format": "ravnest-state-v1", "step": step, "rounds_started": started, "swarm_base": [], "leaves": [np.ones(4)]}
+        {
+            "format": "ravnest-state-v1",
+            "step": step,
+            "rounds_started": started,
+            "swarm_base": [],
+            "leaves": [np.ones(4)],
+        }
     )
 
 
