@@ -5,4 +5,5 @@ from ._checkpointer import Checkpointer as Checkpointer
 from ._checkpointer import CheckpointError as CheckpointError
 from ._checkpointer import CorruptCheckpointWarning as CorruptCheckpointWarning
 from ._checkpointer import Restored as Restored
-from ._checkpointer import persistent_peer_id as persistent_peer_id
+from ._peer_id import PEER_ID_FILE as PEER_ID_FILE
+from ._peer_id import persistent_peer_id as persistent_peer_id

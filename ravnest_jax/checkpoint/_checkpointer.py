@@ -22,7 +22,9 @@ from typing import Any, NamedTuple, TypeVar
 import jax
 import orbax.checkpoint as ocp
 
+from ..compress._alloc import release_free_heap
 from . import _leaves
+from ._orbax_fixes import skip_raw_io_metrics
 
 __all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointWarning", "Restored"]
 
@@ -211,6 +213,7 @@ class Checkpointer:
         # Every call into the orbax manager runs on this one thread, in order. Orbax re-raises a
         # background error once per calling thread, so one thread means each error surfaces once.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rj-checkpoint")
+        skip_raw_io_metrics()  # orbax's throughput log query keeps ~30 KB a save (_orbax_fixes)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=self.max_to_keep,
             save_interval_steps=1,  # the interval is applied in save(); orbax always gets force=True
@@ -334,6 +337,9 @@ class Checkpointer:
         # creation) and then its commit (write to a temporary directory, rename into place).
         self._mngr.save(step, args=args, force=True)
         self._mngr.wait_until_finished()
+        # the host copy of the whole state is freed in pieces across allocator arenas; give
+        # them back, or a long run's RSS creeps up save after save (docs/checkpointing.md)
+        release_free_heap()
 
     def wait(self) -> None:
         """Blocks until the save in flight (if any) is committed.
@@ -556,42 +562,6 @@ class Checkpointer:
             extra=out.get("extra"),
             metadata=meta.get("metadata", {}),
         )
-
-
-PEER_ID_FILE = "peer_id"
-
-
-def persistent_peer_id(directory: str | os.PathLike[str]) -> str:
-    """The swarm peer id kept with a checkpoint directory: read from ``<directory>/peer_id``, or
-    made (16 random hex characters) and written there on first use. A peer restarted on the same
-    directory is then the same peer to the swarm (its checkpoints, logs and status entries match).
-
-    Raises:
-      ValueError: the directory is a file, or the id file holds no usable id (1-64 characters of
-        letters, digits, ``-``, ``_`` and ``.``).
-      OSError: the directory cannot be created or the file written.
-    """
-    import re
-    import secrets
-
-    path = Path(directory).expanduser().absolute()
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"checkpoint directory {str(path)!r} is a file")
-    path.mkdir(parents=True, exist_ok=True)
-    f = path / PEER_ID_FILE
-    if not f.exists():
-        tmp = path / f".{PEER_ID_FILE}.{os.getpid()}.tmp"
-        tmp.write_text(secrets.token_hex(8) + "\n")
-        try:  # two processes on one directory agree: the first link wins
-            os.link(tmp, f)
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink(missing_ok=True)
-    value = f.read_text().strip()
-    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", value):
-        raise ValueError(f"{f} holds no usable peer id ({value[:40]!r}); delete it or pass a peer id")
-    return value
 
 
 class _Unreadable(Exception):
