@@ -38,7 +38,7 @@ _EXPORTS: dict[str, str] = {
     "checkpoint_extra": "ravnest_jax.sync",
     "persistent_peer_id": "ravnest_jax.checkpoint",
 }
-_SUBMODULES = {"optim", "compress", "swarm", "sync", "checkpoint", "models"}
+_SUBMODULES = {"optim", "compress", "swarm", "sync", "checkpoint", "models", "data"}
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from . import checkpoint as checkpoint

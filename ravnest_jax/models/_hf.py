@@ -7,6 +7,7 @@ held twice in host memory) and checked against the model's shapes before anythin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ._config import TransformerConfig
+from ._lora import LoraConfig, _wrap, check_quantize, init_adapters
 from ._transformer import Transformer
 
 INDEX = "model.safetensors.index.json"
@@ -64,58 +66,82 @@ def load_pretrained(
     dtype: Any = jnp.float32,
     param_dtype: Any = None,
     quantize: str | None = None,
+    lora: LoraConfig | None = None,
+    adapter_dtype: Any = jnp.float32,
     mesh: Any = None,
 ) -> Transformer:
-    """Loads a Hugging Face checkpoint directory into a :class:`Transformer`.
+    """Loads a Hugging Face checkpoint directory into a :class:`Transformer`, optionally with
+    LoRA adapters and a quantised frozen base (QLoRA).
+
+    Tensors are read one at a time from the memory-mapped safetensors files, cast (or quantised)
+    and placed before the next is read: the unquantised model never exists in memory.
 
     Args:
       path: a directory with ``config.json`` and ``model.safetensors`` or its shards with
         ``model.safetensors.index.json`` (Llama 3, Mistral, Qwen 2.5, Qwen 3 layouts).
       dtype: the compute dtype (``jnp.float32`` or ``jnp.bfloat16``).
       param_dtype: the parameter dtype (default: ``dtype``); tensors are cast on load.
-      quantize: not yet supported (``None`` only).
+      quantize: None, ``"int8"`` (one scale per output channel) or ``"int4"`` (one scale per
+        tile of 16-128 inputs): the projections' storage, with qwix (arXiv 2305.14314).
+      lora: adds adapters (:class:`LoraConfig`); split them out with :func:`split_lora`.
+      adapter_dtype: the adapters' dtype (default float32).
       mesh: not yet supported (``None`` only: the default device).
 
     Returns:
-      The model with every parameter from the checkpoint.
+      The model with every parameter from the checkpoint (and initial adapters).
 
     Raises:
       ValueError: no such directory, an unsupported architecture, a tensor missing from the
-        files, a tensor whose shape differs from the model's (each named), or an unsupported
-        ``quantize`` / ``mesh``.
+        files, a tensor whose shape differs from the model's (each named), an unknown
+        ``quantize``, or a ``mesh``.
     """
     root = Path(path)
     if not root.is_dir():
         raise ValueError(f"checkpoint directory {root} does not exist")
-    if quantize is not None:
-        raise ValueError(f"quantize={quantize!r} is not supported yet (None only)")
+    check_quantize(quantize)
     if mesh is not None:
         raise ValueError("mesh= is not supported yet (None only)")
     cfg = TransformerConfig.from_hf(root)
     param_dtype = dtype if param_dtype is None else param_dtype
     files = _tensor_files(root)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
+
+    def build():
+        model = Transformer(cfg, nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
+        return _wrap(model, lora, quantize) if (lora is not None or quantize is not None) else model
+
+    abstract = nnx.eval_shape(build)
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
-    wanted = {}
+    # one entry per checkpoint tensor: the model path of the weight (a quantised kernel's
+    # leaves sit under <kernel>/array/...)
+    wanted: dict[tuple, tuple] = {}
     for p, var in flat:
+        p = tuple(p)
+        if isinstance(var, nnx.LoRAParam):
+            continue
+        if "array" in p:
+            p = p[: p.index("array")]
+        if p in wanted:
+            continue
         name, transposed = hf_name(p)
         if name not in files:
             raise ValueError(f"tensor {name} (for {'.'.join(map(str, p))}) is missing from the checkpoint in {root}")
-        wanted[p] = (name, transposed, var)
+        wanted[p] = (name, transposed)
     from safetensors import safe_open
 
     by_file: dict[Path, list] = {}
     for p, item in wanted.items():
         by_file.setdefault(files[item[0]], []).append((p, *item))
-    values = {}
+    shapes = {tuple(p): tuple(v.get_value().shape) for p, v in flat}
+    values: dict[tuple, Any] = {}
     for file, items in by_file.items():
         if not file.is_file():
             raise ValueError(f"{file} (listed in {INDEX}) does not exist")
         with safe_open(str(file), framework="flax") as f:
-            for p, name, transposed, var in items:
+            for p, name, transposed in items:
                 shape = tuple(f.get_slice(name).get_shape())
-                want = tuple(var.get_value().shape)
+                quantized = p not in shapes
+                want = shapes[p + ("array", "qvalue")] if quantized else shapes[p]
                 got = shape[::-1] if transposed else shape
                 if got != want:
                     raise ValueError(
@@ -123,11 +149,40 @@ def load_pretrained(
                         f"{list(want[::-1] if transposed else want)} (config.json and weights disagree)"
                     )
                 t = f.get_tensor(name)
-                values[p] = jnp.asarray(t.T if transposed else t, dtype=var.get_value().dtype)
+                t = t.T if transposed else t
+                if quantized:
+                    values.update(_quantized_leaves(abstract, p, jnp.asarray(t, param_dtype)))
+                else:
+                    values[p] = jnp.asarray(t, dtype=param_dtype)
                 del t
     for p, var in flat:
-        var.set_value(values[p])
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+        p = tuple(p)
+        if isinstance(var, nnx.LoRAParam):
+            var.set_value(jnp.zeros(var.get_value().shape, adapter_dtype))
+        else:
+            var.set_value(values[p])
+    state = nnx.from_flat_state(flat)
+    if lora is not None:
+        init_adapters(state, lora.seed)
+    return nnx.merge(graphdef, state)
+
+
+def _quantized_leaves(abstract: Any, path: tuple, weight: jax.Array) -> dict[tuple, jax.Array]:
+    """Quantises one kernel ``(in, out)`` the way the abstract qwix model stores it."""
+    import qwix
+
+    tree: dict = {}
+    node = tree
+    for k in path[:-1]:
+        node = node.setdefault(k, {})
+    node[path[-1]] = weight
+    out = qwix.quantize_params(tree, abstract)
+    for k in path:
+        out = out[k]
+    arr = out["array"] if isinstance(out, dict) else out.array
+    if not isinstance(arr, dict):
+        arr = {f.name: getattr(arr, f.name) for f in dataclasses.fields(arr)}
+    return {path + ("array", k): v for k, v in arr.items() if isinstance(v, jax.Array)}
 
 
 def save_pretrained(model: Transformer, path: str | Path) -> Path:

@@ -57,6 +57,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, dtype, param_dtype):
         d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
+        self.dtype = dtype  # a LoRA delta in float32 (adapters) is cast back to the compute dtype
         self.q_proj = _linear(d, h * hd, cfg.attention_bias, rngs, dtype, param_dtype)
         self.k_proj = _linear(d, kv * hd, cfg.attention_bias, rngs, dtype, param_dtype)
         self.v_proj = _linear(d, kv * hd, cfg.attention_bias, rngs, dtype, param_dtype)
@@ -70,14 +71,14 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).astype(self.dtype).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).astype(self.dtype).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).astype(self.dtype).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # GQA: kv heads shared
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)).astype(self.dtype)
 
 
 class MLP(nnx.Module):
@@ -88,9 +89,11 @@ class MLP(nnx.Module):
         self.gate_proj = _linear(d, f, False, rngs, dtype, param_dtype)
         self.up_proj = _linear(d, f, False, rngs, dtype, param_dtype)
         self.down_proj = _linear(f, d, False, rngs, dtype, param_dtype)
+        self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        h = jax.nn.silu(self.gate_proj(x).astype(self.dtype)) * self.up_proj(x).astype(self.dtype)
+        return self.down_proj(h).astype(self.dtype)
 
 
 class Block(nnx.Module):

@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""LoRA / QLoRA fine-tuning of a pretrained LLM across peers: one peer, as plain user code.
+
+Loads a Hugging Face checkpoint (``config.json``, ``model.safetensors`` or shards,
+``tokenizer.json``) with adapters on the chosen projections and, with ``--quantize int4``, the
+frozen base in 4 bits (``rj.models.load_pretrained``); tokenises the text with the checkpoint's
+tokenizer and packs it into sequences, one shard per peer (``rj.data.PackedTokens``); trains the
+adapters only with AdamW, and averages them every H steps over the swarm (``rj.diloco`` +
+``rj.OuterSync``: rounds carry the adapters, nothing else); checkpoints adapters, optimizer and
+data position (``rj.Checkpointer``) and resumes exactly; ``--export DIR`` writes the merged model
+(adapters folded in) as a Hugging Face checkpoint. Started by the launcher:
+
+    ravnest-jax local --peers 4 -- python examples/finetune/train.py --checkpoint CKPT
+    python examples/finetune/main.py --local-peers 4        # makes a tiny checkpoint first
+
+Prints one JSON line at the end: steps, eval loss (nats per token) of the global adapters
+before and after, rounds, bytes, the state digest (equal on every peer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the finetune package is next to this file
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DTYPES = ("float32", "bfloat16")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--checkpoint", required=True, help="Hugging Face checkpoint directory (config, safetensors, tokenizer)"
+    )
+    p.add_argument(
+        "--text", nargs="+", default=None, help="UTF-8 text files to train on (default: the stdlib's docs topics)"
+    )
+    p.add_argument("--max-steps", type=int, default=300, help="inner steps to train (default 300)")
+    p.add_argument("--sync-every", type=int, default=20, help="H: inner steps per outer round (default 20)")
+    p.add_argument("--overlap-steps", type=int, default=1, help="tau: steps a round overlaps; 0 blocks (default 1)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
+    p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate (default 3e-3)")
+    p.add_argument("--lora-rank", type=int, default=8, help="adapter rank (default 8)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="adapter alpha (default: 2 x rank)")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="adapter dropout (default 0)")
+    p.add_argument(
+        "--lora-targets",
+        nargs="+",
+        default=["q", "k", "v", "o", "gate", "up", "down"],
+        help="projections with adapters",
+    )
+    p.add_argument("--train-a", action="store_true", help="also train A (default: A frozen, FFA-LoRA; exact averages)")
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None, help="store the frozen base in 8 or 4 bits")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute and base dtype (default float32)")
+    p.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the eval loss (default 4)")
+    p.add_argument("--checkpoint-dir", default=None, help="save here between rounds; resume from it")
+    p.add_argument("--export", default=None, help="write the merged model here at the end (first peer only)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the adapters and the data order (default 0)")
+    args = p.parse_args(argv)
+    for name in ("max_steps", "sync_every", "batch_size", "seq_len", "lora_rank", "eval_batches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.overlap_steps < args.sync_every:
+        p.error("--overlap-steps must be in [0, --sync-every)")
+    if args.export and Path(args.export).exists() and any(Path(args.export).iterdir()):
+        p.error(f"--export: {args.export} exists and is not empty")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import ravnest_jax as rj
+    from finetune.tiny import text_documents
+    from ravnest_jax.data import PackedTokens, eos_token_id, load_tokenizer, split_held_out, tokenize
+    from ravnest_jax.models import LoraConfig, TransformerConfig, load_pretrained, save_pretrained, split_lora
+
+    # everything that can be wrong with the input is checked before anything compiles
+    TransformerConfig.from_hf(args.checkpoint)  # ValueError naming the problem
+    tokenizer = load_tokenizer(args.checkpoint)
+    lora = LoraConfig(
+        rank=args.lora_rank,
+        alpha=args.lora_alpha or 2.0 * args.lora_rank,
+        dropout=args.lora_dropout,
+        targets=tuple(args.lora_targets),
+        train_a=args.train_a,
+        seed=args.seed,
+    )
+    tokens = tokenize(text_documents(args.text), tokenizer, eos_id=eos_token_id(args.checkpoint))
+    train_tokens, held_out = split_held_out(tokens)
+    rank, world = int(os.environ.get("RAVNEST_RANK", "0")), int(os.environ.get("RAVNEST_WORLD_SIZE", "1"))
+    data = PackedTokens(
+        train_tokens, seq_len=args.seq_len, batch=args.batch_size, shard=rank, num_shards=world, seed=args.seed
+    )
+    evals = PackedTokens(held_out, seq_len=args.seq_len, batch=args.batch_size, seed=args.seed)
+    eval_set = np.stack([evals.batch_at(i) for i in range(args.eval_batches)])
+
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    lm = split_lora(load_pretrained(args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora))
+    frozen = lm.frozen
+
+    def loss_fn(adapters, frozen, batch, key=None):
+        logits = lm.model(adapters, frozen, key)(batch[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+    tx = rj.diloco(optax.adamw(args.lr, weight_decay=0.0), sync_every=args.sync_every)
+    state = tx.init(lm.adapters)
+    dropout_key = jax.random.key(args.seed + 1)
+
+    @jax.jit
+    def train_step(adapters, state, frozen, batch, step):
+        key = jax.random.fold_in(dropout_key, step) if lora.dropout > 0 else None
+        loss, grads = jax.value_and_grad(loss_fn)(adapters, frozen, batch, key)
+        updates, state = tx.update(grads, state, adapters)
+        return optax.apply_updates(adapters, updates), state, loss
+
+    @jax.jit
+    def eval_loss(adapters, frozen, batches):
+        return jax.lax.map(lambda b: loss_fn(adapters, frozen, b), batches).mean()
+
+    ckpt = None
+    if args.checkpoint_dir:
+        ckpt = rj.Checkpointer(Path(args.checkpoint_dir) / os.environ.get("RAVNEST_PEER_ID", "."), max_to_keep=3)
+    mode = "blocking" if args.overlap_steps == 0 else "delayed"
+    with (
+        rj.Swarm() as swarm,
+        rj.OuterSync(tx, swarm, mode=mode, overlap_steps=args.overlap_steps, samples_per_step=args.batch_size) as sync,
+    ):
+        joined = rj.join_or_resume(swarm, sync, lm.adapters, state, checkpointer=ckpt, extra={"data": data.state()})
+        adapters, state = joined.params, joined.state
+        if joined.extra and "data" in joined.extra:
+            data.load_state({k: int(v) for k, v in joined.extra["data"].items()})
+        eval_start = float(eval_loss(state.global_params, frozen, eval_set))
+        last_saved, loss, interrupted = joined.step, None, False
+        try:
+            while int(sync.step or joined.step) < args.max_steps:
+                step = int(sync.step or joined.step)
+                adapters, state, loss = train_step(adapters, state, frozen, data.next(), step)
+                adapters, state = sync(adapters, state)  # counts; starts and merges rounds when due
+                if ckpt is not None and sync.step - last_saved >= args.sync_every and not sync.pending:
+                    extra = rj.checkpoint_extra(sync, adapters, {"data": data.state()})
+                    ckpt.save(sync.step, params=adapters, opt_state=state, extra=extra)
+                    last_saved = sync.step
+        except KeyboardInterrupt:  # Ctrl+C: keep the last checkpoint, abandon a round in flight
+            print(f"{swarm.peer_id}: interrupted at step {sync.step}", file=sys.stderr)
+            interrupted = True
+        if not interrupted:
+            adapters, state = sync.flush(adapters, state)
+        if ckpt is not None and sync.step is not None and sync.step > last_saved and not sync.pending:
+            extra = rj.checkpoint_extra(sync, adapters, {"data": data.state()})
+            ckpt.save(sync.step, params=adapters, opt_state=state, extra=extra, force=True)
+        summary = {
+            "peer": swarm.peer_id,
+            "how": joined.how,
+            "interrupted": interrupted,
+            "steps": int(sync.step or joined.step),
+            "adapter_params": lm.num_adapter_params,
+            "train_loss": None if loss is None else float(loss),
+            "eval_loss_start": eval_start,
+            "eval_loss_end": float(eval_loss(state.global_params, frozen, eval_set)),
+            "data_epochs": round(data.epoch, 4),
+            "data_position": data.position,
+            "round_payload_bytes": sorted({m.payload_bytes for m in sync.metrics if m.ok}),
+            **sync.summary(),
+        }
+    if ckpt is not None:
+        ckpt.close()
+    if args.export and rank == 0 and not interrupted:
+        out = save_pretrained(lm.merged(state.global_params), args.export)
+        # the source's config (token ids, rope details) describes the merged model as well
+        config = json.loads((Path(args.checkpoint) / "config.json").read_text())
+        config["torch_dtype"] = json.loads((out / "config.json").read_text())["torch_dtype"]
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        shutil.copy(Path(args.checkpoint) / "tokenizer.json", out / "tokenizer.json")
+        summary["exported"] = str(out)
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as e:  # bad input: one line, before anything long started
+        sys.exit(f"error: {e}")
