@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "chaos.json"))
     args = ap.parse_args(argv)
+    # SIGTERM (a killed benchmark) runs the cleanup below too: peers and the rendezvous stop
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rng = random.Random(args.seed)
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"rj-chaos-{secrets.token_hex(4)}"
     work.mkdir(parents=True)

@@ -12,6 +12,7 @@ import os
 import ssl
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 TOKEN_ENV = "RAVNEST_TOKEN"
 
@@ -163,6 +164,40 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan_memory(args: argparse.Namespace) -> int:
+    try:
+        from ravnest_jax.models import LoraConfig
+        from ravnest_jax.models._plan import load_config, plan_json, plan_memory
+
+        cfg = load_config(args.config)  # checked before anything traces
+        lora = LoraConfig(
+            rank=args.lora_rank, alpha=2.0 * args.lora_rank, targets=tuple(args.lora_targets), train_a=args.train_a
+        )
+        plan = plan_memory(
+            cfg, lora=lora, quantize=args.quantize, batch=args.batch, seq_len=args.seq_len, dtype=args.dtype
+        )
+    except ImportError as e:
+        print(f"error: plan-memory needs the llm extra (pip install 'ravnest-jax[llm]'): {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    q = args.quantize or args.dtype
+    print(
+        f"{args.config}: LoRA rank {args.lora_rank}, base {q}, batch {args.batch} x {args.seq_len} tokens, {args.dtype}"
+    )
+    print(plan.table())
+    if args.device_gib:
+        verdict = "fits" if plan.fits(int(args.device_gib * 1024**3)) else "does not fit"
+        print(f"{verdict} in {args.device_gib:g} GiB (with 10% headroom)")
+    if args.json:
+        Path(args.json).write_text(
+            plan_json(plan, config=str(args.config), quantize=args.quantize, batch=args.batch, seq_len=args.seq_len)
+            + "\n"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ravnest-jax", description="ravnest_jax: decentralized DiLoCo training.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -244,6 +279,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lo.add_argument("command", nargs=argparse.REMAINDER, help="-- then the peer command, e.g. python train.py")
     lo.set_defaults(func=_cmd_local)
+    pm = sub.add_parser(
+        "plan-memory",
+        help="device bytes of one LoRA/QLoRA fine-tuning peer, computed without allocating",
+        description="Device bytes of one LoRA / QLoRA fine-tuning peer (base, adapters, optimizer, anchor and "
+        "outer state, activations), from jax.eval_shape and XLA's plan of the compiled step; nothing is "
+        "allocated. Presets: llama-3.2-1b, llama-3.1-8b, llama-3.1-70b, qwen3-8b.",
+    )
+    pm.add_argument("--config", required=True, help="config.json, a checkpoint directory, or a preset name")
+    pm.add_argument("--lora-rank", type=int, default=16, help="adapter rank (default 16)")
+    pm.add_argument("--lora-targets", nargs="+", default=["q", "k", "v", "o", "gate", "up", "down"], help="projections")
+    pm.add_argument("--train-a", action="store_true", help="A trains too (default: frozen A)")
+    pm.add_argument("--quantize", choices=["int8", "int4"], default=None, help="the frozen base's storage")
+    pm.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    pm.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    pm.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
+    pm.add_argument("--no-remat", action="store_true", help="keep every block's activations (default: recompute)")
+    pm.add_argument("--device-gib", type=float, default=24.0, help="say whether it fits this much (default 24)")
+    pm.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON here")
+    pm.set_defaults(func=_cmd_plan_memory)
     return p
 
 

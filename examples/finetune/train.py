@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
             "data_epochs": round(data.epoch, 4),
             "data_position": data.position,
             "round_payload_bytes": sorted({m.payload_bytes for m in sync.metrics if m.ok}),
+            "round_digests": {str(m.swarm_round): m.state_digest for m in sync.metrics if m.ok},
             **sync.summary(),
         }
     if ckpt is not None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ._config import TransformerConfig
@@ -68,6 +69,7 @@ def load_pretrained(
     quantize: str | None = None,
     lora: LoraConfig | None = None,
     adapter_dtype: Any = jnp.float32,
+    remat: bool = False,
     mesh: Any = None,
 ) -> Transformer:
     """Loads a Hugging Face checkpoint directory into a :class:`Transformer`, optionally with
@@ -85,6 +87,7 @@ def load_pretrained(
         tile of 16-128 inputs): the projections' storage, with qwix (arXiv 2305.14314).
       lora: adds adapters (:class:`LoraConfig`); split them out with :func:`split_lora`.
       adapter_dtype: the adapters' dtype (default float32).
+      remat: gradient checkpointing per block (see :class:`Transformer`).
       mesh: not yet supported (``None`` only: the default device).
 
     Returns:
@@ -106,8 +109,13 @@ def load_pretrained(
     files = _tensor_files(root)
 
     def build():
+        # qwix creates the adapters in a first call, which must not run under jax.checkpoint:
+        # remat is switched on after (it is read at call time only)
         model = Transformer(cfg, nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
-        return _wrap(model, lora, quantize) if (lora is not None or quantize is not None) else model
+        if lora is not None or quantize is not None:
+            model = _wrap(model, lora, quantize)
+        model.remat = bool(remat)
+        return model
 
     abstract = nnx.eval_shape(build)
     graphdef, state = nnx.split(abstract)
@@ -134,10 +142,11 @@ def load_pretrained(
         by_file.setdefault(files[item[0]], []).append((p, *item))
     shapes = {tuple(p): tuple(v.get_value().shape) for p, v in flat}
     values: dict[tuple, Any] = {}
+    jitted: dict = {}
     for file, items in by_file.items():
         if not file.is_file():
             raise ValueError(f"{file} (listed in {INDEX}) does not exist")
-        with safe_open(str(file), framework="flax") as f:
+        with safe_open(str(file), framework="numpy") as f:
             for p, name, transposed in items:
                 shape = tuple(f.get_slice(name).get_shape())
                 quantized = p not in shapes
@@ -148,12 +157,13 @@ def load_pretrained(
                         f"tensor {name} has shape {list(shape)}, the model needs "
                         f"{list(want[::-1] if transposed else want)} (config.json and weights disagree)"
                     )
-                t = f.get_tensor(name)
-                t = t.T if transposed else t
+                # one host copy of this tensor (numpy, cast and transposed in place of the
+                # memory-mapped bytes), then one device copy; the host copy is dropped at once
+                t = np.ascontiguousarray(f.get_tensor(name).T if transposed else f.get_tensor(name), dtype=param_dtype)
                 if quantized:
-                    values.update(_quantized_leaves(abstract, p, jnp.asarray(t, param_dtype)))
+                    values.update(_quantized_leaves(abstract, p, jax.device_put(t), jitted))
                 else:
-                    values[p] = jnp.asarray(t, dtype=param_dtype)
+                    values[p] = jax.device_put(t)
                 del t
     for p, var in flat:
         p = tuple(p)
@@ -167,22 +177,34 @@ def load_pretrained(
     return nnx.merge(graphdef, state)
 
 
-def _quantized_leaves(abstract: Any, path: tuple, weight: jax.Array) -> dict[tuple, jax.Array]:
-    """Quantises one kernel ``(in, out)`` the way the abstract qwix model stores it."""
+def _quantized_leaves(abstract: Any, path: tuple, weight: jax.Array, cache: dict) -> dict[tuple, jax.Array]:
+    """Quantises one kernel ``(in, out)`` the way the abstract qwix model stores it: jitted
+    (one program per shape and format, shared by every layer), so that no full-size temporary
+    of the eager ops is held beside the tensor."""
     import qwix
 
-    tree: dict = {}
-    node = tree
-    for k in path[:-1]:
-        node = node.setdefault(k, {})
-    node[path[-1]] = weight
-    out = qwix.quantize_params(tree, abstract)
+    node = abstract
     for k in path:
-        out = out[k]
-    arr = out["array"] if isinstance(out, dict) else out.array
-    if not isinstance(arr, dict):
-        arr = {f.name: getattr(arr, f.name) for f in dataclasses.fields(arr)}
-    return {path + ("array", k): v for k, v in arr.items() if isinstance(v, jax.Array)}
+        node = node[k] if isinstance(k, int) else getattr(node, str(k))
+    key = (tuple(weight.shape), str(weight.dtype), repr(getattr(node, "how", None)))
+    if key not in cache:
+
+        def quantize(w, path=path):
+            tree: dict = {}
+            leaf = tree
+            for k in path[:-1]:
+                leaf = leaf.setdefault(k, {})
+            leaf[path[-1]] = w
+            out = qwix.quantize_params(tree, abstract)
+            for k in path:
+                out = out[k]
+            arr = out["array"] if isinstance(out, dict) else out.array
+            if not isinstance(arr, dict):
+                arr = {f.name: getattr(arr, f.name) for f in dataclasses.fields(arr)}
+            return {k: v for k, v in arr.items() if isinstance(v, jax.Array)}
+
+        cache[key] = jax.jit(quantize)
+    return {path + ("array", k): v for k, v in cache[key](weight).items()}
 
 
 def save_pretrained(model: Transformer, path: str | Path) -> Path:

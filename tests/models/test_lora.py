@@ -89,6 +89,7 @@ def test_config_accepts_short_and_long_names():
     assert LoraConfig(targets=("q", "v_proj", "q_proj")).targets == ("q_proj", "v_proj")
 
 
+@pytest.mark.integration
 def test_fresh_adapters_leave_the_model_unchanged_and_count_right(tokens, base_logits):
     cfg = LoraConfig(rank=4)
     lm = split_lora(load_pretrained(LLAMA, lora=cfg))
@@ -108,6 +109,7 @@ def test_fresh_adapters_leave_the_model_unchanged_and_count_right(tokens, base_l
     assert with_a.num_adapter_params == lm.num_adapter_params + c.num_hidden_layers * cfg.rank * sum(ins)
 
 
+@pytest.mark.integration
 def test_adapters_depend_on_the_seed_only():
     a = nnx.state(load_pretrained(LLAMA, lora=LoraConfig(rank=4, seed=3)), nnx.LoRAParam)
     b = nnx.state(load_pretrained(LLAMA, lora=LoraConfig(rank=4, seed=3)), nnx.LoRAParam)
@@ -117,7 +119,8 @@ def test_adapters_depend_on_the_seed_only():
     assert any(not np.array_equal(x, z) for x, z in zip(la, lc))
 
 
-@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+@pytest.mark.integration
+@pytest.mark.parametrize("quantize", [None, "int4"])
 def test_streamed_load_equals_adapting_in_memory(tokens, quantize):
     cfg = LoraConfig(rank=4, targets=("q", "v", "down"))
     streamed = load_pretrained(LLAMA, lora=cfg, quantize=quantize)
@@ -129,6 +132,7 @@ def test_streamed_load_equals_adapting_in_memory(tokens, quantize):
     np.testing.assert_array_equal(_forward(a, a.adapters, tokens), _forward(b, b.adapters, tokens))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("quantize, bits, tol", [("int8", 8, 0.02), ("int4", 4, 0.25)])
 def test_quantized_base_is_stored_in_low_bits_and_close(tokens, base_logits, quantize, bits, tol):
     lm = split_lora(load_pretrained(LLAMA, lora=LoraConfig(rank=4), quantize=quantize))
@@ -141,7 +145,8 @@ def test_quantized_base_is_stored_in_low_bits_and_close(tokens, base_logits, qua
     assert 0 < rel < tol, f"{quantize}: max |logits - float logits| / max |logits| = {rel:.4f}"
 
 
-@pytest.mark.parametrize("quantize", [None, "int4"])
+@pytest.mark.integration
+@pytest.mark.parametrize("quantize", ["int4"])
 def test_merged_weights_equal_the_adapted_model_and_round_trip(tmp_path, tokens, quantize):
     cfg = LoraConfig(rank=4, alpha=16.0)
     lm = split_lora(load_pretrained(LLAMA, lora=cfg, quantize=quantize))
@@ -153,6 +158,7 @@ def test_merged_weights_equal_the_adapted_model_and_round_trip(tmp_path, tokens,
     np.testing.assert_allclose(np.asarray(back(tokens)), want, atol=2e-5)
 
 
+@pytest.mark.integration
 def test_only_adapters_train_and_the_loss_falls(tokens):
     lm = split_lora(load_pretrained(LLAMA, lora=LoraConfig(rank=4)))
     before = float(_loss(lm, lm.adapters, lm.frozen, tokens))
@@ -163,6 +169,7 @@ def test_only_adapters_train_and_the_loss_falls(tokens):
     assert all(str(p[-1]).endswith("_lora_b") for p, _ in nnx.to_flat_state(adapters))
 
 
+@pytest.mark.integration
 def test_dropout_applies_in_training_steps_only(tokens):
     lm = split_lora(load_pretrained(LLAMA, lora=LoraConfig(rank=4, dropout=0.5)))
     adapters = _randomize(lm.adapters)
@@ -173,6 +180,7 @@ def test_dropout_applies_in_training_steps_only(tokens):
     _train(lm, tokens, steps=2)  # a jitted step with dropout compiles and runs
 
 
+@pytest.mark.integration
 def test_bf16_compute_with_float32_adapters(tokens):
     lm = split_lora(load_pretrained(LLAMA, dtype=jnp.bfloat16, lora=LoraConfig(rank=4), quantize="int4"))
     assert {x.dtype for x in jax.tree.leaves(lm.adapters)} == {jnp.dtype(jnp.float32)}

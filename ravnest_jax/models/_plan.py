@@ -1,0 +1,245 @@
+"""How much device memory one LoRA / QLoRA fine-tuning peer needs, without allocating any.
+
+Parameters and optimizer state come from ``jax.eval_shape`` of the real objects (the qwix
+model, ``rj.diloco(optax.adamw)``'s state), counted at their storage width (int4: half a byte).
+Activations come from XLA itself: the jitted training step is compiled (not run) for the model
+cut to one and to two layers at the real width, batch and sequence length, and the temporary
+bytes XLA plans for it (``compiled.memory_analysis()``) are extrapolated linearly to all layers
+(every layer is the same). XLA on CPU plans the same buffers an accelerator step needs up to
+its fusion choices; see docs/finetuning.md for the measured agreement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._config import TransformerConfig
+from ._lora import LoraConfig, _trainable, _wrap, check_quantize
+from ._transformer import Transformer
+
+GIB = 1024**3
+
+#: shapes of well-known checkpoints (their config.json values that matter here)
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+    ),
+    "llama-3.1-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+    ),
+    "llama-3.1-70b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+    ),
+    "qwen3-8b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, qk_norm=True,
+    ),
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """A peer's device bytes, by part.
+
+    Attributes:
+      base: the frozen model (quantised projections at their bit width, the frozen ``A``).
+      adapters: the trainable adapters (float32).
+      optimizer: AdamW's two moments and step count over the adapters.
+      outer: ``rj.diloco``'s anchor (global adapters) and outer momentum.
+      activations: XLA's temporary buffers of one training step (forward, backward, update).
+      adapter_params: the number of trainable parameters.
+      base_params: the number of parameters of the base.
+    """
+
+    base: int
+    adapters: int
+    optimizer: int
+    outer: int
+    activations: int
+    adapter_params: int
+    base_params: int
+
+    @property
+    def total(self) -> int:
+        return self.base + self.adapters + self.optimizer + self.outer + self.activations
+
+    def fits(self, device_bytes: int, *, headroom: float = 0.9) -> bool:
+        """Whether the total stays under ``headroom`` of ``device_bytes`` (the rest is for the
+        runtime, the CUDA context and fragmentation)."""
+        return self.total <= headroom * device_bytes
+
+    def table(self) -> str:
+        rows = [
+            ("base (frozen)", self.base),
+            ("adapters", self.adapters),
+            ("optimizer (AdamW)", self.optimizer),
+            ("anchor + outer momentum", self.outer),
+            ("activations (one step)", self.activations),
+            ("total", self.total),
+        ]
+        out = [f"{'part':<26}{'bytes':>16}{'GiB':>10}"]
+        out += [f"{name:<26}{b:>16,}{b / GIB:>10.2f}" for name, b in rows]
+        out.append(
+            f"trainable parameters: {self.adapter_params:,} of {self.base_params:,} ({self.adapter_fraction:.3%})"
+        )
+        return "\n".join(out)
+
+    @property
+    def adapter_fraction(self) -> float:
+        return self.adapter_params / max(self.base_params, 1)
+
+    def as_dict(self) -> dict[str, int]:
+        return {**dataclasses.asdict(self), "total": self.total}
+
+
+def _bytes(tree: Any) -> int:
+    return int(sum(int(np.prod(x.shape)) * jax.dtypes.itemsize_bits(x.dtype) // 8 for x in jax.tree.leaves(tree)))
+
+
+def _count(tree: Any) -> int:
+    return int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree)))
+
+
+def load_config(config: str | Path | TransformerConfig) -> TransformerConfig:
+    """A :class:`TransformerConfig` from a ``config.json`` path, a checkpoint directory, a
+    :data:`PRESETS` name, or as given.
+
+    Raises:
+      ValueError: none of those, or the config is not a supported architecture.
+    """
+    if isinstance(config, TransformerConfig):
+        return config
+    if str(config) in PRESETS:
+        return TransformerConfig(**PRESETS[str(config)])
+    path = Path(config)
+    if path.is_dir() or path.is_file():
+        return TransformerConfig.from_hf(path)
+    raise ValueError(f"--config {config}: no such file or directory, and not a preset ({', '.join(PRESETS)})")
+
+
+def _abstract(cfg: TransformerConfig, lora: LoraConfig, quantize: str | None, dtype: Any, remat: bool = False):
+    from flax import nnx
+
+    def build():
+        model = _wrap(Transformer(cfg, nnx.Rngs(0), dtype=dtype, param_dtype=dtype), lora, quantize)
+        model.remat = remat  # after qwix's first call (it creates the adapters; not under remat)
+        return model
+
+    model = nnx.eval_shape(build)
+    graphdef, adapters, frozen = nnx.split(model, _trainable(lora), ...)
+    adapters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), adapters)
+    return graphdef, adapters, frozen
+
+
+def _step_temp_bytes(
+    cfg: TransformerConfig, lora: LoraConfig, quantize: str | None, dtype: Any, batch: int, seq_len: int, remat: bool
+) -> int:
+    """XLA's temporary bytes for one compiled (not run) training step of ``cfg``."""
+    import optax
+    from flax import nnx
+
+    from ..optim import diloco
+
+    graphdef, adapters, frozen = _abstract(cfg, lora, quantize, dtype, remat)
+    tx = diloco(optax.adamw(1e-4), sync_every=100)
+    state = jax.eval_shape(tx.init, adapters)
+
+    def step(adapters, state, frozen, tokens):
+        def loss_fn(a):
+            logits = nnx.merge(graphdef, a, frozen)(tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        grads = jax.grad(loss_fn)(adapters)
+        updates, state = tx.update(grads, state, adapters)
+        return optax.apply_updates(adapters, updates), state
+
+    tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(adapters, state, frozen, tokens).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def plan_memory(
+    config: str | Path | TransformerConfig,
+    *,
+    lora: LoraConfig | None = None,
+    quantize: str | None = None,
+    batch: int = 1,
+    seq_len: int = 2048,
+    dtype: str = "bfloat16",
+    remat: bool = True,
+) -> MemoryPlan:
+    """A peer's device bytes for LoRA (QLoRA with ``quantize``) fine-tuning with ``rj.diloco``
+    over AdamW, computed without allocating (see the module docstring for how).
+
+    Args:
+      config: a ``config.json``, a checkpoint directory, a :data:`PRESETS` name or a
+        :class:`TransformerConfig`.
+      lora: the adapters (default ``LoraConfig()``: rank 16 on every projection, frozen ``A``).
+      quantize: None, ``"int8"`` or ``"int4"``: the frozen base's storage.
+      batch, seq_len: sequences per step and tokens per sequence.
+      dtype: ``"bfloat16"`` or ``"float32"``: compute and unquantised parameter dtype.
+      remat: gradient checkpointing per block (``load_pretrained(..., remat=True)``), the
+        default: without it every block's activations (and a quantised base's dequantised
+        weights) are kept for the backward pass.
+
+    Returns:
+      a :class:`MemoryPlan` (bytes).
+
+    Raises:
+      ValueError: a bad config path, ``quantize``, ``dtype``, ``batch`` or ``seq_len``.
+    """
+    cfg = load_config(config)
+    lora = lora or LoraConfig()
+    check_quantize(quantize)
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
+    for name, v in (("batch", batch), ("seq_len", seq_len)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    import optax
+
+    from ..optim import diloco
+
+    _, adapters, frozen = _abstract(cfg, lora, quantize, jdtype)
+    state = jax.eval_shape(diloco(optax.adamw(1e-4), sync_every=100).init, adapters)
+    one = _step_temp_bytes(dataclasses.replace(cfg, num_hidden_layers=1), lora, quantize, jdtype, batch, seq_len, remat)
+    if cfg.num_hidden_layers > 1:
+        two = _step_temp_bytes(
+            dataclasses.replace(cfg, num_hidden_layers=2), lora, quantize, jdtype, batch, seq_len, remat
+        )
+        activations = one + (cfg.num_hidden_layers - 1) * max(two - one, 0)
+    else:
+        activations = one
+    base_params = _count(frozen) - sum(
+        _count(v) for p, v in _flat(frozen) if str(p[-1]).endswith("_lora_a")
+    )  # the frozen A are adapter machinery, not the model
+    return MemoryPlan(
+        base=_bytes(frozen),
+        adapters=_bytes(adapters),
+        optimizer=_bytes(state.inner_state),
+        outer=_bytes(state.global_params) + _bytes(state.outer_state),
+        activations=activations,
+        adapter_params=_count(adapters),
+        base_params=base_params,
+    )
+
+
+def _flat(state: Any) -> list:
+    from flax import nnx
+
+    return [(p, v.get_value() if hasattr(v, "get_value") else v) for p, v in nnx.to_flat_state(state)]
+
+
+def plan_json(plan: MemoryPlan, **meta: Any) -> str:
+    return json.dumps({**meta, **plan.as_dict()})

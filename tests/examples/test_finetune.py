@@ -1,0 +1,175 @@
+"""LoRA fine-tuning across real peer processes (examples/finetune): 4 peers on a tiny pretrained
+Llama-style checkpoint agree on every round, send the adapters' encoded size per round and
+nothing else, and land within 2% of one process training the same adapters on the same tokens;
+a LoRA peer stopped at 20 steps and resumed equals 40 uninterrupted steps; an int4 base trains
+like the bf16 one; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("qwix")
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+TRAIN = EXAMPLES / "finetune" / "train.py"
+
+pytestmark = pytest.mark.integration
+
+# small enough for 2 CPU cores, large enough that the adapters learn (eval loss falls > 5%)
+COMMON = ["--batch-size", "4", "--seq-len", "32", "--eval-batches", "2", "--lr", "3e-3", "--lora-rank", "8"]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Path:
+    """The example's tiny checkpoint, committed (``python examples/finetune/tiny.py
+    tests/fixtures/llm/finetune --vocab-size 384``; 300 pretraining steps take a minute here)."""
+    return Path(__file__).resolve().parents[1] / "fixtures" / "llm" / "finetune"
+
+
+def test_make_tiny_checkpoint_writes_a_loadable_hugging_face_checkpoint(tmp_path):
+    from finetune.tiny import make_tiny_checkpoint, stdlib_docs
+    from ravnest_jax.data import eos_token_id, load_tokenizer, tokenize
+    from ravnest_jax.models import load_pretrained
+
+    root = make_tiny_checkpoint(tmp_path / "t", vocab_size=300, pretrain_steps=2)
+    tok = load_tokenizer(root)
+    ids = tokenize(stdlib_docs(8192), tok, eos_id=eos_token_id(root))
+    assert tok.get_vocab_size() == 300 and eos_token_id(root) == tok.token_to_id("<|endoftext|>")
+    model = load_pretrained(root)
+    assert model.config.vocab_size == 300 and model(ids[None, :16]).shape == (1, 16, 300)
+
+
+def _swarm(tmp: Path, peers: int, args: list[str], name: str) -> dict:
+    summary = tmp / f"{name}.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "ravnest_jax.cli",
+        "local",
+        "--peers",
+        str(peers),
+        "--codec",
+        "int4",
+        "--no-progress",
+        "--summary-json",
+        str(summary),
+        "--",
+        sys.executable,
+        str(TRAIN),
+        *args,
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, f"{name}: exit {p.returncode}\n{p.stderr[-3000:]}"
+    out = json.loads(summary.read_text())["peers"]
+    assert len(out) == peers and all(v["exit"] == 0 for v in out.values()), out
+    # each peer's own last line (train.py's JSON summary), as the launcher prefixes it
+    lines = {}
+    for line in p.stdout.splitlines():
+        if line.startswith("[peer") and "] {" in line:
+            name, _, rest = line[1:].partition("] ")
+            lines[name] = json.loads(rest)
+    assert sorted(lines) == sorted(out), (sorted(lines), p.stdout[-2000:])
+    return lines
+
+
+def test_four_peers_agree_send_adapters_only_and_match_one_process(tiny, tmp_path):
+    import ravnest_jax as rj
+    from finetune.reference import Setup, train_data_parallel
+    from ravnest_jax.models import LoraConfig, load_pretrained, split_lora
+
+    steps, h = 40, 10
+    args = [
+        "--checkpoint",
+        str(tiny),
+        "--max-steps",
+        str(steps),
+        "--sync-every",
+        str(h),
+        "--overlap-steps",
+        "0",
+        *COMMON,
+    ]
+    peers = _swarm(tmp_path, 4, args, "four")
+    digests = {s["last_state_digest"] for s in peers.values()}
+    assert len(digests) == 1 and all(s["rounds"] == steps // h and s["failed_rounds"] == 0 for s in peers.values()), (
+        peers
+    )
+
+    # a round carries the adapters, encoded: exactly their int4 message, about 1% of the model
+    lm = split_lora(load_pretrained(tiny, lora=LoraConfig(rank=8, alpha=16.0)))
+    adapters = [np.asarray(x) for x in __import__("jax").tree.leaves(lm.adapters)]
+    full = [
+        np.asarray(x, np.float32)
+        for x in __import__("jax").tree.leaves(lm.frozen)
+        if np.issubdtype(x.dtype, np.floating)
+    ]
+    want = len(rj.compress.encode(adapters, "int4"))
+    for s in peers.values():
+        assert s["round_payload_bytes"] == [want], (s["round_payload_bytes"], want)
+    assert want < 0.1 * len(rj.compress.encode(full, "int4")), (want, len(rj.compress.encode(full, "int4")))
+
+    # one process, the same adapters, the same tokens (all four shards' batches each step)
+    ref = train_data_parallel(
+        Setup(
+            checkpoint=str(tiny),
+            peers=4,
+            max_steps=steps,
+            batch_size=4,
+            seq_len=32,
+            eval_batches=2,
+            lr=3e-3,
+            lora_rank=8,
+        )
+    )
+    swarm = peers["peer0"]["eval_loss_end"]
+    start = peers["peer0"]["eval_loss_start"]
+    assert start == pytest.approx(ref["eval_loss_start"], rel=1e-6), (start, ref)
+    assert ref["eval_loss_end"] < 0.95 * start and swarm < 0.95 * start, (start, swarm, ref)
+    gap = abs(swarm - ref["eval_loss_end"]) / ref["eval_loss_end"]
+    assert gap < 0.02, f"swarm eval {swarm:.4f} vs one process {ref['eval_loss_end']:.4f}: {100 * gap:.2f}% apart"
+
+
+def test_lora_peer_resumes_exactly(tiny, tmp_path):
+    base = ["--checkpoint", str(tiny), "--sync-every", "10", "--overlap-steps", "0", *COMMON]
+    straight = _swarm(tmp_path, 1, [*base, "--max-steps", "40", "--checkpoint-dir", str(tmp_path / "a")], "straight")
+    first = _swarm(tmp_path, 1, [*base, "--max-steps", "20", "--checkpoint-dir", str(tmp_path / "b")], "first")
+    second = _swarm(tmp_path, 1, [*base, "--max-steps", "40", "--checkpoint-dir", str(tmp_path / "b")], "second")
+    s, f, r = straight["peer0"], first["peer0"], second["peer0"]
+    assert f["steps"] == 20 and r["how"] == "resumed" and r["steps"] == 40, (f, r)
+    assert r["data_position"] == s["data_position"] == 40
+    assert r["last_state_digest"] == s["last_state_digest"], (r, s)
+    assert r["eval_loss_end"] == s["eval_loss_end"], (r["eval_loss_end"], s["eval_loss_end"])
+
+
+def test_int4_base_trains_like_the_bf16_base(tiny):
+    from finetune.reference import Setup, train_data_parallel
+
+    common = dict(
+        checkpoint=str(tiny), peers=2, max_steps=40, batch_size=4, seq_len=32, eval_batches=2, lr=3e-3, dtype="bfloat16"
+    )
+    bf16 = train_data_parallel(Setup(**common))
+    int4 = train_data_parallel(Setup(**common, quantize="int4"))
+    assert bf16["eval_loss_end"] < 0.95 * bf16["eval_loss_start"], bf16
+    gap = abs(int4["eval_loss_end"] - bf16["eval_loss_end"]) / bf16["eval_loss_end"]
+    assert gap < 0.02, f"int4 base {int4} vs bf16 base {bf16}: {100 * gap:.2f}% apart"
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--checkpoint", "/nonexistent/ckpt"], "no config.json at /nonexistent/ckpt"),
+        (["--text", "/nonexistent.txt"], "--text: no such file"),
+        (["--lora-targets", "q", "attn"], "unknown LoRA target 'attn'"),
+    ],
+)
+def test_bad_input_is_one_line_before_anything_compiles(tiny, args, msg):
+    full = ["--checkpoint", str(tiny), *args] if args[0] != "--checkpoint" else args
+    p = subprocess.run([sys.executable, str(TRAIN), *full], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and msg in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

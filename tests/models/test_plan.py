@@ -1,0 +1,92 @@
+"""The memory planner against live bytes on CPU: parameters and optimizer state of the real
+objects, and the temporary bytes XLA allocates for the real full-depth training step; and
+the ``ravnest-jax plan-memory`` command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+pytest.importorskip("qwix")
+from flax import nnx  # noqa: E402
+
+import ravnest_jax as rj  # noqa: E402
+from ravnest_jax.models import LoraConfig, TransformerConfig, apply_lora, split_lora  # noqa: E402
+from ravnest_jax.models._plan import plan_memory  # noqa: E402
+
+LLAMA = Path(__file__).resolve().parents[1] / "fixtures" / "llm" / "llama"
+
+
+def _bytes(tree) -> int:
+    return sum(x.size * jax.dtypes.itemsize_bits(x.dtype) // 8 for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_planner_within_10_percent_of_live_bytes(quantize):
+    cfg = dataclasses.replace(TransformerConfig.from_hf(LLAMA), num_hidden_layers=4)
+    lora = LoraConfig(rank=4)
+    batch, seq = 2, 32
+    plan = plan_memory(cfg, lora=lora, quantize=quantize, batch=batch, seq_len=seq, dtype="float32", remat=False)
+
+    # live: the real model, adapters, optimizer and the compiled full-depth step
+    lm = split_lora(apply_lora(rj.models.Transformer(cfg, nnx.Rngs(0)), lora, quantize=quantize))
+    tx = rj.diloco(optax.adamw(1e-4), sync_every=100)
+    state = tx.init(lm.adapters)
+
+    def step(adapters, state, frozen, tokens):
+        def loss_fn(a):
+            logits = lm.model(a, frozen)(tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        updates, state = tx.update(jax.grad(loss_fn)(adapters), state, adapters)
+        return optax.apply_updates(adapters, updates), state
+
+    tokens = jnp.zeros((batch, seq + 1), jnp.int32)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(lm.adapters, state, lm.frozen, tokens).compile()
+    live = {
+        "base": _bytes(lm.frozen),
+        "adapters": _bytes(lm.adapters),
+        "optimizer": _bytes(state.inner_state),
+        "outer": _bytes(state.global_params) + _bytes(state.outer_state),
+        "activations": compiled.memory_analysis().temp_size_in_bytes,
+    }
+    planned = {k: getattr(plan, k) for k in live}
+    for k in ("base", "adapters", "optimizer", "outer"):
+        assert planned[k] == live[k], (k, planned, live)
+    act = abs(planned["activations"] - live["activations"]) / live["activations"]
+    total = abs(plan.total - sum(live.values())) / sum(live.values())
+    assert act < 0.10 and total < 0.10, f"planned {planned} vs live {live}: activations {act:.1%}, total {total:.1%}"
+
+
+def test_plan_memory_command_prints_a_table_and_json(tmp_path):
+    out = tmp_path / "plan.json"
+    args = ["--config", str(LLAMA), "--lora-rank", "4", "--quantize", "int4", "--batch", "1", "--seq-len", "16"]
+    p = subprocess.run(
+        [sys.executable, "-m", "ravnest_jax.cli", "plan-memory", *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "adapters" in p.stdout and "fits in 24 GiB" in p.stdout, p.stdout
+    d = json.loads(out.read_text())
+    assert d["total"] == sum(d[k] for k in ("base", "adapters", "optimizer", "outer", "activations")) > 0
+
+
+def test_plan_memory_command_rejects_bad_input_in_one_line(tmp_path):
+    p = subprocess.run(
+        [sys.executable, "-m", "ravnest_jax.cli", "plan-memory", "--config", str(tmp_path / "nope.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2 and p.stderr.startswith("error: ") and len(p.stderr.strip().splitlines()) == 1, p.stderr
