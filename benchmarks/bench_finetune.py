@@ -5,7 +5,7 @@ temporary directory; fine-tuned on the standard library's English documentation 
 
 1. **Bytes per round.** The int4 message of one round (``rj.compress.encode``, what the swarm
    sends; the real swarm's per-round payload is checked equal in the tests) for adapters only
-   (rank 16, every projection, frozen ``A``), for full-model DiLoCo (every parameter), and for
+   (rank 16, every projection, frozen ``A``: the ``B`` only), for full-model DiLoCo (every parameter), and for
    data-parallel training (bf16 gradients every step, H steps per round), for the tiny model
    and, by the same bytes-per-parameter, for the shapes of Llama 3.2 1B, Llama 3.1 8B and 70B
    (parameter counts from ``jax.eval_shape``; nothing is allocated).
@@ -18,12 +18,12 @@ temporary directory; fine-tuned on the standard library's English documentation 
    2403.12313) it is zero by construction (measured too). Each variant's eval loss after R rounds
    is set beside one process training the same adapters on the same tokens.
 3. **QLoRA.** Eval loss after the same steps with an int4 base and with the bf16 base.
-4. **The swarm.** ``examples/finetune`` with 4 real peer processes (blocking rounds) against one
-   process on the same tokens: eval loss, bytes per round.
+4. **The swarm.** ``examples/finetune`` with 4 real peer processes (blocking rounds, frozen
+   ``A``) against one process on the same tokens: eval loss, bytes per round.
 
 Writes ``benchmarks/results/finetune.json`` and ``finetune.png``.
 
-    python benchmarks/bench_finetune.py            # about 6 minutes on 2 CPU cores
+    python benchmarks/bench_finetune.py            # about 12 minutes on 2 busy CPU cores
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def bytes_per_round(tiny: Path, sync_every: int, rank: int) -> dict:
     from ravnest_jax.models import LoraConfig, load_pretrained, split_lora
     from ravnest_jax.models._plan import _abstract, _count, load_config
 
-    lora = LoraConfig(rank=rank)
+    lora = LoraConfig(rank=rank, train_a=False)  # B only; training A too adds the A matrices
     lm = split_lora(load_pretrained(tiny, lora=lora))
     adapters = [np.asarray(x) for x in jax.tree.leaves(lm.adapters)]
     base = [np.asarray(x, np.float32) for p, x in _plain(lm.frozen) if not str(p[-1]).endswith("_lora_a")]
@@ -190,6 +190,7 @@ def qlora(tiny: Path, *, steps: int, lr: float) -> dict:
         eval_batches=4,
         lr=lr,
         dtype="bfloat16",
+        train_a=False,  # as when the committed results were measured
     )
     return {
         "bf16_base": train_data_parallel(Setup(**common)),
@@ -205,11 +206,15 @@ def swarm(tiny: Path, work: Path, *, peers: int, steps: int, sync_every: int, lr
     flags = ["--batch-size", "4", "--seq-len", "32", "--eval-batches", "4", "--lr", str(lr), "--lora-rank", "8"]
     cmd = [sys.executable, "-m", "ravnest_jax.cli", "local", "--peers", str(peers), "--codec", "int4", "--no-progress"]
     cmd += ["--summary-json", str(summary), "--", sys.executable, str(train), "--checkpoint", str(tiny)]
-    cmd += ["--max-steps", str(steps), "--sync-every", str(sync_every), "--overlap-steps", "0", *flags]
+    cmd += ["--max-steps", str(steps), "--sync-every", str(sync_every), "--overlap-steps", "0", "--frozen-a", *flags]
     t0 = time.time()
-    subprocess.run(cmd, check=True, capture_output=True, timeout=1200)
+    p = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1200)
     wall = time.time() - t0
-    got = {k: v["summary"] for k, v in json.loads(summary.read_text())["peers"].items()}
+    got = {}  # each peer's own JSON line (train.py's summary), as the launcher prefixes it
+    for line in p.stdout.splitlines():
+        if line.startswith("[peer") and "] {" in line:
+            name, _, rest = line[1:].partition("] ")
+            got[name] = json.loads(rest)
     ref = train_data_parallel(
         Setup(
             checkpoint=str(tiny),

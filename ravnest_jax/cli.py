@@ -171,7 +171,7 @@ def _cmd_plan_memory(args: argparse.Namespace) -> int:
 
         cfg = load_config(args.config)  # checked before anything traces
         lora = LoraConfig(
-            rank=args.lora_rank, alpha=2.0 * args.lora_rank, targets=tuple(args.lora_targets), train_a=args.train_a
+            rank=args.lora_rank, alpha=2.0 * args.lora_rank, targets=tuple(args.lora_targets), train_a=not args.frozen_a
         )
         plan = plan_memory(
             cfg, lora=lora, quantize=args.quantize, batch=args.batch, seq_len=args.seq_len, dtype=args.dtype
@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     pm.add_argument("--config", required=True, help="config.json, a checkpoint directory, or a preset name")
     pm.add_argument("--lora-rank", type=int, default=16, help="adapter rank (default 16)")
     pm.add_argument("--lora-targets", nargs="+", default=["q", "k", "v", "o", "gate", "up", "down"], help="projections")
-    pm.add_argument("--train-a", action="store_true", help="A trains too (default: frozen A)")
+    pm.add_argument("--frozen-a", action="store_true", help="A frozen, only B trains (default: both train)")
     pm.add_argument("--quantize", choices=["int8", "int4"], default=None, help="the frozen base's storage")
     pm.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     pm.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")

@@ -22,7 +22,7 @@ class Setup:
     lora_rank: int = 8
     lora_alpha: float | None = None
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
-    train_a: bool = False
+    train_a: bool = True
     quantize: str | None = None
     dtype: str = "float32"
     eval_batches: int = 4

@@ -55,7 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["q", "k", "v", "o", "gate", "up", "down"],
         help="projections with adapters",
     )
-    p.add_argument("--train-a", action="store_true", help="also train A (default: A frozen, FFA-LoRA; exact averages)")
+    p.add_argument(
+        "--frozen-a", action="store_true", help="freeze A, train B only (FFA-LoRA: exact averages, half the bytes)"
+    )
     p.add_argument("--quantize", choices=["int8", "int4"], default=None, help="store the frozen base in 8 or 4 bits")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute and base dtype (default float32)")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the eval loss (default 4)")
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
         alpha=args.lora_alpha or 2.0 * args.lora_rank,
         dropout=args.lora_dropout,
         targets=tuple(args.lora_targets),
-        train_a=args.train_a,
+        train_a=not args.frozen_a,
         seed=args.seed,
     )
     tokens = tokenize(text_documents(args.text), tokenizer, eos_id=eos_token_id(args.checkpoint))

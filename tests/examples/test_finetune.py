@@ -19,7 +19,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 TRAIN = EXAMPLES / "finetune" / "train.py"
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 # small enough for 2 CPU cores, large enough that the adapters learn (eval loss falls > 5%)
 COMMON = ["--batch-size", "4", "--seq-len", "32", "--eval-batches", "2", "--lr", "3e-3", "--lora-rank", "8"]
@@ -101,7 +101,8 @@ def test_four_peers_agree_send_adapters_only_and_match_one_process(tiny, tmp_pat
         peers
     )
 
-    # a round carries the adapters, encoded: exactly their int4 message, about 1% of the model
+    # a round carries the adapters, encoded: exactly their int4 message; on this 64-wide model
+    # rank-8 A and B on every projection are 14% of the parameters (Llama 3.1 8B, rank 16: 0.5%)
     lm = split_lora(load_pretrained(tiny, lora=LoraConfig(rank=8, alpha=16.0)))
     adapters = [np.asarray(x) for x in __import__("jax").tree.leaves(lm.adapters)]
     full = [
@@ -112,7 +113,7 @@ def test_four_peers_agree_send_adapters_only_and_match_one_process(tiny, tmp_pat
     want = len(rj.compress.encode(adapters, "int4"))
     for s in peers.values():
         assert s["round_payload_bytes"] == [want], (s["round_payload_bytes"], want)
-    assert want < 0.1 * len(rj.compress.encode(full, "int4")), (want, len(rj.compress.encode(full, "int4")))
+    assert want < 0.2 * len(rj.compress.encode(full, "int4")), (want, len(rj.compress.encode(full, "int4")))
 
     # one process, the same adapters, the same tokens (all four shards' batches each step)
     ref = train_data_parallel(

@@ -30,6 +30,7 @@ def _bytes(tree) -> int:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.parametrize("quantize", [None, "int4"])
 def test_planner_within_10_percent_of_live_bytes(quantize):
     cfg = dataclasses.replace(TransformerConfig.from_hf(LLAMA), num_hidden_layers=4)
@@ -67,6 +68,7 @@ def test_planner_within_10_percent_of_live_bytes(quantize):
     assert act < 0.10 and total < 0.10, f"planned {planned} vs live {live}: activations {act:.1%}, total {total:.1%}"
 
 
+@pytest.mark.slow
 def test_plan_memory_command_prints_a_table_and_json(tmp_path):
     out = tmp_path / "plan.json"
     args = ["--config", str(LLAMA), "--lora-rank", "4", "--quantize", "int4", "--batch", "1", "--seq-len", "16"]
