@@ -1,4 +1,5 @@
-"""Command line: ``ravnest-jax <command>``. Commands: ``rendezvous``, ``status``.
+"""Command line: ``ravnest-jax <command>``. Commands: ``rendezvous``, ``status``, ``local``,
+``plan-memory``, ``plan``, ``report``.
 
 Each command is a subparser registered in :func:`build_parser`, so other layers can add theirs.
 """
@@ -66,6 +67,16 @@ def _cmd_rendezvous(args: argparse.Namespace) -> int:
     if args.exit_with_parent:
         _exit_with_parent(os.getppid())
     token = _read_token(args)
+    read_token = ""
+    if args.read_token_file:
+        from ravnest_jax.swarm import read_token as _read
+
+        try:
+            read_token = _read(args.read_token_file)
+        except ValueError as e:
+            raise SystemExit(f"error: {str(e).replace('--token-file', '--read-token-file')}") from None
+        if read_token == token:
+            raise SystemExit("error: --read-token-file holds the run token: a read-only token must differ")
     ctx = None
     if args.certfile:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -79,6 +90,8 @@ def _cmd_rendezvous(args: argparse.Namespace) -> int:
 
     def ready(port: int) -> None:
         print(f"rendezvous listening on {scheme}://{args.host}:{port}", flush=True)
+        if not args.quiet:
+            print(f"status page: {scheme}://{args.host}:{port}/ (the run token or the read-only token)", flush=True)
         if args.port_file:
             tmp = args.port_file + ".tmp"
             with open(tmp, "w") as f:
@@ -95,6 +108,7 @@ def _cmd_rendezvous(args: argparse.Namespace) -> int:
                 eviction_s=args.eviction,
                 ssl_context=ctx,
                 ready=ready,
+                read_token=read_token,
             )
         )
     except KeyboardInterrupt:  # pragma: no cover - signal handlers normally catch it
@@ -215,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=_port, default=8765, help="TCP port (0: any free port)")
     r.add_argument("--token-file", help=f"file holding the run token (else ${TOKEN_ENV})")
     r.add_argument(
+        "--read-token-file",
+        help="file holding a second token that only opens the status page at / (for people who watch)",
+    )
+    r.add_argument(
         "--heartbeat", type=_positive_float, default=2.0, help="heartbeat interval peers are told to use, seconds"
     )
     r.add_argument("--eviction", type=_positive_float, default=10.0, help="drop a peer silent for this long, seconds")
@@ -298,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     pm.add_argument("--device-gib", type=float, default=24.0, help="say whether it fits this much (default 24)")
     pm.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON here")
     pm.set_defaults(func=_cmd_plan_memory)
+    from ravnest_jax.tools._cli import add_parsers
+
+    add_parsers(sub)  # plan, report
     return p
 
 

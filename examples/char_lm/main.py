@@ -110,7 +110,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=_positive_float, default=3e-3, help="peak inner AdamW learning rate")
     p.add_argument("--eval-batches", type=_positive_int, default=8, help="eval batches of 32 sequences")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial params (the same on every peer)")
-    p.add_argument("--summary-json", default=None, help="write the figures to this JSON file")
+    p.add_argument(
+        "--summary-json",
+        default=None,
+        help="write the figures to this JSON file (with --local-peers, default runs/RUN_ID/summary.json, "
+        "and its plots next to it)",
+    )
     s = p.add_argument_group("swarm (--local-peers / --rendezvous)")
     s.add_argument("--run-id", default=env("RAVNEST_RUN_ID", "char-lm"), help="run id of the swarm ($RAVNEST_RUN_ID)")
     s.add_argument("--token-file", default=None, help="file with the run token (else $RAVNEST_TOKEN)")
@@ -269,6 +274,21 @@ def _write_summary(args: argparse.Namespace, summary: dict) -> None:
         print(f"\nwrote {args.summary_json}", file=sys.stderr if args.json_events else sys.stdout)
 
 
+def _plot(summary_json: str) -> None:
+    """The run's plots next to its summary (``ravnest-jax report``), or why there are none."""
+    try:
+        from ravnest_jax.tools._report import write_report
+
+        paths = write_report(summary_json)
+    except ImportError:
+        print("plots: none (pip install matplotlib, then: ravnest-jax report " + summary_json + ")")
+        return
+    except ValueError as e:
+        print(f"plots: none ({e})")
+        return
+    print("plots: " + ", ".join(str(p) for p in paths))
+
+
 def _main(args: argparse.Namespace) -> int:
     from ravnest_jax.swarm import SwarmError
 
@@ -306,7 +326,11 @@ def _main(args: argparse.Namespace) -> int:
             },
         )
         return 128 + (_STOPPED_BY[-1] if _STOPPED_BY else 2)
+    if mode == "local_swarm" and not args.summary_json and summary.get("peers"):
+        args.summary_json = str(Path("runs") / summary["config"]["run_id"] / "summary.json")
     _write_summary(args, summary)
+    if mode == "local_swarm" and summary.get("peers"):
+        _plot(args.summary_json)
     if summary.get("interrupted"):
         return 128 + (_STOPPED_BY[-1] if _STOPPED_BY else 2)
     return 1 if summary.get("failed_peers") else 0

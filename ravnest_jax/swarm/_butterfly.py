@@ -302,9 +302,6 @@ class Butterfly:
         ok = not failed_owners
         if not ok:
             log.info("%s: all-gather: no result part from %s", self.peer_id, failed_owners)
-        for t in mine.get("pushes", ()):  # delivered, or the commit vote says otherwise
-            if t.done() and not t.cancelled() and t.exception() is None:
-                stats["sent"] += t.result()
         stats["received"] += st.bytes_in
         st.bytes_in = 0
         # the result is a pure function of the encoded result parts: hash their digests
@@ -312,6 +309,15 @@ class Butterfly:
         commit = await self.rounds.vote(
             r, inp.epoch, a, "commit", {"ok": ok, "digest": digest, "failed_owners": failed_owners}, inp.deadline
         )
+        # the pushes of this peer's result: by a commit every member has them (a push whose
+        # answer is still on its way is waited for briefly); counted before, one still in
+        # flight was left out (a butterfly of 2 reported half its bytes)
+        pushes = [t for t in mine.get("pushes", ()) if not t.done()]
+        if pushes:
+            await asyncio.wait(pushes, timeout=1.0)
+        for t in mine.get("pushes", ()):
+            if t.done() and not t.cancelled() and t.exception() is None:
+                stats["sent"] += t.result()
         retry = decided(commit, "commit")
         if retry is not None:
             return retry

@@ -17,6 +17,8 @@ HTTP API (every ``/v1`` request is signed, see :mod:`._auth`; answers are signed
 wait_s}`` -> ``{epoch, round, attempt, group}``
 ``POST /v1/runs/{run}/rounds/{r}/vote`` ``{peer_id, epoch, attempt, phase, data}`` -> decision
 
+The status page (``/``, ``/runs/{run}``, their ``/data``; read token, not signed): :mod:`._status`.
+
 A process that joins a run which has had rounds is on *standby* until it first asks for a round:
 it is in no new round's group meanwhile (it is downloading the swarm's state, or restoring a
 checkpoint), so a join costs the others no part deadline. When the first to ask after joining
@@ -39,6 +41,7 @@ from aiohttp import web
 
 from . import _auth
 from ._http import json_response, read_json_body
+from ._status import StatusPage, note_stats
 from ._votes import (
     KEEP_ROUNDS,
     MAX_INFO_BYTES,
@@ -61,9 +64,12 @@ class Rendezvous:
       token: the run token every request must prove (str or bytes, non-empty).
       heartbeat_s: the heartbeat interval peers are told to use, seconds.
       eviction_s: a peer silent for longer than this is dropped, seconds.
+      read_token: a token that grants read access to the status page only (see :mod:`._status`).
     """
 
-    def __init__(self, token: str | bytes, *, heartbeat_s: float = 2.0, eviction_s: float = 10.0):
+    def __init__(
+        self, token: str | bytes, *, heartbeat_s: float = 2.0, eviction_s: float = 10.0, read_token: str | bytes = b""
+    ):
         if eviction_s <= heartbeat_s:
             raise ValueError("eviction_s must be longer than heartbeat_s")
         self.token = token.encode() if isinstance(token, str) else bytes(token)
@@ -76,11 +82,13 @@ class Rendezvous:
         self.runs: dict[str, _Run] = {}
         self.nonces = _auth.NonceCache()
         self._evictor: asyncio.Task[None] | None = None
+        self.status = StatusPage(self, (read_token.encode() if isinstance(read_token, str) else read_token) or None)
 
     # -- application ---------------------------------------------------------------------
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 20)
         app.router.add_get("/health", self._health)
+        self.status.add_routes(app)
         p = "/v1/runs/{run_id}"
         app.router.add_post(p + "/join", self._join)
         app.router.add_post(p + "/heartbeat", self._heartbeat)
@@ -175,6 +183,7 @@ class Rendezvous:
         e.last_seen = now
         if info is not None:
             e.info = info
+            note_stats(run, peer, info)
         if e.suspect_since is not None and now > e.suspect_since:
             e.suspect_since = None
         lr = p.get("last_round")
@@ -506,7 +515,7 @@ class Rendezvous:
             return
         decision = decide(run, rnd, att, phase, lambda: self._create_ahead(run, rnd))
         if decision["decision"] == "fail":
-            rnd.outcome = "failed"
+            rnd.outcome, rnd.reason = "failed", str(decision.get("reason", ""))[:300]
         att.decisions[phase] = decision
         att.events.setdefault(phase, asyncio.Event()).set()
         if rnd.outcome != "running":  # peers waiting for this round's end ask again
@@ -563,12 +572,13 @@ async def serve(
     ssl_context: _ssl.SSLContext | None = None,
     ready: Any = None,
     stop: asyncio.Event | None = None,
+    read_token: str | bytes = b"",
 ) -> None:
     """Run a rendezvous until ``stop`` is set (or SIGINT/SIGTERM when ``stop`` is None).
 
     ``ready(bound_port)`` is called once the socket listens (``port=0`` picks a free port).
     """
-    rv = Rendezvous(token, heartbeat_s=heartbeat_s, eviction_s=eviction_s)
+    rv = Rendezvous(token, heartbeat_s=heartbeat_s, eviction_s=eviction_s, read_token=read_token)
     runner = web.AppRunner(rv.make_app(), access_log=None, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
     try:

@@ -60,6 +60,8 @@ class _Round:
     outcome: str = "running"
     contributors: tuple[str, ...] = ()
     digest: str = ""
+    diverged: tuple[str, ...] = ()  # left out of the contributors: their state differed
+    reason: str | None = None  # why the round failed
 
 
 class _Run:
@@ -71,6 +73,7 @@ class _Run:
         self.latest: int | None = None
         self.max_reported_round = -1
         self.new_round = asyncio.Condition()
+        self.reports: dict[int, dict[str, dict[str, float]]] = {}  # round -> peer -> losses
 
 
 def decide(run: _Run, rnd: _Round, att: _Attempt, phase: str, ahead: Callable[[], dict[str, Any] | None]) -> dict:
@@ -165,6 +168,7 @@ def decide(run: _Run, rnd: _Round, att: _Attempt, phase: str, ahead: Callable[[]
             )
     if phase == "gather" and decision["decision"] == "ok" and diverged:
         decision["diverged"] = diverged
+        rnd.diverged = tuple(diverged)
     return decision
 
 

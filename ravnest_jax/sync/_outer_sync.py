@@ -31,13 +31,14 @@ from ravnest_jax.optim import DiLoCo, DiLoCoState
 from . import _nnx
 from ._config import MODES, check_options
 from ._contract import Exchange
-from ._exchange import needs_resync
 from ._layout import put_like
 from ._metrics import RoundMetrics, report_summary, round_metrics, summarize
 from ._pipeline import Pending, RoundPipeline
+from ._recovery import after_failure
 from ._round_fns import RoundFunctions
 from ._schedule import Schedule
 from ._state_msg import StateServer, decode_state
+from ._stats import PeerStats
 
 log = logging.getLogger("ravnest_jax.sync")
 
@@ -185,6 +186,7 @@ class OuterSync:
         self.resyncs = 0
         self._window_start = time.perf_counter()
         self._server = StateServer()
+        self._stats = PeerStats()
         self._closed = False
         self._readied = False
         # this driver serves its own state to peers that join or resync (a multi-process peer
@@ -311,6 +313,17 @@ class OuterSync:
     def pending(self) -> int:
         """Rounds in flight (started, not merged)."""
         return len(self._pending)
+
+    def report(self, **scalars: Any) -> None:
+        """Publishes scalars of this peer (``train_loss=``, ``eval_loss=``, up to 8 names) with
+        its round stats, for the rendezvous' status page (per peer, and averaged per round).
+        Floats, or device scalars (a jitted step's loss: read at the next round, steps later,
+        so that the step never waits for the host). ``None`` removes a name.
+
+        Raises:
+          ValueError: a name that is not an identifier, a ninth name, a value that is not a scalar.
+        """
+        self._stats.report(scalars)
 
     def summary(self) -> dict:
         """Totals so far: rounds, failures, resyncs, bytes, stall seconds, mean utilisation,
@@ -465,50 +478,9 @@ class OuterSync:
             self.failed_rounds += 1
             log.warning("round %d (fragment %d) failed on this peer: %s", p.seq, p.fragment, out.error)
             m = round_metrics(*timing, error=out.error)
-            params, state = self._after_failure(p, out.exc, params, state)
+            params, state = after_failure(self, p, out.exc, params, state)
         self.metrics.append(m)
+        self._stats.publish(self.swarm, m, self)
         if self.on_round is not None:
             self.on_round(m)
-        return params, state
-
-    def _after_failure(
-        self, p: Pending, exc: BaseException | None, params: Any, state: DiLoCoState
-    ) -> tuple[Any, DiLoCoState]:
-        """A round failed here. If the other peers applied it (or this peer diverged), download
-        the current state from a live peer, serving this peer's own state meanwhile so that
-        peers waiting on each other never deadlock. Without a live peer, carry on alone: a
-        delayed round is simply skipped (the next pseudo-gradient covers its steps); an eager
-        round, whose speculative anchor the params already stand on, is applied with the local
-        pseudo-gradient (a swarm of one)."""
-        data = None
-        record = getattr(exc, "record", None)
-        if record is not None and 0.0 < getattr(record, "total_weight", 0.0) < 1e-20:
-            # Every member of the round missed its own expected round (each abstained): no peer
-            # is ahead to download from, and downloading from each other only swaps the states
-            # (two peers restarted from stale checkpoints did so forever). Learn the round
-            # mapping anew instead; if the states differ, the state digests of the next round
-            # name the minority, which then resyncs from the majority.
-            log.warning("round %d: every member missed it; the round mapping is learned anew", p.seq)
-            self._schedule.swarm_base = None
-            self._last_state = None
-        elif self._resync_fn is not None and self._processes == 1 and needs_resync(self.swarm, exc):
-            try:
-                serve = lambda: self._serve_state(params, state)  # noqa: E731
-                data = self._server.fetch_past(self._resync_fn, serve, p.seq)
-            except Exception as e:  # noqa: BLE001 - no live peer: keep training alone
-                log.warning("resync failed: %s; continuing with the local state", e)
-            else:
-                if data is None and self._schedule.swarm_base is not None:
-                    # no other live peer: nobody to be inconsistent with. The rendezvous may
-                    # number rounds past this peer's saved mapping (a peer resumed alone from a
-                    # checkpoint); learn the mapping afresh instead of missing every round
-                    log.info("no live peer to resync from: the round mapping is learned anew")
-                    self._schedule.swarm_base = None
-        if data:
-            params, state = self.load_state_bytes(data, params, state)
-            self.resyncs += 1
-            log.info("resynced from a live peer at step %d", self.step)
-            return params, state
-        if p.spec_params is not None:  # eager, alone: the own pseudo-gradient is the mean
-            params, state, _ = self._rounds.merge(p, params, state, None)
         return params, state

@@ -72,6 +72,12 @@ def test_a_lone_peer_has_every_round_ok_and_a_strict_json_summary(tmp_path):
     assert peer["eval_loss_end"] < peer["eval_loss_start"], peer
     # the table says what the JSON says
     assert "|      8 |      0 |" in r.stdout, r.stdout
+    # and it says where the run's plots are (ravnest-jax report, next to the summary)
+    plots = [ln for ln in r.stdout.splitlines() if ln.startswith("plots: ")]
+    assert plots, r.stdout
+    paths = [Path(x) for x in plots[0][len("plots: ") :].split(", ")]
+    assert [x.name for x in paths] == ["s.loss.png", "s.utilisation.png", "s.bytes.png"], paths
+    assert all(x.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for x in paths), paths
 
 
 @pytest.mark.integration

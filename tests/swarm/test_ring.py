@@ -34,7 +34,7 @@ def _inputs(n: int, size: int) -> list[tuple[dict, float]]:
     ]
 
 
-def _run(url, n, size, cls=Swarm, codec="fp32", run_id=None, **kw):
+def _run(url, n, size, cls=Swarm, codec="fp32", run_id=None, algorithm="ring", **kw):
     inputs = _inputs(n, size)
     swarms = [
         cls(
@@ -44,7 +44,7 @@ def _run(url, n, size, cls=Swarm, codec="fp32", run_id=None, **kw):
             listen="127.0.0.1:0",
             timeouts=T,
             peer_id=f"p{i}",
-            algorithm="ring",
+            algorithm=algorithm,
             codec=codec,
             ring_segment_bytes=SEG,
             **kw,
@@ -78,6 +78,23 @@ def test_ring_segments_cover_every_part_the_same_way():
         assert all(x[1] == y[0] and x[1] > x[0] for x, y in zip(s, s[1:]))
     assert ring_segments(part_bounds(2, 3), SEG) == [[(0, 1)], [(1, 2)], [(2, 2)]]
     assert [len(s) for s in ring_segments(part_bounds(5_000_000, 4))] == [5] * 4  # 1 MiB
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3])
+def test_butterfly_counts_every_byte_it_sends(cluster, n):
+    """The reduce-scatter parts and the all-gather result pushes: 2 (n - 1) / n of the payload
+    each way (a push still in flight when its sender had every result was once left out)."""
+    url = cluster.rendezvous()
+    size = 30_001
+    res, exp, _ = _run(url, n, size, algorithm="butterfly", run_id=f"bfly{n}")
+    recs = [rec for _, rec in res]
+    assert all(r.ok and r.algorithm == "butterfly" for r in recs), recs
+    payload = 4 * (size // 3 * 3 + size % 3 + 1)
+    for r in recs:
+        assert 2 * (n - 1) / n * payload <= r.bytes_sent < 2 * (n - 1) / n * payload * 1.1, (r.bytes_sent, payload)
+        assert 2 * (n - 1) / n * payload <= r.bytes_received < 2 * (n - 1) / n * payload * 1.1, r.bytes_received
+    assert sum(r.bytes_sent for r in recs) == sum(r.bytes_received for r in recs), recs
 
 
 @pytest.mark.timeout(60)

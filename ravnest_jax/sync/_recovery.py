@@ -1,0 +1,54 @@
+"""What a round that failed on this peer costs: nothing, a resync, or a new round mapping."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ravnest_jax.optim import DiLoCoState
+
+from ._exchange import needs_resync
+from ._pipeline import Pending
+
+log = logging.getLogger("ravnest_jax.sync")
+
+
+def after_failure(sync: Any, p: Pending, exc: BaseException | None, params: Any, state: DiLoCoState) -> tuple:
+    """A round failed on this peer (``sync``: its ``OuterSync``). If the other peers applied it
+    (or this peer diverged), download the current state from a live peer, serving this peer's
+    own state meanwhile so that peers waiting on each other never deadlock. Without a live peer,
+    carry on alone: a delayed round is simply skipped (the next pseudo-gradient covers its
+    steps); an eager round, whose speculative anchor the params already stand on, is applied
+    with the local pseudo-gradient (a swarm of one). Returns ``(params, state)``."""
+    data = None
+    record = getattr(exc, "record", None)
+    if record is not None and 0.0 < getattr(record, "total_weight", 0.0) < 1e-20:
+        # Every member of the round missed its own expected round (each abstained): no peer
+        # is ahead to download from, and downloading from each other only swaps the states
+        # (two peers restarted from stale checkpoints did so forever). Learn the round
+        # mapping anew instead; if the states differ, the state digests of the next round
+        # name the minority, which then resyncs from the majority.
+        log.warning("round %d: every member missed it; the round mapping is learned anew", p.seq)
+        sync._schedule.swarm_base = None
+        sync._last_state = None
+    elif sync._resync_fn is not None and sync._processes == 1 and needs_resync(sync.swarm, exc):
+        try:
+            serve = lambda: sync._serve_state(params, state)  # noqa: E731
+            data = sync._server.fetch_past(sync._resync_fn, serve, p.seq)
+        except Exception as e:  # noqa: BLE001 - no live peer: keep training alone
+            log.warning("resync failed: %s; continuing with the local state", e)
+        else:
+            if data is None and sync._schedule.swarm_base is not None:
+                # no other live peer: nobody to be inconsistent with. The rendezvous may
+                # number rounds past this peer's saved mapping (a peer resumed alone from a
+                # checkpoint); learn the mapping afresh instead of missing every round
+                log.info("no live peer to resync from: the round mapping is learned anew")
+                sync._schedule.swarm_base = None
+    if data:
+        params, state = sync.load_state_bytes(data, params, state)
+        sync.resyncs += 1
+        log.info("resynced from a live peer at step %d", sync.step)
+        return params, state
+    if p.spec_params is not None:  # eager, alone: the own pseudo-gradient is the mean
+        params, state, _ = sync._rounds.merge(p, params, state, None)
+    return params, state

@@ -1,0 +1,445 @@
+"""``ravnest-jax plan``: what a link needs before a day is spent finding out.
+
+From the model's parameter count, the codec, the number of peers, the link (Mbit/s up and
+down, RTT) and the inner step time, predict for a range of H (inner steps per round): the bytes
+each peer sends per round, the round's time, the overlap tau (steps) that hides it, and the
+compute utilisation blocking and overlapped; then recommend H, codec, tau and fragments.
+
+The model of a round is the one ``benchmarks/bench_utilization.py`` measured (a butterfly
+all-reduce over throttled TCP links, :data:`CALIBRATION` fitted from its cells by
+:func:`calibrate`):
+
+- bytes: every peer sends and receives ``2 (n - 1) / n`` of the codec's message of the whole
+  vector (the reduce-scatter parts, then the all-gather results), exact from the wire format;
+- round time ``T = c_round + k_rtt * RTT + bytes * 8 / min(up, down) + codec``: a fixed cost
+  (request handling, the rendezvous' begin and vote exchanges, the pseudo-gradient's copies),
+  ``k_rtt`` round trips (begin, two votes, two data phases), the transfer at the slower
+  direction's rate, and the host's encode and decode time (measured on this machine for the
+  codec, per parameter, unless given);
+- a round window of ``H`` steps takes ``H * t_step + stall + overhead``: blocking stalls ``T``;
+  an overlap of ``tau`` steps stalls ``max(0, T - tau * t_step)``; ``F`` fragments run ``F``
+  rounds of ``1/F`` of the vector per window; ``overhead`` is the measured host cost of a
+  round's ``sync`` calls (per mode family). Utilisation = ``H * t_step`` over the window.
+- data-parallel training, for comparison: an fp32 all-reduce of the gradient after every step,
+  not overlapped (``t / (t + T_dp)``).
+
+References: DiLoCo, https://arxiv.org/abs/2311.08105; Streaming DiLoCo (fragments, overlap),
+https://arxiv.org/abs/2501.18512.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from ravnest_jax.compress._formats import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK_FRACTION, payload_nbytes
+
+__all__ = [
+    "CALIBRATION",
+    "Calibration",
+    "RoundPlan",
+    "PlanRow",
+    "calibrate",
+    "codec_seconds_per_param",
+    "message_bytes",
+    "plan_rounds",
+    "predict_utilisation",
+    "validate",
+]
+
+CODECS = ("fp32", "bf16", "int8", "int4")
+DEFAULT_H = (10, 25, 50, 100, 200, 500, 1000)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Constants of the round model (seconds unless noted), from :func:`calibrate`.
+
+    Attributes:
+      c_round: fixed cost of one DiLoCo round's exchange.
+      k_rtt: round trips one round (or one data-parallel all-reduce) costs.
+      c_dp: fixed cost of one data-parallel all-reduce.
+      overhead: host cost of a round's ``sync`` calls per mode family (``blocking``,
+        ``delayed``, ``eager``, ``fragments``; the last per fragment round).
+      codec_s_per_param: encode + decode seconds per parameter of the calibration host, by codec.
+      source: what it was fitted from.
+    """
+
+    c_round: float
+    k_rtt: float
+    c_dp: float
+    overhead: dict[str, float]
+    codec_s_per_param: dict[str, float]
+    source: str = ""
+
+
+# fitted by calibrate() from benchmarks/results/utilization.json (2 peers, 0.86M params, int4,
+# H=50, 0.15 s steps, 16 links of 10-1000 Mbit/s and 0-200 ms); see docs/planning.md
+CALIBRATION = Calibration(
+    c_round=0.1219,
+    k_rtt=2.312,
+    c_dp=0.0244,
+    overhead={"blocking": 0.219, "delayed": 0.1265, "eager": 0.1266, "fragments": 0.0627},
+    codec_s_per_param={"fp32": 4.0e-9, "bf16": 8.5e-9, "int8": 11.4e-9, "int4": 15.0e-9},
+    source="benchmarks/results/utilization.json",
+)
+
+
+def message_bytes(params: int, codec: str) -> int:
+    """Bytes of the codec's message of a float32 vector of ``params`` elements (payload; the
+    header's few hundred bytes left out).
+
+    Raises:
+      ValueError: an unknown codec.
+    """
+    if codec not in ("fp32", "fp16", "bf16", "int8", "int4", "fp4", "topk"):
+        raise ValueError(f"unknown codec {codec!r}")
+    k = max(1, math.ceil(params * DEFAULT_TOPK_FRACTION))
+    return payload_nbytes(codec, int(params), DEFAULT_BLOCK_SIZE.get(codec, 0), k)
+
+
+def codec_seconds_per_param(codec: str, size: int = 1 << 21, repeats: int = 3) -> float:
+    """Encode + decode seconds per parameter of ``codec`` on this host (the swarm's own codec on
+    a float32 vector of ``size`` elements; best of ``repeats``)."""
+    from ravnest_jax.swarm._codec import decode_part, encode_part
+
+    v = np.random.default_rng(0).standard_normal(size).astype(np.float32)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        decode_part(encode_part("p", v, codec), name="p", length=size, codec=codec)
+        best = min(best, time.perf_counter() - t0)
+    return best / size
+
+
+def _transfer_s(nbytes: float, peers: int, mbit: float) -> float:
+    return 2 * (peers - 1) / peers * nbytes * 8 / (mbit * 1e6)
+
+
+def round_seconds(
+    params: int, codec: str, peers: int, mbit: float, rtt_s: float, cal: Calibration, codec_s: float | None = None
+) -> float:
+    """Predicted seconds of one round's exchange (see the module docstring)."""
+    e = cal.codec_s_per_param.get(codec, 0.0) if codec_s is None else codec_s
+    return cal.c_round + cal.k_rtt * rtt_s + _transfer_s(message_bytes(params, codec), peers, mbit) + params * e
+
+
+def dp_step_seconds(params: int, peers: int, mbit: float, rtt_s: float, cal: Calibration) -> float:
+    """Predicted seconds of one data-parallel fp32 all-reduce of the gradient."""
+    return cal.c_dp + cal.k_rtt * rtt_s + _transfer_s(4 * params, peers, mbit)
+
+
+def predict_utilisation(
+    mode: str,
+    *,
+    params: int,
+    codec: str,
+    peers: int,
+    mbit: float,
+    rtt_s: float,
+    step_s: float,
+    sync_every: int,
+    tau: int | str = 0,
+    fragments: int = 1,
+    max_tau: int | None = None,
+    cal: Calibration = CALIBRATION,
+    codec_s: float | None = None,
+) -> tuple[float, float, int]:
+    """``(utilisation, round seconds, tau)`` of one configuration.
+
+    Args:
+      mode: ``"blocking"``, ``"delayed"``, ``"eager"`` or ``"data_parallel"``.
+      tau: overlap steps, or ``"auto"`` (``ceil(1.25 * round / step)`` steps, at most
+        ``max_tau``, default ``sync_every // 10``, as ``OuterSync(overlap_steps="auto")``).
+      fragments: rounds per window, each of ``1/fragments`` of the vector.
+    """
+    if mode == "data_parallel":
+        s = dp_step_seconds(params, peers, mbit, rtt_s, cal)
+        return step_s / (step_s + s), s, 0
+    if mode not in ("blocking", "delayed", "eager"):
+        raise ValueError(f"unknown mode {mode!r}")
+    f = max(1, int(fragments))
+    t_round = round_seconds(math.ceil(params / f), codec, peers, mbit, rtt_s, cal, codec_s)
+    cap = max(1, sync_every // 10) if max_tau is None else max_tau
+    cap = max(1, min(cap, sync_every // f - 1))  # tau < the steps between round starts
+    if mode == "blocking":
+        steps = 0
+    elif tau == "auto":  # as OuterSync's AutoTau: 1.25 x the exchange, in steps
+        steps = min(max(1, math.ceil(1.25 * t_round / step_s)), cap)
+    else:
+        steps = int(tau)
+    stall = max(0.0, t_round - steps * step_s)
+    family = "fragments" if f > 1 else mode
+    window = sync_every * step_s
+    return window / (window + f * (stall + cal.overhead[family])), t_round, steps
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """One H of a plan: ``sync_every`` (H, steps), ``bytes_per_round`` (each peer sends, and
+    receives, bytes), ``round_s`` (seconds), ``tau`` (overlap steps that hide the round;
+    ``None`` when even ``H // 10`` does not), ``utilisation_blocking``, ``utilisation``
+    (overlapped with ``min(tau, H // 10)``), ``mbytes_per_hour`` (sent per peer)."""
+
+    sync_every: int
+    bytes_per_round: int
+    round_s: float
+    tau: int | None
+    utilisation_blocking: float
+    utilisation: float
+    mbytes_per_hour: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundPlan:
+    """What :func:`plan_rounds` predicts: ``rows`` (one :class:`PlanRow` per H, for the codec
+    asked), ``data_parallel`` utilisation and bytes per step, and the recommendation
+    (``sync_every``, ``codec``, ``overlap_steps``, ``fragments``, ``utilisation``, ``why``)."""
+
+    inputs: dict[str, Any]
+    rows: list[PlanRow]
+    data_parallel: dict[str, float]
+    recommendation: dict[str, Any]
+
+    def table(self) -> str:
+        """The rows as a fixed-width text table."""
+        head = f"{'H':>6} {'MB/round':>10} {'round s':>8} {'tau':>5} {'blocking':>9} {'overlapped':>11} {'MB/hour':>9}"
+        lines = [head]
+        for r in self.rows:
+            tau = "-" if r.tau is None else str(r.tau)
+            lines.append(
+                f"{r.sync_every:>6} {r.bytes_per_round / 1e6:>10.2f} {r.round_s:>8.2f} {tau:>5} "
+                f"{100 * r.utilisation_blocking:>8.1f}% {100 * r.utilisation:>10.1f}% {r.mbytes_per_hour:>9.1f}"
+            )
+        return "\n".join(lines)
+
+
+def plan_rounds(
+    params: int,
+    *,
+    codec: str = "int4",
+    peers: int = 2,
+    mbit_up: float,
+    mbit_down: float | None = None,
+    rtt_ms: float = 50.0,
+    step_s: float,
+    sync_every: tuple[int, ...] = DEFAULT_H,
+    target: float = 0.95,
+    cal: Calibration = CALIBRATION,
+    codec_s: dict[str, float] | None = None,
+) -> RoundPlan:
+    """Predicts rounds on a link and recommends H, codec, tau and fragments.
+
+    Args:
+      params: parameters exchanged (the trained ones: adapters only with LoRA), int > 0.
+      codec: the codec of the rows (``fp32``, ``bf16``, ``int8``, ``int4``).
+      peers: peers in a round (int >= 2).
+      mbit_up, mbit_down: the link's rates, Mbit/s (down defaults to up).
+      rtt_ms: round-trip time between peers (and to the rendezvous), milliseconds.
+      step_s: one inner step, seconds.
+      sync_every: the H values of the rows.
+      target: the utilisation the recommendation aims for (0..1).
+      cal: the model's constants.
+      codec_s: encode + decode seconds per parameter by codec (default: the calibration
+        host's; ``ravnest-jax plan`` measures this host's).
+
+    Returns:
+      A :class:`RoundPlan`. The recommendation is the smallest H (fewest inner steps between
+      rounds: closest to synchronous training) that reaches ``target`` with tau <= H/10; among
+      codecs that reach it at that H, the most precise; fragments when they let a smaller H
+      reach it. Without any, the configuration of the highest utilisation.
+
+    Raises:
+      ValueError: a value out of range (one line naming it).
+    """
+    if not isinstance(params, int) or params <= 0:
+        raise ValueError(f"params must be a positive int, got {params!r}")
+    if not isinstance(peers, int) or peers < 2:
+        raise ValueError(f"peers must be an int >= 2, got {peers!r}")
+    mbit_down = mbit_up if mbit_down is None else mbit_down
+    for name, v in (("mbit_up", mbit_up), ("mbit_down", mbit_down), ("step_s", step_s)):
+        if not (isinstance(v, (int, float)) and 0 < v < math.inf):
+            raise ValueError(f"{name} must be a number > 0, got {v!r}")
+    if not (isinstance(rtt_ms, (int, float)) and 0 <= rtt_ms < math.inf):
+        raise ValueError(f"rtt_ms must be a number >= 0, got {rtt_ms!r}")
+    if codec not in CODECS:
+        raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {codec!r}")
+    if not sync_every or any(not isinstance(h, int) or h < 1 for h in sync_every):
+        raise ValueError(f"sync_every must be ints >= 1, got {sync_every!r}")
+    mbit, rtt = min(mbit_up, mbit_down), rtt_ms / 1e3
+    cs = dict(cal.codec_s_per_param, **(codec_s or {}))
+
+    def util(h: int, c: str, f: int = 1, mode: str = "delayed", tau: int | str = "auto") -> tuple[float, float, int]:
+        return predict_utilisation(
+            mode,
+            params=params,
+            codec=c,
+            peers=peers,
+            mbit=mbit,
+            rtt_s=rtt,
+            step_s=step_s,
+            sync_every=h,
+            tau=tau,
+            fragments=f,
+            cal=cal,
+            codec_s=cs[c],
+        )
+
+    nbytes = lambda c, f=1: int(2 * (peers - 1) / peers * message_bytes(params, c))  # noqa: E731
+    rows = []
+    for h in sorted(sync_every):
+        ub, t_round, _ = util(h, codec, mode="blocking")
+        uo, _, tau = util(h, codec)
+        needed = math.ceil(1.25 * t_round / step_s)
+        rows.append(
+            PlanRow(
+                sync_every=h,
+                bytes_per_round=nbytes(codec),
+                round_s=t_round,
+                tau=needed if needed <= max(1, h // 10) else None,
+                utilisation_blocking=ub,
+                utilisation=uo,
+                mbytes_per_hour=nbytes(codec) / 1e6 * 3600 / (h * step_s),
+            )
+        )
+    best: dict[str, Any] | None = None
+    fallback: dict[str, Any] | None = None
+    for h in sorted(sync_every):
+        for f in (1, 2, 4):
+            for c in CODECS:  # most precise first
+                if f > 1 and h % f:
+                    continue
+                u, t_round, tau = util(h, c, f)
+                cand = {"sync_every": h, "codec": c, "overlap_steps": tau, "fragments": f, "utilisation": u}
+                cand["round_s"] = t_round
+                if fallback is None or u > fallback["utilisation"] + 1e-9:
+                    fallback = cand
+                if u >= target and best is None:
+                    best = cand
+            if best is not None:
+                break
+        if best is not None:
+            break
+    rec = dict(best or fallback or {})
+    if best is not None:
+        rec["why"] = (
+            f"the smallest H of {list(sync_every)} whose rounds reach {100 * target:.0f}% utilisation "
+            f"overlapped by tau={rec['overlap_steps']} (at most H/10), with the most precise codec that does"
+        )
+    else:
+        rec["why"] = f"no H of {list(sync_every)} reaches {100 * target:.0f}%: the highest predicted utilisation"
+    ud, t_dp, _ = util(1, "fp32", mode="data_parallel")
+    inputs = {
+        "params": params,
+        "codec": codec,
+        "peers": peers,
+        "mbit_up": mbit_up,
+        "mbit_down": mbit_down,
+        "rtt_ms": rtt_ms,
+        "step_s": step_s,
+        "target": target,
+        "codec_s_per_param": cs,
+    }
+    dp = {"utilisation": ud, "step_allreduce_s": t_dp, "bytes_per_step": int(2 * (peers - 1) / peers * 4 * params)}
+    return RoundPlan(inputs=inputs, rows=rows, data_parallel=dp, recommendation=rec)
+
+
+# ----------------------------------------------------------------------------- calibration
+def _cells(results: dict) -> dict[tuple[str, float, float], list[dict]]:
+    cells: dict[tuple[str, float, float], list[dict]] = {}
+    for r in results["runs"]:
+        cells.setdefault((r["mode"], float(r["bandwidth_mbit"]), float(r["rtt_ms"])), []).append(r)
+    return cells
+
+
+def _mode_of(name: str) -> tuple[str, int | str, int]:
+    """bench_utilization's mode name -> (mode, tau, fragments)."""
+    if name == "data_parallel":
+        return "data_parallel", 0, 1
+    if name == "blocking":
+        return "blocking", 0, 1
+    tau: int | str = "auto" if name.endswith("_auto") else 1
+    if name.startswith("fragments"):
+        return "delayed", tau, 2
+    return name.split("_")[0], tau, 1
+
+
+def calibrate(results: dict, codec_s_per_param: dict[str, float] | None = None) -> Calibration:
+    """Fits the round model's constants to ``bench_utilization``'s results (its JSON as a dict).
+
+    ``c_round`` and ``k_rtt``: least squares over every measured DiLoCo round time (whole-vector
+    rounds); ``c_dp``: the data-parallel cells' per-step all-reduce seconds given ``k_rtt``;
+    each family's ``overhead``: the median over its cells of the window time the utilisation
+    implies beyond the predicted stall.
+    """
+    cfg = results["config"]
+    params, peers, h, t = int(cfg["params"]), int(cfg.get("peers", 2)), int(cfg["sync_every"]), cfg["step_seconds"]
+    codec = "int4"
+    cs = dict(CALIBRATION.codec_s_per_param, **(codec_s_per_param or {}))
+    cells = _cells(results)
+    xs, ys = [], []
+    for (name, mbit, rtt), runs in cells.items():
+        if name == "data_parallel" or name.startswith("fragments"):
+            continue
+        base = _transfer_s(message_bytes(params, codec), peers, mbit) + params * cs[codec]
+        for r in runs:
+            for ex in r.get("exchange_seconds", []):
+                xs.append([1.0, rtt / 1e3])
+                ys.append(ex - base)
+    (c_round, k_rtt), *_ = np.linalg.lstsq(np.asarray(xs), np.asarray(ys), rcond=None)
+    dp = []
+    for (name, mbit, rtt), runs in cells.items():
+        if name == "data_parallel":
+            for r in runs:
+                per_step = r["sync_seconds"] / r["steps"]
+                dp.append(per_step - k_rtt * rtt / 1e3 - _transfer_s(4 * params, peers, mbit))
+    c_dp = float(np.median(dp))
+    cal0 = Calibration(float(c_round), float(k_rtt), c_dp, dict.fromkeys(CALIBRATION.overhead, 0.0), cs)
+    implied: dict[str, list[float]] = {k: [] for k in CALIBRATION.overhead}
+    for (name, mbit, rtt), runs in cells.items():
+        mode, tau, f = _mode_of(name)
+        if mode == "data_parallel":
+            continue
+        u = float(np.mean([r["utilisation"] for r in runs]))
+        u0, _, _ = predict_utilisation(
+            mode, params=params, codec=codec, peers=peers, mbit=mbit, rtt_s=rtt / 1e3, step_s=t, sync_every=h,
+            tau=tau, fragments=f, cal=cal0,
+        )  # fmt: skip
+        window = h * t
+        # window / u - window = f * (stall + overhead); u0 has overhead 0
+        implied["fragments" if f > 1 else mode].append((window / u - window / u0) / f)
+    overhead = {k: round(float(np.median(v)), 4) if v else 0.0 for k, v in implied.items()}
+    return Calibration(
+        round(float(c_round), 4), round(float(k_rtt), 3), round(c_dp, 4), overhead, cs, "bench_utilization results"
+    )
+
+
+def validate(results: dict, cal: Calibration = CALIBRATION) -> list[dict[str, Any]]:
+    """Predicted against measured utilisation on every cell of ``bench_utilization``'s results:
+    rows ``{mode, mbit, rtt_ms, measured, predicted, error_points}`` (points = percent of
+    utilisation), sorted by mode and link."""
+    cfg = results["config"]
+    params, peers, h, t = int(cfg["params"]), int(cfg.get("peers", 2)), int(cfg["sync_every"]), cfg["step_seconds"]
+    rows = []
+    for (name, mbit, rtt), runs in sorted(_cells(results).items()):
+        mode, tau, f = _mode_of(name)
+        u = float(np.mean([r["utilisation"] for r in runs]))
+        p, _, _ = predict_utilisation(
+            mode, params=params, codec="int4", peers=peers, mbit=mbit, rtt_s=rtt / 1e3, step_s=t, sync_every=h,
+            tau=tau, fragments=f, cal=cal,
+        )  # fmt: skip
+        rows.append(
+            {
+                "mode": name,
+                "mbit": mbit,
+                "rtt_ms": rtt,
+                "measured": round(u, 4),
+                "predicted": round(p, 4),
+                "error_points": round(100 * (p - u), 2),
+            }
+        )
+    return rows

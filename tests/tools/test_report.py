@@ -1,0 +1,78 @@
+"""``ravnest-jax report SUMMARY.json``: three PNGs with content from a run's round logs, and one
+line naming a summary it cannot plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from ravnest_jax.sync._metrics import round_metrics
+
+
+class _Record:  # what the swarm returns for an ok round (the fields round_metrics reads)
+    def __init__(self, r: int, sent: int):
+        self.round, self.contributors, self.digest = r, ("a", "b"), f"d{r}"
+        self.bytes_sent = self.bytes_received = sent
+
+
+def _summary(tmp_path):
+    peers = []
+    for i, name in enumerate(("peer0", "peer1")):
+        log = []
+        for r in range(6):
+            m = round_metrics(
+                r, 0, 10 * (r + 1), 10 * (r + 1) + 1, 0.3, 0.05 * i, 0.97 - 0.01 * r,
+                record=_Record(r, 40_000 + 100 * i), payload_bytes=40_000, float_bytes=320_000, state_digest=f"s{r}",
+            )  # fmt: skip
+            log.append({**dataclasses.asdict(m), "train_loss": 3.0 - 0.2 * r + 0.05 * i})
+        log.append({**dataclasses.asdict(round_metrics(6, 0, 70, 71, 5.0, 0.0, 0.0, error="RoundFailed: x"))})
+        peers.append({"peer": name, "params": 80_000, "round_log": log})
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps({"peers": peers, "data_parallel_bytes_per_peer": 1e9}))
+    return path
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "ravnest_jax.cli", "report", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_report_writes_three_pngs_with_content(tmp_path):
+    import matplotlib.image
+
+    r = _cli(str(_summary(tmp_path)))
+    assert r.returncode == 0, r.stderr
+    paths = r.stdout.split()
+    assert [p.rsplit("/", 1)[-1] for p in paths] == ["summary.loss.png", "summary.utilisation.png", "summary.bytes.png"]
+    for p in paths:
+        img = matplotlib.image.imread(p)
+        assert img.shape[0] > 300 and img.shape[1] > 600, (p, img.shape)
+        # not blank: a good share of the pixels are neither white nor one colour
+        ink = (img[..., :3] < 0.9).any(axis=-1).mean()
+        assert 0.02 < ink < 0.5 and np.unique(img.reshape(-1, img.shape[-1]), axis=0).shape[0] > 50, (p, ink)
+
+
+def test_report_out_dir_and_bad_summaries(tmp_path):
+    src = _summary(tmp_path)
+    r = _cli(str(src), "--out-dir", str(tmp_path / "plots"))
+    assert r.returncode == 0 and sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "summary.bytes.png",
+        "summary.loss.png",
+        "summary.utilisation.png",
+    ], r.stderr
+    for bad, why in [
+        (tmp_path / "missing.json", "No such file"),
+        (tmp_path / "garbage.json", "not JSON"),
+        (tmp_path / "launcher.json", "no per-round logs"),
+    ]:
+        if bad.name == "garbage.json":
+            bad.write_text("{not json")
+        if bad.name == "launcher.json":
+            bad.write_text(json.dumps({"peers": [{"peer": "a", "summary": {}}]}))
+        r = _cli(str(bad))
+        assert r.returncode == 2 and why in r.stderr and r.stderr.count("\n") == 1, (bad, r.stderr)

@@ -1,0 +1,116 @@
+"""``ravnest-jax plan``: the round model's bytes are the wire format's, its constants are the fit
+of the committed bench_utilization results, its predictions hold on those cells, and the
+command prints a plan (or one line naming bad input)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ravnest_jax.swarm._codec import encode_part
+from ravnest_jax.tools import CALIBRATION, calibrate, plan_rounds, validate
+from ravnest_jax.tools._cli import params_of_config
+from ravnest_jax.tools._round_plan import message_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+LLAMA = ROOT / "tests" / "fixtures" / "llm" / "finetune"
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("n", [1000, 65_536, 100_003])
+def test_message_bytes_are_the_wire_formats(codec, n):
+    real = len(encode_part("p", np.ones(n, np.float32), codec))
+    assert 0 <= real - message_bytes(n, codec) < 600, (codec, n, real, message_bytes(n, codec))
+
+
+def test_the_constants_are_the_fit_of_the_committed_results():
+    fit = calibrate(json.loads((RESULTS / "utilization.json").read_text()))
+    assert fit.c_round == CALIBRATION.c_round and fit.k_rtt == CALIBRATION.k_rtt and fit.c_dp == CALIBRATION.c_dp
+    assert fit.overhead == CALIBRATION.overhead, (fit, CALIBRATION)
+
+
+def test_validation_on_the_measured_cells():
+    """The table of docs/planning.md (benchmarks/validate_plan.py writes it): what it states
+    is what the model gives on the committed measurements."""
+    d = json.loads((RESULTS / "utilization.json").read_text())
+    rows = validate(d)
+    saved = json.loads((RESULTS / "plan_validation.json").read_text())
+    assert rows == saved["fit_cells"], "benchmarks/results/plan_validation.json is stale: rerun validate_plan.py"
+    errs = [abs(r["error_points"]) for r in rows]
+    assert len(rows) == 128 and np.median(errs) < 1.5, sorted(errs)[-10:]
+    dp = [r for r in rows if r["mode"] == "data_parallel"]
+    assert max(abs(r["error_points"]) for r in dp) < 3, dp
+
+
+def test_plan_rounds_is_consistent():
+    plan = plan_rounds(int(1e9), codec="int4", peers=4, mbit_up=100, rtt_ms=100, step_s=0.5)
+    rows = plan.rows
+    assert [r.sync_every for r in rows] == sorted(r.sync_every for r in rows)
+    assert all(r.bytes_per_round == int(1.5 * message_bytes(int(1e9), "int4")) for r in rows), rows[0]
+    # more steps between rounds: higher utilisation; overlap never below blocking
+    assert all(a.utilisation_blocking < b.utilisation_blocking for a, b in zip(rows, rows[1:])), rows
+    assert all(r.utilisation >= r.utilisation_blocking for r in rows), rows
+    rec = plan.recommendation
+    assert rec["utilisation"] >= 0.95 and rec["sync_every"] in {r.sync_every for r in rows}, rec
+    assert plan.data_parallel["utilisation"] < 0.01, plan.data_parallel  # 6 GB of fp32 a step on 100 Mbit/s
+    fast = plan_rounds(int(1e9), codec="int4", peers=4, mbit_up=10_000, rtt_ms=5, step_s=0.5)
+    assert fast.recommendation["sync_every"] <= rec["sync_every"], (fast.recommendation, rec)
+    assert fast.rows[0].round_s < rows[0].round_s
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"mbit_up": 0}, "mbit_up"),
+        ({"mbit_up": 10, "step_s": -1}, "step_s"),
+        ({"mbit_up": 10, "peers": 1}, "peers"),
+        ({"mbit_up": 10, "codec": "zip"}, "codec"),
+        ({"mbit_up": 10, "rtt_ms": float("nan")}, "rtt_ms"),
+    ],
+)
+def test_plan_rounds_rejects_bad_values(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        plan_rounds(1000, **{"step_s": 0.1, **kw})
+
+
+def test_params_of_a_config_are_the_checkpoints():
+    from safetensors import safe_open
+
+    with safe_open(str(LLAMA / "model.safetensors"), "np") as f:
+        real = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())
+    assert params_of_config(str(LLAMA)) == real
+    c = json.loads((LLAMA / "config.json").read_text())
+    d, ff, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * c["head_dim"]
+    per_layer = 4 * (2 * (d + d) + 2 * (d + kv) + 3 * (d + ff))  # rank 4: q, o; k, v; gate, up, down
+    assert params_of_config(str(LLAMA), lora_rank=4) == c["num_hidden_layers"] * per_layer
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ravnest_jax.cli", *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_the_plan_command(tmp_path):
+    out = tmp_path / "plan.json"
+    r = _cli(
+        "plan", "--params", "1e9", "--codec", "int4", "--peers", "4", "--mbit", "100", "--rtt-ms", "100",
+        "--step-s", "0.5", "--json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("1,000.0M parameters exchanged, codec int4, 4 peers"), lines[0]
+    assert any(ln.split()[:1] == ["50"] and "%" in ln for ln in lines), r.stdout
+    assert any(ln.startswith("recommended: H=") for ln in lines) and "rj.diloco(inner, sync_every=" in r.stdout
+    d = json.loads(out.read_text())
+    assert d["recommendation"]["utilisation"] >= 0.95 and len(d["rows"]) == 7, d
+    bad = _cli("plan", "--params", "1e9", "--mbit", "-3", "--step-s", "0.5")
+    assert bad.returncode == 2 and "--mbit" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    missing = _cli("plan", "--config", str(tmp_path / "nope.json"), "--mbit", "10", "--step-s", "0.5")
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "nope.json" in missing.stderr, missing
