@@ -223,6 +223,7 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
             f"rendezvous {url}, run {run_id}; starting {n} peers "
             f"(codec {args.codec}, H={args.sync_every}, overlap {args.overlap_steps}, mode {args.mode})"
         )
+        print(f"status page: {url}/runs/{run_id}?token={env['RAVNEST_TOKEN']}", flush=True)
         # N peers share this machine's cores: one compute thread each
         xla = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")}
         for i in range(n):

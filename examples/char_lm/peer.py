@@ -295,6 +295,7 @@ def run_peer(args: argparse.Namespace) -> dict:
                 )
                 params, state, value = train_step(params, state, tokens)
                 params, state = sync(params, state)
+                sync.report(train_loss=value)  # the status page's loss (read at the next round)
                 t_prev, t = t, sync.step  # steps done; a resync may move this peer to the swarm's step
                 consistent = True
                 if ckpt is not None and sync.pending == 0 and t - last_saved >= save_every:

@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
                 tokens = sample_batch(train, rng, args.batch_size, args.seq_len)
                 params, state, loss = train_step(params, state, tokens)
                 params, state = sync(params, state)  # counts; starts and merges rounds when due
+                sync.report(train_loss=loss)  # for the rendezvous' status page
                 if ckpt is not None and sync.step - last_saved >= save_every and not sync.pending:
                     ckpt.save(sync.step, params=params, opt_state=state, extra=rj.checkpoint_extra(sync, params))
                     last_saved = sync.step

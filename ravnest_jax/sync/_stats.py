@@ -46,6 +46,9 @@ class PeerStats:
 
     def report(self, scalars: dict[str, Any]) -> None:
         for name, value in scalars.items():
+            if name in self.reported and getattr(value, "shape", None) == ():  # the per-step case
+                self.reported[name] = value
+                continue
             if not isinstance(name, str) or not name.isidentifier() or len(name) > 32:
                 raise ValueError(f"a reported name must be an identifier of at most 32 characters, got {name!r}")
             if name not in self.reported and len(self.reported) >= MAX_SCALARS:

@@ -181,14 +181,17 @@ def predict_utilisation(
 @dataclasses.dataclass(frozen=True)
 class PlanRow:
     """One H of a plan: ``sync_every`` (H, steps), ``bytes_per_round`` (each peer sends, and
-    receives, bytes), ``round_s`` (seconds), ``tau`` (overlap steps that hide the round;
-    ``None`` when even ``H // 10`` does not), ``utilisation_blocking``, ``utilisation``
-    (overlapped with ``min(tau, H // 10)``), ``mbytes_per_hour`` (sent per peer)."""
+    receives, bytes), ``round_s`` (seconds), ``tau`` (overlap steps that hide the round, as
+    ``overlap_steps="auto"`` would choose them: ``ceil(1.25 * round_s / step_s)``),
+    ``tau_within_cap`` (``tau <= H // 10``, the default cap), ``utilisation_blocking``,
+    ``utilisation`` (overlapped with ``min(tau, H // 10)``), ``mbytes_per_hour`` (sent per
+    peer)."""
 
     sync_every: int
     bytes_per_round: int
     round_s: float
-    tau: int | None
+    tau: int
+    tau_within_cap: bool
     utilisation_blocking: float
     utilisation: float
     mbytes_per_hour: float
@@ -207,14 +210,16 @@ class RoundPlan:
 
     def table(self) -> str:
         """The rows as a fixed-width text table."""
-        head = f"{'H':>6} {'MB/round':>10} {'round s':>8} {'tau':>5} {'blocking':>9} {'overlapped':>11} {'MB/hour':>9}"
+        head = f"{'H':>6} {'MB/round':>10} {'round s':>8} {'tau':>6} {'blocking':>9} {'overlapped':>11} {'MB/hour':>9}"
         lines = [head]
         for r in self.rows:
-            tau = "-" if r.tau is None else str(r.tau)
+            tau = str(r.tau) + ("" if r.tau_within_cap else "*")
             lines.append(
-                f"{r.sync_every:>6} {r.bytes_per_round / 1e6:>10.2f} {r.round_s:>8.2f} {tau:>5} "
+                f"{r.sync_every:>6} {r.bytes_per_round / 1e6:>10.2f} {r.round_s:>8.2f} {tau:>6} "
                 f"{100 * r.utilisation_blocking:>8.1f}% {100 * r.utilisation:>10.1f}% {r.mbytes_per_hour:>9.1f}"
             )
+        if any(not r.tau_within_cap for r in self.rows):
+            lines.append("* tau needed exceeds H/10 (overlap_steps='auto' caps it there: the rest stalls)")
         return "\n".join(lines)
 
 
@@ -300,7 +305,8 @@ def plan_rounds(
                 sync_every=h,
                 bytes_per_round=nbytes(codec),
                 round_s=t_round,
-                tau=needed if needed <= max(1, h // 10) else None,
+                tau=needed,
+                tau_within_cap=needed <= max(1, h // 10),
                 utilisation_blocking=ub,
                 utilisation=uo,
                 mbytes_per_hour=nbytes(codec) / 1e6 * 3600 / (h * step_s),
