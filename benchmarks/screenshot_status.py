@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -41,9 +42,15 @@ FLAGS = [
 
 
 def _data(page: str) -> dict:
+    """The page's data; no peers and no rounds until the run exists (404)."""
     base, query = page.split("?", 1)
-    with urllib.request.urlopen(f"{base}/data?{query}", timeout=5) as r:  # noqa: S310 - 127.0.0.1 only
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(f"{base}/data?{query}", timeout=5) as r:  # noqa: S310 - 127.0.0.1 only
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        if e.code != 404:
+            raise
+        return {"peers": [], "rounds": [], "last_round": None}
 
 
 def screenshot(url: str, out: Path, size: str = "1500,1150", budget_ms: int = 6000) -> None:
