@@ -2,12 +2,15 @@
 """Validates ``ravnest-jax plan``'s round model against bench_utilization's measured cells.
 
     python benchmarks/validate_plan.py                          # the fit cells (utilization.json)
-    python benchmarks/validate_plan.py --heldout utilization_heldout.json
+    python benchmarks/validate_plan.py --heldout benchmarks/results/utilization_heldout.json \
+        --remeasured benchmarks/results/utilization_remeasured.json
 
 The model's constants (``ravnest_jax.tools.CALIBRATION``) are fitted from
 ``benchmarks/results/utilization.json`` by ``calibrate``; every cell of it is then predicted
 (``fit_cells``). With ``--heldout``, the cells of a separate run of bench_utilization (not used
-in the fit) are predicted with the same constants (``heldout_cells``). Writes
+in the fit) are predicted with the same constants (``heldout_cells``); with ``--remeasured``, the
+cells of a run that measures some of the sweep's links again with more rounds
+(``remeasured_cells``). Writes
 ``benchmarks/results/plan_validation.json`` and prints the tables of ``docs/planning.md``.
 """
 
@@ -58,6 +61,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fit", default=str(HERE / "results" / "utilization.json"))
     ap.add_argument("--heldout", default=None, help="a bench_utilization JSON not used in the fit")
+    ap.add_argument("--remeasured", default=None, help="a bench_utilization JSON re-measuring the sweep's links")
     ap.add_argument("--out", default=str(HERE / "results" / "plan_validation.json"))
     args = ap.parse_args()
     fit = json.loads(Path(args.fit).read_text())
@@ -89,6 +93,14 @@ def main() -> int:
         print("\nheld-out cells:")
         print(_table(out["heldout_cells"]))
         print(json.dumps({k: v for k, v in out["heldout_stats"].items() if k != "worst"}))
+    if args.remeasured:
+        again = json.loads(Path(args.remeasured).read_text())
+        out["remeasured_source"] = str(Path(args.remeasured).name)
+        out["remeasured_cells"] = validate(again, CALIBRATION)
+        out["remeasured_stats"] = _stats(out["remeasured_cells"])
+        print("\nre-measured cells:")
+        print(_table(out["remeasured_cells"]))
+        print(json.dumps({k: v for k, v in out["remeasured_stats"].items() if k != "worst"}))
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

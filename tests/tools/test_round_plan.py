@@ -50,6 +50,10 @@ def test_validation_on_the_measured_cells():
     held = validate(json.loads((RESULTS / "utilization_heldout.json").read_text()))
     assert held == saved["heldout_cells"], "plan_validation.json is stale: rerun validate_plan.py --heldout ..."
     assert len(held) == 24 and all(abs(r["error_points"]) <= 3 for r in held), held
+    # the sweep's links measured again with 3 rounds a cell (7 of its 8 cells over 3 points among them)
+    again = validate(json.loads((RESULTS / "utilization_remeasured.json").read_text()))
+    assert again == saved["remeasured_cells"], "plan_validation.json is stale"
+    assert len(again) == 36 and all(abs(r["error_points"]) <= 3 for r in again), again
 
 
 def test_plan_rounds_is_consistent():
