@@ -78,29 +78,18 @@ def main() -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine_info(),
         "calibration": {"c_round": cal.c_round, "k_rtt": cal.k_rtt, "c_dp": cal.c_dp, "overhead": cal.overhead},
-        "fit_source": str(Path(args.fit).name),
-        "fit_cells": validate(fit, CALIBRATION),
     }
-    out["fit_stats"] = _stats(out["fit_cells"])
-    print("fit cells (measured/predicted utilisation %, columns Mbit/s / RTT ms):")
-    print(_table(out["fit_cells"]))
-    print(json.dumps({k: v for k, v in out["fit_stats"].items() if k != "worst"}))
-    if args.heldout:
-        held = json.loads(Path(args.heldout).read_text())
-        out["heldout_source"] = str(Path(args.heldout).name)
-        out["heldout_cells"] = validate(held, CALIBRATION)
-        out["heldout_stats"] = _stats(out["heldout_cells"])
-        print("\nheld-out cells:")
-        print(_table(out["heldout_cells"]))
-        print(json.dumps({k: v for k, v in out["heldout_stats"].items() if k != "worst"}))
-    if args.remeasured:
-        again = json.loads(Path(args.remeasured).read_text())
-        out["remeasured_source"] = str(Path(args.remeasured).name)
-        out["remeasured_cells"] = validate(again, CALIBRATION)
-        out["remeasured_stats"] = _stats(out["remeasured_cells"])
-        print("\nre-measured cells:")
-        print(_table(out["remeasured_cells"]))
-        print(json.dumps({k: v for k, v in out["remeasured_stats"].items() if k != "worst"}))
+    sets = [("fit", "fit cells (measured/predicted utilisation %, columns Mbit/s / RTT ms)", args.fit)]
+    sets += [("heldout", "held-out cells", args.heldout), ("remeasured", "re-measured cells", args.remeasured)]
+    for key, title, path in sets:
+        if not path:
+            continue
+        out[f"{key}_source"] = str(Path(path).name)
+        out[f"{key}_cells"] = validate(json.loads(Path(path).read_text()), CALIBRATION)
+        out[f"{key}_stats"] = _stats(out[f"{key}_cells"])
+        print(f"\n{title}:")
+        print(_table(out[f"{key}_cells"]))
+        print(json.dumps({k: v for k, v in out[f"{key}_stats"].items() if k != "worst"}))
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
