@@ -117,13 +117,13 @@ class StatusPage:
 
     # -- access --------------------------------------------------------------------------
     def _token_ok(self, given: str) -> bool:
-        g = given.encode()
+        g = given.encode("utf-8", "surrogateescape")  # a header's raw bytes (not UTF-8: no match)
         return any(hmac.compare_digest(g, t) for t in self.tokens)
 
     def authorized(self, request: web.Request) -> bool:
         """Whether ``request`` carries a read token (bearer header, ``?token=``, or cookie)."""
         auth = request.headers.get("Authorization", "")
-        if auth.startswith("Bearer ") and self._token_ok(auth[7:].strip()):
+        if auth[:7].lower() == "bearer " and self._token_ok(auth[7:].strip()):
             return True
         if "token" in request.query and self._token_ok(request.query["token"]):
             return True
@@ -136,7 +136,10 @@ class StatusPage:
         )
 
     async def _login(self, request: web.Request) -> web.Response:
-        form = await request.post()
+        try:
+            form = await request.post()
+        except Exception:  # noqa: BLE001 - not a form this page sent (bad encoding, broken multipart)
+            return self._login_page('<p class="err">That request is not the login form.</p>', status=400)
         token = form.get("token")
         if not isinstance(token, str) or not self._token_ok(token):
             return self._login_page('<p class="err">That token is not this rendezvous\' run or read-only token.</p>')

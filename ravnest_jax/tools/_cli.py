@@ -36,12 +36,17 @@ def _hf_sizes(config: str) -> dict[str, Any]:
     """The sizes of a Hugging Face ``config.json`` (a file, its directory, or a preset name)."""
     path = Path(config)
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--config {config}: the directory has no config.json")
         path = path / "config.json"
     if path.is_file():
         try:
-            return json.loads(path.read_text())
+            d = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise ValueError(f"--config {config}: not a readable JSON file ({e})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"--config {config}: not a config.json (a JSON object of the model's sizes)")
+        return d
     try:
         from ravnest_jax.models._plan import PRESETS
     except ImportError:
@@ -61,14 +66,18 @@ def params_of_config(config: str, lora_rank: int | None = None) -> int:
     Raises:
       ValueError: the file is missing or lacks a size (one line naming it).
     """
+    if lora_rank is not None and (not isinstance(lora_rank, int) or lora_rank < 1):
+        raise ValueError(f"--lora-rank must be an int >= 1, got {lora_rank!r}")
     c = _hf_sizes(config)
     try:
         d, ff, layers, vocab = (
             int(c[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
         )
         heads = int(c["num_attention_heads"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"--config {config}: missing or bad size {e}") from None
+    except KeyError as e:
+        raise ValueError(f"--config {config}: no {e} in it") from None
+    except (TypeError, ValueError):
+        raise ValueError(f"--config {config}: a size is not a whole number") from None
     kv = int(c.get("num_key_value_heads") or heads)
     hd = int(c.get("head_dim") or d // heads)
     shapes = {
@@ -91,10 +100,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ._round_plan import CODECS, codec_seconds_per_param, plan_rounds
 
     try:
+        if args.lora_rank is not None and not args.config:
+            raise ValueError("--lora-rank needs --config (the model's projections)")
         if args.config:
             params = params_of_config(args.config, args.lora_rank)
         elif args.params is not None:
-            params = int(round(args.params))
+            if not float(args.params).is_integer() or args.params > 1e15:
+                raise ValueError(f"--params must be a whole number of parameters up to 1e15, got {args.params:g}")
+            params = int(args.params)
         else:
             raise ValueError("give --params N or --config config.json")
         codec_s = None if args.no_measure else {c: codec_seconds_per_param(c) for c in CODECS}
@@ -115,8 +128,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 2
     i = plan.inputs
     down = "" if args.mbit_down is None else f" / {args.mbit_down:g} down"
+    count = f"{params / 1e6:,.1f}M" if params >= 100_000 else f"{params:,}"
     print(
-        f"{params / 1e6:,.1f}M parameters exchanged, codec {args.codec}, {args.peers} peers, "
+        f"{count} parameters exchanged, codec {args.codec}, {args.peers} peers, "
         f"{args.mbit:g} Mbit/s up{down}, RTT {args.rtt_ms:g} ms, {args.step_s:g} s a step "
         f"(codec {'measured here' if codec_s else 'speed of the calibration host'})"
     )
@@ -138,7 +152,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     if args.json:
         out = {"inputs": i, "rows": [vars(x) for x in plan.rows], "data_parallel": dp, "recommendation": r}
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        try:
+            Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        except OSError as e:
+            print(f"error: --json {args.json}: {e.strerror or e}", file=sys.stderr)
+            return 2
     return 0
 
 

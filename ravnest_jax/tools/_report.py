@@ -47,7 +47,16 @@ def load_summary(path: str | Path) -> dict[str, Any]:
 def _series(peers: list[dict], key: str) -> dict[str, tuple[list[int], list[float]]]:
     out = {}
     for p in peers:
-        rows = [r for r in p.get("round_log") or [] if r.get("ok") and isinstance(r.get(key), (int, float))]
+        log = p.get("round_log")
+        rows = [
+            r
+            for r in (log if isinstance(log, list) else [])
+            if isinstance(r, dict)
+            and r.get("ok")
+            and isinstance(r.get(key), (int, float))
+            and not isinstance(r.get(key), bool)
+            and isinstance(r.get("step"), int)
+        ]
         if rows:
             out[str(p.get("peer", "?"))] = ([int(r["step"]) for r in rows], [float(r[key]) for r in rows])
     return out

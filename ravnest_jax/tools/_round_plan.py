@@ -185,7 +185,7 @@ class PlanRow:
     ``overlap_steps="auto"`` would choose them: ``ceil(1.25 * round_s / step_s)``),
     ``tau_within_cap`` (``tau <= H // 10``, the default cap), ``utilisation_blocking``,
     ``utilisation`` (overlapped with ``min(tau, H // 10)``), ``mbytes_per_hour`` (sent per
-    peer)."""
+    peer per hour of wall time, overlapped: stalls included)."""
 
     sync_every: int
     bytes_per_round: int
@@ -271,6 +271,8 @@ def plan_rounds(
             raise ValueError(f"{name} must be a number > 0, got {v!r}")
     if not (isinstance(rtt_ms, (int, float)) and 0 <= rtt_ms < math.inf):
         raise ValueError(f"rtt_ms must be a number >= 0, got {rtt_ms!r}")
+    if not (isinstance(target, (int, float)) and 0 < target <= 1):
+        raise ValueError(f"target must be a utilisation in (0, 1], got {target!r}")
     if codec not in CODECS:
         raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {codec!r}")
     if not sync_every or any(not isinstance(h, int) or h < 1 for h in sync_every):
@@ -309,7 +311,7 @@ def plan_rounds(
                 tau_within_cap=needed <= max(1, h // 10),
                 utilisation_blocking=ub,
                 utilisation=uo,
-                mbytes_per_hour=nbytes(codec) / 1e6 * 3600 / (h * step_s),
+                mbytes_per_hour=nbytes(codec) / 1e6 * 3600 * uo / (h * step_s),  # per hour of wall time
             )
         )
     best: dict[str, Any] | None = None
@@ -322,7 +324,7 @@ def plan_rounds(
                 u, t_round, tau = util(h, c, f)
                 cand = {"sync_every": h, "codec": c, "overlap_steps": tau, "fragments": f, "utilisation": u}
                 cand["round_s"] = t_round
-                if fallback is None or u > fallback["utilisation"] + 1e-9:
+                if fallback is None or u > fallback["utilisation"]:
                     fallback = cand
                 if u >= target and best is None:
                     best = cand
@@ -337,7 +339,10 @@ def plan_rounds(
             f"overlapped by tau={rec['overlap_steps']} (at most H/10), with the most precise codec that does"
         )
     else:
-        rec["why"] = f"no H of {list(sync_every)} reaches {100 * target:.0f}%: the highest predicted utilisation"
+        rec["why"] = (
+            f"no H of {list(sync_every)} reaches {100 * target:.0f}% on this link: the highest predicted utilisation"
+            + ("; the link is too slow for this model" if rec.get("utilisation", 0.0) < 0.5 else "")
+        )
     ud, t_dp, _ = util(1, "fp32", mode="data_parallel")
     inputs = {
         "params": params,

@@ -184,3 +184,35 @@ async def _test_garbage_stats_are_ignored_not_fatal(server):
             d = await r.json()
     assert r.status == 200 and len(d["peers"]) == 2, d
     assert rv.runs["exp1"].reports == {}, rv.runs["exp1"].reports
+
+
+def test_malformed_logins_and_headers_are_4xx_not_500():
+    _run(_test_malformed_logins_and_headers_are_4xx_not_500)
+
+
+async def _test_malformed_logins_and_headers_are_4xx_not_500(server):
+    rv, url = server
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    async with aiohttp.ClientSession() as s:
+        for body, headers in [
+            (b"\xff\xfe=1", form),
+            (bytes(range(256)) * 12, form),
+            (b"--xx\r\nbroken", {"Content-Type": "multipart/form-data; boundary=xx"}),
+            (b'{"token": "' + TOKEN.encode() + b'"}', {"Content-Type": "application/json"}),
+        ]:
+            async with s.post(url + "/login", data=body, headers=headers, allow_redirects=False) as r:
+                text = await r.text()
+            assert r.status in (400, 401) and "ravnest_status" not in r.headers.get("Set-Cookie", ""), (
+                body[:20],
+                r.status,
+            )
+            assert 'name="token"' in text, text[:200]
+        async with s.get(url + "/data", headers={"Authorization": "bearer " + TOKEN}) as r:
+            assert r.status == 200, r.status  # the scheme is case-insensitive
+    # a header of raw non-UTF-8 bytes (aiohttp's client will not send one): a raw socket
+    reader, writer = await asyncio.open_connection(*url.split("//")[1].split(":"))
+    writer.write(b"GET /data HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\nConnection: close\r\n\r\n")
+    await writer.drain()
+    head = (await reader.read(200)).split(b"\r\n", 1)[0]
+    writer.close()
+    assert head.endswith(b"401 Unauthorized"), head
