@@ -335,6 +335,7 @@ def test_a_train_step_does_not_compile_again_after_a_restore(tmp_path: Path) -> 
         ck.close()
 
 
+@pytest.mark.integration  # a second process: keeps the unit tier under 3 minutes
 def test_a_directory_held_by_an_open_checkpointer_is_refused(tmp_path: Path) -> None:
     """Two writers of one directory corrupt each other's saves: the second is refused (also
     from another process), and the directory is free again once the first closes."""

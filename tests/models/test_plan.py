@@ -84,6 +84,7 @@ def test_plan_memory_command_prints_a_table_and_json(tmp_path):
     assert d["total"] == sum(d[k] for k in ("base", "adapters", "optimizer", "outer", "activations")) > 0
 
 
+@pytest.mark.integration  # CLI processes: keeps the unit tier under 3 minutes
 def test_plan_memory_command_rejects_bad_input_in_one_line(tmp_path):
     p = subprocess.run(
         [sys.executable, "-m", "ravnest_jax.cli", "plan-memory", "--config", str(tmp_path / "nope.json")],

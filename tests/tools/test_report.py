@@ -9,6 +9,7 @@ import io
 import json
 
 import numpy as np
+import pytest
 
 from ravnest_jax.cli import main
 from ravnest_jax.sync._metrics import round_metrics
@@ -50,6 +51,7 @@ def _cli(*args):
     return _Done(rc, out.getvalue(), err.getvalue())
 
 
+@pytest.mark.integration  # renders PNGs: keeps the unit tier under 3 minutes
 def test_report_writes_three_pngs_with_content(tmp_path):
     import matplotlib.image
 
