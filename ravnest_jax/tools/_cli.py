@@ -9,27 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
-
-
-def _positive(value: str) -> float:
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}") from None
-    if not 0 < v < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}")
-    return v
+from ravnest_jax.cli import _checked, _positive_float  # the flags' checks, shared
 
 
 def _non_negative(value: str) -> float:
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}") from None
-    if not 0 <= v < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}")
-    return v
+    return _checked(value, float, lambda v: 0 <= v < math.inf, "a number >= 0")
 
 
 def _hf_sizes(config: str) -> dict[str, Any]:
@@ -186,15 +170,17 @@ def add_parsers(sub: Any) -> None:
         "is the one benchmarks/bench_utilization.py measured (docs/planning.md).",
     )
     what = pl.add_mutually_exclusive_group()
-    what.add_argument("--params", type=_positive, help="parameters exchanged, e.g. 1e9")
+    what.add_argument("--params", type=_positive_float, help="parameters exchanged, e.g. 1e9")
     what.add_argument("--config", help="a Hugging Face config.json (or its directory, or a preset name)")
     pl.add_argument("--lora-rank", type=int, default=None, help="with --config: exchange rank-R LoRA adapters only")
     pl.add_argument("--codec", default="int4", choices=["fp32", "bf16", "int8", "int4"], help="(default int4)")
     pl.add_argument("--peers", type=int, default=2, help="peers in a round (default 2)")
-    pl.add_argument("--mbit", type=_positive, required=True, help="link rate up, Mbit/s")
-    pl.add_argument("--mbit-down", type=_positive, default=None, help="link rate down, Mbit/s (default: --mbit)")
+    pl.add_argument("--mbit", type=_positive_float, required=True, help="link rate up, Mbit/s")
+    pl.add_argument("--mbit-down", type=_positive_float, default=None, help="link rate down, Mbit/s (default: --mbit)")
     pl.add_argument("--rtt-ms", type=_non_negative, default=50.0, help="round-trip time, ms (default 50)")
-    pl.add_argument("--step-s", type=_positive, required=True, help="one inner step, seconds (measured or guessed)")
+    pl.add_argument(
+        "--step-s", type=_positive_float, required=True, help="one inner step, seconds (measured or guessed)"
+    )
     pl.add_argument("--sync-every", type=int, nargs="+", default=[10, 25, 50, 100, 200, 500, 1000], help="H values")
     pl.add_argument("--target", type=float, default=0.95, help="utilisation to aim for (default 0.95)")
     pl.add_argument("--no-measure", action="store_true", help="codec speed of the calibration host, not this one")
