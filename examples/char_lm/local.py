@@ -83,7 +83,8 @@ def print_peer_table(results: list[dict], dp_bytes: float | None) -> bool:
             f"per-round digests identical: {'yes' if same_rounds else 'NO'}"
         )
     elif results:
-        print(f"\nglobal state digest {str(results[0]['final_global_digest'])[:16]}...")
+        d = results[0]["final_global_digest"]
+        print(f"\nglobal state digest {d[:16]}..." if d else "\nglobal state digest: none (no round merged)")
     return len(digests) == 1 and same_rounds
 
 
