@@ -112,6 +112,7 @@ def test_overlap_flag(capsys):
     assert "--overlap-steps" in capsys.readouterr().err
 
 
+@pytest.mark.integration  # compiles over 4 forced devices (13 s): keeps the unit tier under 3 minutes
 @pytest.mark.parametrize("layout", ["replicated", "fsdp"])
 def test_peer_mesh_layouts_and_a_kept_layout(layout):
     """The peer's mesh over 4 (forced CPU) devices: params and state laid out, the batch split,
