@@ -3,6 +3,8 @@
 
     python benchmarks/bench_convergence.py               # 2 seeds, ~15-25 min on 2 loaded cores
     python benchmarks/bench_convergence.py --seeds 0     # one seed
+    python benchmarks/bench_convergence.py --sweep --seeds 0 1 2 --steps 2000 \
+        --sweep-group length outer inner codec muon --jobs 2   # the simulation sweep (_sweep.py)
 
 Each seed, at the same tokens (4 peers/replicas x ``--steps`` x batch 8 x 64 bytes), same model
 init and the same data streams (replica r draws from ``default_rng([seed, r])`` as in the
@@ -256,8 +258,34 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-batches", type=int, default=16)
-    ap.add_argument("--out", default=str(HERE / "results" / "convergence.json"))
+    ap.add_argument(
+        "--out", default=None, help="default results/convergence.json (convergence_sweep.json with --sweep)"
+    )
+    ap.add_argument("--sweep", action="store_true", help="the simulation sweep of benchmarks/_sweep.py instead")
+    ap.add_argument("--sweep-group", nargs="+", default=["length"], help="of length outer inner sync_every codec muon")
+    ap.add_argument(
+        "--sweep-cell", action="append", help="--sweep: an extra cell, e.g. outer_momentum=0.8,sync_every=25"
+    )
+    ap.add_argument("--jobs", type=int, default=1, help="--sweep: cells run at a time (worker processes)")
+    ap.add_argument("--eval-every", type=int, default=100, help="--sweep: steps between evals of the curve")
+    ap.add_argument("--sweep-report", nargs="+", default=None, help="merge sweep JSON files into --out (no training)")
     args = ap.parse_args()
+    if args.sweep_report:
+        import _sweep
+
+        out = Path(args.out or HERE / "results" / "convergence_sweep.json")
+        return _sweep.report_main(args.sweep_report, out, machine_info)
+    if args.sweep:
+        import _sweep
+
+        args.sweep_group = [] if args.sweep_cell and args.sweep_group == ["length"] else args.sweep_group
+        bad = [g for g in args.sweep_group if g not in _sweep.GROUPS]
+        if bad:
+            ap.error(f"--sweep-group: unknown {bad}; known: {' '.join(_sweep.GROUPS)}")
+        out = Path(args.out or HERE / "results" / "convergence_sweep.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return _sweep.sweep_main(args, out, machine_info)
+    args.out = args.out or str(HERE / "results" / "convergence.json")
 
     import char_lm
 

@@ -77,6 +77,16 @@ def _positive_float(value: str) -> float:
     return x
 
 
+def _unit_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value!r}") from None
+    if not 0.0 <= x < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value!r}")
+    return x
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each default once: not appended where the help text already states it."""
 
@@ -107,7 +117,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--d-model", type=_positive_int, default=96, help="width of the transformer (a multiple of --heads)")
     p.add_argument("--layers", type=_positive_int, default=2, help="transformer blocks")
     p.add_argument("--heads", type=_positive_int, default=4, help="attention heads per block")
-    p.add_argument("--lr", type=_positive_float, default=3e-3, help="peak inner AdamW learning rate")
+    p.add_argument("--lr", type=_positive_float, default=3e-3, help="peak inner learning rate")
+    p.add_argument(
+        "--inner",
+        choices=["adamw", "muon"],
+        default="adamw",
+        help="inner optimizer: AdamW, or Muon on the blocks' matrices (AdamW 3e-3 on the rest; try --lr 0.02)",
+    )
+    p.add_argument(
+        "--outer-lr", type=_positive_float, default=None, help="outer learning rate (default: rj.default_outer's)"
+    )
+    p.add_argument(
+        "--outer-momentum",
+        type=_unit_float,
+        default=None,
+        help="outer Nesterov momentum in [0, 1); 0 is plain SGD (default: rj.default_outer's)",
+    )
     p.add_argument("--eval-batches", type=_positive_int, default=8, help="eval batches of 32 sequences")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial params (the same on every peer)")
     p.add_argument(
@@ -125,6 +150,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--codec",
         default=env("RAVNEST_CODEC"),
         help="pseudo-gradient codec (default: $RAVNEST_CODEC, else int4 in a swarm, none in the simulation)",
+    )
+    s.add_argument(
+        "--topk-fraction",
+        type=_positive_float,
+        default=None,
+        help="with --codec topk: the fraction of each part's values sent (default 0.01)",
+    )
+    s.add_argument(
+        "--ef-decay",
+        type=float,
+        default=1.0,
+        help="error-feedback decay beta in [0, 1] (0.95 with topk and --outer-momentum 0: SparseLoCo)",
     )
     s.add_argument(
         "--overlap-steps",
@@ -217,6 +254,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     if args.codec is not None and args.codec not in CODECS:
         p.error(f"--codec must be one of {', '.join(CODECS)}, got {args.codec!r}")
+    if args.topk_fraction is not None and (args.codec != "topk" or not args.topk_fraction <= 1.0):
+        p.error(f"--topk-fraction needs --codec topk and a value in (0, 1], got {args.topk_fraction}")
+    if not 0.0 <= args.ef_decay <= 1.0:
+        p.error(f"--ef-decay must be in [0, 1], got {args.ef_decay}")
     if args.d_model % args.heads:
         p.error(f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
     if args.local_peers and args.rendezvous:

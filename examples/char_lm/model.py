@@ -81,14 +81,55 @@ def make_loss(graphdef):
     return loss
 
 
-def inner_optimizer(lr: float, steps: int):
-    """AdamW with linear warmup (5% of steps) and cosine decay to 10% (the DiLoCo inner setup)."""
+def inner_optimizer(lr: float, steps: int, kind: str = "adamw", warmup: float = 0.05):
+    """The inner optimizer: linear warm-up (``warmup`` of the steps) and cosine decay to 10%.
+
+    ``kind="adamw"``: AdamW (b1 0.9, b2 0.95, weight decay 0.1), the DiLoCo inner setup.
+    ``kind="muon"``: Muon (``optax.contrib.muon``, Jordan et al. 2024; arXiv 2502.16982) at peak
+    ``lr`` on the 2-D weights of the blocks, AdamW at peak 3e-3 on the rest (embedding, position
+    table, output head, norms, biases), as Muon is usually run.
+    """
     import optax
 
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, lr, warmup_steps=max(1, steps // 20), decay_steps=steps, end_value=lr * 0.1
+    def schedule(peak: float):
+        return optax.warmup_cosine_decay_schedule(
+            0.0, peak, warmup_steps=max(1, int(steps * warmup)), decay_steps=steps, end_value=peak * 0.1
+        )
+
+    if kind == "adamw":
+        return optax.adamw(schedule(lr), b1=0.9, b2=0.95, weight_decay=0.1)
+    if kind != "muon":
+        raise ValueError(f"inner optimizer must be 'adamw' or 'muon', got {kind!r}")
+    import jax
+    from optax.contrib import MuonDimensionNumbers, muon
+
+    def dims(params):
+        def pick(path, x):
+            name = jax.tree_util.keystr(path)
+            if x.ndim == 2 and "blocks" in name:
+                return MuonDimensionNumbers(reduction_axis=0, output_axis=1)
+            return None
+
+        return jax.tree_util.tree_map_with_path(pick, params)
+
+    return muon(
+        schedule(lr),
+        beta=0.95,
+        weight_decay=0.1,
+        adam_b1=0.9,
+        adam_b2=0.95,
+        adam_weight_decay=0.1,
+        adam_learning_rate=schedule(3e-3),
+        muon_weight_dimension_numbers=dims,
     )
-    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1)
+
+
+def outer_optimizer(lr: float | None = None, momentum: float | None = None):
+    """``rj.default_outer`` with ``lr`` and ``momentum`` where given (``None``: its defaults)."""
+    import ravnest_jax as rj
+
+    kw = {k: v for k, v in (("learning_rate", lr), ("momentum", momentum)) if v is not None}
+    return rj.default_outer(**kw)
 
 
 def make_evaluator(graphdef, eval_tokens: np.ndarray):

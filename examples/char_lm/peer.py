@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from char_lm.data import check_text, eval_batches, load_corpus, sample_batch
-from char_lm.model import ModelConfig, build_model, inner_optimizer, make_evaluator, make_loss
+from char_lm.model import ModelConfig, build_model, inner_optimizer, make_evaluator, make_loss, outer_optimizer
 from char_lm.report import json_safe
 
 
@@ -151,7 +151,8 @@ def run_peer(args: argparse.Namespace) -> dict:
     )
     loss_fn = make_loss(graphdef)
     tx = rj.diloco(
-        inner_optimizer(args.lr, args.schedule_steps or args.max_steps),
+        inner_optimizer(args.lr, args.schedule_steps or args.max_steps, args.inner),
+        outer_optimizer(args.outer_lr, args.outer_momentum),
         sync_every=args.sync_every,
         fragments=args.fragments,
     )
@@ -202,6 +203,7 @@ def run_peer(args: argparse.Namespace) -> dict:
             },
         )
 
+    codec_options = {"fraction": args.topk_fraction} if args.topk_fraction is not None else {}
     # the swarm joins the run only once this peer is compiled and ready: a registered peer is in
     # every round's group, and one still compiling would cost the others a timeout
     swarm = rj.Swarm(
@@ -209,6 +211,7 @@ def run_peer(args: argparse.Namespace) -> dict:
         run_id=args.run_id,
         token=token,
         codec=args.codec,
+        codec_options=codec_options,
         listen=args.listen,
         advertise=args.advertise,
         timeouts=timeouts,
@@ -218,6 +221,8 @@ def run_peer(args: argparse.Namespace) -> dict:
     sync = rj.OuterSync(
         tx,
         swarm,
+        codec_options=codec_options,
+        error_feedback_decay=args.ef_decay,
         mode=mode,
         overlap_steps=args.overlap_steps,
         alpha=args.alpha,

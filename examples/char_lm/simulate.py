@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from char_lm.data import check_text, eval_batches, load_corpus, sample_batch
-from char_lm.model import ModelConfig, build_model, inner_optimizer, make_evaluator, make_loss
+from char_lm.model import ModelConfig, build_model, inner_optimizer, make_evaluator, make_loss, outer_optimizer
 from char_lm.report import machine_info, run_config
 
 
@@ -31,14 +31,16 @@ def replica_batches(train: np.ndarray, *, replicas: int, batch: int, seq_len: in
         yield np.stack([sample_batch(train, g, batch, seq_len) for g in rngs])
 
 
-def train_data_parallel(graphdef, params, train, *, replicas, batch, seq_len, steps, lr, seed, progress=True):
+def train_data_parallel(
+    graphdef, params, train, *, replicas, batch, seq_len, steps, lr, seed, inner="adamw", progress=True
+):
     """Synchronous data-parallel baseline: one model, global batch ``replicas * batch`` per step
     (the same tokens as ``replicas`` DiLoCo replicas), mean gradient, the same inner optimizer."""
     import jax
     import optax
 
     loss = make_loss(graphdef)
-    tx = inner_optimizer(lr, steps)
+    tx = inner_optimizer(lr, steps, inner)
 
     @jax.jit
     def step(params, state, tokens):
@@ -59,7 +61,21 @@ def train_data_parallel(graphdef, params, train, *, replicas, batch, seq_len, st
 
 
 def train_diloco_simulation(
-    graphdef, params, train, *, replicas, batch, seq_len, steps, lr, sync_every, seed, codec=None, progress=True
+    graphdef,
+    params,
+    train,
+    *,
+    replicas,
+    batch,
+    seq_len,
+    steps,
+    lr,
+    sync_every,
+    seed,
+    codec=None,
+    inner="adamw",
+    outer=None,
+    progress=True,
 ):
     """N DiLoCo replicas under ``jax.vmap(axis_name="replica")``, rounds every ``sync_every`` steps.
 
@@ -72,7 +88,7 @@ def train_diloco_simulation(
     import ravnest_jax as rj
 
     loss = make_loss(graphdef)
-    tx = rj.diloco(inner_optimizer(lr, steps), sync_every=sync_every, axis_name="replica", codec=codec)
+    tx = rj.diloco(inner_optimizer(lr, steps, inner), outer, sync_every=sync_every, axis_name="replica", codec=codec)
 
     def step(params, state, tokens):
         value, grads = jax.value_and_grad(loss)(params, tokens)
@@ -120,8 +136,16 @@ def run_simulation(args: argparse.Namespace) -> dict:
         steps=args.steps,
         lr=args.lr,
         seed=args.seed,
+        inner=args.inner,
         progress=not args.no_progress,
     )
+    outer = outer_optimizer(args.outer_lr, args.outer_momentum)
+    codec = args.codec
+    if codec is not None and codec != "fp32":
+        from ravnest_jax.compress import simulated
+
+        opts = {"fraction": args.topk_fraction} if args.topk_fraction is not None else {}
+        codec = simulated(codec, error_feedback_decay=args.ef_decay, **opts)
     results: dict[str, dict] = {}
     init_loss = evaluate(params0)
     t = time.perf_counter()
@@ -136,7 +160,9 @@ def run_simulation(args: argparse.Namespace) -> dict:
     print(f"  data-parallel        eval loss {results['data_parallel']['eval_loss']:.4f}")
     for h in args.sync_every_list:
         t = time.perf_counter()
-        p, train_loss = train_diloco_simulation(graphdef, params0, train, sync_every=h, codec=args.codec, **common)
+        p, train_loss = train_diloco_simulation(
+            graphdef, params0, train, sync_every=h, codec=codec, outer=outer, **common
+        )
         results[f"diloco_h{h}"] = {
             "sync_every": h,
             "eval_loss": evaluate(p),

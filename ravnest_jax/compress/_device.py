@@ -265,9 +265,10 @@ class SimulatedCodecImpl:
     jittable and vmappable; non-finite inputs cannot raise inside jit and simply propagate.
     """
 
-    def __init__(self, cfg: F.CodecConfig, error_feedback: bool):
+    def __init__(self, cfg: F.CodecConfig, error_feedback: bool, error_feedback_decay: float = 1.0):
         self.cfg = cfg
         self.error_feedback = bool(error_feedback) and cfg.codec in F.LOSSY_CODECS
+        self.decay = float(error_feedback_decay)
 
     def __repr__(self) -> str:
         return f"simulated({self.cfg.codec!r}, error_feedback={self.error_feedback}, {self.cfg})"
@@ -285,7 +286,7 @@ class SimulatedCodecImpl:
         for leaf, r, k in zip(leaves, res, keys):
             x = jnp.asarray(leaf, jnp.float32).reshape(-1)
             if r is not None:
-                x = x + r.reshape(-1)
+                x = x + (r.reshape(-1) if self.decay == 1.0 else self.decay * r.reshape(-1))
             _, _, dec = _roundtrip(self.cfg, x, k)
             out.append(dec.reshape(jnp.shape(leaf)))
             new_res.append((x - dec).reshape(jnp.shape(leaf)))
@@ -307,7 +308,12 @@ class SimulatedCodecImpl:
 
 
 def simulated(
-    codec: str = "int4", *, error_feedback: bool = True, stochastic: bool = False, **options: Any
+    codec: str = "int4",
+    *,
+    error_feedback: bool = True,
+    error_feedback_decay: float = 1.0,
+    stochastic: bool = False,
+    **options: Any,
 ) -> SimulatedCodecImpl:
     """A codec for ``rj.diloco(..., axis_name=..., codec=...)`` simulations.
 
@@ -319,6 +325,9 @@ def simulated(
     Args:
       codec: one of ``CODECS``.
       error_feedback: carry the quantisation residual into the next round (lossy codecs only).
+      error_feedback_decay: beta in ``[0, 1]``: the residual carried is ``beta * residual``
+        (1.0: classic error feedback; SparseLoCo, arXiv 2508.15706, uses 0.95 with outer SGD
+        and no outer momentum, the decayed residual standing in for it).
       stochastic: stochastic rounding (bf16, int8, int4, fp4) with the round key of diloco.
       **options: ``block_size`` or ``fraction`` as in ``encode``.
 
@@ -326,6 +335,10 @@ def simulated(
       An object with ``init``, ``compress``, ``requantize`` (the ``SimulatedCodec`` protocol).
 
     Raises:
-      ValueError: bad codec or option.
+      ValueError: bad codec or option, ``error_feedback_decay`` outside ``[0, 1]``.
     """
-    return SimulatedCodecImpl(F.resolve(codec, stochastic=stochastic, **options), error_feedback)
+    if isinstance(error_feedback_decay, bool) or not (
+        isinstance(error_feedback_decay, (int, float)) and 0.0 <= error_feedback_decay <= 1.0
+    ):
+        raise ValueError(f"error_feedback_decay must be a number in [0, 1], got {error_feedback_decay!r}")
+    return SimulatedCodecImpl(F.resolve(codec, stochastic=stochastic, **options), error_feedback, error_feedback_decay)

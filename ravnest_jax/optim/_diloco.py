@@ -95,9 +95,24 @@ class RoundSnapshot(NamedTuple):
     round: jax.Array
 
 
-def default_outer() -> optax.GradientTransformation:
-    """Outer optimizer of DiLoCo: Nesterov SGD, learning rate 0.7, momentum 0.9 (arXiv 2311.08105)."""
-    return optax.sgd(learning_rate=0.7, momentum=0.9, nesterov=True)
+def default_outer(learning_rate: float = 0.7, momentum: float = 0.9) -> optax.GradientTransformation:
+    """Outer optimizer of DiLoCo: Nesterov SGD, learning rate 0.7, momentum 0.9 (arXiv 2311.08105).
+
+    Args:
+      learning_rate: the outer learning rate (> 0).
+      momentum: Nesterov momentum in ``[0, 1)``; 0 gives plain SGD (with ``learning_rate=1``,
+        plain averaging of the replicas).
+
+    Raises:
+      ValueError: a learning rate <= 0 or a momentum outside ``[0, 1)``.
+    """
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
+        raise ValueError(f"learning_rate must be a number > 0, got {learning_rate!r}")
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+    if momentum == 0:
+        return optax.sgd(learning_rate=learning_rate)
+    return optax.sgd(learning_rate=learning_rate, momentum=momentum, nesterov=True)
 
 
 def _copy(tree: PyTree) -> PyTree:

@@ -108,6 +108,9 @@ class OuterSync:
         the cap for utilisation on slow links, keep it for quality.
       alpha: mixing weight of the local params at the merge, in ``[0, 1]``.
       error_feedback: carry the codec's quantisation residual into the fragment's next round.
+      error_feedback_decay: beta in ``[0, 1]``: the residual carried is ``beta * residual``
+        (1.0, classic error feedback; with a sparse codec and an outer SGD without momentum,
+        0.95 is SparseLoCo's accumulator, arXiv 2508.15706; see docs/algorithm.md).
       codec_options: options of the device-side encode (``block_size``, ``fraction``); must
         match the swarm's codec options.
       samples_per_step: this peer's samples per inner step (the weight of its contribution is
@@ -127,10 +130,10 @@ class OuterSync:
     state, a failed round is skipped (docs/multi-device.md).
 
     Raises:
-      ValueError: a bad mode, overlap, alpha, samples_per_step, sync_every_seconds, a tx with
-        ``axis_name`` set, a swarm without ``all_reduce_async`` (``None`` is accepted only on the
-        processes other than 0 of a multi-process peer, with ``codec``), a ``codec`` that is not
-        the swarm's.
+      ValueError: a bad mode, overlap, alpha, samples_per_step, sync_every_seconds,
+        error_feedback_decay, a tx with ``axis_name`` set, a swarm without ``all_reduce_async``
+        (``None`` is accepted only on the processes other than 0 of a multi-process peer, with
+        ``codec``), a ``codec`` that is not the swarm's.
     """
 
     def __init__(
@@ -143,6 +146,7 @@ class OuterSync:
         max_overlap_steps: int | None = None,
         alpha: float = 0.0,
         error_feedback: bool = True,
+        error_feedback_decay: float = 1.0,
         codec_options: dict | None = None,
         samples_per_step: float = 1.0,
         sync_every_seconds: float | None = None,
@@ -151,6 +155,10 @@ class OuterSync:
         seed: int = 0,
         codec: str | None = None,
     ):
+        if isinstance(error_feedback_decay, bool) or not (
+            isinstance(error_feedback_decay, (int, float)) and 0.0 <= error_feedback_decay <= 1.0
+        ):
+            raise ValueError(f"error_feedback_decay must be a number in [0, 1], got {error_feedback_decay!r}")
         self._processes = jax.process_count()
         self._leader = jax.process_index() == 0
         opts = (mode, overlap_steps, max_overlap_steps, alpha, samples_per_step, sync_every_seconds, codec)
@@ -173,7 +181,9 @@ class OuterSync:
         self.sync_every_seconds = sync_every_seconds
         self.on_round = on_round
         self._resync_fn = resync if resync is not None else getattr(swarm, "fetch_state", None)
-        self._fns = RoundFunctions(tx, self.codec, self.codec_options, keep_local_progress=mode != "blocking")
+        self._fns = RoundFunctions(
+            tx, self.codec, self.codec_options, mode != "blocking", error_feedback_decay=error_feedback_decay
+        )
         self._rounds = RoundPipeline(
             tx, swarm, self._fns, alpha=self.alpha, error_feedback=self.error_feedback, eager=mode == "eager", seed=seed
         )

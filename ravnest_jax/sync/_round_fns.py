@@ -28,11 +28,15 @@ class RoundFunctions:
       codec, codec_options: the device-side encode of the pseudo-gradient.
       keep_local_progress: the merge keeps the local progress since the boundary (every mode
         but ``"blocking"``).
+      error_feedback_decay: beta: the residual carried into a round is ``beta * residual``.
     """
 
-    def __init__(self, tx: DiLoCo, codec: str, codec_options: dict, keep_local_progress: bool):
+    def __init__(
+        self, tx: DiLoCo, codec: str, codec_options: dict, keep_local_progress: bool, error_feedback_decay: float = 1.0
+    ):
         self.tx, self.codec, self.codec_options = tx, codec, dict(codec_options)
         self.keep_local_progress = keep_local_progress
+        self.error_feedback_decay = float(error_feedback_decay)
         self.cache: dict[tuple, Callable] = {}  # (kind, fragment, layout) -> jitted function
 
     def _frag(self, fragment: int) -> int | None:
@@ -58,9 +62,12 @@ class RoundFunctions:
         encodes on its own device), with error feedback when ``residual`` is given."""
         tx, frag, codec, opts = self.tx, self._frag(fragment), self.codec, self.codec_options
         mesh = None if layout is None else layout[0]
+        beta = self.error_feedback_decay
 
         def build() -> Callable:
             def encode(leaves, residual, key):
+                if residual is not None and beta != 1.0:
+                    residual = [beta * r for r in residual]
                 return compress.device_encode(leaves, codec, key=key, residual=residual, **opts)
 
             def start(params, state, residual, key):

@@ -319,3 +319,46 @@ def test_topk_host_callback_on_every_layout(where):
         want = C.encode(jax.device_get(tree), "topk", fraction=0.03)
     packed, _ = enc(tree)
     assert C.packed_to_bytes(jax.device_get(packed)) == want
+
+
+def test_error_feedback_decay_carries_beta_times_the_residual():
+    """SparseLoCo's accumulator (arXiv 2508.15706): encoded = delta + beta * residual."""
+    rng = np.random.default_rng(3)
+    delta = {"w": jnp.asarray(rng.standard_normal(256), jnp.float32)}
+    res = C.ErrorFeedbackState({"w": jnp.asarray(rng.standard_normal(256), jnp.float32)})
+    key = jax.random.key(0)
+    for beta in (0.0, 0.5, 0.95, 1.0):
+        codec = C.simulated("topk", fraction=0.1, error_feedback_decay=beta)
+        dec, new = codec.compress(delta, res, key)
+        x = np.asarray(delta["w"]) + beta * np.asarray(res.residual["w"])
+        keep = np.argsort(-np.abs(x))[:26]  # ceil(0.1 * 256) = 26 largest of delta + beta r
+        want = np.zeros_like(x)
+        want[keep] = x[keep]
+        np.testing.assert_allclose(np.asarray(dec["w"]), want, rtol=1e-6, err_msg=f"beta={beta}")
+        np.testing.assert_allclose(np.asarray(new.residual["w"]), x - want, rtol=1e-6, atol=1e-7)
+    for bad in (-0.1, 1.5, True, "0.9"):
+        with pytest.raises(ValueError, match="error_feedback_decay"):
+            C.simulated("topk", error_feedback_decay=bad)
+
+
+def test_the_swarm_round_start_decays_the_residual_as_the_simulation_does():
+    from ravnest_jax.sync._round_fns import RoundFunctions
+
+    params = {"w": jnp.asarray(np.random.default_rng(4).standard_normal(300), jnp.float32)}
+    tx = rj.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=2)
+    state = tx.init(params)
+    state = state._replace(global_params={"w": params["w"] + 1.0})  # pseudo-gradient ~1 everywhere
+    residual = [jnp.asarray(np.random.default_rng(5).standard_normal(300), jnp.float32)]
+    key = jax.random.key(1)
+    for beta in (0.0, 0.9):
+        fns = RoundFunctions(tx, "topk", {"fraction": 0.05}, True, error_feedback_decay=beta)
+        snap, packed, new_res = fns.start(0, None)(params, state, residual, key)
+        pg = jax.tree.leaves(snap.pseudo_gradient)
+        want, want_res = C.device_encode(pg, "topk", key=key, residual=[beta * residual[0]], fraction=0.05)
+        got, exp = C.decode(C.packed_to_bytes(packed)), C.decode(C.packed_to_bytes(want))
+        g, e = jax.tree.leaves(got)[0], jax.tree.leaves(exp)[0]
+        np.testing.assert_array_equal(g != 0, e != 0, err_msg=f"beta={beta}: the kept indices")
+        np.testing.assert_allclose(g, e, rtol=1e-6, err_msg=f"beta={beta}")  # up to a fused multiply-add
+        np.testing.assert_allclose(np.asarray(new_res[0]), np.asarray(want_res[0]), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="error_feedback_decay"):
+        rj.OuterSync(tx, None, codec="topk", error_feedback_decay=2.0)

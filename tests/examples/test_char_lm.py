@@ -34,13 +34,26 @@ def test_text_file_corpus(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "bad", [["--steps", "0"], ["--replicas", "-2"], ["--lr", "nan"], ["--d-model", "30", "--heads", "4"]]
+    "bad",
+    [
+        ["--steps", "0"],
+        ["--replicas", "-2"],
+        ["--lr", "nan"],
+        ["--d-model", "30", "--heads", "4"],
+        ["--outer-momentum", "1.0"],
+        ["--outer-lr", "0"],
+        ["--inner", "sgd"],
+        ["--topk-fraction", "0.01"],  # without --codec topk
+        ["--codec", "topk", "--topk-fraction", "1.5"],
+        ["--ef-decay", "1.2"],
+    ],
 )
 def test_bad_flags_exit_with_usage_error(bad, capsys):
     with pytest.raises(SystemExit) as e:
         char_lm.parse_args(bad)
     assert e.value.code == 2
-    assert "error" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error" in err and bad[-2] in err, err
 
 
 @pytest.mark.integration

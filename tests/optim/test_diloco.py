@@ -374,3 +374,27 @@ def test_fragments_axis_mode_equals_host_driven_and_touch_only_their_leaves():
     _assert_tree_close(ph, pv)
     _assert_tree_close(sh.global_params, sv.global_params)
     assert int(sv.rounds[0]) == int(sh.rounds[0]) == 5  # fragment 0 at 4, 8, 12; fragment 1 at 6, 10
+
+
+def test_default_outer_is_nesterov_and_takes_its_two_knobs():
+    g = {"w": jnp.asarray([1.0, -2.0, 0.5])}
+    p = {"w": jnp.zeros(3)}
+
+    def two_updates(tx):
+        s = tx.init(p)
+        u1, s = tx.update(g, s, p)
+        u2, _ = tx.update(g, s, p)
+        return np.asarray(u1["w"]), np.asarray(u2["w"])
+
+    for kw, want in (
+        ({}, optax.sgd(0.7, momentum=0.9, nesterov=True)),
+        ({"momentum": 0.8}, optax.sgd(0.7, momentum=0.8, nesterov=True)),
+        ({"learning_rate": 1.0, "momentum": 0.0}, optax.sgd(1.0)),
+    ):
+        for a, b in zip(two_updates(rj.default_outer(**kw)), two_updates(want)):
+            np.testing.assert_allclose(a, b, rtol=1e-6, err_msg=str(kw))
+    # plain SGD with learning rate 1: the outer step is the mean pseudo-gradient itself
+    np.testing.assert_allclose(two_updates(rj.default_outer(1.0, 0.0))[1], -np.asarray(g["w"]))
+    for bad in ({"learning_rate": 0.0}, {"learning_rate": True}, {"momentum": 1.0}, {"momentum": -0.1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            rj.default_outer(**bad)
