@@ -473,3 +473,19 @@ def test_served_state_is_the_state_of_the_step_it_was_asked_at():
     assert (int(d["step"]), int(d["rounds_started"])) == (29, 5)
     base = d["swarm_base"]
     assert [int(x) for x in (base.values() if isinstance(base, dict) else base)] == [3, 0]
+
+
+@pytest.mark.timeout(180)
+def test_sparse_rounds_with_decayed_error_feedback_stay_consistent():
+    """SparseLoCo-style rounds over the real swarm (topk codec, error feedback with decay 0.9,
+    outer plain SGD): every peer agrees on every round's state, and the anchor moved."""
+    tx_kwargs = dict(sync_every=4, outer=rj.default_outer(1.0, 0.0))
+    sync_kwargs = dict(mode="delayed", overlap_steps=1, error_feedback_decay=0.9)
+    results = _run_swarm(3, steps=16, codec="topk", tx_kwargs=tx_kwargs, sync_kwargs=sync_kwargs)
+    _assert_digests_agree(results, 4)
+    moved = [
+        float(jnp.abs(a - b).max())
+        for a, b in zip(jax.tree.leaves(results[0]["state"].global_params), jax.tree.leaves(_init()))
+    ]
+    assert max(moved) > 0, moved
+    assert all(r["summary"]["failed_rounds"] == 0 for r in results)
