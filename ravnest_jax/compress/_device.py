@@ -307,6 +307,13 @@ class SimulatedCodecImpl:
         return self._apply(mean, None, key)[0]
 
 
+def check_error_feedback_decay(value: Any) -> float:
+    """The error-feedback decay beta as a float; ``ValueError`` unless a number in ``[0, 1]``."""
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+        raise ValueError(f"error_feedback_decay must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
 def simulated(
     codec: str = "int4",
     *,
@@ -337,8 +344,5 @@ def simulated(
     Raises:
       ValueError: bad codec or option, ``error_feedback_decay`` outside ``[0, 1]``.
     """
-    if isinstance(error_feedback_decay, bool) or not (
-        isinstance(error_feedback_decay, (int, float)) and 0.0 <= error_feedback_decay <= 1.0
-    ):
-        raise ValueError(f"error_feedback_decay must be a number in [0, 1], got {error_feedback_decay!r}")
+    check_error_feedback_decay(error_feedback_decay)
     return SimulatedCodecImpl(F.resolve(codec, stochastic=stochastic, **options), error_feedback, error_feedback_decay)

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from ravnest_jax import compress
+from ravnest_jax.compress._device import check_error_feedback_decay
 from ravnest_jax.optim import DiLoCo, DiLoCoState
 
 from . import _nnx
@@ -155,10 +156,7 @@ class OuterSync:
         seed: int = 0,
         codec: str | None = None,
     ):
-        if isinstance(error_feedback_decay, bool) or not (
-            isinstance(error_feedback_decay, (int, float)) and 0.0 <= error_feedback_decay <= 1.0
-        ):
-            raise ValueError(f"error_feedback_decay must be a number in [0, 1], got {error_feedback_decay!r}")
+        error_feedback_decay = check_error_feedback_decay(error_feedback_decay)
         self._processes = jax.process_count()
         self._leader = jax.process_index() == 0
         opts = (mode, overlap_steps, max_overlap_steps, alpha, samples_per_step, sync_every_seconds, codec)
