@@ -60,7 +60,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def _cmd_rendezvous(args: argparse.Namespace) -> int:
-    from ravnest_jax.swarm._rendezvous import serve  # no jax import
+    from ravnest_jax.swarm._rendezvous_serve import serve  # no jax import
 
     if args.eviction <= args.heartbeat:
         raise SystemExit(f"error: --eviction ({args.eviction}) must be longer than --heartbeat ({args.heartbeat})")
@@ -109,6 +109,9 @@ def _cmd_rendezvous(args: argparse.Namespace) -> int:
                 ssl_context=ctx,
                 ready=ready,
                 read_token=read_token,
+                probe_s=args.probe_timeout,
+                relay_rate_bytes_s=args.relay_max_mbit * 1e6 / 8 if args.relay_max_mbit else None,
+                relay_max_queued_bytes=int(args.relay_max_queued_mb * (1 << 20)),
             )
         )
     except KeyboardInterrupt:  # pragma: no cover - signal handlers normally catch it
@@ -243,6 +246,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--exit-with-parent",
         action="store_true",
         help="stop when the process that started this one exits (for launchers)",
+    )
+    r.add_argument(
+        "--probe-timeout",
+        type=float,
+        default=2.0,
+        help="seconds to probe a joining peer's address; a peer not reachable there is relayed (0: no probe)",
+    )
+    r.add_argument(
+        "--relay-max-mbit",
+        type=_positive_float,
+        default=None,
+        help="bound the relay of client-only peers to this many Mbit/s (default: unbounded)",
+    )
+    r.add_argument(
+        "--relay-max-queued-mb",
+        type=_positive_float,
+        default=1024.0,
+        help="request bodies the relay holds at once at most, MiB (503 beyond)",
     )
     r.add_argument("--quiet", action="store_true", help="log warnings only")
     r.add_argument("--verbose", action="store_true", help="also log every vote (debug)")

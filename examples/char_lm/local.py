@@ -33,6 +33,9 @@ _FORWARD = (
     "ef_decay",
     "overlap_steps",
     "mode",
+    "aggregator",
+    "clip_multiple",
+    "trim",
     "alpha",
     "fragments",
     "eval_batches",
@@ -161,11 +164,14 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
         if kind == "compiling" and bar is not None:
             compiling.add(i)
             bar.set_description_str(f"{n} peers (compiling {len(compiling)}/{n})")
-        elif kind == "start" and bar is not None:
+        elif kind == "start":
             started.add(i)
-            bar.set_description_str(f"{n} peers" if len(started) == n else f"{n} peers ({len(started)}/{n} training)")
             steps[i] = ev.get("step", 0)
-            bar.update(max(sum(steps) - bar.n, 0))
+            if bar is not None:
+                bar.set_description_str(
+                    f"{n} peers" if len(started) == n else f"{n} peers ({len(started)}/{n} training)"
+                )
+                bar.update(max(sum(steps) - bar.n, 0))
         elif kind == "progress":
             steps[i] = ev["step"]
             if bar is not None:
@@ -255,6 +261,8 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
             ]
             if args.checkpoint_dir:
                 cmd += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve() / f"peer{i}")]
+            if args.adversary is not None and i < args.adversary_peers:
+                cmd += ["--adversary", args.adversary]
             peers.append(start(cmd, f"peer{i}", xla))
         bar = tqdm(total=n * args.max_steps, desc=f"{n} peers (starting)", disable=args.no_progress, dynamic_ncols=True)
         if args.no_progress:
@@ -263,7 +271,13 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
             try:
                 handle(*events.get(timeout=0.5))
             except queue.Empty:
-                continue
+                pass
+            crashed = [i for i, p in enumerate(peers) if p.poll() not in (None, 0) and i not in started]
+            if crashed and len(started) < n:
+                # a peer that failed before it trained: the others would wait for it (--min-peers)
+                # until their join deadline; stop them now (the failure is reported below)
+                print(f"peer{crashed[0]} failed during start-up: stopping the other peers", file=sys.stderr, flush=True)
+                break
     except KeyboardInterrupt:
         interrupted = True
         print("\ninterrupted: stopping the peers and the rendezvous", file=sys.stderr)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -171,6 +172,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "cover the measured exchange time, per round)",
     )
     s.add_argument("--mode", choices=["delayed", "eager", "blocking"], default="delayed", help="outer-sync mode")
+    s.add_argument(
+        "--aggregator",
+        choices=["mean", "clipped_mean", "trimmed_mean"],
+        default=None,
+        help="how a round combines the peers' pseudo-gradients (default clipped_mean: it bounds what one "
+        "faulty peer can do, and equals the plain mean when no peer is far off; docs/swarm.md)",
+    )
+    s.add_argument(
+        "--clip-multiple",
+        type=float,
+        default=2.0,
+        help="clipped_mean: bound a contribution's norm at this many times the round's median norm",
+    )
+    s.add_argument(
+        "--trim", type=_positive_int, default=1, help="trimmed_mean: values dropped at each end per coordinate"
+    )
+    s.add_argument(
+        "--adversary",
+        default=None,
+        help="testing an aggregator: this peer sends its pseudo-gradient times F ('scale:F') or Gaussian noise "
+        "of the same norm ('noise'); with --local-peers, the first --adversary-peers peers do",
+    )
+    s.add_argument(
+        "--adversary-peers", type=_positive_int, default=1, help="with --local-peers and --adversary: how many"
+    )
     s.add_argument("--alpha", type=float, default=0.0, help="mixing weight of local params at a late merge")
     s.add_argument("--fragments", type=_positive_int, default=1, help="streaming fragments F")
     s.add_argument(
@@ -182,6 +208,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="host:port this peer's server binds ($RAVNEST_LISTEN)",
     )
     s.add_argument("--advertise", default=None, help="URL other peers reach this peer at (behind NAT)")
+    s.add_argument(
+        "--no-inbound",
+        action="store_true",
+        help="client-only: open no port; other peers reach this one through the rendezvous' relay (NAT, firewalls)",
+    )
     s.add_argument(
         "--peer-id",
         default=env("RAVNEST_PEER_ID"),
@@ -256,10 +287,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--codec must be one of {', '.join(CODECS)}, got {args.codec!r}")
     if args.topk_fraction is not None and (args.codec != "topk" or not args.topk_fraction <= 1.0):
         p.error(f"--topk-fraction needs --codec topk and a value in (0, 1], got {args.topk_fraction}")
+    if not args.clip_multiple >= 1.0:
+        p.error(f"--clip-multiple must be >= 1, got {args.clip_multiple}")
+    if args.adversary is not None:
+        kind, _, factor = args.adversary.partition(":")
+        try:
+            ok = (kind == "noise" and not factor) or (kind == "scale" and math.isfinite(float(factor)))
+        except ValueError:
+            ok = False
+        if not ok:
+            p.error(f"--adversary must be 'scale:F' (F a number) or 'noise', got {args.adversary!r}")
+        if not (args.local_peers or args.rendezvous):
+            p.error("--adversary applies to swarm peers (--local-peers / --rendezvous)")
+    if args.local_peers and args.adversary is not None and args.adversary_peers >= args.local_peers:
+        p.error(f"--adversary-peers ({args.adversary_peers}) must be fewer than --local-peers ({args.local_peers})")
     if not 0.0 <= args.ef_decay <= 1.0:
         p.error(f"--ef-decay must be in [0, 1], got {args.ef_decay}")
     if args.d_model % args.heads:
         p.error(f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
+    if args.no_inbound and args.advertise:
+        p.error("--no-inbound and --advertise exclude each other (a client-only peer is reached through the relay)")
     if args.local_peers and args.rendezvous:
         p.error("--local-peers and --rendezvous exclude each other")
     if not 0.0 <= args.alpha <= 1.0:

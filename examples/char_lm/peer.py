@@ -110,7 +110,8 @@ def preflight_peer(args: argparse.Namespace) -> tuple[str, str]:
 
     token = swarm.read_token(args.token_file)
     check_text(args.text)
-    swarm.check_listen(args.listen)
+    if not args.no_inbound:
+        swarm.check_listen(args.listen)
     swarm.check_rendezvous(args.rendezvous, run_id=args.run_id, token=token)
     if args.peer_id:
         peer_id = args.peer_id
@@ -206,16 +207,20 @@ def run_peer(args: argparse.Namespace) -> dict:
     codec_options = {"fraction": args.topk_fraction} if args.topk_fraction is not None else {}
     # the swarm joins the run only once this peer is compiled and ready: a registered peer is in
     # every round's group, and one still compiling would cost the others a timeout
-    swarm = rj.Swarm(
+    swarm_class = rj.Swarm if args.adversary is None else _adversary_swarm(args.adversary)
+    swarm = swarm_class(
         args.rendezvous,
         run_id=args.run_id,
         token=token,
         codec=args.codec,
         codec_options=codec_options,
-        listen=args.listen,
+        listen=None if args.no_inbound else args.listen,
         advertise=args.advertise,
         timeouts=timeouts,
         peer_id=peer_id,
+        aggregator=args.aggregator,
+        clip_multiple=args.clip_multiple,
+        trim=args.trim,
     )
     mode = "blocking" if args.overlap_steps == 0 and args.mode != "eager" else args.mode
     sync = rj.OuterSync(
@@ -252,7 +257,7 @@ def run_peer(args: argparse.Namespace) -> dict:
     interrupted = False
     start_step = int(state.count)
     with swarm, sync:
-        listen = f"{args.listen.rpartition(':')[0]}:{swarm.port}"
+        listen = "none (client-only)" if swarm.client_only else f"{args.listen.rpartition(':')[0]}:{swarm.port}"
         # join a running swarm (its state), resume this peer's checkpoint, or restart a whole
         # swarm from the checkpoint step every peer has; the driver serves our state to joiners
         got = rj.sync.join_or_resume(swarm, sync, params, state, checkpointer=ckpt, min_peers=args.min_peers)
@@ -389,3 +394,25 @@ def _stop(signum, frame):
     _STOPPED_BY.append(signum)
     _LOOP["stop"] = True
     raise KeyboardInterrupt
+
+
+def _adversary_swarm(spec: str) -> type:
+    """A swarm peer that misbehaves (``--adversary``, for testing aggregators): it sends its
+    pseudo-gradient times F (``"scale:F"``) or Gaussian noise of the pseudo-gradient's norm
+    (``"noise"``) in every round, and merges the round's result like any other peer."""
+    import ravnest_jax as rj
+
+    kind, _, factor = spec.partition(":")
+    rng = np.random.default_rng()
+
+    class Adversary(rj.Swarm):
+        def all_reduce_async(self, tree, **kw):  # type: ignore[no-untyped-def]
+            pg = np.asarray(tree["pg"], np.float32)
+            if kind == "scale":
+                bad = pg * np.float32(float(factor))
+            else:
+                norm = float(np.linalg.norm(pg.astype(np.float64)))
+                bad = (rng.standard_normal(pg.shape) * (norm / max(1.0, pg.size) ** 0.5)).astype(np.float32)
+            return super().all_reduce_async({**tree, "pg": bad}, **kw)
+
+    return Adversary

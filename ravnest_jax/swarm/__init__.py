@@ -9,7 +9,7 @@ from ._preflight import check_listen as check_listen
 from ._preflight import check_rendezvous as check_rendezvous
 from ._preflight import read_token as read_token
 from ._rendezvous import Rendezvous as Rendezvous
-from ._rendezvous import serve as serve_rendezvous
+from ._rendezvous_serve import serve as serve_rendezvous
 from ._types import PeerInfo as PeerInfo
 from ._types import RoundFailed as RoundFailed
 from ._types import RoundRecord as RoundRecord

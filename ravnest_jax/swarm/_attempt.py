@@ -36,6 +36,11 @@ class Attempt:
         # (part, contributor tag) -> (vec, digest)
         self.received: dict[str, tuple[np.float32, np.ndarray]] = {}
         self.receiving: set[str] = set()
+        self.sqnorms: dict[str, float] = {}  # clipped mean: squared L2 norm of each received part
+        self.n_elements = 0  # the whole vector's length
+        self.pullers: frozenset[str] = frozenset()  # client-only members: own no part, pull results
+        self.my_results: dict[str, asyncio.Future[tuple[bytes, str, str]]] = {}  # tag -> (data, digest, total)
+        self.served = 0  # result bytes pulled from this owner
         self.results: dict[tuple[int, str], tuple[np.ndarray, str]] = {}
         self.result_arrived = asyncio.Event()
         # ring: segments[c][j] = (lo, hi) of segment j of part c; messages by (phase, step, j)
@@ -52,6 +57,10 @@ class Attempt:
         """Refuse everything from now on and drop the buffers (wakes every waiter)."""
         self.closed = self.gather_closed = True
         self.received.clear()
+        self.sqnorms.clear()
+        for fut in self.my_results.values():
+            fut.cancel()
+        self.my_results.clear()
         self.results.clear()
         self.ring_inbox.clear()
         self.entered.set()
@@ -80,6 +89,8 @@ class Reduced:
       digest: the result digest (equal on every peer that got it).
       diverged: peers whose global state digest differed from the majority's.
       next: the next round's group when the rendezvous handed it out with the commit.
+      clipped: clipped mean: contributor -> the factor (< 1) its contribution was scaled by.
+      trimmed: trimmed mean: contributor -> the fraction of coordinates where it was dropped.
     """
 
     out: np.ndarray
@@ -88,6 +99,8 @@ class Reduced:
     digest: str
     diverged: tuple[str, ...]
     next: dict[str, Any] | None = None
+    clipped: dict[str, float] = dataclasses.field(default_factory=dict)
+    trimmed: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +126,7 @@ class AttemptInput:
       arrive: the arrival request of a round handed out with the last commit (its answer
         tightens the part deadline), else ``None``.
       state: ``(round, state digest)`` sent with the gather vote (divergence check), or ``None``.
+      relayed: the members the rendezvous reaches through its relay (client-only peers).
     """
 
     membership: dict[str, str]
@@ -124,6 +138,7 @@ class AttemptInput:
     part_left: float | None = None
     arrive: asyncio.Task[Any] | None = None
     state: tuple[int, str] | None = None
+    relayed: frozenset[str] = frozenset()
 
 
 class Voter(Protocol):
@@ -156,7 +171,7 @@ class Algorithm(Protocol):
 
     def wire(self) -> str: ...
 
-    def prepare(self, st: Attempt, n_elements: int) -> None: ...
+    def prepare(self, st: Attempt, n_elements: int, relayed: frozenset[str] = ...) -> None: ...
 
     async def run(self, st: Attempt, inp: AttemptInput) -> Reduced | Retry: ...
 

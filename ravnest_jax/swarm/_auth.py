@@ -162,3 +162,50 @@ def verify(
 def digest_matches(claimed_hex: str, actual_hex: str) -> bool:
     """Constant-time comparison of two hex digests."""
     return hmac.compare_digest(claimed_hex.encode(), actual_hex.encode())
+
+
+H_HOP = "X-RJ-Hop"  # proof for a relay on the way: HMAC over the request line as sent
+
+
+def hop_sign(token: str | bytes, method: str, url_path: str, signed: Mapping[str, str]) -> str:
+    """The ``X-RJ-Hop`` value of a request whose auth headers are ``signed`` (see :func:`sign`),
+    sent to ``url_path`` (the full path of the URL, a relay's prefix included). A relay checks it
+    with :func:`hop_verify` without knowing what the end-to-end signature covers (its ``extra``)."""
+    canon = "\n".join(
+        ["HOP", method.upper(), url_path, signed[H_PEER], signed[H_TIME], signed[H_NONCE], signed[H_BODY]]
+    )
+    return hmac.new(_token_bytes(token), canon.encode(), hashlib.sha256).hexdigest()
+
+
+def hop_verify(
+    token: str | bytes,
+    headers: Mapping[str, str],
+    *,
+    method: str,
+    url_path: str,
+    nonces: NonceCache | None = None,
+    max_skew_s: float = MAX_CLOCK_SKEW_S,
+) -> str:
+    """Checks the ``X-RJ-Hop`` proof of a request on its way through a relay; returns the sender.
+
+    Raises:
+      AuthError: a header is missing or malformed, stale, replayed, or the proof does not match.
+    """
+    try:
+        hop = headers[H_HOP]
+        fields = {h: headers[h] for h in (H_PEER, H_TIME, H_NONCE, H_BODY)}
+    except KeyError as e:
+        raise AuthError(f"missing auth header {e.args[0]}") from None
+    if len(hop) != 64:
+        raise AuthError("malformed hop proof")
+    if not hmac.compare_digest(hop_sign(token, method, url_path, fields), hop):
+        raise AuthError("bad hop proof")
+    try:
+        t = float(fields[H_TIME])
+    except ValueError:
+        raise AuthError("malformed auth time") from None
+    if abs(time.time() - t) > max_skew_s:
+        raise AuthError("auth time outside the allowed clock skew")
+    if nonces is not None and not nonces.check_and_add("hop:" + fields[H_NONCE]):
+        raise AuthError("replayed nonce")
+    return fields[H_PEER]

@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from ._allreduce import RING_SEGMENT_BYTES, manifest_digest
+from ._allreduce import RING_SEGMENT_BYTES, check_aggregator, manifest_digest
 from ._butterfly import Butterfly
 from ._codec import check_codec, tune_host_allocator
 from ._http import HTTPStatusError
@@ -57,8 +57,11 @@ class Swarm:
         ``"fp32"``.
       codec_options: options of the codec (e.g. ``{"block_size": 64}``, ``{"fraction": 0.01}``
         for ``topk``), see ``docs/compression.md``.
-      listen: ``"host:port"`` to bind; port 0 picks a free port (see :attr:`port`); default
-        ``"0.0.0.0:0"``.
+      listen: ``"host:port"`` to bind; port 0 picks a free port (see :attr:`port`). ``None`` or
+        ``"none"``: *client-only* (behind NAT, a firewall): no inbound port; other peers reach
+        it through the rendezvous' relay (``docs/swarm.md``); a peer the rendezvous cannot
+        reach at its address turns client-only itself (a warning says so). Default ``"auto"``:
+        ``$RAVNEST_LISTEN``, else ``"0.0.0.0:0"``.
       advertise: base URL other peers use to reach this one (default: ``http://`` + the local
         address that routes to the rendezvous + the bound port). Set it behind NAT.
       timeouts: deadlines, see :class:`Timeouts`.
@@ -72,12 +75,24 @@ class Swarm:
       ssl: server-side ``ssl.SSLContext`` (serve HTTPS; then advertise an ``https://`` URL).
       client_ssl: passed to aiohttp as ``ssl=`` for outgoing requests (an ``SSLContext`` that
         trusts the peers' certificates, or ``None`` for the defaults).
+      aggregator: how a round combines the contributions: ``"clipped_mean"`` (the weighted
+        mean, after a contribution whose L2 norm exceeds ``clip_multiple`` times the round's
+        median norm is scaled down to that bound: bounds what one faulty or malicious peer can
+        do to the model; a round where nobody is over the bound gives the plain mean bit for
+        bit), ``"mean"`` (the plain weighted mean) or ``"trimmed_mean"`` (per coordinate, drop
+        the ``trim`` largest and smallest values, average the rest, unweighted). Default
+        ``None``: ``"clipped_mean"`` with the butterfly, ``"mean"`` with the ring (which sums
+        partial results and cannot clip). See ``docs/swarm.md``. All peers of a run must use
+        the same one (it is in the round manifest).
+      clip_multiple: the clipped mean's bound in multiples of the median norm (>= 1, default 2).
+      trim: the trimmed mean's number of values dropped at each end (>= 1, default 1).
       info: a small JSON-serialisable dict (at most 4096 bytes as JSON) this peer publishes
         through the rendezvous; other peers see it as :attr:`PeerInfo.info`. Used to agree on a
         common checkpoint when a whole swarm restarts. Change it with :meth:`set_info`.
 
     Raises:
-      ValueError: bad arguments (unknown codec, empty token, bad listen address), or a required
+      ValueError: bad arguments (unknown codec or aggregator, a robust aggregator with the ring,
+        empty token, bad listen address), or a required
         one (``rendezvous_url``, ``run_id``, ``token``) neither given nor in the environment.
       SwarmError: on ``__enter__``/``start`` if the rendezvous cannot be reached in time.
     """
@@ -93,7 +108,7 @@ class Swarm:
         token: str | bytes | None = None,
         codec: str | None = None,
         codec_options: dict[str, Any] | None = None,
-        listen: str | None = None,
+        listen: str | None = "auto",
         advertise: str | None = None,
         timeouts: Timeouts | None = None,
         peer_id: str | None = None,
@@ -102,29 +117,20 @@ class Swarm:
         ssl: _ssl.SSLContext | None = None,
         client_ssl: Any = None,
         info: dict[str, Any] | None = None,
+        aggregator: str | None = None,
+        clip_multiple: float = 2.0,
+        trim: int = 1,
     ):
         rendezvous_url, run_id, token, codec, listen, peer_id = from_environment(
             rendezvous_url, run_id, token, codec, listen, peer_id
         )
         check_codec(codec, codec_options)
+        aggregator, token_b, bind = _checked(
+            algorithm, aggregator, clip_multiple, trim, ring_segment_bytes, run_id, token, listen, advertise
+        )
         self.codec_options = dict(codec_options or {})
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-        self.algorithm = algorithm
-        if not (isinstance(ring_segment_bytes, int) and ring_segment_bytes >= 4):
-            raise ValueError(f"ring_segment_bytes must be an int >= 4, got {ring_segment_bytes!r}")
-        self.ring_segment_bytes = ring_segment_bytes
-        if not run_id or "/" in run_id:
-            raise ValueError("run_id must be non-empty and contain no '/'")
-        self.rendezvous_url = rendezvous_url.rstrip("/")
-        self.run_id = run_id
-        token_b = token.encode() if isinstance(token, str) else bytes(token)
-        if not token_b:
-            raise ValueError("token must not be empty")
-        self.codec = codec
-        host, _, port = listen.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"listen must be 'host:port', got {listen!r}")
+        self.algorithm, self.aggregator, self.ring_segment_bytes = algorithm, aggregator, ring_segment_bytes
+        self.rendezvous_url, self.run_id, self.codec = rendezvous_url.rstrip("/"), run_id, codec
         self.timeouts = timeouts or Timeouts()
         self.peer_id = peer_id or secrets.token_hex(8)
         tune_host_allocator()  # round buffers reused from the heap, not mapped afresh each round
@@ -134,21 +140,19 @@ class Swarm:
             token=token_b,
             peer_id=self.peer_id,
             timeouts=self.timeouts,
-            listen=(host.strip("[]"), int(port)),
+            listen=bind,
             ssl=ssl,
             client_ssl=client_ssl,
             advertise=advertise,
         )
         self._tasks: set[asyncio.Task[Any]] = set()
         self._rounds = Rounds(self.transport, self.timeouts, codec, self._hello, self._spawn)
-        if algorithm == "ring":
-            self._algorithm: Butterfly | Ring = self.algorithms["ring"](
-                self.transport, self._rounds, codec, self.codec_options, self.timeouts, ring_segment_bytes
-            )
-        else:
-            self._algorithm = self.algorithms["butterfly"](
-                self.transport, self._rounds, codec, self.codec_options, self.timeouts
-            )
+        args = (self.transport, self._rounds, codec, self.codec_options, self.timeouts)
+        self._algorithm: Butterfly | Ring = (
+            self.algorithms["ring"](*args, ring_segment_bytes)
+            if algorithm == "ring"
+            else self.algorithms["butterfly"](*args, aggregator=aggregator, clip_multiple=clip_multiple, trim=trim)
+        )
         self._rounds.algorithm = self._algorithm
         self._state = StateTransfer(self.transport, lambda: self._rounds.diverged, self.timeouts.round)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -161,6 +165,17 @@ class Swarm:
     def port(self) -> int | None:
         """The bound port (after :meth:`start`)."""
         return self.transport.port
+
+    @property
+    def client_only(self) -> bool:
+        """Whether other peers reach this one through the rendezvous' relay (see ``listen``)."""
+        return self.transport.client_only
+
+    @property
+    def relay_stats(self) -> dict[str, float]:
+        """A client-only peer's relayed requests: ``messages``, ``bytes_in``/``bytes_out`` (request
+        and answer bodies, bytes), ``seconds`` (handling time, summed)."""
+        return dict(self.transport.relay_stats)
 
     @property
     def address(self) -> str | None:
@@ -241,8 +256,10 @@ class Swarm:
 
         Returns:
           ``(mean_tree, record)``: a tree of float32 arrays with the input's structure and
-          shapes, holding ``sum_i w_i x_i / sum_i w_i`` over ``record.contributors``; it is
-          bit-identical on every peer that gets it (``record.digest``).
+          shapes, holding ``sum_i w_i s_i x_i / sum_i w_i`` over ``record.contributors``,
+          where ``s_i`` is 1 except for a contribution the clipped mean scaled down
+          (``record.clipped``; ``aggregator="mean"``: always 1; ``"trimmed_mean"``: see
+          ``aggregator``); it is bit-identical on every peer that gets it (``record.digest``).
 
         Raises:
           RoundFailed: the round could not complete on this peer (``.record.ok`` is False).
@@ -335,12 +352,7 @@ class Swarm:
             data = fut.result(timeout=self.timeouts.connect * 2 + 5)
         except Exception as e:
             raise SwarmError(f"rendezvous unreachable: {e}") from e
-        return [
-            PeerInfo(
-                p["peer_id"], p["address"], p["last_round"], p["seconds_since_heartbeat"], dict(p.get("info") or {})
-            )
-            for p in data["peers"]
-        ]
+        return [PeerInfo.of(p) for p in data["peers"]]
 
     def wait_for_peers(self, n: int, timeout: float = 60.0) -> list[PeerInfo]:
         """Block until at least ``n`` live peers (this one included) are registered.
@@ -423,22 +435,9 @@ class Swarm:
     # ------------------------------------------------------------------ loop side
     async def _astart(self) -> None:
         await self.transport.start()
-        deadline = time.monotonic() + self.timeouts.part + self.timeouts.connect
-        last: Exception | None = None
-        while time.monotonic() < deadline:
-            try:
-                await self.transport.rendezvous("POST", "/join", self._hello(), self.timeouts.connect * 2)
-                break
-            except (TimeoutError, aiohttp.ClientError, OSError) as e:
-                last = e
-                await asyncio.sleep(0.2)
-            except (HTTPStatusError, PermissionError) as e:
-                raise SwarmError(f"the rendezvous refused to register us: {e}") from e
-        else:
-            raise SwarmError(
-                f"rendezvous {self.rendezvous_url} unreachable for {self.timeouts.part + self.timeouts.connect:.0f} s: "
-                f"{why(last)} (is `ravnest-jax rendezvous` running there?)"
-            )
+        await join(self.transport, self._hello, self.timeouts)
+        if self.transport.client_only:
+            self._spawn(self.transport.relay_pump(self._spawn))
         self._spawn(self._heartbeat_loop())
 
     async def _astop(self) -> None:
@@ -480,3 +479,81 @@ class Swarm:
                 raise
             except Exception as e:  # noqa: BLE001 - keep beating; the next one re-registers
                 log.debug("%s: heartbeat failed: %r", self.peer_id, e)
+
+
+def _checked(
+    algorithm: str,
+    aggregator: str | None,
+    clip_multiple: float,
+    trim: int,
+    ring_segment_bytes: int,
+    run_id: str,
+    token: str | bytes,
+    listen: str | None,
+    advertise: str | None,
+) -> tuple[str, bytes, tuple[str, int] | None]:
+    """The checks of :class:`Swarm`'s arguments; returns ``(aggregator, token bytes, bind
+    address or None)``. Raises ``ValueError`` (one line) for a bad one."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if aggregator is None:
+        aggregator = "mean" if algorithm == "ring" else "clipped_mean"
+    check_aggregator(aggregator, clip_multiple, trim)
+    if algorithm == "ring" and aggregator != "mean":
+        raise ValueError(
+            f"aggregator={aggregator!r} needs algorithm='butterfly': the ring sums partial results "
+            "hop by hop and never holds one contributor's part"
+        )
+    if not (isinstance(ring_segment_bytes, int) and ring_segment_bytes >= 4):
+        raise ValueError(f"ring_segment_bytes must be an int >= 4, got {ring_segment_bytes!r}")
+    if not run_id or "/" in run_id:
+        raise ValueError("run_id must be non-empty and contain no '/'")
+    token_b = token.encode() if isinstance(token, str) else bytes(token)
+    if not token_b:
+        raise ValueError("token must not be empty")
+    bind: tuple[str, int] | None = None
+    if listen is not None:
+        host, _, port = listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"listen must be 'host:port', 'none' or None, got {listen!r}")
+        bind = (host.strip("[]"), int(port))
+    elif advertise is not None:
+        raise ValueError("advertise needs a listen address (a client-only peer is reached through the relay)")
+    return aggregator, token_b, bind
+
+
+async def join(transport: Transport, hello: Any, timeouts: Timeouts) -> None:
+    """Registers with the rendezvous (retried until the part + connect deadline). When the
+    rendezvous' probe cannot reach this peer at its address, the peer turns client-only (a
+    warning says so) and re-registers with its relay mailbox as its address.
+
+    Raises:
+      SwarmError: the rendezvous refuses this peer, or cannot be reached in time.
+    """
+    deadline = time.monotonic() + timeouts.part + timeouts.connect
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            # (the rendezvous probes our address meanwhile: up to a few seconds more)
+            joined = await transport.rendezvous("POST", "/join", hello(), timeouts.connect * 2 + 3)
+            break
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            last = e
+            await asyncio.sleep(0.2)
+        except (HTTPStatusError, PermissionError) as e:
+            raise SwarmError(f"the rendezvous refused to register us: {e}") from e
+    else:
+        raise SwarmError(
+            f"rendezvous {transport.rendezvous_url} unreachable for {timeouts.part + timeouts.connect:.0f} s: "
+            f"{why(last)} (is `ravnest-jax rendezvous` running there?)"
+        )
+    if joined.get("reachable") is False and not transport.client_only:
+        log.warning(
+            "%s: the rendezvous cannot reach this peer at %s (%s): it takes part client-only, through the "
+            "rendezvous' relay (pass --advertise with a reachable address, or --no-inbound to say so)",
+            transport.peer_id,
+            transport.address,
+            joined.get("unreachable_because", "no answer"),
+        )
+        transport.become_client_only()
+        await transport.rendezvous("POST", "/heartbeat", hello(), timeouts.connect * 2)

@@ -191,6 +191,9 @@ def from_environment(
                 f"${ENV_VARS['codec']}={codec!r}: unknown codec; available: {', '.join(available_codecs())}"
             )
     codec = codec if codec is not None else "fp32"
-    listen = listen if listen is not None else env.get(ENV_VARS["listen"]) or "0.0.0.0:0"
+    if listen == "auto":
+        listen = env.get(ENV_VARS["listen"]) or "0.0.0.0:0"
+    if listen is not None and listen.strip().lower() == "none":
+        listen = None  # client-only (no inbound port)
     peer_id = peer_id if peer_id is not None else env.get(ENV_VARS["peer_id"]) or None
     return rendezvous_url, run_id, token, codec, listen, peer_id

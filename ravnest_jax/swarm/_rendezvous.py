@@ -18,6 +18,8 @@ wait_s}`` -> ``{epoch, round, attempt, group}``
 ``POST /v1/runs/{run}/rounds/{r}/vote`` ``{peer_id, epoch, attempt, phase, data}`` -> decision
 
 The status page (``/``, ``/runs/{run}``, their ``/data``; read token, not signed): :mod:`._status`.
+The relay of client-only peers, and the reachability probe of a join (its answer's
+``reachable``): :mod:`._relay`.
 
 A process that joins a run which has had rounds is on *standby* until it first asks for a round:
 it is in no new round's group meanwhile (it is downloading the swarm's state, or restoring a
@@ -32,15 +34,15 @@ import json
 import logging
 import math
 import secrets
-import signal
-import ssl as _ssl
 import time
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from . import _auth
 from ._http import json_response, read_json_body
+from ._relay import Relay, is_relay_address, probe
 from ._status import StatusPage, note_stats
 from ._votes import (
     KEEP_ROUNDS,
@@ -65,10 +67,21 @@ class Rendezvous:
       heartbeat_s: the heartbeat interval peers are told to use, seconds.
       eviction_s: a peer silent for longer than this is dropped, seconds.
       read_token: a token that grants read access to the status page only (see :mod:`._status`).
+      probe_s: how long the reachability probe of a joining peer may take, seconds (0: no probe).
+      relay_rate_bytes_s: bytes per second the relay carries at most (``None``: unbounded).
+      relay_max_queued_bytes: request bodies the relay holds at once at most, bytes.
     """
 
     def __init__(
-        self, token: str | bytes, *, heartbeat_s: float = 2.0, eviction_s: float = 10.0, read_token: str | bytes = b""
+        self,
+        token: str | bytes,
+        *,
+        heartbeat_s: float = 2.0,
+        eviction_s: float = 10.0,
+        read_token: str | bytes = b"",
+        probe_s: float = 2.0,
+        relay_rate_bytes_s: float | None = None,
+        relay_max_queued_bytes: int = 1 << 30,
     ):
         if eviction_s <= heartbeat_s:
             raise ValueError("eviction_s must be longer than heartbeat_s")
@@ -83,12 +96,23 @@ class Rendezvous:
         self.nonces = _auth.NonceCache()
         self._evictor: asyncio.Task[None] | None = None
         self.status = StatusPage(self, (read_token.encode() if isinstance(read_token, str) else read_token) or None)
+        self.probe_s = float(probe_s)
+        self._session: aiohttp.ClientSession | None = None
+        self.relay = Relay(
+            self.token, self._is_relayed, max_queued_bytes=relay_max_queued_bytes, rate_bytes_s=relay_rate_bytes_s
+        )
+
+    def _is_relayed(self, run_id: str, peer_id: str) -> bool:
+        run = self.runs.get(run_id)
+        e = run.peers.get(peer_id) if run is not None else None
+        return e is not None and is_relay_address(e.address, run_id, peer_id)
 
     # -- application ---------------------------------------------------------------------
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 20)
         app.router.add_get("/health", self._health)
         self.status.add_routes(app)
+        self.relay.add_routes(app)
         p = "/v1/runs/{run_id}"
         app.router.add_post(p + "/join", self._join)
         app.router.add_post(p + "/heartbeat", self._heartbeat)
@@ -104,6 +128,7 @@ class Rendezvous:
 
     async def _on_startup(self, app: web.Application) -> None:
         self._evictor = asyncio.create_task(self._evict_loop())
+        self._session = aiohttp.ClientSession()
 
     async def _on_cleanup(self, app: web.Application) -> None:
         if self._evictor is not None:
@@ -112,6 +137,8 @@ class Rendezvous:
                 await self._evictor
             except asyncio.CancelledError:
                 pass
+        if self._session is not None:
+            await self._session.close()
 
     async def _evict_loop(self) -> None:
         while True:
@@ -123,6 +150,7 @@ class Rendezvous:
                     log.info("run %s: evicting %s", run.run_id, p)
                     del run.peers[p]
                     self._forget(run, p)
+                    self.relay.drop(run.run_id, p)
                 if dead:
                     run.version += 1
 
@@ -217,6 +245,7 @@ class Rendezvous:
                     "address": e.address,
                     "last_round": e.last_round,
                     "standby": e.standby,
+                    "relayed": is_relay_address(e.address, run.run_id, e.peer_id),
                     "seconds_since_heartbeat": round(now - e.last_seen, 3),
                     "info": e.info,
                 }
@@ -232,8 +261,15 @@ class Rendezvous:
         run, peer, p = await self._auth(request)
         # a join is a (re)started peer process: its last round is what it says now, not what an
         # earlier process of the same id reported
-        self._touch(run, peer, p, joining=True)
-        return self._reply(request, run, self._membership(run))
+        e, _ = self._touch(run, peer, p, joining=True)
+        out = self._membership(run)
+        if not is_relay_address(e.address, run.run_id, peer):
+            why_not = await probe(self._session, e.address, peer, self.probe_s)
+            out["reachable"] = why_not is None
+            if why_not is not None:
+                out["unreachable_because"] = why_not
+                log.info("run %s: %s is not reachable at %s (%s)", run.run_id, peer, e.address, why_not)
+        return self._reply(request, run, out)
 
     async def _heartbeat(self, request: web.Request) -> web.Response:
         run, peer, p = await self._auth(request)
@@ -256,6 +292,7 @@ class Rendezvous:
             run.version += 1
             log.info("run %s: %s left", run.run_id, peer)
             self._forget(run, peer)
+            self.relay.drop(run.run_id, peer)
         return self._reply(request, run, {"version": run.version})
 
     async def _ready(self, request: web.Request) -> web.Response:
@@ -290,6 +327,7 @@ class Rendezvous:
         out = self._membership(run)
         out["run_id"] = run.run_id
         out["last_round"] = run.latest
+        out["relay"] = self.relay.run_stats(run.run_id)
         out["rounds"] = [
             {
                 "round": r.number,
@@ -560,38 +598,3 @@ class Rendezvous:
     async def _notify(run: _Run) -> None:
         async with run.new_round:
             run.new_round.notify_all()
-
-
-async def serve(
-    host: str,
-    port: int,
-    token: str | bytes,
-    *,
-    heartbeat_s: float = 2.0,
-    eviction_s: float = 10.0,
-    ssl_context: _ssl.SSLContext | None = None,
-    ready: Any = None,
-    stop: asyncio.Event | None = None,
-    read_token: str | bytes = b"",
-) -> None:
-    """Run a rendezvous until ``stop`` is set (or SIGINT/SIGTERM when ``stop`` is None).
-
-    ``ready(bound_port)`` is called once the socket listens (``port=0`` picks a free port).
-    """
-    rv = Rendezvous(token, heartbeat_s=heartbeat_s, eviction_s=eviction_s, read_token=read_token)
-    runner = web.AppRunner(rv.make_app(), access_log=None, handle_signals=False, shutdown_timeout=1.0)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True)
-        await site.start()
-        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        if ready is not None:
-            ready(bound)
-        if stop is None:
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-    finally:
-        await runner.cleanup()

@@ -64,7 +64,7 @@ class Ring:
     def wire(self) -> str:
         return f"{self.codec}/ring/{self.segment_bytes}"
 
-    def prepare(self, st: Attempt, n_elements: int) -> None:
+    def prepare(self, st: Attempt, n_elements: int, relayed: frozenset[str] = frozenset()) -> None:
         st.bounds = part_bounds(n_elements, len(st.group))
         st.lo, st.hi = st.bounds[st.me]
         st.algorithm = self.name

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from ._attempt import Algorithm, Attempt, AttemptInput, Reduced, Retry, RoundFail
 from ._http import HTTPStatusError
+from ._relay import is_relay_address
 from ._transport import Transport
 from ._types import RoundFailed, RoundRecord, Timeouts
 
@@ -296,12 +297,16 @@ class Rounds:
                     extra={"rj_event": "round_begin", "rj_round": r, "rj_attempt": a},
                 )
                 membership = dict(begin.get("addresses") or {})
+                # who is relayed, from the rendezvous' addresses (the same view on every member)
+                relayed = frozenset(
+                    p for p, addr in membership.items() if is_relay_address(str(addr), self.transport.run_id, p)
+                )
                 membership[self.peer_id] = self.transport.address or ""
                 self.current_round = r
                 inp = AttemptInput(
                     membership, epoch, vec, weight, deadline, stats, float(begin.get("part_left", self.timeouts.part))
                 )
-                inp.arrive, inp.state = arrive, state
+                inp.arrive, inp.state, inp.relayed = arrive, state, relayed
                 while True:
                     attempts += 1
                     out = await self._attempt(r, a, group, manifest, inp)
@@ -328,7 +333,14 @@ class Rounds:
                             f"diverged: this peer's global state after round {state[0] if state else '?'} "
                             "differs from the swarm's; its contribution was left out"
                         )
-                    rec = record(True, contributors=out.contributors, total_weight=out.total, digest=out.digest)
+                    rec = record(
+                        True,
+                        contributors=out.contributors,
+                        total_weight=out.total,
+                        digest=out.digest,
+                        clipped=dict(out.clipped),
+                        trimmed=dict(out.trimmed),
+                    )
                     return out.out, rec
             except RoundFail as e:
                 rec = record(False, contributors=(), total_weight=e.total_weight, digest="", error=str(e))
@@ -352,7 +364,7 @@ class Rounds:
         st = self.attempts.get((r, a)) or Attempt(r, a)
         self.attempts[(r, a)] = st
         st.group, st.me, st.manifest, st.codec = group, group.index(self.peer_id), manifest, self.codec
-        algorithm.prepare(st, inp.vec.size)
+        algorithm.prepare(st, inp.vec.size, inp.relayed)
         out = await algorithm.run(st, inp)
         if isinstance(out, Reduced):
             self._next = out.next  # the next round's group, handed out with the commit

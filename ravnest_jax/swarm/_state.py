@@ -69,7 +69,15 @@ class StateTransfer:
                 return None
             # most advanced first; a peer the last round found diverged only as a last resort
             avoid = self._avoid()
-            others.sort(key=lambda p: (p["peer_id"] in avoid, -int(p.get("last_round", -1)), p["peer_id"]))
+            # (and a client-only peer after the reachable ones: its state comes through the relay)
+            others.sort(
+                key=lambda p: (
+                    p["peer_id"] in avoid,
+                    bool(p.get("relayed")),
+                    -int(p.get("last_round", -1)),
+                    p["peer_id"],
+                )
+            )
             no_state = 0
             for p in others:
                 left = deadline - asyncio.get_running_loop().time()

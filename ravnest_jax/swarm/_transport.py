@@ -12,9 +12,13 @@ users of this layer; none of them signs, hashes or opens connections itself.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import secrets
 import socket
 import ssl as _ssl
+import time
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -24,10 +28,11 @@ import aiohttp.http_exceptions
 import numpy as np
 from aiohttp import web
 
-from . import _auth
+from . import _auth, _relay
 from ._allreduce import CHUNK
 from ._codec import NonFiniteError, PartDecoder, WireFormatError
 from ._http import HTTPStatusError, json_response, signed_json
+from ._relay import relay_address
 from ._types import SwarmError, Timeouts
 
 log = logging.getLogger("ravnest_jax.swarm")
@@ -52,7 +57,9 @@ class Transport:
       token: the run token (bytes, non-empty): signs and verifies every message.
       peer_id: this peer's id (the signer of what it sends).
       timeouts: connect deadline (seconds) of every connection.
-      listen: ``(host, port)`` to bind; port 0 picks a free one (see :attr:`port`).
+      listen: ``(host, port)`` to bind; port 0 picks a free one (see :attr:`port`); ``None``:
+        client-only (no inbound port: the server listens on a private Unix socket only, and
+        other peers reach this one through the rendezvous' relay, see :meth:`relay_pump`).
       ssl: server-side ``ssl.SSLContext`` or ``None``.
       client_ssl: ``ssl=`` of outgoing requests (``None``: aiohttp's defaults).
       advertise: the base URL other peers use to reach this one (default: guessed, see
@@ -70,7 +77,7 @@ class Transport:
         token: bytes,
         peer_id: str,
         timeouts: Timeouts,
-        listen: tuple[str, int],
+        listen: tuple[str, int] | None,
         ssl: _ssl.SSLContext | None = None,
         client_ssl: Any = None,
         advertise: str | None = None,
@@ -88,6 +95,9 @@ class Transport:
         self.address: str | None = None
         self.session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
+        self.client_only = listen is None  # reached through the relay (set again by become_client_only)
+        self._unix_path: str | None = None
+        self.relay_stats = {"messages": 0, "bytes_in": 0, "bytes_out": 0, "seconds": 0.0}
 
     # ------------------------------------------------------------------ server
     def route(self, method: str, path: str, handler: Handler) -> None:
@@ -112,6 +122,11 @@ class Transport:
             app, access_log=None, handle_signals=False, shutdown_timeout=1.0, read_bufsize=READ_BUFSIZE
         )
         await self._runner.setup()
+        if self._listen is None:  # client-only: a Unix socket in the abstract namespace (no file)
+            self._unix_path = f"\0ravnest-jax-{os.getpid()}-{self.peer_id}-{secrets.token_hex(4)}"
+            await web.UnixSite(self._runner, self._unix_path).start()
+            self.address = relay_address(self.rendezvous_url, self.run_id, self.peer_id)
+            return
         site = web.TCPSite(self._runner, self._listen[0], self._listen[1], ssl_context=self._ssl, reuse_address=True)
         try:
             await site.start()
@@ -121,6 +136,12 @@ class Transport:
         assert isinstance(server, asyncio.base_events.Server)
         self.port = server.sockets[0].getsockname()[1]
         self.address = self._advertise or self._guess_address()
+
+    def become_client_only(self) -> None:
+        """Nobody can reach this peer at its address (the rendezvous' probe said so): from now
+        on it advertises its relay mailbox; :meth:`relay_pump` must run."""
+        self.client_only = True
+        self.address = relay_address(self.rendezvous_url, self.run_id, self.peer_id)
 
     async def stop(self) -> None:
         """Stops the server and closes the session (idempotent)."""
@@ -150,7 +171,102 @@ class Transport:
         return f"{scheme}://{host}:{self.port}"
 
     async def _h_health(self, request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
+        return web.json_response({"ok": True, "peer_id": self.peer_id})
+
+    # ------------------------------------------------------------------ client-only: the relay pump
+    async def relay_pump(self, spawn: Callable[[Any], Any], concurrency: int = 64) -> None:
+        """Collects the requests the rendezvous' relay holds for this peer (long polls, outbound
+        only), hands each to this peer's own server and posts the answer back. Runs until
+        cancelled; a failed poll is retried after a short pause."""
+        assert self.session is not None
+        if self._unix_path is not None:
+            local = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self._unix_path))
+            base = "http://localhost"
+        else:
+            host = self._listen[0] if self._listen and self._listen[0] not in ("0.0.0.0", "::", "") else "127.0.0.1"
+            local = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=False))
+            base = f"{'https' if self._ssl is not None else 'http'}://{'[' + host + ']' if ':' in host else host}:{self.port}"
+        slots = asyncio.Semaphore(concurrency)
+        poll = self.path("/relay/poll")
+        try:
+            while True:
+                headers = _auth.sign(self.token, method="GET", path=poll, run_id=self.run_id, peer=self.peer_id)
+                try:
+                    async with self.session.get(
+                        self.rendezvous_url + poll,
+                        params={"wait": "20"},
+                        headers=headers,
+                        ssl=self.client_ssl,
+                        timeout=aiohttp.ClientTimeout(total=40, sock_connect=self.timeouts.connect),
+                    ) as resp:
+                        if resp.status == 204:
+                            continue
+                        if resp.status != 200:
+                            raise HTTPStatusError(resp.status, (await resp.content.read(4096)).decode(errors="replace"))
+                        msg = (
+                            resp.headers[_relay.H_ID],
+                            resp.headers[_relay.H_METHOD],
+                            resp.headers[_relay.H_PATH],
+                            json.loads(resp.headers[_relay.H_HEADERS]),
+                            await resp.read(),
+                        )
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the rendezvous restarting, a hiccup: poll again
+                    log.debug("%s: relay poll failed: %r", self.peer_id, e)
+                    await asyncio.sleep(0.5)
+                    continue
+                await slots.acquire()
+                task = spawn(self._serve_relayed(local, base, *msg))
+                task.add_done_callback(lambda _t: slots.release())
+        finally:
+            await local.close()
+
+    async def _serve_relayed(
+        self, local: aiohttp.ClientSession, base: str, mid: str, method: str, path: str, headers: dict, body: bytes
+    ) -> None:
+        """One relayed request: through this peer's own server, then its answer to the relay."""
+        t0 = time.monotonic()
+        try:
+            async with local.request(
+                method,
+                base + path,
+                headers=headers,
+                data=body,
+                timeout=aiohttp.ClientTimeout(total=self.timeouts.round),
+            ) as resp:
+                status, answer = resp.status, await resp.read()
+                out_headers = _relay.forwarded_headers(resp.headers)
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            status, answer, out_headers = 502, f"relayed request failed at the peer: {why(e)}".encode(), {}
+        reply = self.path(f"/relay/reply/{mid}")
+        signed = _auth.sign(
+            self.token,
+            method="POST",
+            path=reply,
+            run_id=self.run_id,
+            peer=self.peer_id,
+            body_digest=_auth.body_digest(answer),
+        )
+        signed[_relay.H_STATUS] = str(status)
+        signed[_relay.H_HEADERS] = json.dumps(out_headers, separators=(",", ":"))
+        try:
+            assert self.session is not None
+            async with self.session.post(
+                self.rendezvous_url + reply,
+                data=answer,
+                headers=signed,
+                ssl=self.client_ssl,
+                timeout=aiohttp.ClientTimeout(total=self.timeouts.round, sock_connect=self.timeouts.connect),
+            ) as r:
+                await r.read()
+            st = self.relay_stats
+            st["messages"] += 1
+            st["bytes_in"] += len(body)
+            st["bytes_out"] += len(answer)
+            st["seconds"] += time.monotonic() - t0
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            log.info("%s: relay answer to %s failed: %s", self.peer_id, path, why(e))
 
     # ------------------------------------------------------------------ receiving
     def verify(self, request: web.Request, extra: str = "") -> tuple[str, str]:
@@ -310,8 +426,10 @@ class Transport:
         signed.update(headers)
         signed["Content-Length"] = str(len(data))
         signed["Content-Type"] = "application/octet-stream"
+        url = address.rstrip("/") + path
+        signed[_auth.H_HOP] = _auth.hop_sign(self.token, "PUT", urllib.parse.urlsplit(url).path, signed)
         async with self.session.put(
-            address.rstrip("/") + path,
+            url,
             data=self.body_chunks(data, kind),
             headers=signed,
             ssl=self.client_ssl,
@@ -327,6 +445,17 @@ class Transport:
         signature and body digest are checked while it streams in.
 
         Raises:
+          see :meth:`get_signed`.
+        """
+        return (await self.get_signed(address, rest, timeout, max_bytes, None))[0]
+
+    async def get_signed(
+        self, address: str, rest: str, timeout: float, max_bytes: int, header: str | None
+    ) -> tuple[bytes, str]:
+        """:meth:`get`, and the value of the answer's header ``header``, which its signature
+        covers too (``extra``; ``""`` when ``header`` is None).
+
+        Raises:
           HTTPStatusError: a non-200 answer, or a body over ``max_bytes`` (502).
           PermissionError: an answer not signed with the run token, or a body that does not
           match its signed digest. TimeoutError, aiohttp.ClientError, OSError.
@@ -334,16 +463,19 @@ class Transport:
         assert self.session is not None
         path = self.path(rest)
         headers = _auth.sign(self.token, method="GET", path=path, run_id=self.run_id, peer=self.peer_id)
+        url = address.rstrip("/") + path
+        headers[_auth.H_HOP] = _auth.hop_sign(self.token, "GET", urllib.parse.urlsplit(url).path, headers)
         async with self.session.get(
-            address.rstrip("/") + path,
+            url,
             headers=headers,
             ssl=self.client_ssl,
             timeout=aiohttp.ClientTimeout(total=max(timeout, 0.05), sock_connect=self.timeouts.connect),
         ) as resp:
             if resp.status != 200:
                 raise HTTPStatusError(resp.status, (await resp.content.read(4096)).decode(errors="replace"))
+            value = resp.headers.get(header, "") if header else ""
             try:
-                _auth.verify(self.token, resp.headers, method="RESPONSE", path=path, run_id=self.run_id)
+                _auth.verify(self.token, resp.headers, method="RESPONSE", path=path, run_id=self.run_id, extra=value)
             except _auth.AuthError as e:
                 raise PermissionError(f"answer not signed with the run token: {e}") from None
             if (resp.content_length or 0) > max_bytes:
@@ -357,4 +489,4 @@ class Transport:
                     raise HTTPStatusError(502, f"answer larger than {max_bytes} bytes")
             if not _auth.digest_matches(resp.headers[_auth.H_BODY], h.hexdigest()):
                 raise PermissionError("answer does not match its signed digest")
-            return bytes(buf)
+            return bytes(buf), value

@@ -56,6 +56,7 @@ class PeerInfo:
       seconds_since_heartbeat: age of its last heartbeat, seconds.
       info: the small JSON object the peer publishes (``Swarm(info=...)``, ``Swarm.set_info``),
         for example the steps of its checkpoints; ``{}`` if none.
+      relayed: the peer is client-only: it is reached through the rendezvous' relay.
     """
 
     peer_id: str
@@ -63,6 +64,19 @@ class PeerInfo:
     last_round: int
     seconds_since_heartbeat: float
     info: dict = dataclasses.field(default_factory=dict)
+    relayed: bool = False
+
+    @classmethod
+    def of(cls, p: dict[str, Any]) -> PeerInfo:
+        """From one entry of the rendezvous' membership answer."""
+        return cls(
+            p["peer_id"],
+            p["address"],
+            p["last_round"],
+            p["seconds_since_heartbeat"],
+            dict(p.get("info") or {}),
+            bool(p.get("relayed")),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +102,10 @@ class RoundRecord:
       diverged: peers whose reported global state (``all_reduce_async(..., state=...)``)
         differed from the swarm's in this round: their contributions were left out
         (butterfly) and their own round failed, so that they download the state again.
+      clipped: ``aggregator="clipped_mean"``: contributor -> the factor (< 1) its contribution
+        was scaled by (its norm was over the bound); empty when nobody was clipped.
+      trimmed: ``aggregator="trimmed_mean"``: contributor -> the fraction of all coordinates
+        (0-1) where its value was among the dropped extremes.
     """
 
     round: int
@@ -104,6 +122,8 @@ class RoundRecord:
     algorithm: str = "butterfly"
     error: str | None = None
     diverged: tuple[str, ...] = ()
+    clipped: dict[str, float] = dataclasses.field(default_factory=dict)
+    trimmed: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class RoundFailed(RuntimeError):

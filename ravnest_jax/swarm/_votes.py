@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -169,7 +170,27 @@ def decide(run: _Run, rnd: _Round, att: _Attempt, phase: str, ahead: Callable[[]
     if phase == "gather" and decision["decision"] == "ok" and diverged:
         decision["diverged"] = diverged
         rnd.diverged = tuple(diverged)
+    if phase == "gather" and decision["decision"] == "ok" and any("sqnorms" in v for v in votes.values()):
+        decision["norms"] = summed(votes, "sqnorms", decision["contributors"], root=True)
+    if phase == "commit" and decision["decision"] == "commit" and any("trimmed" in v for v in votes.values()):
+        decision["trimmed"] = summed(votes, "trimmed", list(att.decisions["gather"]["contributors"]))
     return decision
+
+
+def summed(votes: dict[str, dict[str, Any]], key: str, contributors: list[str], root: bool = False) -> dict[str, float]:
+    """Per contributor, the sum over the voters of ``vote[key][contributor]`` (the clipped
+    mean's squared part norms, ``root=True`` for the whole-vector L2 norm; the trimmed mean's
+    dropped-coordinate counts). A value that is not a finite number >= 0 counts as 0."""
+    out = {}
+    for c in contributors:
+        total = 0.0
+        for v in votes.values():
+            d = v.get(key)
+            x = d.get(c) if isinstance(d, dict) else None
+            if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0:
+                total += float(x)
+        out[c] = math.sqrt(total) if root else total
+    return out
 
 
 def retry(run: _Run, rnd: _Round, att: _Attempt, voters: tuple[str, ...], reason: str) -> dict[str, Any]:

@@ -37,6 +37,10 @@ class RoundMetrics:
       state_digest: digest of the global params and outer state after the merge (equal on every
         live peer when they agree).
       error: why the round failed, else ``None``.
+      clipped: with ``rj.Swarm(aggregator="clipped_mean")``: contributor -> the factor (< 1) its
+        pseudo-gradient was scaled by (its norm exceeded the round's bound).
+      trimmed: with ``aggregator="trimmed_mean"``: contributor -> the fraction of coordinates
+        where its value was dropped as an extreme.
     """
 
     round: int
@@ -57,6 +61,8 @@ class RoundMetrics:
     state_digest: str
     error: str | None = None
     overlap_steps: int = 0
+    clipped: dict[str, float] = dataclasses.field(default_factory=dict)
+    trimmed: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def round_metrics(
@@ -96,6 +102,8 @@ def round_metrics(
         state_digest=state_digest if ok else "",
         error=error,
         overlap_steps=merged_at_step - step,
+        clipped=dict(getattr(record, "clipped", None) or {}) if ok else {},
+        trimmed=dict(getattr(record, "trimmed", None) or {}) if ok else {},
     )
 
 
@@ -113,6 +121,7 @@ def summarize(metrics: list[RoundMetrics], failed_rounds: int, resyncs: int, sta
         "stall_seconds": stall_seconds,
         "compute_utilisation": float(np.mean([m.compute_utilisation for m in ok])) if ok else None,
         "last_state_digest": ok[-1].state_digest if ok else "",
+        "clipped_rounds": sum(1 for m in ok if m.clipped),
     }
 
 

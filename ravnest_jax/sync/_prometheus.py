@@ -47,6 +47,13 @@ class PrometheusExporter:
         self.exchange = Gauge("ravnest_exchange_seconds", "seconds the last exchange took", registry=r)
         self.ratio = Gauge("ravnest_codec_ratio", "encoded bytes / float32 bytes of the last round", registry=r)
         self.util = Gauge("ravnest_compute_utilisation", "1 - stall / wall since the previous round", registry=r)
+        self.clipped = Counter(
+            "ravnest_clipped_contributions",
+            "contributions scaled down by the clipped mean, by peer",
+            ["peer"],
+            registry=r,
+        )
+        self.clipped_now = Gauge("ravnest_clipped_last_round", "contributions clipped in the last round", registry=r)
         self._server, self._thread = start_http_server(port, addr=addr, registry=r)
         self.port: int = self._server.server_port
 
@@ -66,6 +73,9 @@ class PrometheusExporter:
         if not math.isnan(m.codec_ratio):
             self.ratio.set(m.codec_ratio)
         self.util.set(m.compute_utilisation)
+        self.clipped_now.set(len(m.clipped))
+        for peer in m.clipped:
+            self.clipped.labels(peer=peer).inc()
 
     def close(self) -> None:
         """Stops the HTTP server and frees the port. Idempotent."""

@@ -46,6 +46,13 @@ def test_text_file_corpus(tmp_path):
         ["--topk-fraction", "0.01"],  # without --codec topk
         ["--codec", "topk", "--topk-fraction", "1.5"],
         ["--ef-decay", "1.2"],
+        ["--local-peers", "4", "--adversary", "scale:abc"],
+        ["--local-peers", "4", "--adversary", "flip"],
+        ["--adversary", "noise"],  # not a swarm peer
+        ["--local-peers", "2", "--adversary", "noise", "--adversary-peers", "2"],
+        ["--local-peers", "2", "--clip-multiple", "0.5"],
+        ["--local-peers", "2", "--aggregator", "median"],
+        ["--rendezvous", "http://127.0.0.1:1", "--no-inbound", "--advertise", "http://x:1"],
     ],
 )
 def test_bad_flags_exit_with_usage_error(bad, capsys):

@@ -71,6 +71,7 @@ def main() -> None:
     p.add_argument("--out-dir", default="")
     p.add_argument("--serve-delay", type=float, default=0.0)
     p.add_argument("--advertise", default=None)
+    p.add_argument("--listen", default="127.0.0.1:0", help="'none': client-only")
     p.add_argument("--algorithm", default="butterfly")
     p.add_argument("--ring-segment-bytes", type=int, default=1 << 20)
     args = p.parse_args()
@@ -123,14 +124,25 @@ def main() -> None:
         run_id=args.run_id,
         token=args.token,
         codec=args.codec,
-        listen="127.0.0.1:0",
+        listen=args.listen,
         timeouts=t,
         peer_id=args.peer_id,
         advertise=args.advertise,
         algorithm=args.algorithm,
         ring_segment_bytes=args.ring_segment_bytes,
     ) as sw:
-        print(json.dumps({"event": "ready", "port": sw.port, "pid": os.getpid()}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "event": "ready",
+                    "port": sw.port,
+                    "pid": os.getpid(),
+                    "address": sw.address,
+                    "client_only": sw.client_only,
+                }
+            ),
+            flush=True,
+        )
         if args.expect_peers:
             sw.wait_for_peers(args.expect_peers, timeout=60)
             print(json.dumps({"event": "peers"}), flush=True)

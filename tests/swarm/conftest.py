@@ -151,15 +151,18 @@ class Cluster:
         eviction: float = 3.0,
         extra: tuple[str, ...] = (),
         scheme: str = "http",
+        host: str = "127.0.0.1",
+        wrap: tuple[str, ...] = (),
     ) -> str:
         pf = self.tmp / f"rv-port-{len(self.procs)}"
         args = [
+            *wrap,  # e.g. ("ip", "netns", "exec", NS): run it in a network namespace
             sys.executable,
             "-m",
             "ravnest_jax.cli",
             "rendezvous",
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(port),
             "--port-file",
@@ -180,11 +183,12 @@ class Cluster:
             time.sleep(0.05)
         p.port = int(pf.read_text())
         self.ports.add(p.port)
-        self.url = f"{scheme}://127.0.0.1:{p.port}"
+        self.url = f"{scheme}://{host}:{p.port}"
         return self.url
 
-    def peer(self, peer_id: str, seed: int, **kw: object) -> Proc:
+    def peer(self, peer_id: str, seed: int, wrap: tuple[str, ...] = (), **kw: object) -> Proc:
         args = [
+            *wrap,
             sys.executable,
             str(WORKER),
             "--url",
@@ -205,8 +209,10 @@ class Cluster:
 
     def ready(self, peers: list[Proc], timeout: float = 60) -> None:
         for p in peers:
-            p.port = p.expect("ready", timeout)["port"]
-            self.ports.add(p.port)
+            p.ready = p.expect("ready", timeout)
+            p.port = p.ready["port"]
+            if p.port is not None:  # None: a client-only peer
+                self.ports.add(p.port)
 
     def close(self) -> None:
         for p in self.procs:

@@ -116,7 +116,9 @@ async def _impostor(url: str) -> dict[str, int]:
         out["wrong_manifest"] = await put(good)
         from ravnest_jax.swarm._allreduce import manifest_digest
 
-        manifest = manifest_digest(["/b/s", "/b/x", "/w"], [(), (SIZE - SIZE // 2,), (SIZE // 2,)], "fp32/butterfly")
+        manifest = manifest_digest(
+            ["/b/s", "/b/x", "/w"], [(), (SIZE - SIZE // 2,), (SIZE // 2,)], "fp32/butterfly/clipped_mean:2.0"
+        )  # the default wire
         out["tampered_body"] = await put(good, manifest=manifest, claimed=b"other body")
         out["garbage"] = await put(b"\x00garbage" * 100, manifest=manifest)
         out["truncated"] = await put(good[: len(good) // 2], manifest=manifest)
