@@ -185,8 +185,10 @@ class StatusPage:
         """The data of one run's page.
 
         Returns a JSON-ready dict: ``run_id``, ``epoch``, ``time`` (unix seconds), ``version``
-        (membership), ``last_round``; ``peers``: per live peer ``peer_id``, ``address``,
-        ``standby``, ``seconds_since_heartbeat``, ``checkpoint_steps`` and what it published
+        (membership), ``last_round``; ``relay``: per client-only peer what the relay carried
+        (``messages``, ``failed``, ``bytes_in``, ``bytes_out``, ``seconds``); ``peers``: per
+        live peer ``peer_id``, ``address``, ``standby``, ``relayed`` (client-only),
+        ``seconds_since_heartbeat``, ``checkpoint_steps`` and what it published
         after its last round (``step``, ``round``, ``rounds_ok``, ``rounds_failed``,
         ``resyncs``, ``utilisation`` 0..1, ``stall_s``, ``bytes_sent``, ``bytes_received``,
         ``exchange_s``, ``link_mbit``, ``last_error``, ``train_loss``, ``eval_loss``; ``None``
@@ -202,7 +204,10 @@ class StatusPage:
         for p in membership["peers"]:
             info = p.get("info") or {}
             stats = info.get("stats") if isinstance(info.get("stats"), dict) else {}
-            row = {k: p[k] for k in ("peer_id", "address", "standby", "seconds_since_heartbeat", "last_round")}
+            row = {
+                k: p.get(k)
+                for k in ("peer_id", "address", "standby", "relayed", "seconds_since_heartbeat", "last_round")
+            }
             row["checkpoint_steps"] = info.get("checkpoint_steps")
             row.update({k: stats.get(k) for k in PEER_FIELDS})
             peers.append(row)
@@ -235,6 +240,7 @@ class StatusPage:
             "last_round": run.latest,
             "peers": peers,
             "rounds": rounds,
+            "relay": self.rv.relay.run_stats(run.run_id),
         }
 
 
