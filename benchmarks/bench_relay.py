@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""What a client-only peer costs: butterfly rounds of 3 peer processes on 127.0.0.1, all
-reachable, then with one client-only (``listen=None``: every request to it goes through the
-rendezvous' relay), side by side in one run.
+"""What client-only peers cost: butterfly rounds of 3 peer processes on 127.0.0.1, all
+reachable, then one client-only (``listen=None``: it owns no part and pulls the results), then
+all three client-only (nobody reachable but the rendezvous: every part and result goes through
+its relay), side by side in one run.
 
 Per payload size (float32 elements) and case: the median round seconds, the bytes the relay
 carried per round (request and answer bodies), and the client-only peer's bytes sent and
@@ -49,7 +50,10 @@ with Swarm(url, run_id="bench", token=sys.argv[6], listen=None if listen == "non
 """
 
 
-def run(size: int, rounds: int, client_only: bool) -> dict:
+CASES = {"direct": 0, "one client-only": 1, "all client-only": 3}  # how many of the 3 peers are client-only
+
+
+def run(size: int, rounds: int, case: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         pf = Path(tmp) / "port"
         env = {**os.environ, "RAVNEST_TOKEN": TOKEN}
@@ -63,7 +67,8 @@ def run(size: int, rounds: int, client_only: bool) -> dict:
             while not pf.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             url = f"http://127.0.0.1:{pf.read_text()}"
-            listens = ["127.0.0.1:0", "127.0.0.1:0", "none" if client_only else "127.0.0.1:0"]
+            k = CASES[case]
+            listens = ["127.0.0.1:0"] * (3 - k) + ["none"] * k
             procs = [
                 subprocess.Popen(
                     [sys.executable, "-c", PEER, url, f"p{i}", str(size), str(rounds), listens[i], TOKEN],
@@ -84,7 +89,7 @@ def run(size: int, rounds: int, client_only: bool) -> dict:
     return {
         "elements": size,
         "payload_bytes": 4 * size,
-        "client_only": client_only,
+        "case": case,
         "median_round_seconds": statistics.median(per_round),
         "relay_bytes_per_round": (relay["bytes_in"] + relay["bytes_out"]) / (rounds + 1),
         "relay_messages_per_round": relay["messages"] / (rounds + 1),
@@ -103,12 +108,12 @@ def main() -> int:
     args = p.parse_args()
     results = []
     for size in [int(s) for s in args.sizes.split(",")]:
-        for client_only in (False, True):
-            r = run(size, args.rounds, client_only)
+        for case in CASES:
+            r = run(size, args.rounds, case)
             results.append(r)
             print(json.dumps(r), flush=True)
     doc = {
-        "what": "butterfly rounds of 3 peer processes on 127.0.0.1 (fp32), all reachable vs one client-only",
+        "what": "butterfly rounds of 3 peer processes on 127.0.0.1 (fp32): all reachable, one client-only, all client-only",
         "machine": machine_info(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "results": results,
