@@ -32,6 +32,7 @@ _FORWARD = (
     "topk_fraction",
     "ef_decay",
     "overlap_steps",
+    "staleness_budget",
     "mode",
     "aggregator",
     "clip_multiple",

@@ -171,6 +171,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tau: inner steps a round's exchange overlaps (0: blocking; 'auto': enough steps to "
         "cover the measured exchange time, per round)",
     )
+    s.add_argument(
+        "--staleness-budget",
+        type=_positive_float,
+        default=0.01,
+        help="with --overlap-steps auto: the eval-loss cost (fraction) tau may spend on staleness; caps tau at "
+        "about 0.116 * H per 1%% (docs/overlap.md)",
+    )
     s.add_argument("--mode", choices=["delayed", "eager", "blocking"], default="delayed", help="outer-sync mode")
     s.add_argument(
         "--aggregator",
@@ -287,6 +294,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--codec must be one of {', '.join(CODECS)}, got {args.codec!r}")
     if args.topk_fraction is not None and (args.codec != "topk" or not args.topk_fraction <= 1.0):
         p.error(f"--topk-fraction needs --codec topk and a value in (0, 1], got {args.topk_fraction}")
+    if not args.staleness_budget < 1.0:
+        p.error(f"--staleness-budget must be a fraction below 1, got {args.staleness_budget}")
     if not args.clip_multiple >= 1.0:
         p.error(f"--clip-multiple must be >= 1, got {args.clip_multiple}")
     if args.adversary is not None:

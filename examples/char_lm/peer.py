@@ -230,6 +230,7 @@ def run_peer(args: argparse.Namespace) -> dict:
         error_feedback_decay=args.ef_decay,
         mode=mode,
         overlap_steps=args.overlap_steps,
+        staleness_budget=args.staleness_budget,
         alpha=args.alpha,
         samples_per_step=args.batch_size,
         on_round=on_round,

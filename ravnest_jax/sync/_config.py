@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ravnest_jax._staleness import overlap_cap
 from ravnest_jax.optim import DiLoCo
 
 MODES = ("blocking", "delayed", "eager")
@@ -23,6 +24,7 @@ def check_options(
     *,
     processes: int,
     leader: bool,
+    staleness_budget: float = 0.01,
 ) -> int | None:
     """Checks :class:`OuterSync`'s options (see its docstring); returns ``max_overlap_steps``
     (its default filled in with ``"auto"``, else ``None``).
@@ -59,8 +61,10 @@ def check_options(
             )
         if gap < 2:
             raise ValueError(f"overlap_steps='auto' needs at least 2 steps between rounds, got {gap}")
+        if not (isinstance(staleness_budget, (int, float)) and 0 < staleness_budget < 1):
+            raise ValueError(f"staleness_budget must be a fraction in (0, 1), got {staleness_budget!r}")
         if max_overlap_steps is None:
-            max_overlap_steps = max(1, min(gap - 1, tx.sync_every // 10))
+            max_overlap_steps = overlap_cap(tx.sync_every, gap, float(staleness_budget))
         if (
             isinstance(max_overlap_steps, bool)
             or not isinstance(max_overlap_steps, int)

@@ -37,6 +37,9 @@ class RoundMetrics:
       state_digest: digest of the global params and outer state after the merge (equal on every
         live peer when they agree).
       error: why the round failed, else ``None``.
+      needed_overlap_steps: with ``overlap_steps="auto"``: the tau this exchange would have
+        needed to hide completely (``ceil(1.25 * t_x / t_s)``, uncapped; above ``overlap_steps``
+        when the staleness budget's cap binds), else 0.
       clipped: with ``rj.Swarm(aggregator="clipped_mean")``: contributor -> the factor (< 1) its
         pseudo-gradient was scaled by (its norm exceeded the round's bound).
       trimmed: with ``aggregator="trimmed_mean"``: contributor -> the fraction of coordinates
@@ -61,6 +64,7 @@ class RoundMetrics:
     state_digest: str
     error: str | None = None
     overlap_steps: int = 0
+    needed_overlap_steps: int = 0
     clipped: dict[str, float] = dataclasses.field(default_factory=dict)
     trimmed: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -79,6 +83,7 @@ def round_metrics(
     float_bytes: int = 0,
     state_digest: str = "",
     error: str | None = None,
+    needed_overlap_steps: int = 0,
 ) -> RoundMetrics:
     """The :class:`RoundMetrics` of a merged round (``error`` None, with the swarm's ``record``)
     or of a failed one (``error`` set: no bytes, no digests, ``codec_ratio`` NaN)."""
@@ -102,6 +107,7 @@ def round_metrics(
         state_digest=state_digest if ok else "",
         error=error,
         overlap_steps=merged_at_step - step,
+        needed_overlap_steps=needed_overlap_steps,
         clipped=dict(getattr(record, "clipped", None) or {}) if ok else {},
         trimmed=dict(getattr(record, "trimmed", None) or {}) if ok else {},
     )
@@ -122,6 +128,7 @@ def summarize(metrics: list[RoundMetrics], failed_rounds: int, resyncs: int, sta
         "compute_utilisation": float(np.mean([m.compute_utilisation for m in ok])) if ok else None,
         "last_state_digest": ok[-1].state_digest if ok else "",
         "clipped_rounds": sum(1 for m in ok if m.clipped),
+        "max_needed_overlap_steps": max((m.needed_overlap_steps for m in ok), default=0),
     }
 
 

@@ -103,10 +103,13 @@ class OuterSync:
         Peers may then merge at different steps: the global state stays identical, only local
         progress differs (not bit-reproducible). Not for a peer over several processes.
       max_overlap_steps: upper bound of ``"auto"``, ``1 <= cap <`` the steps between round
-        starts; default ``max(1, sync_every // 10)``. A larger tau merges staler averages: in
-        ``benchmarks/bench_convergence.py`` (H = 50) tau = 1 cost +0.4 % eval loss against
-        blocking DiLoCo, tau = 5 +0.9 %, and tau of about 25 some +4 % in the example; raise
-        the cap for utilisation on slow links, keep it for quality.
+        starts; default: the largest tau within ``staleness_budget``.
+      staleness_budget: the eval-loss cost (a fraction, default 0.01) that ``"auto"`` may spend
+        on staleness: a larger tau merges staler averages, predicted to cost ``0.00275 + 0.0625
+        * tau / H`` (fitted to ``benchmarks/bench_convergence.py``, H = 50: tau = 1 +0.4 %, tau
+        = 5 +0.9 % against blocking DiLoCo), so 0.01 allows tau <= 0.116 H (5 at H = 50, 58 at
+        H = 500). ``RoundMetrics.needed_overlap_steps`` reports the tau a round would have
+        needed, and a warning says when the cap makes the step wait.
       alpha: mixing weight of the local params at the merge, in ``[0, 1]``.
       error_feedback: carry the codec's quantisation residual into the fragment's next round.
       error_feedback_decay: beta in ``[0, 1]``: the residual carried is ``beta * residual``
@@ -145,6 +148,7 @@ class OuterSync:
         mode: str = "delayed",
         overlap_steps: int | str = 1,
         max_overlap_steps: int | None = None,
+        staleness_budget: float = 0.01,
         alpha: float = 0.0,
         error_feedback: bool = True,
         error_feedback_decay: float = 1.0,
@@ -160,7 +164,9 @@ class OuterSync:
         self._processes = jax.process_count()
         self._leader = jax.process_index() == 0
         opts = (mode, overlap_steps, max_overlap_steps, alpha, samples_per_step, sync_every_seconds, codec)
-        cap = check_options(tx, swarm, *opts, processes=self._processes, leader=self._leader)
+        cap = check_options(
+            tx, swarm, *opts, processes=self._processes, leader=self._leader, staleness_budget=staleness_budget
+        )
         self.tx = tx
         self.swarm = swarm
         compress.tune_host_allocator()  # round buffers reused from the heap (see its docstring)
@@ -468,6 +474,7 @@ class OuterSync:
         utilisation = max(0.0, 1.0 - stall / max(now - self._window_start, 1e-9))
         self._window_start = now
         timing = (p.seq, p.fragment, p.step, self.step, out.exchange_seconds, stall, utilisation)
+        needed = {"needed_overlap_steps": self._schedule.tau.needed if self.overlap_steps == "auto" else 0}
         if out.error is None:
             if out.record is not None:
                 self._schedule.tau.exchanges.append(out.exchange_seconds)
@@ -478,6 +485,7 @@ class OuterSync:
                 payload_bytes=out.payload_bytes,
                 float_bytes=out.float_bytes,
                 state_digest=digest,
+                **needed,
             )
             self._state_digest = m.state_digest
             if m.swarm_round >= 0:
@@ -485,7 +493,7 @@ class OuterSync:
         else:
             self.failed_rounds += 1
             log.warning("round %d (fragment %d) failed on this peer: %s", p.seq, p.fragment, out.error)
-            m = round_metrics(*timing, error=out.error)
+            m = round_metrics(*timing, error=out.error, **needed)
             params, state = after_failure(self, p, out.exc, params, state)
         self.metrics.append(m)
         self._stats.publish(self.swarm, m, self)

@@ -4,10 +4,13 @@ which swarm round each one is."""
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+log = logging.getLogger("ravnest_jax.sync")
 
 
 class Plan(NamedTuple):
@@ -108,6 +111,9 @@ class AutoTau:
 
     def __init__(self, cap: int):
         self.cap = cap
+        self.needed = 0  # the last round's uncapped ceil(1.25 * t_x / t_s): what hiding it would take
+        self._warned_at = -(10**9)  # the choose() call of the last "cap binds" warning
+        self._calls = 0
         self.exchanges: collections.deque[float] = collections.deque(maxlen=4)
         self._clock: tuple[float, int, float] | None = None  # (perf_counter, step, total stall)
         self._step_seconds: float | None = None
@@ -124,7 +130,21 @@ class AutoTau:
                 per_step = max(now - t0 - (stall_seconds - stall0), 0.0) / (step - s0)
                 self._step_seconds = per_step if self._step_seconds is None else 0.5 * (self._step_seconds + per_step)
         self._clock = (now, step, stall_seconds)
+        self._calls += 1
         if not self.exchanges or not self._step_seconds:
             return 1
         need = 1.25 * max(self.exchanges) / max(self._step_seconds, 1e-6)
-        return max(1, min(self.cap, math.ceil(need)))
+        self.needed = max(1, math.ceil(need))
+        if self.needed > self.cap and self._calls - self._warned_at >= 50:
+            self._warned_at = self._calls
+            log.warning(
+                "the exchange (%.2f s) needs tau=%d inner steps (%.3f s each) to hide; the staleness budget caps "
+                "auto tau at %d, so the step waits about %.2f s per round (raise staleness_budget or "
+                "max_overlap_steps, use a larger H, or a smaller codec)",
+                max(self.exchanges),
+                self.needed,
+                self._step_seconds,
+                self.cap,
+                max(self.exchanges) - self.cap * self._step_seconds,
+            )
+        return max(1, min(self.cap, self.needed))

@@ -89,6 +89,14 @@ CALIBRATION = Calibration(
 )
 
 
+def default_cap(sync_every: int) -> int:
+    """The default cap of ``overlap_steps="auto"``: the largest tau within ``OuterSync``'s
+    default staleness budget (1 % eval loss), below H."""
+    from ravnest_jax._staleness import overlap_cap
+
+    return overlap_cap(sync_every, sync_every, 0.01)
+
+
 def message_bytes(params: int, codec: str) -> int:
     """Bytes of the codec's message of a float32 vector of ``params`` elements (payload; the
     header's few hundred bytes left out).
@@ -154,7 +162,8 @@ def predict_utilisation(
     Args:
       mode: ``"blocking"``, ``"delayed"``, ``"eager"`` or ``"data_parallel"``.
       tau: overlap steps, or ``"auto"`` (``ceil(1.25 * round / step)`` steps, at most
-        ``max_tau``, default ``sync_every // 10``, as ``OuterSync(overlap_steps="auto")``).
+        ``max_tau``, default the cap of the default staleness budget, as
+        ``OuterSync(overlap_steps="auto")``: ``ravnest_jax._staleness.overlap_cap``).
       fragments: rounds per window, each of ``1/fragments`` of the vector.
     """
     if mode == "data_parallel":
@@ -164,7 +173,7 @@ def predict_utilisation(
         raise ValueError(f"unknown mode {mode!r}")
     f = max(1, int(fragments))
     t_round = round_seconds(math.ceil(params / f), codec, peers, mbit, rtt_s, cal, codec_s)
-    cap = max(1, sync_every // 10) if max_tau is None else max_tau
+    cap = default_cap(sync_every) if max_tau is None else max_tau
     cap = max(1, min(cap, sync_every // f - 1))  # tau < the steps between round starts
     if mode == "blocking":
         steps = 0
@@ -183,8 +192,8 @@ class PlanRow:
     """One H of a plan: ``sync_every`` (H, steps), ``bytes_per_round`` (each peer sends, and
     receives, bytes), ``round_s`` (seconds), ``tau`` (overlap steps that hide the round, as
     ``overlap_steps="auto"`` would choose them: ``ceil(1.25 * round_s / step_s)``),
-    ``tau_within_cap`` (``tau <= H // 10``, the default cap), ``utilisation_blocking``,
-    ``utilisation`` (overlapped with ``min(tau, H // 10)``), ``mbytes_per_hour`` (sent per
+    ``tau_within_cap`` (``tau <=`` the default cap, :func:`default_cap`), ``utilisation_blocking``,
+    ``utilisation`` (overlapped with ``min(tau, cap)``), ``mbytes_per_hour`` (sent per
     peer per hour of wall time, overlapped: stalls included)."""
 
     sync_every: int
@@ -219,7 +228,10 @@ class RoundPlan:
                 f"{100 * r.utilisation_blocking:>8.1f}% {100 * r.utilisation:>10.1f}% {r.mbytes_per_hour:>9.1f}"
             )
         if any(not r.tau_within_cap for r in self.rows):
-            lines.append("* tau needed exceeds H/10 (overlap_steps='auto' caps it there: the rest stalls)")
+            lines.append(
+                "* tau needed exceeds the default cap (0.116 H: overlap_steps='auto' caps it there for a 1% "
+                "staleness budget; the rest stalls)"
+            )
         return "\n".join(lines)
 
 
@@ -254,7 +266,7 @@ def plan_rounds(
 
     Returns:
       A :class:`RoundPlan`. The recommendation is the smallest H (fewest inner steps between
-      rounds: closest to synchronous training) that reaches ``target`` with tau <= H/10; among
+      rounds: closest to synchronous training) that reaches ``target`` with tau <= the default cap; among
       codecs that reach it at that H, the most precise; fragments when they let a smaller H
       reach it. Without any, the configuration of the highest utilisation.
 
@@ -308,7 +320,7 @@ def plan_rounds(
                 bytes_per_round=nbytes(codec),
                 round_s=t_round,
                 tau=needed,
-                tau_within_cap=needed <= max(1, h // 10),
+                tau_within_cap=needed <= default_cap(h),
                 utilisation_blocking=ub,
                 utilisation=uo,
                 mbytes_per_hour=nbytes(codec) / 1e6 * 3600 * uo / (h * step_s),  # per hour of wall time
@@ -336,7 +348,7 @@ def plan_rounds(
     if best is not None:
         rec["why"] = (
             f"the smallest H of {list(sync_every)} whose rounds reach {100 * target:.0f}% utilisation "
-            f"overlapped by tau={rec['overlap_steps']} (at most H/10), with the most precise codec that does"
+            f"overlapped by tau={rec['overlap_steps']} (within the 1% staleness budget), with the most precise codec that does"
         )
     else:
         rec["why"] = (

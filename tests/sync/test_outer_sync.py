@@ -194,8 +194,15 @@ def test_bad_config_raises_value_error():
         OuterSync(tx, Fake(), overlap_steps="auto", max_overlap_steps=4)
     with pytest.raises(ValueError, match="max_overlap_steps"):
         OuterSync(tx, Fake(), overlap_steps=1, max_overlap_steps=2)
-    # the default cap of "auto": H / 10, below the steps between round starts
+    # the default cap of "auto": the largest tau within the staleness budget (1 %: 0.116 H),
+    # below the steps between round starts
     assert OuterSync(rj.diloco(optax.sgd(0.1), sync_every=50), Fake(), overlap_steps="auto").max_overlap_steps == 5
+    h500 = rj.diloco(optax.sgd(0.1), sync_every=500)
+    assert OuterSync(h500, Fake(), overlap_steps="auto").max_overlap_steps == 58
+    assert OuterSync(h500, Fake(), overlap_steps="auto", staleness_budget=0.02).max_overlap_steps == 138
+    assert OuterSync(h500, Fake(), overlap_steps="auto", staleness_budget=0.002).max_overlap_steps == 1
+    with pytest.raises(ValueError, match="staleness_budget"):
+        OuterSync(h500, Fake(), overlap_steps="auto", staleness_budget=1.5)
     assert (
         OuterSync(rj.diloco(optax.sgd(0.1), sync_every=50, fragments=5), Fake(), overlap_steps="auto").max_overlap_steps
         == 5
@@ -383,6 +390,10 @@ def test_auto_overlap_hides_the_exchange_and_keeps_the_state_identical():
         assert m.overlap_steps == m.merged_at_step - m.step
     assert a[0].overlap_steps == b[0].overlap_steps == 1  # nothing measured yet
     assert all(1 <= m.overlap_steps <= 9 for m in a) and all(1 <= m.overlap_steps <= 2 for m in b)
+    # what a round would have needed, reported uncapped: peer 1's cap of 2 binds where peer 0
+    # needed more than 2 (the same loopback exchange, the same step time)
+    assert all(m.needed_overlap_steps >= m.overlap_steps for m in a[1:] + b[1:]), (a, b)
+    assert any(m.needed_overlap_steps > 2 for m in b[1:]), [m.needed_overlap_steps for m in b]
     taus = [m.overlap_steps for m in a[1:]]
     assert min(taus) >= 2 and any(t > 2 for t in taus), taus  # a round takes several 5 ms steps
     # covered: the training loop waited for far less than the exchanges took
