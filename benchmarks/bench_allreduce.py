@@ -38,6 +38,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 TOKEN = "bench-token"
 MB = 1_000_000
+AGGREGATOR: str | None = None
 RING_SEGMENT = 0  # --ring-segment-bytes, handed to every worker (0: the library's default)
 
 
@@ -69,6 +70,7 @@ def worker(args: argparse.Namespace) -> None:
         algorithm=args.algorithm,
         advertise=args.advertise,
         **({"ring_segment_bytes": args.ring_segment_bytes} if args.ring_segment_bytes else {}),
+        **({"aggregator": args.aggregator} if args.aggregator else {}),
     ) as sw:
         sw.wait_for_peers(args.peers, timeout=120)
         for i in range(args.rounds):
@@ -119,6 +121,76 @@ def tcp_sender(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------- emulated links
+def gloo_worker(args: argparse.Namespace) -> None:
+    """One rank of torch.distributed's gloo all-reduce of a float32 vector of ``--payload``
+    bytes on 127.0.0.1; prints the seconds of every round (after a barrier) as JSON."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=args.seed,
+        world_size=args.peers,
+        timeout=timedelta(seconds=300),
+    )
+    x = torch.from_numpy(np.random.default_rng(args.seed).standard_normal(args.payload // 4, dtype=np.float32))
+    times = []
+    for _ in range(args.rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    print(json.dumps(times), flush=True)
+    dist.destroy_process_group()
+
+
+def gloo_run(n: int, payload: int, rounds: int) -> float | None:
+    """Median gloo round (the slowest rank's time, warm-up round skipped), or None without torch."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--mode",
+                "gloo",
+                "--port",
+                str(port),
+                "--seed",
+                str(i),
+                "--peers",
+                str(n),
+                "--payload",
+                str(payload),
+                "--rounds",
+                str(rounds),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for i in range(n)
+    ]
+    try:
+        per_rank = [json.loads(p.communicate(timeout=1800)[0].strip().splitlines()[-1]) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return statistics.median(max(r[i] for r in per_rank) for i in range(1, rounds))
+
+
 def summarize(res: list[list[dict]], rounds: int) -> dict:
     """Round time = the slowest peer's, median over the rounds after the warm-up; CPU seconds =
     each peer process's CPU time (all threads) in ``all_reduce``, mean over peers."""
@@ -269,6 +341,7 @@ def swarm_run(
                     str(ports[i]),
                     "--scale",
                     str(scale),
+                    *(["--aggregator", AGGREGATOR] if AGGREGATOR else []),
                     *(["--advertise", advertise[i]] if advertise[i] else []),
                 )
             )
@@ -292,7 +365,13 @@ def swarm_run(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", default="driver", choices=["driver", "worker", "tcp-rx", "tcp-tx"])
+    ap.add_argument("--mode", default="driver", choices=["driver", "worker", "tcp-rx", "tcp-tx", "gloo"])
+    ap.add_argument(
+        "--gloo",
+        action="store_true",
+        help="also run torch.distributed's gloo all-reduce of the same payloads side by side "
+        "(needs torch: pip install -e '.[bench]')",
+    )
     ap.add_argument("--full", action="store_true", help="also 256 MB payloads")
     ap.add_argument("--peers-list", default="2,4,8")
     ap.add_argument("--payloads-mb", default="")
@@ -304,6 +383,9 @@ def main() -> None:
     ap.add_argument("--algorithm", default="butterfly", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the JSON")
+    ap.add_argument(
+        "--aggregator", default=None, help="Swarm(aggregator=...) of the butterfly runs (default: its default)"
+    )
     # child arguments
     ap.add_argument("--url")
     ap.add_argument("--run-id")
@@ -328,14 +410,17 @@ def main() -> None:
         help="Swarm(ring_segment_bytes=...) of the ring runs (0: the default)",
     )
     args = ap.parse_args()
-    global RING_SEGMENT
+    global RING_SEGMENT, AGGREGATOR
     RING_SEGMENT = args.ring_segment_bytes
+    AGGREGATOR = args.aggregator
     if args.mode == "worker":
         return worker(args)
     if args.mode == "tcp-rx":
         return tcp_receiver(args)
     if args.mode == "tcp-tx":
         return tcp_sender(args)
+    if args.mode == "gloo":
+        return gloo_worker(args)
 
     try:
         from ravnest_jax.swarm._allreduce import RING_SEGMENT_BYTES
@@ -353,6 +438,17 @@ def main() -> None:
     )  # "0": no loopback runs
     peers_list = [int(x) for x in args.peers_list.split(",")]
     table = []
+    gloo: dict[str, float | None] | None = None
+    if args.gloo:
+        gloo = {}
+        for mb in payloads:
+            for n in peers_list:
+                gloo[f"{n}x{mb}"] = g = gloo_run(n, mb * MB, args.rounds)
+                print(
+                    f"gloo N={n} {mb} MB: "
+                    + (f"{g:.3f} s" if g is not None else "torch is not installed (pip install -e '.[bench]')"),
+                    flush=True,
+                )
     for mb in payloads:
         payload = mb * MB
         tcp_s = raw_tcp(payload)
@@ -378,6 +474,9 @@ def main() -> None:
                 "bytes_received_per_peer": res[0][-1]["received"],
                 "loadavg_before_after": [load0[0], os.getloadavg()[0]],
             }
+            if gloo is not None and gloo.get(f"{n}x{mb}") is not None:
+                row["gloo_round_s"] = gloo[f"{n}x{mb}"]
+                row["round_s_vs_gloo"] = rs / gloo[f"{n}x{mb}"]
             table.append(row)
             print(json.dumps(row), flush=True)
     for mb in payloads:
@@ -485,6 +584,7 @@ def main() -> None:
             "protocol. Not a measurement of a real network.",
         },
         "codec": args.codec,
+        "aggregator": args.aggregator or "the default (clipped_mean with the butterfly)",
         "definitions": {
             "round_s": "median over rounds (after one warm-up) of the slowest peer's all_reduce wall time",
             "goodput_mbps": "algorithm bandwidth: payload bytes / round_s / 1e6",
@@ -496,6 +596,9 @@ def main() -> None:
             "same bytes between two processes over loopback TCP "
             "(first byte sent to a 1-byte acknowledgement)",
             "goodput_vs_raw_tcp": "goodput_mbps / raw_tcp_mbps",
+            "gloo_round_s": "--gloo: median over rounds (after one warm-up) of the slowest rank's "
+            "torch.distributed gloo all_reduce of the same float32 payload, after a barrier, same run",
+            "round_s_vs_gloo": "round_s / gloo_round_s (<= 1: the swarm is no slower than gloo)",
             "bus_goodput_vs_raw_tcp": "bus_goodput_mbps / raw_tcp_mbps",
             "raw_over_link_mbps": "emulated links: payload bytes / best of 3 "
             "one-way transfers of the same bytes between two "
@@ -509,6 +612,7 @@ def main() -> None:
         },
         "ring_segment_bytes": args.ring_segment_bytes or RING_SEGMENT_BYTES,
         "table": table,
+        "gloo": gloo,
         "rss": rss,
         "emulated_wan": wan,
         "emulated_links": links,
