@@ -34,10 +34,13 @@ def max_message_bytes(length: int) -> int:
     return 4 * length + (1 << 20)
 
 
-def contributors_tag(contributors: Sequence[str]) -> str:
-    """Short digest of a contributor set (sorted ids): the tag a pushed result part carries, so
-    that a part reduced over another set (an optimistic one) is never mixed in."""
+def contributors_tag(contributors: Sequence[str], clipped: Mapping[str, float] | None = None) -> str:
+    """Short digest of a contributor set (sorted ids) and, for the clipped mean, the factors of
+    the clipped ones: the tag a pushed result part carries, so that a part reduced over another
+    set or other factors (an optimistic one) is never mixed in."""
     blob = "\n".join(sorted(contributors)).encode()
+    if clipped:
+        blob += b"\nclipped\n" + "\n".join(f"{c}={float(x)!r}" for c, x in sorted(clipped.items())).encode()
     return hashlib.blake2b(blob, digest_size=8).hexdigest()
 
 
@@ -106,9 +109,14 @@ ABSTAIN_BELOW = 1e-20  # weights under this are abstainers (zeros from a peer th
 
 
 def squared_norm(vec: np.ndarray, chunk: int = 1 << 18) -> float:
-    """``sum(vec ** 2)`` of a float32 vector, accumulated in float64 chunk by chunk (no overflow
-    for any finite float32 values, no full-size temporary)."""
-    total = 0.0
+    """``sum(vec ** 2)`` of a float32 vector: float32 BLAS, and when that overflows, accumulated
+    in float64 chunk by chunk (no overflow for any finite float32 values, no full-size
+    temporary)."""
+    with np.errstate(over="ignore"):
+        fast = float(np.dot(vec, vec))  # float32 BLAS: one pass, no copy
+    if np.isfinite(fast):
+        return fast
+    total = 0.0  # over float32's range: again in float64
     for lo in range(0, vec.size, chunk):
         c = vec[lo : lo + chunk].astype(np.float64)
         total += float(np.dot(c, c))

@@ -148,10 +148,10 @@ class Butterfly:
             vec, _ = await self.transport.read_body(request, dec, claimed, limit, lambda: st.closed)
             if st.closed:
                 raise web.HTTPConflict(text="too late: the reduce-scatter of this attempt is over")
-            if self.aggregator == "mean":
+            if self.aggregator == "clipped_mean":
+                st.sqnorms[sender] = squared_norm(vec)  # of the unweighted part
+            if self.aggregator != "trimmed_mean":
                 np.multiply(vec, w, out=vec)  # weighted in place, once (the decoder's own array)
-            elif self.aggregator == "clipped_mean":
-                st.sqnorms[sender] = squared_norm(vec)  # weighted after the decision
             st.received[sender] = (w, vec)
             st.bytes_in += dec.nbytes
             if len(st.received) == len(st.group):
@@ -214,12 +214,13 @@ class Butterfly:
         plen = st.hi - st.lo
         if self._scratch.size < 2 * plen:  # reused from round to round: its pages stay mapped
             self._scratch = np.empty(2 * plen, np.float32)
-        if self.aggregator == "mean":
+        if self.aggregator == "clipped_mean":
+            st.sqnorms[self.peer_id] = squared_norm(inp.vec[st.lo : st.hi])
+        if self.aggregator != "trimmed_mean":
             own = np.multiply(inp.vec[st.lo : st.hi], inp.weight, out=self._scratch[:plen])
-        else:  # robust aggregators work on the unweighted parts
+        else:  # the trimmed mean works on the unweighted parts
             own = self._scratch[:plen]
             np.copyto(own, inp.vec[st.lo : st.hi])
-            st.sqnorms[self.peer_id] = squared_norm(own)
         st.received[self.peer_id] = (inp.weight, own)
         puller = self.peer_id in st.pullers  # owns nothing: receives no part
         if len(st.received) == n or puller:
@@ -264,8 +265,10 @@ class Butterfly:
         # pushed parts carry the contributor set's tag, so one reduced over another set than the
         # decided one is never used (the owner then reduces and pushes again).
         mine: dict[str, Any] = {}
-        if len(st.received) == n and self.aggregator == "mean" and not puller:
-            self._reduce_and_push(st, group, membership, deadline, mine)
+        # (the clipped mean too: optimistically as if nobody were over the bound, the usual case;
+        # a decision that clips someone has another tag, and the owner reduces again)
+        if len(st.received) == n and self.aggregator != "trimmed_mean" and not puller:
+            self._reduce_and_push(st, group, membership, deadline, mine, contributors_tag(group))
         # a puller holds every member's (empty) part of its own
         vote: dict[str, Any] = {"received": sorted(group) if puller else sorted(st.received)}
         if self.aggregator == "clipped_mean":
@@ -310,19 +313,19 @@ class Butterfly:
             missing = [c for c in contributors if c not in st.received]
             if missing and not puller:  # cannot happen with an honest rendezvous
                 raise RoundFail(f"contributors {missing} not received here")
-            tag = contributors_tag(contributors)
             clipped = (
                 self._apply_clip(st, contributors, gather.get("norms"), puller)
                 if self.aggregator == "clipped_mean"
                 else {}
             )
+            tag = contributors_tag(contributors, clipped)
             if puller:
                 mine.update(tag=tag, digest="", total=np.float32(0.0), out=np.empty(st.n_elements, np.float32))
             elif mine.get("tag") != tag:  # the optimistic result is not the round's
                 for t in mine.get("pushes", ()):
                     t.cancel()
                 mine.clear()
-                self._reduce_and_push(st, contributors, membership, deadline, mine)
+                self._reduce_and_push(st, contributors, membership, deadline, mine, tag)
             mine["clipped"] = clipped
             st.received.clear()
             st.sqnorms.clear()
@@ -479,8 +482,8 @@ class Butterfly:
         return out
 
     def _apply_clip(self, st: Attempt, contributors: tuple[str, ...], norms: Any, puller: bool) -> dict[str, float]:
-        """Weights every received part for the clipped mean (``w_c * s_c * x_c`` in place, the
-        factor ``s_c`` of :func:`clip_scales` from the decided norms; a puller holds no part).
+        """Scales the (weighted) parts of the clipped contributors in place by their factor
+        ``s_c`` of :func:`clip_scales` from the decided norms (a puller holds no part).
         Returns the factors < 1."""
         if not isinstance(norms, dict) or not all(c in norms for c in contributors):
             raise RoundFail("the gather decision carries no contribution norms (rendezvous too old?)")
@@ -489,11 +492,9 @@ class Butterfly:
         except (TypeError, ValueError):
             raise RoundFail("bad contribution norms in the gather decision") from None
         scales = clip_scales(norm_f, contributors, self.clip_multiple)
-        for c in () if puller else contributors:
-            w, vec = st.received[c]
-            np.multiply(vec, w, out=vec)
-            if c in scales:
-                np.multiply(vec, np.float32(scales[c]), out=vec)
+        for c in () if puller else scales:
+            vec = st.received[c][1]
+            np.multiply(vec, np.float32(scales[c]), out=vec)
         return scales
 
     def _reduce_and_push(
@@ -503,10 +504,11 @@ class Butterfly:
         membership: dict[str, str],
         deadline: float,
         mine: dict[str, Any],
+        tag: str,
     ) -> None:
         """Reduce own part over ``contributors``, encode it once, and push it to every other
-        member (tasks in ``mine["pushes"]``); ``mine`` also gets the tag, digest, total weight
-        and the round's output buffer with this part filled in."""
+        member tagged ``tag`` (tasks in ``mine["pushes"]``); ``mine`` also gets the tag,
+        digest, total weight and the round's output buffer with this part filled in."""
         plen = st.hi - st.lo
         if self.aggregator == "trimmed_mean":
             mean, mine["trimmed"] = trimmed_mean(st.received, contributors, self.trim)
@@ -515,7 +517,6 @@ class Butterfly:
                 total = np.float32(total + np.float32(st.received[c][0]))
         else:  # mean, or the clipped mean (parts weighted and clipped by _apply_clip)
             mean, total = mean_of_scaled(st.received, contributors, out=self._scratch[plen : 2 * plen])
-        tag = contributors_tag(contributors)
         data = encode_part(f"result{st.me}", mean, self.codec, **self.codec_options)
         digest = _auth.body_digest(data)
         fut = st.my_results.setdefault(tag, asyncio.get_running_loop().create_future())
