@@ -12,8 +12,9 @@ round's median contribution norm (each owner reports the squared norm of every p
 with its gather vote; the rendezvous sums them per contributor into whole-vector norms, which
 the gather decision carries to every owner); ``"trimmed_mean"``, the coordinate-wise trimmed
 mean (unweighted). Both need the owners to see every contribution of their part, which is why
-they exist only here and not in the ring. With a robust aggregator an owner reduces after the
-gather decision (no optimistic all-gather).
+they exist only here and not in the ring. The clipped mean reduces optimistically as if nobody
+were clipped (the tag covers the clip factors) and again only when the decision clips someone;
+the trimmed mean reduces after the gather decision.
 """
 
 from __future__ import annotations
