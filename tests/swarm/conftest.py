@@ -202,7 +202,10 @@ class Cluster:
         ]
         kw.setdefault("out_dir", str(self.tmp))
         for k, v in kw.items():
-            args += [f"--{k.replace('_', '-')}", str(v)]
+            if v is True:  # a switch
+                args.append(f"--{k.replace('_', '-')}")
+            elif v is not False:
+                args += [f"--{k.replace('_', '-')}", str(v)]
         p = Proc(peer_id, args, self.tmp, self.env)
         self.procs.append(p)
         return p

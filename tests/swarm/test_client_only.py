@@ -47,10 +47,11 @@ def listening_tcp_ports(pid: int) -> set[int]:
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-def test_client_only_peer_takes_part_in_every_round(cluster: Cluster):
+def test_client_only_peer_takes_part_in_every_round(cluster: Cluster, tmp_path):
     cluster.rendezvous()
     size, rounds = 20_001, 10
     peers = {"p0": (30, 1.0), "p1": (31, 2.0), "p2": (32, 3.0)}  # p2 is client-only
+    hold = tmp_path / "joined"
     procs = {
         pid: cluster.peer(
             pid,
@@ -60,7 +61,7 @@ def test_client_only_peer_takes_part_in_every_round(cluster: Cluster):
             size=size,
             expect_peers=3,
             part_timeout=10,
-            **({"listen": "none"} if pid == "p2" else {}),
+            **({"listen": "none", "fetch_state": True} if pid == "p2" else {"serve_state": True, "hold_until": hold}),
         )
         for pid, (seed, w) in peers.items()
     }
@@ -69,12 +70,21 @@ def test_client_only_peer_takes_part_in_every_round(cluster: Cluster):
     assert ready["client_only"] and ready["port"] is None and "/relay/test/p2" in ready["address"], ready
     assert listening_tcp_ports(ready["pid"]) == set(), "a client-only peer must not listen on any TCP port"
     assert listening_tcp_ports(procs["p0"].ready["pid"]) == {procs["p0"].port}
+    _joins_as_client_only(procs, hold)
     for p in procs.values():
         p.expect("done", 90)
         assert p.wait(10) == 0, p.stderr()
     for i in range(rounds):
         events = {pid: p.rounds()[i] for pid, p in procs.items()}
         check_round(peers, events, i, size, sorted(peers))  # p2's contribution is in every mean
+
+
+def _joins_as_client_only(procs: dict, hold) -> None:
+    """After the rounds, p0 and p1 serve a state and p2 (client-only) downloads it as a joiner
+    does, by outbound requests only; then ``hold`` lets the servers leave."""
+    got = procs["p2"].expect("state", 60)
+    assert got["bytes"] == len("state-of-p0;") * 1000 and got["head"].startswith(("state-of-p0;", "state-of-p1;")), got
+    hold.write_text("")
 
 
 @pytest.mark.integration
@@ -230,19 +240,22 @@ def test_client_only_peer_behind_nat_in_network_namespaces(tmp_path):
         wan_x, lan_x = ("ip", "netns", "exec", wan), ("ip", "netns", "exec", lan)
         cluster.rendezvous(host="10.232.0.2", wrap=wan_x, extra=("--probe-timeout", "1"))
         peers = {"p0": (40, 1.0), "p1": (41, 1.0), "p2": (42, 1.0)}
-        kw = dict(rounds=3, size=5001, expect_peers=3, part_timeout=10)
+        rounds, hold = 10, tmp_path / "joined"
+        kw = dict(rounds=rounds, size=5001, expect_peers=3, part_timeout=10)
+        serve = dict(serve_state=True, hold_until=hold)
         procs = {
-            "p0": cluster.peer("p0", 40, wrap=wan_x, listen="10.232.0.2:0", **kw),
-            "p1": cluster.peer("p1", 41, wrap=wan_x, listen="10.232.0.2:0", **kw),
-            "p2": cluster.peer("p2", 42, wrap=lan_x, listen="10.231.0.2:0", **kw),  # behind the NAT
+            "p0": cluster.peer("p0", 40, wrap=wan_x, listen="10.232.0.2:0", **kw, **serve),
+            "p1": cluster.peer("p1", 41, wrap=wan_x, listen="10.232.0.2:0", **kw, **serve),
+            "p2": cluster.peer("p2", 42, wrap=lan_x, listen="10.231.0.2:0", fetch_state=True, **kw),  # behind the NAT
         }
         for p in procs.values():
             p.ready = p.expect("ready", 60)
         assert procs["p2"].ready["client_only"], procs["p2"].ready  # the probe could not reach it
         assert not procs["p0"].ready["client_only"]
+        _joins_as_client_only(procs, hold)
         for p in procs.values():
             p.expect("done", 90)
-        for i in range(3):
+        for i in range(rounds):
             check_round(peers, {pid: p.rounds()[i] for pid, p in procs.items()}, i, 5001, sorted(peers))
     finally:
         cluster.close()  # (ports inside the namespaces go with them)
