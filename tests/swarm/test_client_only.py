@@ -320,3 +320,22 @@ def test_a_wild_client_only_peer_is_clipped_by_the_owners(cluster: Cluster):
     assert all(set(r.clipped) == {"c"} for r in recs), [r.clipped for r in recs]  # the puller knows too
     assert len({r.clipped["c"] for r in recs}) == 1 and recs[0].clipped["c"] < 0.01, recs[0].clipped
     assert relay.get("c", {}).get("messages", 0) == 0, relay  # owners a and b; c pulled its results
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+def test_ring_with_a_client_only_member(cluster: Cluster):
+    """The ring has no pull path: what a client-only member receives comes through the relay."""
+    url = cluster.rendezvous()
+    rng = np.random.default_rng(7)
+    vec = {p: rng.standard_normal(4099).astype(np.float32) for p in "abc"}
+    listen = {"a": "127.0.0.1:0", "b": None, "c": "127.0.0.1:0"}
+    out, relay = _rounds_in_threads(url, "ringrelay", vec, listen, rounds=2, algorithm="ring")
+    exp = sum(v.astype(np.float64) for v in vec.values()) / 3
+    for results in out:
+        recs = [r for _, r in results]
+        assert all(r.ok and r.contributors == ("a", "b", "c") and r.algorithm == "ring" for r in recs), recs
+        assert len({r.digest for r in recs}) == 1, recs
+        for res, _ in results:
+            np.testing.assert_allclose(res["x"], exp, rtol=1e-5, atol=1e-6)
+    assert relay.get("b", {}).get("messages", 0) > 0 and set(relay) == {"b"}, relay
