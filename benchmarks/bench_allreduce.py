@@ -22,6 +22,7 @@ protocol (see the ``machine`` field).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -42,12 +43,22 @@ AGGREGATOR: str | None = None
 RING_SEGMENT = 0  # --ring-segment-bytes, handed to every worker (0: the library's default)
 
 
-def rss_bytes() -> int:
+def rss_bytes(field: str = "VmRSS") -> int:
+    """This process's resident set (``VmRSS``) or its peak since the last reset (``VmHWM``), bytes."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def reset_peak_rss() -> None:
+    """Sets the peak resident set (``VmHWM``) to the current one (Linux ``clear_refs`` 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 # ----------------------------------------------------------------------------- child modes
@@ -74,9 +85,13 @@ def worker(args: argparse.Namespace) -> None:
     ) as sw:
         sw.wait_for_peers(args.peers, timeout=120)
         for i in range(args.rounds):
+            gc.collect()
+            reset_peak_rss()
+            before = rss_bytes()
             c0 = time.process_time()
             out, rec = sw.all_reduce(x, weight=1.0)
             cpu = time.process_time() - c0  # every thread of this peer process
+            peak = rss_bytes("VmHWM")  # the result still held: it counts, as it would for a caller
             del out
             print(
                 json.dumps(
@@ -90,6 +105,8 @@ def worker(args: argparse.Namespace) -> None:
                         "contributors": len(rec.contributors),
                         "digest": rec.digest,
                         "rss": rss_bytes(),
+                        "rss_before": before,
+                        "rss_peak": peak,
                     }
                 ),
                 flush=True,
