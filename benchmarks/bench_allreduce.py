@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import platform
@@ -84,12 +85,15 @@ def worker(args: argparse.Namespace) -> None:
         **({"aggregator": args.aggregator} if args.aggregator else {}),
     ) as sw:
         sw.wait_for_peers(args.peers, timeout=120)
+        # the input is not modified during the round: used in place, not copied (a library
+        # without the option copies it: A/B runs against older code)
+        no_copy = {"copy": False} if "copy" in inspect.signature(sw.all_reduce).parameters else {}
         for i in range(args.rounds):
             gc.collect()
             reset_peak_rss()
             before = rss_bytes()
             c0 = time.process_time()
-            out, rec = sw.all_reduce(x, weight=1.0)
+            out, rec = sw.all_reduce(x, weight=1.0, **no_copy)
             cpu = time.process_time() - c0  # every thread of this peer process
             peak = rss_bytes("VmHWM")  # the result still held: it counts, as it would for a caller
             del out
@@ -220,6 +224,14 @@ def summarize(res: list[list[dict]], rounds: int) -> dict:
         "digests_equal": all(len({r[i]["digest"] for r in res}) == 1 for i in range(rounds)),
         "all_ok": all(e["ok"] for r in res for e in r),
         "contributors_min": min(e["contributors"] for r in res for e in r),
+        # host memory a round takes beyond what the peer held before it (its input included):
+        # the peak resident set during the round minus the one before, the result still held;
+        # the largest of the peers, median over the rounds after the warm-up, in bytes
+        "extra_rss_bytes": statistics.median(
+            max(r[i]["rss_peak"] - r[i]["rss_before"] for r in res) for i in range(1, rounds)
+        )
+        if "rss_peak" in res[0][0]
+        else None,
     }
 
 
@@ -487,6 +499,7 @@ def main() -> None:
                 "raw_tcp_mbps": payload / tcp_s / MB,
                 "goodput_vs_raw_tcp": tcp_s / rs,
                 "bus_goodput_vs_raw_tcp": bus_factor(n) * tcp_s / rs,
+                "extra_rss_x_payload": sm["extra_rss_bytes"] / payload if sm["extra_rss_bytes"] is not None else None,
                 "bytes_sent_per_peer": res[0][-1]["sent"],
                 "bytes_received_per_peer": res[0][-1]["received"],
                 "loadavg_before_after": [load0[0], os.getloadavg()[0]],

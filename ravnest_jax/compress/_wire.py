@@ -250,17 +250,7 @@ def packed_to_chunks(packed: Packed, *, max_bytes: int = DEFAULT_MAX_BYTES) -> l
                         f"does not match {dt} x {length}"
                     )
                 arrays.append(np.ascontiguousarray(a.reshape(-1), dtype=dt))
-    obj = {
-        "codec": codec,
-        "leaves": [[s.name, list(s.shape), s.dtype, s.block_size, s.k] for s in packed.specs],
-        "tree": _tree.structure_to_wire(packed.structure),
-    }
-    header = msgpack.packb(obj, use_bin_type=True)
-    if (PREFIX_NBYTES + len(header)) % _ALIGN:
-        # pad the header so that the payload starts 8-byte aligned (numpy reads aligned float32
-        # several times faster); "pad": bin8 costs 6 bytes + its length
-        obj["pad"] = b"\0" * (-(PREFIX_NBYTES + len(header) + 6) % _ALIGN)
-        header = msgpack.packb(obj, use_bin_type=True)
+    header = _header(packed)
     payload_len = sum(a.nbytes for a in arrays)
     total = PREFIX_NBYTES + len(header) + payload_len
     if total > max_bytes:
@@ -272,6 +262,27 @@ def packed_to_chunks(packed: Packed, *, max_bytes: int = DEFAULT_MAX_BYTES) -> l
     head = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, 0, len(header), payload_len, payload_crc, 0)[:24]
     header_crc = zlib.crc32(header, zlib.crc32(head))
     return [head + struct.pack("<I", header_crc) + header, *views]
+
+
+def _header(packed: Packed) -> bytes:
+    obj = {
+        "codec": packed.codec,
+        "leaves": [[s.name, list(s.shape), s.dtype, s.block_size, s.k] for s in packed.specs],
+        "tree": _tree.structure_to_wire(packed.structure),
+    }
+    header = msgpack.packb(obj, use_bin_type=True)
+    if (PREFIX_NBYTES + len(header)) % _ALIGN:
+        # pad the header so that the payload starts 8-byte aligned (numpy reads aligned float32
+        # several times faster); "pad": bin8 costs 6 bytes + its length
+        obj["pad"] = b"\0" * (-(PREFIX_NBYTES + len(header) + 6) % _ALIGN)
+        header = msgpack.packb(obj, use_bin_type=True)
+    return header
+
+
+def message_nbytes(packed: Packed) -> int:
+    """Bytes of the message :func:`packed_to_chunks` makes of ``packed`` (prefix, header and
+    payload), without building it."""
+    return PREFIX_NBYTES + len(_header(packed)) + packed.nbytes
 
 
 def packed_to_bytes(packed: Packed, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:

@@ -32,16 +32,26 @@ class Attempt:
         self.closed = False  # the reduce-scatter is over: late parts are refused
         self.gather_closed = False  # the all-gather is over
         self.bytes_in = 0
-        # butterfly: weighted parts by sender -> (w, w * x); result parts pushed to us by
-        # (part, contributor tag) -> (vec, digest)
-        self.received: dict[str, tuple[np.float32, np.ndarray]] = {}
+        # butterfly: the weight of every member whose part arrived whole (this peer's own too)
+        self.received: dict[str, np.float32] = {}
         self.receiving: set[str] = set()
-        self.sqnorms: dict[str, float] = {}  # clipped mean: squared L2 norm of each received part
+        self.layout: Any = None  # the contribution's PartLayout (cut positions, pieces)
+        self.grid: list[tuple[int, int]] = []  # the grid chunks of this peer's part
+        self.contrib: Any = None  # this peer's Contribution (its parts are served from it)
+        self.own_chunk: Any = None  # (a, b) -> this peer's values of its own part's chunk
+        self.out: np.ndarray | None = None  # the round's output buffer (float32, n_elements)
+        self.fold: Any = None  # the running sum of this peer's part (a Fold)
+        self.kept: dict[str, tuple[np.float32, np.ndarray]] = {}  # trimmed mean: whole parts
+        self.sent_parts: dict[int, tuple[Any, str]] = {}  # owner index -> (message, digest) sent
         self.n_elements = 0  # the whole vector's length
         self.pullers: frozenset[str] = frozenset()  # client-only members: own no part, pull results
-        self.my_results: dict[str, asyncio.Future[tuple[bytes, str, str]]] = {}  # tag -> (data, digest, total)
-        self.served = 0  # result bytes pulled from this owner
-        self.results: dict[tuple[int, str], tuple[np.ndarray, str]] = {}
+        self.my_results: dict[str, asyncio.Future[tuple[Any, str, str]]] = {}  # tag -> (data, digest, total)
+        self.served = 0  # bytes pulled from this peer (result parts, parts pulled again)
+        # result parts by (part, contributor tag) -> (None: decoded into ``out``, or a buffer
+        # of its own; body digest); which tag each part's region of ``out`` holds
+        self.results: dict[tuple[int, str], tuple[np.ndarray | None, str]] = {}
+        self.results_receiving: set[tuple[int, str]] = set()
+        self.out_claims: dict[int, str] = {}
         self.result_arrived = asyncio.Event()
         # ring: segments[c][j] = (lo, hi) of segment j of part c; messages by (phase, step, j)
         self.segments: list[list[tuple[int, int]]] = [[(0, 0)]]
@@ -57,7 +67,9 @@ class Attempt:
         """Refuse everything from now on and drop the buffers (wakes every waiter)."""
         self.closed = self.gather_closed = True
         self.received.clear()
-        self.sqnorms.clear()
+        self.kept.clear()
+        self.sent_parts.clear()
+        self.fold = self.out = self.contrib = self.own_chunk = None
         for fut in self.my_results.values():
             fut.cancel()
         self.my_results.clear()
@@ -118,7 +130,7 @@ class AttemptInput:
     Attributes:
       membership: peer id -> base URL of every member that can be reached (this one included).
       epoch: the rendezvous epoch the votes carry.
-      vec: this peer's contribution, float32, flat.
+      contrib: this peer's contribution (a ``Contribution``: encoded, with its part layout).
       weight: its weight (float32 > 0).
       deadline: the round's deadline (``time.monotonic()``, seconds).
       stats: ``{"sent": bytes, "received": bytes}``, accumulated over the round's attempts.
@@ -131,7 +143,7 @@ class AttemptInput:
 
     membership: dict[str, str]
     epoch: str
-    vec: np.ndarray
+    contrib: Any
     weight: np.float32
     deadline: float
     stats: dict[str, int]
@@ -139,6 +151,14 @@ class AttemptInput:
     arrive: asyncio.Task[Any] | None = None
     state: tuple[int, str] | None = None
     relayed: frozenset[str] = frozenset()
+    _vec: np.ndarray | None = None
+
+    @property
+    def vec(self) -> np.ndarray:
+        """The contribution as one float32 vector, as every receiver decodes it (the ring)."""
+        if self._vec is None:
+            self._vec = self.contrib.vector()
+        return self._vec
 
 
 class Voter(Protocol):
@@ -171,7 +191,7 @@ class Algorithm(Protocol):
 
     def wire(self) -> str: ...
 
-    def prepare(self, st: Attempt, n_elements: int, relayed: frozenset[str] = ...) -> None: ...
+    def prepare(self, st: Attempt, layout: Any, relayed: frozenset[str] = ...) -> None: ...
 
     async def run(self, st: Attempt, inp: AttemptInput) -> Reduced | Retry: ...
 

@@ -1,7 +1,9 @@
 """The one place where the swarm touches the wire format (:mod:`ravnest_jax.compress`).
 
-Everything the all-reduce sends is one named float32 vector (a *part*) encoded by a codec.
-:func:`encode_part` and :class:`PartDecoder` are the only functions the rest of the swarm uses.
+The butterfly sends parts of an encoded contribution as they are (:class:`PartLayout`,
+:func:`part_chunks`: views of the encoded payload) and reads them as they stream in
+(:class:`RangeDecoder`); the ring and the state transfer send one named float32 vector encoded
+by a codec (:func:`encode_part`, :class:`PartDecoder`).
 """
 
 from __future__ import annotations
@@ -12,16 +14,33 @@ import numpy as np
 
 from ravnest_jax.compress import (
     CODECS,
+    LeafSpec,
     NonFiniteError,
+    Packed,
     StreamDecoder,
     WireFormatError,
     encode,
+    host_pack,
+    packed_to_chunks,
     release_free_heap,
     tune_host_allocator,
 )
+from ravnest_jax.compress._formats import part_dtypes, part_lengths
+from ravnest_jax.compress._parts import GRID, PartLayout, RangeDecoder, chunks_nbytes, part_chunks
 
 __all__ = [
+    "GRID",
+    "LeafSpec",
     "NonFiniteError",
+    "Packed",
+    "PartLayout",
+    "RangeDecoder",
+    "chunks_nbytes",
+    "host_pack",
+    "packed_to_chunks",
+    "part_chunks",
+    "part_dtypes",
+    "part_lengths",
     "PartDecoder",
     "WireFormatError",
     "available_codecs",

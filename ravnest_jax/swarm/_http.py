@@ -108,15 +108,16 @@ async def signed_json(
         return json.loads(data) if data else None
 
 
-async def stream_body(request: web.Request, headers: dict[str, str], body: bytes, chunk: int) -> web.StreamResponse:
-    """Answer ``request`` with ``body`` (application/octet-stream) in ``chunk``-byte writes,
-    with the given (signed) headers."""
+async def stream_body(request: web.Request, headers: dict[str, str], body: Any, chunk: int) -> web.StreamResponse:
+    """Answer ``request`` with ``body`` (application/octet-stream: bytes, or a message as a list
+    of buffers, not copied) in ``chunk``-byte writes, with the given (signed) headers."""
+    buffers = [memoryview(b).cast("B") for b in ([body] if isinstance(body, (bytes, bytearray, memoryview)) else body)]
     resp = web.StreamResponse(headers=headers)
-    resp.content_length = len(body)
+    resp.content_length = sum(len(b) for b in buffers)
     resp.content_type = "application/octet-stream"
     await resp.prepare(request)
-    mv = memoryview(body)
-    for off in range(0, len(body), chunk):
-        await resp.write(mv[off : off + chunk])
+    for mv in buffers:
+        for off in range(0, len(mv), chunk):
+            await resp.write(mv[off : off + chunk])
     await resp.write_eof()
     return resp

@@ -17,19 +17,19 @@ import threading
 import time
 from typing import Any
 
-import aiohttp
 import numpy as np
 
 from ._allreduce import RING_SEGMENT_BYTES, check_aggregator, manifest_digest
 from ._butterfly import Butterfly
 from ._codec import check_codec, tune_host_allocator
-from ._http import HTTPStatusError
+from ._contrib import Contribution
+from ._membership import heartbeat_loop, join
 from ._preflight import from_environment
 from ._ring import Ring
 from ._rounds import Rounds
 from ._state import StateProvider, StateTransfer
-from ._transport import Transport, why
-from ._types import Contribution, PeerInfo, RoundRecord, SwarmError, Timeouts, check_info
+from ._transport import Transport
+from ._types import PeerInfo, RoundRecord, SwarmError, Timeouts, check_info
 
 log = logging.getLogger("ravnest_jax.swarm")
 
@@ -247,12 +247,15 @@ class Swarm:
         self._loop.run_forever()
 
     # ------------------------------------------------------------------ public API
-    def all_reduce(self, tree: Any, *, weight: float = 1.0) -> tuple[Any, RoundRecord]:
+    def all_reduce(self, tree: Any, *, weight: float = 1.0, copy: bool = True) -> tuple[Any, RoundRecord]:
         """Weighted mean of ``tree`` over the round's group; blocks until the round ends.
 
         Args:
-          tree: nested dict/list/tuple of float32 numpy arrays (any shapes). Copied on entry.
+          tree: nested dict/list/tuple of float32 numpy arrays (any shapes).
           weight: this peer's weight (> 0, finite), e.g. its number of tokens.
+          copy: copy the leaves on entry (default). ``False``: a single contiguous leaf is used
+            in place (with ``codec="fp32"`` its memory is what goes on the wire, no copy at
+            all); the caller must not change it until the round ends.
 
         Returns:
           ``(mean_tree, record)``: a tree of float32 arrays with the input's structure and
@@ -265,50 +268,68 @@ class Swarm:
           RoundFailed: the round could not complete on this peer (``.record.ok`` is False).
           TypeError / ValueError: a leaf is not float32, holds NaN/inf, or a bad weight.
         """
-        return self.all_reduce_async(tree, weight=weight).result(
+        return self.all_reduce_async(tree, weight=weight, copy=copy).result(
             timeout=self.timeouts.round + self.timeouts.connect + 30
         )
 
     def all_reduce_async(
-        self, tree: Any, *, weight: float = 1.0, round: int | None = None, state: tuple[int, str] | None = None
+        self,
+        tree: Any,
+        *,
+        weight: float = 1.0,
+        round: int | None = None,
+        state: tuple[int, str] | None = None,
+        copy: bool = True,
     ) -> concurrent.futures.Future[tuple[Any, RoundRecord]]:
         """Like :meth:`all_reduce` but returns at once with a ``concurrent.futures.Future``.
 
-        The future's result is ``(mean_tree, record)``; it raises :class:`RoundFailed`. Rounds
-        run one at a time in call order.
+        Its result is ``(mean_tree, record)``; it raises :class:`RoundFailed`. Rounds run in call order.
 
         ``round``: the round this contribution belongs to (``rj.OuterSync`` keeps its own
         schedule); if the swarm is past it, the future fails at once with :class:`RoundFailed`
         rather than mix it into a later round. ``None``: the next round.
 
-        ``state``: ``(round, digest)``, the digest (a string of 1-128 chars) of this peer's
-        global state after it merged that earlier round (``rj.OuterSync`` sends its
-        ``RoundMetrics.state_digest``). The rendezvous compares the digests of the round's
-        peers: a peer whose digest differs from the one most peers hold has diverged; its
-        contribution is left out of the mean (butterfly; a ring cannot leave it out) and its
-        own round fails (``RoundFailed``, ``record.diverged`` names it), so that it downloads
-        the state again. ``record.diverged`` lists such peers on every peer.
+        ``state``: ``(round, digest)``, the digest (1-128 chars) of this peer's global state
+        after it merged that earlier round (``RoundMetrics.state_digest``). A peer whose digest
+        differs from the one most peers of the round hold has diverged: its contribution is
+        left out (butterfly; a ring cannot) and its round fails (``record.diverged`` names it
+        on every peer), so that it downloads the state again.
         """
         if self._loop is None or self._closed:
             raise RuntimeError("Swarm is not running (use it as a context manager)")
-        c = Contribution.of(tree, weight, state)
-        manifest = manifest_digest(c.names, c.shapes, self._algorithm.wire())
+        c = Contribution.of(tree, weight, state, codec=self.codec, codec_options=self.codec_options, copy=copy)
+        return self._submit(c, round)
 
-        out: concurrent.futures.Future[tuple[Any, RoundRecord]] = concurrent.futures.Future()
-        inner = asyncio.run_coroutine_threadsafe(
-            self._tracked(self._rounds.run(c.vec, c.weight, manifest, round, c.state)), self._loop
+    def all_reduce_packed_async(
+        self,
+        packed: Any,
+        *,
+        weight: float = 1.0,
+        round: int | None = None,
+        state: tuple[int, str] | None = None,
+    ) -> concurrent.futures.Future[tuple[np.ndarray, RoundRecord]]:
+        """:meth:`all_reduce_async` of a contribution already encoded with this swarm's codec
+        (a :class:`ravnest_jax.compress.Packed` of host numpy arrays, e.g. ``device_encode``'s
+        output fetched with ``jax.device_get``): its parts go on the wire as they are, cut on
+        the codec's block boundaries; nothing is decoded or encoded again.
+
+        Its result is ``(mean, record)``, ``mean`` float32 ``(n,)``: the leaves raveled and
+        concatenated in leaf order (every peer passes the same leaves and block size).
+
+        Raises:
+          ValueError: ``packed`` has another codec than the swarm, or a bad weight or state.
+        """
+        if self._loop is None or self._closed:
+            raise RuntimeError("Swarm is not running (use it as a context manager)")
+        if packed.codec != self.codec:
+            raise ValueError(f"the contribution is encoded with {packed.codec!r}, the swarm's codec is {self.codec!r}")
+        return self._submit(Contribution.of_packed(packed, weight, state), round)
+
+    def _submit(self, c: Contribution, round: int | None) -> concurrent.futures.Future[tuple[Any, RoundRecord]]:
+        manifest = manifest_digest(c.names, c.shapes, f"{self._algorithm.wire()}/{c.layout.key()}")
+        return forward(
+            asyncio.run_coroutine_threadsafe(self._tracked(self._rounds.run(c, manifest, round)), self._loop), c
         )
-
-        def done(f: concurrent.futures.Future[tuple[np.ndarray, RoundRecord]]) -> None:
-            try:
-                res, rec = f.result()
-            except BaseException as e:  # noqa: BLE001 - forwarded to the caller
-                out.set_exception(e)
-                return
-            out.set_result((c.unflatten(res), rec))
-
-        inner.add_done_callback(done)
-        return out
 
     def ready(self) -> concurrent.futures.Future[Any]:
         """Tells the rendezvous that this peer trains now (returns at once).
@@ -438,7 +459,7 @@ class Swarm:
         await join(self.transport, self._hello, self.timeouts)
         if self.transport.client_only:
             self._spawn(self.transport.relay_pump(self._spawn))
-        self._spawn(self._heartbeat_loop())
+        self._spawn(heartbeat_loop(self.transport, self._rounds, self._hello, self.timeouts))
 
     async def _astop(self) -> None:
         for t in list(self._tasks):
@@ -465,20 +486,23 @@ class Swarm:
             "info": self._info,
         }
 
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.timeouts.heartbeat)
-            try:
-                r = await self.transport.rendezvous(
-                    "POST", "/heartbeat", self._hello(), min(self.timeouts.heartbeat * 2, self.timeouts.eviction)
-                )
-                self._rounds.note_left(r.get("left"))
-                if r.get("registered"):
-                    log.info("%s: re-registered with the rendezvous (epoch %s)", self.peer_id, r.get("epoch"))
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - keep beating; the next one re-registers
-                log.debug("%s: heartbeat failed: %r", self.peer_id, e)
+
+def forward(
+    inner: concurrent.futures.Future[tuple[np.ndarray, RoundRecord]], c: Contribution
+) -> concurrent.futures.Future[tuple[Any, RoundRecord]]:
+    """A future of ``(mean in the caller's tree structure, record)`` from the round's future."""
+    out: concurrent.futures.Future[tuple[Any, RoundRecord]] = concurrent.futures.Future()
+
+    def done(f: concurrent.futures.Future[tuple[np.ndarray, RoundRecord]]) -> None:
+        try:
+            res, rec = f.result()
+        except BaseException as e:  # noqa: BLE001 - forwarded to the caller
+            out.set_exception(e)
+            return
+        out.set_result((c.unflatten(res), rec))
+
+    inner.add_done_callback(done)
+    return out
 
 
 def _checked(
@@ -520,40 +544,3 @@ def _checked(
     elif advertise is not None:
         raise ValueError("advertise needs a listen address (a client-only peer is reached through the relay)")
     return aggregator, token_b, bind
-
-
-async def join(transport: Transport, hello: Any, timeouts: Timeouts) -> None:
-    """Registers with the rendezvous (retried until the part + connect deadline). When the
-    rendezvous' probe cannot reach this peer at its address, the peer turns client-only (a
-    warning says so) and re-registers with its relay mailbox as its address.
-
-    Raises:
-      SwarmError: the rendezvous refuses this peer, or cannot be reached in time.
-    """
-    deadline = time.monotonic() + timeouts.part + timeouts.connect
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            # (the rendezvous probes our address meanwhile: up to a few seconds more)
-            joined = await transport.rendezvous("POST", "/join", hello(), timeouts.connect * 2 + 3)
-            break
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            last = e
-            await asyncio.sleep(0.2)
-        except (HTTPStatusError, PermissionError) as e:
-            raise SwarmError(f"the rendezvous refused to register us: {e}") from e
-    else:
-        raise SwarmError(
-            f"rendezvous {transport.rendezvous_url} unreachable for {timeouts.part + timeouts.connect:.0f} s: "
-            f"{why(last)} (is `ravnest-jax rendezvous` running there?)"
-        )
-    if joined.get("reachable") is False and not transport.client_only:
-        log.warning(
-            "%s: the rendezvous cannot reach this peer at %s (%s): it takes part client-only, through the "
-            "rendezvous' relay (pass --advertise with a reachable address, or --no-inbound to say so)",
-            transport.peer_id,
-            transport.address,
-            joined.get("unreachable_because", "no answer"),
-        )
-        transport.become_client_only()
-        await transport.rendezvous("POST", "/heartbeat", hello(), timeouts.connect * 2)

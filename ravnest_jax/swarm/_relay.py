@@ -212,7 +212,12 @@ class Relay:
         msg: _Message | None = None
         try:
             body = bytearray()
-            async for chunk, _ in request.content.iter_chunks():
+            # a request without a body (a GET) has no stream to read: aiohttp's empty stream
+            # answers (b"", True) for ever, a loop that never yields (it stalled the rendezvous)
+            while request.body_exists:
+                chunk, _ = await request.content.readchunk()
+                if not chunk:
+                    break
                 body += chunk
                 if len(body) > size:
                     raise web.HTTPBadRequest(text="body longer than its Content-Length")

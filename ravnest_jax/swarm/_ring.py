@@ -64,8 +64,8 @@ class Ring:
     def wire(self) -> str:
         return f"{self.codec}/ring/{self.segment_bytes}"
 
-    def prepare(self, st: Attempt, n_elements: int, relayed: frozenset[str] = frozenset()) -> None:
-        st.bounds = part_bounds(n_elements, len(st.group))
+    def prepare(self, st: Attempt, layout: Any, relayed: frozenset[str] = frozenset()) -> None:
+        st.bounds = part_bounds(layout.n, len(st.group))
         st.lo, st.hi = st.bounds[st.me]
         st.algorithm = self.name
         st.segments = ring_segments(st.bounds, self.segment_bytes)

@@ -20,6 +20,7 @@ import numpy as np
 from aiohttp import web
 
 from ._attempt import Algorithm, Attempt, AttemptInput, Reduced, Retry, RoundFail
+from ._contrib import Contribution
 from ._http import HTTPStatusError
 from ._relay import is_relay_address
 from ._transport import Transport
@@ -215,19 +216,18 @@ class Rounds:
     # ------------------------------------------------------------------ one round
     async def run(
         self,
-        vec: np.ndarray,
-        weight: np.float32,
+        contrib: Contribution,
         manifest: str,
         expected: int | None = None,
-        state: tuple[int, str] | None = None,
     ) -> tuple[np.ndarray, RoundRecord]:
-        """One round: the weighted mean of ``vec`` (float32, flat) over the round's contributors.
+        """One round: the weighted mean of ``contrib`` (flat, float32) over the round's contributors.
 
         Raises:
           RoundFailed: the round failed on this peer (its record says why).
         """
         algorithm = self.algorithm
         assert algorithm is not None
+        weight, state = contrib.weight, contrib.state
         async with self._lock:
             t0 = time.monotonic()
             deadline = t0 + self.timeouts.round
@@ -286,7 +286,7 @@ class Rounds:
                     # as an abstainer (zeros, a weight that vanishes next to any real one in
                     # float32) rather than make the others wait out the part deadline; then it
                     # reports the miss.
-                    vec = np.zeros_like(vec)
+                    contrib = contrib.zeros()
                     weight = np.float32(ABSTAIN_WEIGHT)
                 a, group = int(begin["attempt"]), tuple(begin["group"])
                 log.debug(
@@ -304,7 +304,13 @@ class Rounds:
                 membership[self.peer_id] = self.transport.address or ""
                 self.current_round = r
                 inp = AttemptInput(
-                    membership, epoch, vec, weight, deadline, stats, float(begin.get("part_left", self.timeouts.part))
+                    membership,
+                    epoch,
+                    contrib,
+                    weight,
+                    deadline,
+                    stats,
+                    float(begin.get("part_left", self.timeouts.part)),
                 )
                 inp.arrive, inp.state, inp.relayed = arrive, state, relayed
                 while True:
@@ -364,7 +370,7 @@ class Rounds:
         st = self.attempts.get((r, a)) or Attempt(r, a)
         self.attempts[(r, a)] = st
         st.group, st.me, st.manifest, st.codec = group, group.index(self.peer_id), manifest, self.codec
-        algorithm.prepare(st, inp.vec.size, inp.relayed)
+        algorithm.prepare(st, inp.contrib.layout, inp.relayed)
         out = await algorithm.run(st, inp)
         if isinstance(out, Reduced):
             self._next = out.next  # the next round's group, handed out with the commit

@@ -20,7 +20,7 @@ import socket
 import ssl as _ssl
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -291,22 +291,22 @@ class Transport:
             raise web.HTTPUnauthorized(text=f"unauthorized: {e}") from None
         return peer, body
 
-    async def read_body(
+    async def read_stream(
         self,
         request: web.Request,
-        dec: PartDecoder,
+        feed: Callable[[memoryview], None],
         claimed: str,
         limit: int,
         stop: Callable[[], bool],
-        raw: bytearray | None = None,
         what: str = "part",
-    ) -> tuple[np.ndarray, str]:
-        """Streams a signed binary body into ``dec``: one pass that hashes (the signed body
-        digest) and decodes each chunk as the socket delivers it (no re-chunking, no whole-body
-        copy); ``raw`` also gets the bytes (a message forwarded unchanged).
+    ) -> str:
+        """Streams a signed binary body into ``feed``: one pass that hashes (the signed body
+        digest) and hands each chunk on as the socket delivers it (no re-chunking, no whole-body
+        copy). ``feed`` raises :class:`WireFormatError` / :class:`NonFiniteError` for a body it
+        refuses; the caller checks the end of the message (its decoder's ``finish``).
 
         Returns:
-          ``(decoded float32 vector, hex SHA-256 of the body)``.
+          the hex digest of the body (equal to its signed digest).
 
         Raises (the HTTP error the sender gets):
           web.HTTPConflict: ``stop()`` became true (too late). web.HTTPUnauthorized: the body
@@ -314,20 +314,20 @@ class Transport:
           web.HTTPBadRequest: a malformed or non-finite body, or one cut off mid-way.
         """
         h = _auth.body_hasher()
+        n = 0
         try:
             async for chunk, _ in request.content.iter_chunks():
+                n += len(chunk)
+                if n > limit:
+                    raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=n)
                 h.update(chunk)
-                dec.feed(chunk)
-                if raw is not None:
-                    raw += chunk
+                feed(memoryview(chunk))
                 if stop():
                     raise web.HTTPConflict(text="too late")
             if not _auth.digest_matches(claimed, h.hexdigest()):
                 raise web.HTTPUnauthorized(text="body does not match its signed digest")
-            return dec.finish(), h.hexdigest()
+            return h.hexdigest()
         except (WireFormatError, NonFiniteError) as e:
-            if dec.nbytes > limit:
-                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=dec.nbytes) from None
             raise web.HTTPBadRequest(text=f"bad {what}: {e}") from None
         except (
             aiohttp.ClientPayloadError,
@@ -338,6 +338,39 @@ class Transport:
             # the sender vanished mid-body (killed, network gone): nothing was stored
             log.info("%s: body from %s cut off: %r", self.peer_id, request.headers.get(_auth.H_PEER), e)
             raise web.HTTPBadRequest(text="body cut off") from None
+
+    async def read_body(
+        self,
+        request: web.Request,
+        dec: PartDecoder,
+        claimed: str,
+        limit: int,
+        stop: Callable[[], bool],
+        raw: bytearray | None = None,
+        what: str = "part",
+    ) -> tuple[np.ndarray, str]:
+        """:meth:`read_stream` into a :class:`PartDecoder` (one named float32 vector); ``raw``
+        also gets the bytes (a message forwarded unchanged).
+
+        Returns:
+          ``(decoded float32 vector, hex digest of the body)``.
+
+        Raises:
+          as :meth:`read_stream`, and web.HTTPBadRequest for a truncated or corrupt message.
+        """
+
+        def feed(chunk: memoryview) -> None:
+            dec.feed(chunk)
+            if raw is not None:
+                raw.extend(chunk)
+
+        try:
+            sha = await self.read_stream(request, feed, claimed, limit, stop, what)
+            return dec.finish(), sha
+        except (WireFormatError, NonFiniteError) as e:
+            if dec.nbytes > limit:
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=dec.nbytes) from None
+            raise web.HTTPBadRequest(text=f"bad {what}: {e}") from None
 
     def reply(self, request: web.Request, payload: Any) -> web.Response:
         """A signed JSON answer to ``request``."""
@@ -381,18 +414,18 @@ class Transport:
             timeout=aiohttp.ClientTimeout(total=max(total, 0.05), sock_connect=self.timeouts.connect),
         )
 
-    async def body_chunks(self, data: bytes, kind: str) -> AsyncIterator[memoryview]:
+    async def body_chunks(self, data: Body, kind: str) -> AsyncIterator[memoryview]:
         """The chunks a PUT of ``data`` streams (views, no copy). ``kind`` names the message
         (``"part"``, ``"result"``, ``"ring"``); a test transport overrides this to send slowly."""
-        mv = memoryview(data)
-        for off in range(0, len(data), CHUNK):
-            yield mv[off : off + CHUNK]
+        for mv in as_buffers(data):
+            for off in range(0, len(mv), CHUNK):
+                yield mv[off : off + CHUNK]
 
     async def put(
         self,
         address: str,
         rest: str,
-        data: bytes,
+        data: Body,
         *,
         digest: str,
         round_: int,
@@ -401,9 +434,10 @@ class Transport:
         timeout: float,
         kind: str,
     ) -> int:
-        """One signed, streamed PUT of ``data`` (body digest ``digest``; ``extra``: the headers'
-        values that the signature covers too) to the peer at ``address``, over the session's
-        keep-alive connections.
+        """One signed, streamed PUT of ``data`` (bytes, or a message as a list of buffers, sent
+        without copying; body digest ``digest``; ``extra``: the headers' values that the
+        signature covers too) to the peer at ``address``, over the session's keep-alive
+        connections.
 
         Returns:
           the bytes sent, once the receiver answered 200.
@@ -424,7 +458,8 @@ class Transport:
             extra=extra,
         )
         signed.update(headers)
-        signed["Content-Length"] = str(len(data))
+        size = body_nbytes(data)
+        signed["Content-Length"] = str(size)
         signed["Content-Type"] = "application/octet-stream"
         url = address.rstrip("/") + path
         signed[_auth.H_HOP] = _auth.hop_sign(self.token, "PUT", urllib.parse.urlsplit(url).path, signed)
@@ -438,7 +473,7 @@ class Transport:
             text = await resp.content.read(4096)
             if resp.status != 200:
                 raise HTTPStatusError(resp.status, text.decode(errors="replace"))
-        return len(data)
+        return size
 
     async def get(self, address: str, rest: str, timeout: float, max_bytes: int) -> bytes:
         """One signed GET of a binary resource from the peer at ``address``; the answer's
@@ -459,6 +494,31 @@ class Transport:
           HTTPStatusError: a non-200 answer, or a body over ``max_bytes`` (502).
           PermissionError: an answer not signed with the run token, or a body that does not
           match its signed digest. TimeoutError, aiohttp.ClientError, OSError.
+        """
+        buf = bytearray()
+        _, value = await self.get_stream(address, rest, timeout, max_bytes, header, buf.extend)
+        return bytes(buf), value
+
+    async def get_stream(
+        self,
+        address: str,
+        rest: str,
+        timeout: float,
+        max_bytes: int,
+        header: str | None,
+        feed: Callable[[memoryview], None],
+    ) -> tuple[str, str]:
+        """One signed GET whose answer streams into ``feed`` chunk by chunk as it arrives (its
+        signature checked before the first chunk, its body digest after the last).
+
+        Returns:
+          ``(hex digest of the body, value of the answer's header ``header`` or "")``.
+
+        Raises:
+          HTTPStatusError: a non-200 answer, or a body over ``max_bytes`` (502).
+          PermissionError: an answer not signed with the run token, or a body that does not
+          match its signed digest. TimeoutError, aiohttp.ClientError, OSError; what ``feed``
+          raises.
         """
         assert self.session is not None
         path = self.path(rest)
@@ -481,12 +541,37 @@ class Transport:
             if (resp.content_length or 0) > max_bytes:
                 raise HTTPStatusError(502, f"answer larger than {max_bytes} bytes")
             h = _auth.body_hasher()
-            buf = bytearray()
+            n = 0
             async for chunk, _ in resp.content.iter_chunks():
-                h.update(chunk)
-                buf += chunk
-                if len(buf) > max_bytes:
+                n += len(chunk)
+                if n > max_bytes:
                     raise HTTPStatusError(502, f"answer larger than {max_bytes} bytes")
+                h.update(chunk)
+                feed(memoryview(chunk))
             if not _auth.digest_matches(resp.headers[_auth.H_BODY], h.hexdigest()):
                 raise PermissionError("answer does not match its signed digest")
-            return bytes(buf), value
+            return h.hexdigest(), value
+
+
+Body = bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]
+"""A message to send: one buffer, or a list of buffers sent one after the other (no copy)."""
+
+
+def as_buffers(data: Body) -> list[memoryview]:
+    """``data`` as a list of byte memoryviews (views, no copy)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        data = [data]
+    return [memoryview(b).cast("B") if memoryview(b).format != "B" else memoryview(b) for b in data]
+
+
+def body_nbytes(data: Body) -> int:
+    """Bytes of a message given as one buffer or a list of buffers."""
+    return sum(len(b) for b in as_buffers(data))
+
+
+def body_digest(data: Body) -> str:
+    """The signed body digest of a message given as one buffer or a list of buffers."""
+    h = _auth.body_hasher()
+    for b in as_buffers(data):
+        h.update(b)
+    return h.hexdigest()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -204,60 +203,3 @@ def check_info(info: Any) -> None:
         raise ValueError(f"info must be JSON-serialisable: {e}") from None
     if not 0 <= size <= 4096:
         raise ValueError("info must be a dict of at most 4096 bytes as JSON")
-
-
-@dataclasses.dataclass(frozen=True)
-class Contribution:
-    """A peer's contribution to a round, checked and flattened (see :meth:`of`).
-
-    Attributes:
-      vec: the leaves raveled and concatenated in leaf order, float32 ``(n,)``.
-      weight: the weight, float32 > 0.
-      state: ``(round, state digest)`` or ``None``.
-      names, shapes: the leaves' names and shapes (the round manifest).
-      offsets: ``(len(leaves) + 1,)`` int64 start offsets of the leaves in ``vec``.
-    """
-
-    vec: np.ndarray
-    weight: np.float32
-    state: tuple[int, str] | None
-    names: list[str]
-    shapes: list[tuple[int, ...]]
-    offsets: np.ndarray
-    _unflatten: Callable[[list[np.ndarray]], Any]
-
-    @classmethod
-    def of(cls, tree: Any, weight: float, state: Any = None) -> Contribution:
-        """Checks and flattens ``tree`` (nested dict/list/tuple of float32 arrays).
-
-        Raises:
-          TypeError: a leaf is not a float32 array. ValueError: no leaves, NaN or infinity, a
-          weight that is not finite and > 0, a ``state`` that is not ``(int, str of 1-128
-          chars)``.
-        """
-        w = float(weight)
-        if not (math.isfinite(w) and w > 0):
-            raise ValueError(f"weight must be finite and > 0, got {weight!r}")
-        if state is not None:
-            if not (
-                isinstance(state, tuple)
-                and len(state) == 2
-                and isinstance(state[0], int)
-                and isinstance(state[1], str)
-                and 0 < len(state[1]) <= 128
-            ):
-                raise ValueError(f"state must be (round: int, digest: str of 1-128 chars), got {state!r}")
-            state = (int(state[0]), state[1])
-        names, leaves, unflatten = flatten(tree)
-        if not leaves:
-            raise ValueError("tree has no leaves")
-        vec = np.concatenate([np.ravel(x) for x in leaves]).astype(np.float32, copy=False)
-        if not np.isfinite(vec).all():
-            raise ValueError("tree holds NaN or infinity")
-        offsets = np.cumsum([0] + [x.size for x in leaves])
-        return cls(vec, np.float32(w), state, names, [x.shape for x in leaves], offsets, unflatten)
-
-    def unflatten(self, vec: np.ndarray) -> Any:
-        """A flat float32 vector like :attr:`vec` back into the tree's structure (views)."""
-        o = self.offsets
-        return self._unflatten([vec[o[i] : o[i + 1]] for i in range(len(o) - 1)])

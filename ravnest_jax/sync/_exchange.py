@@ -4,6 +4,7 @@ over several processes shares of it."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from ravnest_jax import compress
+from ravnest_jax.compress._wire import message_nbytes
 
 
 def exchange(
@@ -25,9 +27,10 @@ def exchange(
 ) -> tuple[np.ndarray, Any, int, int, float]:
     """Background thread: device -> host, the all-reduce, the mean.
 
-    The packed parts (each device's slices, copied once) are fed as buffers, with no copy into
-    one large bytes object, straight into the stream decoder: this peer's own contribution is
-    decoded as every receiver decodes it, and its float32 vector is what the swarm averages.
+    Encode once: the packed parts (each device's slices, copied to the host once) are the
+    contribution the swarm cuts into parts and sends as they are (``Swarm.all_reduce_packed_async``);
+    nothing is decoded or encoded again on the host. A swarm without that method (a test
+    double) gets the message decoded as every receiver decodes it, as one float32 vector.
 
     Args:
       swarm: the :class:`~ravnest_jax.sync._contract.Exchange`.
@@ -47,22 +50,43 @@ def exchange(
     """
     t0 = time.perf_counter()
     host = jax.device_get(packed)
-    chunks = compress.packed_to_chunks(host)
-    dec = compress.StreamDecoder()
-    for c in chunks:
-        dec.feed(c)
-    nbytes = dec.nbytes_received
-    del chunks, host
-    leaves = jax.tree.leaves(dec.finish())
-    if len(leaves) == 1:  # one leaf: its flat view (fp32 leaves are views of the payload)
-        vec = np.ravel(leaves[0])
-    else:
-        vec = np.concatenate([np.ravel(a) for a in leaves]) if leaves else np.zeros((0,), np.float32)
-    del leaves
+    for spec, ok in zip(host.specs, host.ok, strict=True):
+        if not bool(np.asarray(ok)):
+            raise compress.NonFiniteError(
+                f"pseudo-gradient leaf {spec.name!r} has NaN, Inf or |x| > 2**127 values; "
+                "refusing to send it (a diverged peer must not poison the swarm)",
+                leaf=spec.name,
+            )
+    n = sum(math.prod(s.shape) for s in host.specs)
+    nbytes = message_nbytes(host)  # what this peer's message holds
     kwargs: dict[str, Any] = {} if expected is None else {"round": expected}
     if state is not None:  # the rendezvous compares it with the other peers' (divergence)
         kwargs["state"] = state
+    if getattr(swarm, "all_reduce_packed_async", None) is not None and getattr(swarm, "codec", None) == host.codec:
+        # encode once: the device's message goes on the wire as it is, cut into parts
+        fut = swarm.all_reduce_packed_async(host, weight=weight, **kwargs)
+        del host
+        return _result(fut, learn_round, nbytes, n, t0)
+    vec = _decoded(host)  # a swarm that takes float32 vectors only (a test double)
+    del host
     fut = swarm.all_reduce_async({"pg": vec}, weight=weight, **kwargs)
+    return _result(fut, learn_round, nbytes, n, t0)
+
+
+def _decoded(host: Any) -> np.ndarray:
+    """The encoded contribution decoded as every receiver decodes it, flat float32."""
+    dec = compress.StreamDecoder()
+    for c in compress.packed_to_chunks(host):
+        dec.feed(c)
+    leaves = jax.tree.leaves(dec.finish())
+    if len(leaves) == 1:  # one leaf: its flat view (fp32 leaves are views of the payload)
+        return np.ravel(leaves[0])
+    return np.concatenate([np.ravel(a) for a in leaves]) if leaves else np.zeros((0,), np.float32)
+
+
+def _result(
+    fut: Any, learn_round: Callable[[int], None], nbytes: int, n: int, t0: float
+) -> tuple[np.ndarray, Any, int, int, float]:
     try:
         mean, record = fut.result()
     except Exception as e:
@@ -71,7 +95,9 @@ def exchange(
             learn_round(int(r))
         raise
     learn_round(int(getattr(record, "round", -1)))
-    return np.asarray(mean["pg"], np.float32), record, nbytes, 4 * vec.size, time.perf_counter() - t0
+    if isinstance(mean, dict):
+        mean = mean["pg"]
+    return np.asarray(mean, np.float32).reshape(-1), record, nbytes, 4 * n, time.perf_counter() - t0
 
 
 def share_result(

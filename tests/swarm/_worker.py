@@ -29,7 +29,7 @@ def _slow_swarm(send_delay: float, serve_delay: float):
     import asyncio
 
     from ravnest_jax.swarm import Swarm
-    from ravnest_jax.swarm._transport import Transport
+    from ravnest_jax.swarm._transport import Transport, as_buffers
 
     class SlowTransport(Transport):
         async def body_chunks(self, data, kind):
@@ -39,10 +39,11 @@ def _slow_swarm(send_delay: float, serve_delay: float):
                 async for c in super().body_chunks(data, kind):
                     yield c
                 return
-            mv, step = memoryview(data), 256 * 1024
-            for off in range(0, len(data), step):
-                await asyncio.sleep(send_delay)
-                yield mv[off : off + step]
+            step = 256 * 1024
+            for mv in as_buffers(data):  # a message: a list of buffers
+                for off in range(0, len(mv), step):
+                    await asyncio.sleep(send_delay)
+                    yield mv[off : off + step]
 
     class SlowSwarm(Swarm):
         transport_class = SlowTransport

@@ -115,10 +115,13 @@ async def _impostor(url: str) -> dict[str, int]:
         out["wrong_token"] = await put(good, tok=b"not-the-token")
         out["wrong_manifest"] = await put(good)
         from ravnest_jax.swarm._allreduce import manifest_digest
+        from ravnest_jax.swarm._codec import PartLayout
 
         manifest = manifest_digest(
-            ["/b/s", "/b/x", "/w"], [(), (SIZE - SIZE // 2,), (SIZE // 2,)], "fp32/butterfly/clipped_mean:2.0"
-        )  # the default wire
+            ["/b/s", "/b/x", "/w"],
+            [(), (SIZE - SIZE // 2,), (SIZE // 2,)],
+            "fp32/butterfly/clipped_mean:2.0/" + PartLayout("fp32", [SIZE + 1]).key(),
+        )  # the default wire, and the layout of one flat fp32 leaf
         out["tampered_body"] = await put(good, manifest=manifest, claimed=b"other body")
         out["garbage"] = await put(b"\x00garbage" * 100, manifest=manifest)
         out["truncated"] = await put(good[: len(good) // 2], manifest=manifest)

@@ -113,7 +113,7 @@ def test_running_peers_sees_a_training_swarm_but_not_a_dead_entry():
 
 
 def asyncio_tasks(swarm):
-    return [t for t in asyncio.all_tasks(swarm._loop) if "_heartbeat_loop" in repr(t.get_coro())]
+    return [t for t in asyncio.all_tasks(swarm._loop) if "heartbeat_loop" in repr(t.get_coro())]
 
 
 @pytest.mark.timeout(60)

@@ -1,0 +1,198 @@
+"""A peer's contribution to a round: checked, and encoded once.
+
+What a round moves is an *encoded* contribution (a host :class:`~ravnest_jax.compress.Packed`:
+per leaf, its payload arrays), cut into parts on codec block boundaries
+(:class:`~ravnest_jax.compress._parts.PartLayout`): the part messages are views of its arrays.
+``rj.OuterSync`` hands the swarm the message its device encoded (:meth:`Contribution.of_packed`:
+nothing is decoded or encoded again on the host); ``Swarm.all_reduce`` of float32 arrays encodes
+them once (:meth:`Contribution.of`; for ``fp32`` the arrays themselves are the payload).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._codec import LeafSpec, Packed, PartLayout, RangeDecoder, host_pack, part_chunks
+from ._types import flatten
+
+_FINITE_STEP = 1 << 18  # elements checked per pass (no input-sized temporary)
+
+
+def _check_finite(vec: np.ndarray) -> bool:
+    for lo in range(0, vec.size, _FINITE_STEP):
+        c = vec[lo : lo + _FINITE_STEP]
+        with np.errstate(invalid="ignore"):
+            if not (np.isfinite(c.max()) and np.isfinite(c.min())):
+                return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Contribution:
+    """A peer's contribution to a round.
+
+    Attributes:
+      packed: the encoded contribution (host numpy arrays): what goes on the wire.
+      layout: its :class:`PartLayout` (where parts may be cut).
+      weight: the weight, float32 > 0.
+      state: ``(round, state digest)`` or ``None``.
+      names, shapes: the caller's leaves (the round manifest).
+      offsets: ``(len(leaves) + 1,)`` int64 start offsets of the caller's leaves in the flat
+        vector of :attr:`layout`'s ``n`` elements.
+      vec: the float32 ``(n,)`` values when the contribution came as float32 arrays (the own
+        part is read from it), else ``None`` (decoded from ``packed`` where needed).
+    """
+
+    packed: Packed
+    layout: PartLayout
+    weight: np.float32
+    state: tuple[int, str] | None
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    offsets: np.ndarray
+    vec: np.ndarray | None
+    _unflatten: Callable[[list[np.ndarray]], Any] | None
+
+    @staticmethod
+    def _checked(weight: float, state: Any) -> tuple[np.float32, tuple[int, str] | None]:
+        w = float(weight)
+        if not (math.isfinite(w) and w > 0):
+            raise ValueError(f"weight must be finite and > 0, got {weight!r}")
+        if state is not None:
+            if not (
+                isinstance(state, tuple)
+                and len(state) == 2
+                and isinstance(state[0], int)
+                and isinstance(state[1], str)
+                and 0 < len(state[1]) <= 128
+            ):
+                raise ValueError(f"state must be (round: int, digest: str of 1-128 chars), got {state!r}")
+            state = (int(state[0]), state[1])
+        return np.float32(w), state
+
+    @classmethod
+    def of(
+        cls,
+        tree: Any,
+        weight: float,
+        state: Any = None,
+        *,
+        codec: str = "fp32",
+        codec_options: dict[str, Any] | None = None,
+        copy: bool = True,
+    ) -> Contribution:
+        """Checks, flattens and encodes ``tree`` (nested dict/list/tuple of float32 arrays).
+
+        The leaves are raveled into one float32 vector (a view of a single contiguous leaf when
+        ``copy`` is False: the caller must not change it during the round) and encoded as one
+        leaf with ``codec``: for ``fp32`` the vector is the payload (no copy).
+
+        Raises:
+          TypeError: a leaf is not a float32 array. ValueError: no leaves, NaN or infinity, a
+          weight that is not finite and > 0, a ``state`` that is not ``(int, str of 1-128
+          chars)``, a bad codec option.
+        """
+        w, state = cls._checked(weight, state)
+        names, leaves, unflatten = flatten(tree)
+        if not leaves:
+            raise ValueError("tree has no leaves")
+        if len(leaves) == 1 and not copy:
+            vec = np.ravel(leaves[0])
+        else:
+            vec = np.concatenate([np.ravel(x) for x in leaves])
+        vec = vec.astype(np.float32, copy=False)
+        if not _check_finite(vec):
+            raise ValueError("tree holds NaN or infinity")
+        offsets = np.cumsum([0] + [x.size for x in leaves])
+        if codec == "fp32":
+            spec = LeafSpec("pg", (vec.size,), "float32", 0, 0)
+            packed = Packed("fp32", (spec,), ("d", (("pg", 0),)), ((vec,),), (True,))
+        else:
+            packed = host_pack({"pg": vec}, codec, **(codec_options or {}))
+        layout = PartLayout.of(packed)
+        return cls(packed, layout, w, state, names, [x.shape for x in leaves], offsets, vec, unflatten)
+
+    @classmethod
+    def of_packed(cls, packed: Packed, weight: float, state: Any = None) -> Contribution:
+        """A contribution already encoded (``rj.OuterSync``: the device's message, fetched to
+        the host); the mean comes back flat, leaf after leaf."""
+        w, state = cls._checked(weight, state)
+        names = [s.name for s in packed.specs]
+        shapes = [tuple(s.shape) for s in packed.specs]
+        offsets = np.cumsum([0] + [math.prod(s) for s in shapes])
+        return cls(packed, PartLayout.of(packed), w, state, names, shapes, offsets, None, None)
+
+    @property
+    def n(self) -> int:
+        """Elements of the flat contribution."""
+        return self.layout.n
+
+    def part(self, lo: int, hi: int) -> list[bytes | memoryview]:
+        """The wire message of elements ``[lo, hi)`` (views of :attr:`packed`)."""
+        return part_chunks(self.packed, self.layout, lo, hi)
+
+    def chunk_reader(self, lo: int, hi: int) -> Callable[[int, int], np.ndarray]:
+        """``read(a, b)``: the unweighted float32 values of elements ``[lo + a, lo + b)`` (a grid
+        chunk of part ``[lo, hi)``), as every receiver decodes them; views of :attr:`vec` for
+        fp32, else decoded from this part's own message once, when first asked."""
+        if self.vec is not None and self.packed.codec == "fp32":
+            vec = self.vec
+            return lambda a, b: vec[lo + a : lo + b]
+        grid = self.layout.chunk_grid(lo, hi)
+        index = {ab: j for j, ab in enumerate(grid)}
+        chunks: list[np.ndarray | None] = [None] * len(grid)
+        loaded = [False]
+
+        def read(a: int, b: int) -> np.ndarray:
+            if not loaded[0]:
+                dec = RangeDecoder(self.layout, lo, hi, lambda j, v: chunks.__setitem__(j, v))
+                for c in self.part(lo, hi):
+                    dec.feed(c)
+                dec.finish()
+                loaded[0] = True
+            v = chunks[index[(a, b)]]
+            assert v is not None
+            return v
+
+        return read
+
+    def vector(self) -> np.ndarray:
+        """The whole contribution as float32 ``(n,)``, as every receiver decodes it (the ring
+        works on it)."""
+        if self.vec is not None and self.packed.codec == "fp32":
+            return self.vec
+        out = np.empty(self.n, np.float32)
+        grid = self.layout.chunk_grid(0, self.n)
+        dec = RangeDecoder(self.layout, 0, self.n, lambda j, v: out.__setitem__(slice(*grid[j]), v))
+        for c in self.part(0, self.n):
+            dec.feed(c)
+        dec.finish()
+        return out
+
+    def zeros(self) -> Contribution:
+        """The same layout with every value 0 (an abstainer's contribution)."""
+        from ._codec import part_dtypes, part_lengths
+
+        vec = np.zeros(self.n, np.float32) if self.vec is not None else None
+        parts = []
+        for s in self.packed.specs:
+            lens = part_lengths(self.packed.codec, math.prod(s.shape), s.block_size, s.k)
+            p = [np.zeros(n, dt) for n, dt in zip(lens, part_dtypes(self.packed.codec))]
+            if self.packed.codec == "topk":
+                p[0] = np.arange(lens[0], dtype=p[0].dtype)
+            parts.append(tuple(p) if vec is None or self.packed.codec != "fp32" else (vec,))
+        packed = Packed(self.packed.codec, self.packed.specs, self.packed.structure, tuple(parts), (True,) * len(parts))
+        return dataclasses.replace(self, packed=packed, vec=vec)
+
+    def unflatten(self, vec: np.ndarray) -> Any:
+        """A flat float32 mean back into the caller's tree structure (views), or the flat vector
+        itself for an encoded contribution."""
+        if self._unflatten is None:
+            return vec
+        o = self.offsets
+        return self._unflatten([vec[o[i] : o[i + 1]] for i in range(len(o) - 1)])

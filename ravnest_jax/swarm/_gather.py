@@ -1,0 +1,352 @@
+"""The butterfly's all-gather: every part owner's mean, encoded once, pushed to every member (or
+pulled by a client-only one) and decoded straight into the round's output buffer; then the
+commit vote. Used by :class:`~ravnest_jax.swarm._butterfly.Butterfly`, which runs the
+reduce-scatter before it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from . import _auth
+from ._allreduce import CHUNK, trimmed_mean
+from ._attempt import Attempt, AttemptInput, Reduced, Retry, RoundFail, Voter, decided, route_ints
+from ._codec import RangeDecoder, WireFormatError, host_pack, packed_to_chunks
+from ._http import stream_body
+from ._transport import Body, Transport, body_digest
+from ._types import Timeouts, result_digest
+
+log = logging.getLogger("ravnest_jax.swarm")
+
+H_WEIGHT = "X-RJ-Weight"
+H_MANIFEST = "X-RJ-Manifest"
+H_CONTRIB = "X-RJ-Contributors"  # tag of the contributor set a pushed result part was reduced over
+H_TOTAL = "X-RJ-Total"  # a pulled result part's total weight (covered by the answer's signature)
+RESULTS = "/rounds/{round}/{attempt}/results/{part}"
+PULL = "/rounds/{round}/{attempt}/results/{part}/{tag}"  # a client-only member collects a result part
+
+
+def part_limit(codec: str, length: int) -> int:
+    """The most bytes accepted for a part (or result part) of ``length`` elements."""
+    return (8 if codec == "topk" else 4) * length + (1 << 20)
+
+
+def send(
+    transport: Transport,
+    st: Attempt,
+    addr: str,
+    kind: str,
+    k: int,
+    data: Body,
+    digest: str,
+    headers: dict,
+    timeout: float,
+) -> asyncio.Future[int]:
+    """A signed PUT of ``data`` (a part or a result part) in the background; its bytes sent."""
+    extra = "|".join(headers.values())
+    return asyncio.ensure_future(
+        transport.put(
+            addr,
+            f"/rounds/{st.round}/{st.attempt}/{kind}/{k}",
+            data,
+            digest=digest,
+            round_=st.round,
+            extra=extra,
+            headers=headers,
+            timeout=timeout,
+            kind=kind[:-1],  # "part" / "result"
+        )
+    )
+
+
+class AllGather:
+    """The all-gather of one peer's butterfly (see the module docstring).
+
+    Args:
+      transport, rounds, codec, codec_options, timeouts, aggregator, trim: the butterfly's.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        rounds: Voter,
+        codec: str,
+        codec_options: dict[str, Any],
+        timeouts: Timeouts,
+        aggregator: str,
+        trim: int,
+    ):
+        self.transport, self.rounds = transport, rounds
+        self.codec, self.codec_options, self.timeouts = codec, codec_options, timeouts
+        self.aggregator, self.trim = aggregator, trim
+        self.peer_id = transport.peer_id
+        self.name = "butterfly"
+        transport.route("PUT", RESULTS, self._h_put_result)
+        transport.route("GET", PULL, self._h_get_result)
+
+    async def _h_put_result(self, request: web.Request) -> web.Response:
+        """All-gather: owner k pushes its reduced part k, tagged with the contributor set it
+        was reduced over; decoded into the output buffer as it streams in (a second version of
+        the same part, reduced over another set, into a buffer of its own) and kept until this
+        peer knows the round's contributors."""
+        tag = request.headers.get(H_CONTRIB, "")
+        manifest = request.headers.get(H_MANIFEST, "")
+        sender, claimed = self.transport.verify(request, extra=f"{tag}|{manifest}")
+        r, a, k = route_ints(request, "round", "attempt", "part")
+        st = await self.rounds.wait_entered(r, a)
+        if not 0 <= k < len(st.group) or k == st.me:
+            raise web.HTTPBadRequest(text=f"bad result part {k}")
+        if sender != st.group[k]:
+            raise web.HTTPForbidden(text="only the owner of a part pushes its result")
+        if manifest != st.manifest or st.algorithm != self.name or not 1 <= len(tag) <= 64:
+            raise web.HTTPBadRequest(text="result does not match the round manifest")
+        if st.gather_closed or st.out is None:
+            raise web.HTTPConflict(text="too late: the all-gather of this attempt is over")
+        if (k, tag) in st.results or (k, tag) in st.results_receiving:
+            raise web.HTTPConflict(text="duplicate result part")
+        lo, hi = st.bounds[k]
+        limit = part_limit(st.codec, hi - lo)
+        if request.content_length is not None and request.content_length > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+        in_out = k not in st.out_claims
+        if in_out:
+            st.out_claims[k] = tag
+        dst = st.out[lo:hi] if in_out else np.empty(hi - lo, np.float32)
+        grid = st.layout.chunk_grid(lo, hi)
+        dec = RangeDecoder(st.layout, lo, hi, lambda j, v: dst.__setitem__(slice(*grid[j]), v))
+        st.results_receiving.add((k, tag))
+        try:
+            sha = await self.transport.read_stream(
+                request, dec.feed, claimed, limit, lambda: st.gather_closed, what="result part"
+            )
+            try:
+                dec.finish()
+            except WireFormatError as e:
+                raise web.HTTPBadRequest(text=f"bad result part: {e}") from None
+            if st.gather_closed:
+                raise web.HTTPConflict(text="too late: the all-gather of this attempt is over")
+        except BaseException:
+            if in_out and st.out_claims.get(k) == tag:
+                del st.out_claims[k]  # the region is free again (its contents are garbage)
+            raise
+        finally:
+            st.results_receiving.discard((k, tag))
+        st.results[(k, tag)] = (None if in_out else dst, sha)
+        st.bytes_in += dec.nbytes
+        st.result_arrived.set()
+        return self.transport.reply(request, {"ok": True})
+
+    async def run(
+        self,
+        st: Attempt,
+        inp: AttemptInput,
+        mine: dict[str, Any],
+        tag: str,
+        contributors: tuple[str, ...],
+        diverged: tuple[str, ...],
+    ) -> Reduced | Retry:
+        """Phase 2: the result parts pushed to us by their owners (or pulled from them, by a
+        client-only member), then the commit vote."""
+        r, a, group, n, stats = st.round, st.attempt, st.group, len(st.group), inp.stats
+        out = st.out
+        assert out is not None
+        shas = {st.me: mine.get("digest", "")}
+        t_gather = min(time.monotonic() + self.timeouts.part, inp.deadline)
+        others = [k for k in range(n) if k != st.me and group[k] not in st.pullers]
+        pulls = [
+            asyncio.ensure_future(self._pull(st, k, tag, inp.membership[group[k]], t_gather, mine))
+            for k in (others if self.peer_id in st.pullers else ())
+            if group[k] in inp.membership
+        ]
+        try:
+            have = await self._wait_results(st, others, tag, t_gather)
+        finally:
+            for t in pulls:
+                t.cancel()
+        st.gather_closed = True
+        for k in have:
+            lo, hi = st.bounds[k]
+            part, shas[k] = st.results[(k, tag)]
+            if part is not None:  # another version was decoded into the output buffer first
+                out[lo:hi] = part
+        st.results.clear()
+        failed_owners = sorted(group[k] for k in others if k not in have)
+        ok = not failed_owners and not mine.get("failed")
+        if failed_owners:
+            log.info("%s: all-gather: no result part from %s", self.peer_id, failed_owners)
+        stats["received"] += st.bytes_in
+        st.bytes_in = 0
+        # the result is a pure function of the encoded result parts: hash their digests (a
+        # client-only member's empty part counts as "")
+        digest = result_digest([shas.get(k, "") for k in range(n)]) if ok else ""
+        commit_vote: dict[str, Any] = {"ok": ok, "digest": digest, "failed_owners": failed_owners}
+        if self.aggregator == "trimmed_mean":
+            commit_vote["trimmed"] = mine.get("trimmed", {})
+        commit = await self.rounds.vote(r, inp.epoch, a, "commit", commit_vote, inp.deadline)
+        # the pushes of this peer's result: by a commit every member has them (a push whose
+        # answer is still on its way is waited for briefly); counted before, one still in
+        # flight was left out (a butterfly of 2 reported half its bytes)
+        pushes = [t for t in mine.get("pushes", ()) if not t.done()]
+        if pushes:
+            await asyncio.wait(pushes, timeout=1.0)
+        for t in mine.get("pushes", ()):
+            if t.done() and not t.cancelled() and t.exception() is None:
+                stats["sent"] += t.result()
+        stats["sent"] += st.served
+        st.served = 0
+        retry = decided(commit, "commit")
+        if retry is not None:
+            return retry
+        if not ok:  # pragma: no cover - the rendezvous commits only if everyone is ok
+            raise RoundFail("all-gather failed here")
+        robust: dict[str, dict[str, float]] = {}
+        if self.aggregator == "clipped_mean":
+            robust["clipped"] = mine.get("clipped", {})
+        elif self.aggregator == "trimmed_mean":  # fraction of all coordinates dropped, per contributor
+            tally = commit.get("trimmed") or {}
+            robust["trimmed"] = {
+                str(c): float(k) / max(1, st.n_elements) for c, k in sorted(tally.items()) if c in contributors
+            }
+        return Reduced(out, contributors, float(mine["total"]), digest, diverged, commit.get("next"), **robust)
+
+    async def _wait_results(self, st: Attempt, others: list[int], tag: str, t_gather: float) -> list[int]:
+        """Waits until every result part of ``others`` with ``tag`` is in, the deadline, or the
+        owners still missing left the run; returns the parts that are in."""
+        r, a, group = st.round, st.attempt, st.group
+        while True:
+            have = [k for k in others if (k, tag) in st.results]
+            left = t_gather - time.monotonic()
+            if (
+                len(have) == len(others)
+                or left <= 0
+                or {group[k] for k in others if k not in have} <= self.rounds.gone(r, a)
+            ):
+                return have  # complete, the deadline, or the owners still missing left the run
+            st.result_arrived.clear()
+            arrived = asyncio.ensure_future(st.result_arrived.wait())
+            gone = self.rounds.gone_wait()
+            try:
+                await asyncio.wait({arrived, gone}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                arrived.cancel()
+                gone.cancel()
+
+    async def _pull(self, st: Attempt, k: int, tag: str, address: str, t_end: float, mine: dict[str, Any]) -> None:
+        """A client-only member collects result part ``k`` (reduced over ``tag``) from its owner:
+        one signed GET that the owner answers once it has reduced (a long poll), decoded into
+        the output buffer as it streams in."""
+        lo, hi = st.bounds[k]
+        rest = PULL.format(round=st.round, attempt=st.attempt, part=k, tag=tag)
+        grid = st.layout.chunk_grid(lo, hi)
+        out = st.out
+        assert out is not None
+        while time.monotonic() < t_end:
+            dec = RangeDecoder(
+                st.layout, lo, hi, lambda j, v: out.__setitem__(slice(lo + grid[j][0], lo + grid[j][1]), v)
+            )
+            try:
+                sha, total = await self.transport.get_stream(
+                    address, rest, t_end - time.monotonic(), part_limit(st.codec, hi - lo), H_TOTAL, dec.feed
+                )
+                dec.finish()
+                st.results[(k, tag)] = (None, sha)
+                st.bytes_in += dec.nbytes
+                mine["total"] = np.float32(float(total))  # the same sum on every owner
+                st.result_arrived.set()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - retried until the deadline; the commit vote decides
+                log.info("%s: pulling result part %d from %s failed: %r", self.peer_id, k, st.group[k], e)
+                await asyncio.sleep(0.2)
+
+    async def _h_get_result(self, request: web.Request) -> web.StreamResponse:
+        """Owner side of a pull: answers with this peer's encoded result part for the tag once
+        it has it (waits up to the part deadline)."""
+        sender, _ = self.transport.verify(request)
+        r, a, k = route_ints(request, "round", "attempt", "part")
+        tag = request.match_info["tag"]
+        st = await self.rounds.wait_entered(r, a)
+        if k != st.me or st.algorithm != self.name:
+            raise web.HTTPBadRequest(text=f"this peer owns part {st.me}, not {k}")
+        if sender not in st.pullers:
+            raise web.HTTPForbidden(text="only a client-only member of this round pulls result parts")
+        fut = st.my_results.setdefault(tag, asyncio.get_running_loop().create_future())
+        try:
+            data, digest, total = await asyncio.wait_for(asyncio.shield(fut), self.timeouts.part)
+        except (TimeoutError, asyncio.CancelledError):
+            raise web.HTTPConflict(text="no result part reduced over that contributor set") from None
+        headers = _auth.sign(
+            self.transport.token,
+            method="RESPONSE",
+            path=request.path,
+            run_id=self.transport.run_id,
+            peer=self.peer_id,
+            body_digest=digest,
+            extra=total,
+        )
+        headers[H_TOTAL] = total
+        out = await stream_body(request, headers, data, CHUNK)
+        st.served += sum(len(c) for c in data)
+        return out
+
+    def push(
+        self,
+        st: Attempt,
+        contributors: tuple[str, ...],
+        membership: dict[str, str],
+        deadline: float,
+        mine: dict[str, Any],
+        tag: str,
+    ) -> None:
+        """This owner's mean over ``contributors`` (its sum divided by their total weight, or the
+        trimmed mean), encoded once with the swarm's codec in the pieces of the part, decoded
+        back into the output buffer as every member decodes it, and pushed to every other member
+        tagged ``tag`` (tasks in ``mine["pushes"]``); ``mine`` also gets the tag, digest and
+        total weight."""
+        out = st.out
+        assert out is not None
+        acc = out[st.lo : st.hi]
+        total = np.float32(0.0)
+        for c in sorted(contributors):
+            total = np.float32(total + np.float32(st.received[c]))
+        if self.aggregator == "trimmed_mean":
+            mean, mine["trimmed"] = trimmed_mean(st.kept, contributors, self.trim)
+            np.copyto(acc, mean)
+            del mean
+        else:  # mean, or the clipped mean (the sum holds the clipped contributions)
+            np.divide(acc, total, out=acc)
+        pieces, base = [], 0
+        for _, a, b in st.layout.pieces(st.lo, st.hi):
+            pieces.append(acc[base : base + b - a])
+            base += b - a
+        data = packed_to_chunks(host_pack(pieces, self.codec, **self.codec_options))
+        digest = body_digest(data)
+        if self.codec != "fp32":  # lossy: the owner keeps what the others decode
+            grid = st.grid
+            dec = RangeDecoder(st.layout, st.lo, st.hi, lambda j, v: acc.__setitem__(slice(*grid[j]), v))
+            for c in data:
+                dec.feed(c)
+            dec.finish()
+        fut = st.my_results.setdefault(tag, asyncio.get_running_loop().create_future())
+        if not fut.done():  # for the client-only members that pull it
+            fut.set_result((data, digest, repr(float(total))))
+        t_end = min(time.monotonic() + self.timeouts.part, deadline)
+        headers = {H_CONTRIB: tag, H_MANIFEST: st.manifest}
+        mine.update(
+            tag=tag,
+            digest=digest,
+            total=total,
+            pushes=[
+                send(
+                    self.transport, st, membership[g], "results", st.me, data, digest, headers, t_end - time.monotonic()
+                )
+                for k, g in enumerate(st.group)
+                if k != st.me and g in membership and g not in st.pullers
+            ],
+        )

@@ -1,0 +1,129 @@
+"""Encode once: a contribution already encoded (``Swarm.all_reduce_packed_async``, what
+``rj.OuterSync`` hands the swarm) goes on the wire as it is, cut into parts on block
+boundaries; the bytes are the message's own, the results equal on every peer."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+
+from ravnest_jax import compress
+from ravnest_jax.compress._wire import message_nbytes
+from ravnest_jax.swarm import Swarm, Timeouts
+from ravnest_jax.swarm._codec import PartLayout, part_chunks
+
+from .conftest import TOKEN
+
+T = Timeouts(connect=2.0, part=10.0, grace=0.5, round=30.0, heartbeat=0.5, eviction=5.0)
+
+
+def _trees(ids, seed):
+    rng = np.random.default_rng(seed)
+    return {
+        p: {
+            "emb": rng.standard_normal((50, 33)).astype(np.float32),
+            "blocks": [
+                rng.standard_normal(1001).astype(np.float32) * 0.01,
+                rng.standard_normal((7, 9)).astype(np.float32),
+            ],
+        }
+        for p in ids
+    }
+
+
+def _run(url, run, packed, weights, aggregator="mean", rounds=1):
+    ids = sorted(packed)
+    swarms = [
+        Swarm(
+            url,
+            run_id=run,
+            token=TOKEN,
+            listen="127.0.0.1:0",
+            timeouts=T,
+            peer_id=p,
+            codec=packed[p].codec,
+            aggregator=aggregator,
+        ).__enter__()
+        for p in ids
+    ]
+    try:
+        swarms[0].wait_for_peers(len(ids), timeout=10)
+        out = []
+        for _ in range(rounds):
+            futs = [s.all_reduce_packed_async(packed[p], weight=weights[p]) for s, p in zip(swarms, ids)]
+            out.append([f.result(60) for f in futs])
+        return out
+    finally:
+        with concurrent.futures.ThreadPoolExecutor(len(swarms)) as ex:
+            list(ex.map(lambda s: s.close(), swarms))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("codec", ["fp32", "int4"])
+def test_an_encoded_contribution_is_averaged_as_its_own_bytes(cluster, codec):
+    ids = ["a", "b", "c"]
+    trees = _trees(ids, 1)
+    packed = {p: compress.host_pack(trees[p], codec) for p in ids}
+    weights = {"a": 1.0, "b": 2.0, "c": 3.0}
+    (results,) = _run(cluster.rendezvous(), f"enc-{codec}", packed, weights)
+    means = [m for m, _ in results]
+    recs = [r for _, r in results]
+    assert all(r.ok and r.contributors == tuple(ids) for r in recs), recs
+    assert len({r.digest for r in recs}) == 1, recs
+    for m in means[1:]:
+        np.testing.assert_array_equal(m, means[0])  # bit-identical on every peer
+    # the weighted mean of what every peer's message decodes to (leaf order = the messages')
+    dec = {p: compress.decode(compress.packed_to_bytes(packed[p])) for p in ids}
+    flat = {p: np.concatenate([_leaf(dec[p], s.name) for s in packed[p].specs]) for p in ids}
+    want = sum(np.float64(weights[p]) * flat[p] for p in ids) / sum(weights.values())
+    tol = 1e-6 if codec == "fp32" else 0.08 * np.abs(want).max()
+    np.testing.assert_allclose(means[0], want, atol=tol)
+    # bytes: every part a peer sends is a slice of its own message (payload unchanged), and
+    # every result part the message of the mean in the same pieces
+    layout = PartLayout.of(packed["a"])
+    bounds = layout.bounds(3)
+    for k, p in enumerate(ids):
+        parts = sum(len(b"".join(map(bytes, part_chunks(packed[p], layout, *bounds[j])))) for j in range(3) if j != k)
+        lo, hi = bounds[k]
+        pieces = [np.zeros(b - a, np.float32) for _, a, b in layout.pieces(lo, hi)]
+        result = message_nbytes(compress.host_pack(pieces, codec))
+        assert recs[k].bytes_sent == parts + 2 * result, (p, recs[k].bytes_sent, parts, result)
+    payload = sum(len(b"".join(map(bytes, part_chunks(packed["a"], layout, lo, hi)))) for lo, hi in bounds)
+    assert (
+        payload
+        - sum(
+            compress.read_header(b"".join(map(bytes, part_chunks(packed["a"], layout, lo, hi)))).header_nbytes
+            for lo, hi in bounds
+        )
+        == packed["a"].nbytes
+    )
+
+
+def _leaf(tree, name):
+    node = tree
+    for key in name.split("/"):
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    return np.ravel(node)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_a_clipped_member_is_summed_again_from_its_pulled_part(cluster):
+    """The clipped mean sums the parts as they arrive, as if nobody were clipped; when the
+    decision clips a member, every owner pulls the kept members' parts again and sums anew:
+    the result is the clipped mean, equal on every peer."""
+    ids = ["a", "b", "c", "d"]
+    trees = _trees(ids, 2)
+    trees["d"] = {"emb": trees["d"]["emb"] * 1000, "blocks": [x * 1000 for x in trees["d"]["blocks"]]}
+    packed = {p: compress.host_pack(trees[p], "fp32") for p in ids}
+    (results,) = _run(cluster.rendezvous(), "enc-clip", packed, dict.fromkeys(ids, 1.0), aggregator="clipped_mean")
+    recs = [r for _, r in results]
+    assert all(r.ok and set(r.clipped) == {"d"} for r in recs), recs
+    assert len({r.digest for r in recs}) == 1
+    flat = {p: np.concatenate([_leaf(trees[p], s.name) for s in packed[p].specs]) for p in ids}
+    s = np.float32(recs[0].clipped["d"])
+    want = (flat["a"] + flat["b"] + flat["c"] + (flat["d"] * s)) / 4
+    np.testing.assert_allclose(results[0][0], want, rtol=1e-5, atol=1e-6)
