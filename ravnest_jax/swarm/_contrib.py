@@ -139,27 +139,11 @@ class Contribution:
     def chunk_reader(self, lo: int, hi: int) -> Callable[[int, int], np.ndarray]:
         """``read(a, b)``: the unweighted float32 values of elements ``[lo + a, lo + b)`` (a grid
         chunk of part ``[lo, hi)``), as every receiver decodes them; views of :attr:`vec` for
-        fp32, else decoded from this part's own message once, when first asked."""
+        fp32, else decoded from this part's own message a chunk at a time, as they are asked for."""
         if self.vec is not None and self.packed.codec == "fp32":
             vec = self.vec
             return lambda a, b: vec[lo + a : lo + b]
-        grid = self.layout.chunk_grid(lo, hi)
-        index = {ab: j for j, ab in enumerate(grid)}
-        chunks: list[np.ndarray | None] = [None] * len(grid)
-        loaded = [False]
-
-        def read(a: int, b: int) -> np.ndarray:
-            if not loaded[0]:
-                dec = RangeDecoder(self.layout, lo, hi, lambda j, v: chunks.__setitem__(j, v))
-                for c in self.part(lo, hi):
-                    dec.feed(c)
-                dec.finish()
-                loaded[0] = True
-            v = chunks[index[(a, b)]]
-            assert v is not None
-            return v
-
-        return read
+        return _OwnReader(self, lo, hi)
 
     def vector(self) -> np.ndarray:
         """The whole contribution as float32 ``(n,)``, as every receiver decodes it (the ring
@@ -196,3 +180,37 @@ class Contribution:
             return vec
         o = self.offsets
         return self._unflatten([vec[o[i] : o[i + 1]] for i in range(len(o) - 1)])
+
+
+class _OwnReader:
+    """This peer's own part of an encoded contribution, decoded grid chunk by grid chunk as it
+    is asked for (in order; asking for an earlier chunk starts a new pass): never more than a
+    few chunks decoded at once, not the whole part."""
+
+    _FEED = 1 << 18  # message bytes decoded per step
+
+    def __init__(self, contrib: Contribution, lo: int, hi: int):
+        self.contrib, self.lo, self.hi = contrib, lo, hi
+        self.index = {ab: j for j, ab in enumerate(contrib.layout.chunk_grid(lo, hi))}
+        self._restart()
+
+    def _restart(self) -> None:
+        self.ready: dict[int, np.ndarray] = {}
+        self.next = 0  # the next chunk a caller may ask for without a new pass
+        self.dec = RangeDecoder(self.contrib.layout, self.lo, self.hi, self.ready.__setitem__)
+        self.pieces = iter(
+            mv[i : i + self._FEED]
+            for mv in (memoryview(c).cast("B") for c in self.contrib.part(self.lo, self.hi))
+            for i in range(0, len(mv), self._FEED)
+        )
+
+    def __call__(self, a: int, b: int) -> np.ndarray:
+        j = self.index[(a, b)]
+        if j < self.next:
+            self._restart()
+        while j not in self.ready:
+            self.dec.feed(next(self.pieces))
+        for k in [k for k in self.ready if k < j]:
+            del self.ready[k]
+        self.next = j + 1
+        return self.ready.pop(j)
