@@ -38,11 +38,12 @@ _EXPORTS: dict[str, str] = {
     "checkpoint_extra": "ravnest_jax.sync",
     "persistent_peer_id": "ravnest_jax.checkpoint",
 }
-_SUBMODULES = {"optim", "compress", "swarm", "sync", "checkpoint", "models", "data"}
+_SUBMODULES = {"optim", "compress", "swarm", "sync", "checkpoint", "models", "data", "pipeline"}
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from . import checkpoint as checkpoint
     from . import optim as optim
+    from . import pipeline as pipeline
     from .checkpoint import Checkpointer as Checkpointer
     from .checkpoint import CheckpointError as CheckpointError
     from .checkpoint import CorruptCheckpointWarning as CorruptCheckpointWarning

@@ -57,15 +57,31 @@ def build_model(cfg: ModelConfig, seed: int = 0):
             self.ln = nnx.LayerNorm(cfg.d_model, rngs=rngs)
             self.head = nnx.Linear(cfg.d_model, VOCAB, use_bias=False, rngs=rngs)
 
+        stage_ends = (True, True)  # a pipeline stage's slice: see stage_split
+
         def __call__(self, tokens):
-            x = self.embed(tokens) + self.pos[...][: tokens.shape[1]]
+            first, last = self.stage_ends
+            x = self.embed(tokens) + self.pos[...][: tokens.shape[1]] if first else tokens
             for block in self.blocks:
-                x = block(x)
-            return self.head(self.ln(x))
+                if block is not None:  # None: a block another pipeline stage holds
+                    x = block(x)
+            return self.head(self.ln(x)) if last else x
 
     model = CharTransformer(nnx.Rngs(seed))
     graphdef, params = nnx.split(model, nnx.Param)
     return graphdef, params
+
+
+def stage_split(graphdef, params):
+    """The model as pipeline units (``rj.pipeline.LayerSplit``): the embedding with the position
+    table, each block, the final norm with the head; the loss is :func:`make_loss`'s."""
+    from flax import nnx
+
+    import ravnest_jax as rj
+
+    return rj.pipeline.LayerSplit(
+        nnx.merge(graphdef, params), blocks="blocks", prologue=("embed", "pos"), epilogue=("ln", "head")
+    )
 
 
 def make_loss(graphdef):

@@ -124,7 +124,15 @@ class Transformer(nnx.Module):
 
     Call with ``tokens`` int32 ``(batch, seq)`` (and optionally ``positions`` int32 ``(batch,
     seq)``, default ``0..seq-1``); returns float32 logits ``(batch, seq, vocab_size)``.
+
+    A pipeline stage holds a slice of the model (:func:`ravnest_jax.pipeline.transformer_split`):
+    ``stage_ends = (first, last)`` says whether it starts with the embedding (else it is called
+    with the hidden state ``(batch, seq, hidden_size)`` in the compute dtype) and whether it ends
+    with the norm and head (else it returns the hidden state); ``(True, True)``, the whole model,
+    by default.
     """
+
+    stage_ends: tuple[bool, bool] = (True, True)  # a class default: a whole model
 
     def __init__(
         self, cfg: TransformerConfig, rngs: nnx.Rngs, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False
@@ -149,16 +157,21 @@ class Transformer(nnx.Module):
         self._inv_freq = tuple(rope_frequencies(cfg))  # static floats: a constant of the jitted program
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        first, last = self.stage_ends
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape[:2])
         inv_freq = jnp.asarray(np.asarray(self._inv_freq, np.float32))
-        x = self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens) if first else tokens
         for layer in self.layers:
+            if layer is None:  # held by another pipeline stage
+                continue
             if self.remat:  # a pure function of the block's state: nothing is written back
                 graphdef, state = nnx.split(layer)
                 x = jax.checkpoint(lambda st, h, g=graphdef: nnx.merge(g, st)(h, positions, inv_freq))(state, x)
             else:
                 x = layer(x, positions, inv_freq)
+        if not last:
+            return x
         x = self.norm(x)
         if self.lm_head is None:
             logits = self.embed_tokens.attend(x)

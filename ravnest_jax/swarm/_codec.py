@@ -3,7 +3,8 @@
 The butterfly sends parts of an encoded contribution as they are (:class:`PartLayout`,
 :func:`part_chunks`: views of the encoded payload) and reads them as they stream in
 (:class:`RangeDecoder`); the ring and the state transfer send one named float32 vector encoded
-by a codec (:func:`encode_part`, :class:`PartDecoder`).
+by a codec (:func:`encode_part`, :class:`PartDecoder`); a pipeline activation (or
+activation-gradient) is one named array of a known shape, read with :class:`ActivationDecoder`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ravnest_jax.compress._formats import part_dtypes, part_lengths
 from ravnest_jax.compress._parts import GRID, PartLayout, RangeDecoder, chunks_nbytes, part_chunks
 
 __all__ = [
+    "ActivationDecoder",
     "GRID",
     "LeafSpec",
     "NonFiniteError",
@@ -45,6 +47,7 @@ __all__ = [
     "WireFormatError",
     "available_codecs",
     "check_codec",
+    "decode_activation",
     "decode_part",
     "encode_part",
     "release_free_heap",
@@ -121,5 +124,57 @@ class PartDecoder:
 def decode_part(data: bytes, *, name: str, length: int, codec: str) -> np.ndarray:
     """Decode a whole message at once (the owner's own result part)."""
     dec = PartDecoder(name=name, length=length, codec=codec, max_bytes=len(data))
+    dec.feed(data)
+    return dec.finish()
+
+
+class ActivationDecoder:
+    """Incremental decoder of one pipeline activation (or activation-gradient) message: one leaf
+    named ``name`` of shape ``shape``, in ``codec``; same interface as :class:`PartDecoder`.
+
+    ``feed`` raises :class:`WireFormatError` as soon as the header shows another leaf, shape or
+    codec (before the payload is allocated), or when the message exceeds ``max_bytes``;
+    ``finish`` returns the float32 array of shape ``shape`` or raises :class:`WireFormatError` /
+    :class:`NonFiniteError`.
+    """
+
+    def __init__(self, *, name: str, shape: tuple[int, ...], codec: str, max_bytes: int):
+        self.name, self.shape, self.codec, self.max_bytes = name, tuple(int(s) for s in shape), codec, max_bytes
+        self.nbytes = 0
+        self._checked = False
+        n = int(np.prod(self.shape, dtype=np.int64))
+        self._dec = StreamDecoder(max_bytes=max_bytes, max_decoded_bytes=4 * n + (1 << 16))
+
+    def _check_header(self) -> None:
+        hdr = self._dec.header
+        if hdr is None or self._checked:
+            return
+        if hdr.codec != self.codec:
+            raise WireFormatError(f"codec {hdr.codec!r}, expected {self.codec!r}")
+        leaves = [(leaf.name, tuple(int(s) for s in leaf.shape)) for leaf in hdr.leaves]
+        if leaves != [(self.name, self.shape)]:
+            raise WireFormatError(f"leaves {leaves}, expected [({self.name!r}, {self.shape})]")
+        self._checked = True
+
+    def feed(self, chunk: bytes | memoryview) -> None:
+        self.nbytes += len(chunk)
+        if self.nbytes > self.max_bytes:
+            raise WireFormatError(f"message longer than {self.max_bytes} bytes")
+        self._dec.feed(chunk)
+        self._check_header()
+
+    def finish(self) -> np.ndarray:
+        tree = self._dec.finish()
+        self._check_header()
+        arr = np.asarray(tree[self.name], dtype=np.float32).reshape(self.shape)
+        if not np.isfinite(arr).all():
+            raise NonFiniteError("activation holds NaN or infinity")
+        return arr
+
+
+def decode_activation(data: bytes | memoryview, *, name: str, shape: tuple[int, ...], codec: str) -> np.ndarray:
+    """Decodes a whole activation message at once (float32, ``shape``); raises like
+    :class:`ActivationDecoder`."""
+    dec = ActivationDecoder(name=name, shape=shape, codec=codec, max_bytes=len(data))
     dec.feed(data)
     return dec.finish()

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ._activations import ActivationLink
 from ._allreduce import RING_SEGMENT_BYTES, check_aggregator, manifest_digest
 from ._butterfly import Butterfly
 from ._codec import check_codec, tune_host_allocator
@@ -160,6 +161,7 @@ class Swarm:
         self._closed = False
         self._info: dict[str, Any] = {}
         self.set_info(info or {})
+        self._link: ActivationLink | None = None
 
     @property
     def port(self) -> int | None:
@@ -197,6 +199,39 @@ class Swarm:
         check_info(info)
         self._info = dict(info)
 
+    def activation_link(self, max_pending: int = 64) -> ActivationLink:
+        """This peer's pipeline endpoint (``ravnest_jax.pipeline``): it receives activations and
+        activation-gradients of neighbouring stages and sends this stage's. Made on the first
+        call, which must come before :meth:`start` (it adds a route to the server).
+
+        Raises:
+          RuntimeError: the swarm started before the first call.
+        """
+        if self._link is None:
+            if self._thread is not None:
+                raise RuntimeError("activation_link() must be called before the swarm starts")
+            self._link = ActivationLink(self.transport, lambda: self._loop, max_pending=max_pending)
+        return self._link
+
+    def announce(self, timeout: float | None = None) -> None:
+        """Sends a heartbeat now, so that the rendezvous has this peer's :attr:`info` at once
+        (instead of at the next heartbeat). Blocks until it answered.
+
+        Raises:
+          SwarmError: the rendezvous did not answer in ``timeout`` seconds (default: twice the
+            connect deadline). RuntimeError: the swarm is not running.
+        """
+        if self._loop is None or self._closed:
+            raise RuntimeError("Swarm is not running")
+        t = self.timeouts.connect * 2 if timeout is None else timeout
+        fut = asyncio.run_coroutine_threadsafe(
+            self.transport.rendezvous("POST", "/heartbeat", self._hello(), t), self._loop
+        )
+        try:
+            fut.result(timeout=t + 5)
+        except Exception as e:
+            raise SwarmError(f"rendezvous unreachable: {e}") from e
+
     # ------------------------------------------------------------------ lifecycle (caller thread)
     def __enter__(self) -> Swarm:
         self.start()
@@ -229,6 +264,8 @@ class Swarm:
         if self._closed or self._loop is None:
             return
         self._closed = True
+        if self._link is not None:
+            self._link.close()
         try:
             fut = asyncio.run_coroutine_threadsafe(self._astop(), self._loop)
             fut.result(timeout=self.timeouts.connect + 10)

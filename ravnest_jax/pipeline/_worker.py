@@ -1,0 +1,307 @@
+"""One stage's compute: its jitted forward and backward, gradient accumulation, the optimizer
+update and the weight versions of the asynchronous modes.
+
+The forward returns the activation already encoded on the device with the pipeline's codec
+(only the compressed bytes leave the accelerator) and keeps the backward's residuals on the
+device; residuals that are the stage's own parameters, its frozen base or its input are not
+copied out but put back at the backward (the parameters of the version the forward used: weight
+stashing costs no copy). The last stage runs forward, loss and backward in one call.
+
+Weights each micro-batch sees (``mode``):
+
+- ``"sync"``: the schedule flushes every step; forward and backward of every micro-batch of
+  step ``t`` use ``W_t``, and ``W_{t+1} = W_t - u(mean grad at W_t)``: the unsplit model's step.
+- ``"stash"`` (PipeDream's weight stashing, arXiv 1806.03377, with one update per step): a
+  forward uses the newest weights of its stage, its backward the same weights (stashed by
+  reference), so each gradient is a true gradient at some version; a step's micro-batches may
+  mix the newest and the one before (at most ``S - s - 1`` of them on stage ``s``).
+- ``"2bw"`` (PipeDream-2BW, arXiv 2006.09503): every micro-batch of step ``t`` uses ``W_{t-1}``
+  and ``W_{t+1} = W_t - u(grad at W_{t-1})``: a uniform one-step delay; two versions are kept.
+
+With a LoRA model only the adapters are parameters: the frozen base has one version, shared by
+every micro-batch; only the adapters go stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ravnest_jax.compress import device_encode
+from ravnest_jax.compress._formats import resolve
+
+from ._model import StageModel
+
+__all__ = ["MODES", "StageWorker"]
+
+MODES = ("sync", "stash", "2bw")
+
+
+@dataclasses.dataclass
+class _Stashed:
+    params: Any  # the weight version the forward used
+    x: Any  # the forward's input (device array)
+    kept: Any  # residuals that are neither params, frozen base nor input
+
+
+class StageWorker:
+    """The compute of one pipeline stage (no I/O).
+
+    Args:
+      stage: the :class:`StageModel` this stage holds.
+      tx: the optax optimizer of this stage's parameters (an ``rj.diloco`` transformation for
+        DiLoCo across clusters). Applied once per step to the mean gradient of its micro-batches.
+      num_stages: S.
+      micro_batches: M, micro-batches per step (each ``batch / M`` sequences).
+      hidden: shape and dtype of one micro-batch's activation between stages.
+      codec: activation codec (``"fp32"`` lossless, ``"bf16"``, ``"int8"``, ``"int4"``, ``"fp4"``,
+        see ``docs/compression.md``), for activations and activation-gradients alike.
+      codec_options: e.g. ``{"block_size": 64}``.
+      mode: ``"sync"``, ``"stash"`` or ``"2bw"`` (module docstring).
+      recompute: the backward recomputes the forward from the stashed input instead of keeping
+        its residuals (less memory per micro-batch in flight, one forward more of compute).
+      keep_grads: keep a copy of each step's mean gradient (:attr:`last_grads`, for tests).
+
+    Raises:
+      ValueError: an unknown mode or codec, ``micro_batches < num_stages - 1`` with ``"2bw"``.
+    """
+
+    def __init__(
+        self,
+        stage: StageModel,
+        tx: optax.GradientTransformation,
+        *,
+        num_stages: int,
+        micro_batches: int,
+        hidden: jax.ShapeDtypeStruct,
+        codec: str = "fp32",
+        codec_options: dict | None = None,
+        mode: str = "sync",
+        recompute: bool = False,
+        keep_grads: bool = False,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        resolve(codec, **(codec_options or {}))  # ValueError naming a bad codec or option
+        if mode == "2bw" and micro_batches < num_stages - 1:
+            raise ValueError(
+                f"mode '2bw' needs micro_batches >= num_stages - 1, got {micro_batches} < {num_stages - 1}"
+            )
+        self.stage, self.tx, self.mode = stage, tx, mode
+        self.first, self.last = stage.first, stage.last
+        self.num_stages, self.micro_batches = num_stages, micro_batches
+        self.hidden = hidden
+        self.codec, self.codec_options = codec, dict(codec_options or {})
+        self.recompute = bool(recompute)
+        self.keep_grads = bool(keep_grads)
+        # a private copy: the update donates the params, which may share buffers with the model
+        self.params = jax.tree.map(lambda a: jnp.array(a, copy=True), stage.params)
+        self.frozen = stage.frozen
+        self.opt_state = tx.init(self.params)
+        self.version = 0  # updates applied
+        self._prev: Any = None  # 2bw: the version before the newest
+        self._acc = self._zeros()
+        self._stash: dict[int, _Stashed] = {}
+        self._meta: tuple[Any, list] | None = None  # residual layout, set when the forward traces
+        self.last_grads: Any = None
+        self.residual_bytes = 0  # device bytes kept per micro-batch in flight (besides its input)
+        self._build()
+
+    # ------------------------------------------------------------------ jitted functions
+    def _zeros(self) -> Any:
+        return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), self.params)
+
+    def _encode(self, y: jax.Array) -> Any:
+        packed, _ = device_encode({"x": y}, self.codec, **self.codec_options)
+        return packed
+
+    def _input(self, x: jax.Array) -> jax.Array:
+        return x if self.first else x.astype(self.hidden.dtype)
+
+    def _vjp(self, params: Any, frozen: Any, x_in: jax.Array) -> tuple[jax.Array, Any]:
+        apply = self.stage.apply
+        if self.first:
+            return jax.vjp(lambda p: apply(p, frozen, x_in), params)
+        return jax.vjp(lambda p, h: apply(p, frozen, h), params, x_in)
+
+    def _build(self) -> None:
+        stage, first = self.stage, self.first
+        donate_params = self.mode == "sync"
+
+        def fwd(params, frozen, x):
+            x_in = self._input(x)
+            y, vjp = self._vjp(params, frozen, x_in)
+            if self.recompute:
+                return self._encode(y), ()
+            leaves, tdef = jax.tree.flatten(vjp)
+            p_leaves, f_leaves = jax.tree.leaves(params), jax.tree.leaves(frozen)
+            srcs, kept = [], []
+            for leaf in leaves:
+                src = _source(leaf, p_leaves, f_leaves, x_in)
+                srcs.append(src)
+                if src is None:
+                    kept.append(leaf)
+            self._meta = (tdef, srcs)
+            return self._encode(y), tuple(kept)
+
+        def rebuild(params, frozen, x_in, kept):
+            tdef, srcs = self._meta
+            p_leaves, f_leaves = jax.tree.leaves(params), jax.tree.leaves(frozen)
+            it = iter(kept)
+            leaves = []
+            for src in srcs:
+                if src is None:
+                    leaves.append(next(it))
+                elif src[0] == "p":
+                    leaves.append(p_leaves[src[1]])
+                elif src[0] == "f":
+                    leaves.append(f_leaves[src[1]])
+                else:
+                    leaves.append(x_in)
+            return jax.tree.unflatten(tdef, leaves)
+
+        def bwd(params, frozen, x, kept, g, acc):
+            x_in = self._input(x)
+            if self.recompute:
+                _, vjp = self._vjp(params, frozen, x_in)
+            else:
+                vjp = rebuild(params, frozen, x_in, kept)
+            cts = vjp(g.astype(self.hidden.dtype))
+            acc = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), acc, cts[0])
+            if first:
+                return acc, None
+            return acc, self._encode(cts[1])
+
+        def last(params, frozen, x, targets, acc):
+            x_in = self._input(x)
+
+            def f(p, h):
+                return stage.loss(stage.apply(p, frozen, h), targets)
+
+            if first:
+                loss, gp = jax.value_and_grad(lambda p: f(p, x_in))(params)
+                gx = None
+            else:
+                loss, (gp, gh) = jax.value_and_grad(f, argnums=(0, 1))(params, x_in)
+                gx = self._encode(gh)
+            acc = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), acc, gp)
+            return loss, acc, gx
+
+        m = float(self.micro_batches)
+        keep = self.keep_grads
+
+        def update(params, opt_state, acc):
+            grads = jax.tree.map(lambda a, p: (a / m).astype(p.dtype), acc, params)
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            zeros = jax.tree.map(jnp.zeros_like, acc)
+            return optax.apply_updates(params, updates), opt_state, zeros, (grads if keep else None)
+
+        self._fwd = jax.jit(fwd)
+        self._bwd = jax.jit(bwd, donate_argnums=(5,))
+        self._last = jax.jit(last, donate_argnums=(4,))
+        self._update = jax.jit(update, donate_argnums=(0, 1, 2) if donate_params else (1, 2))
+
+    def compile(self, batch_rows: int, seq_len: int) -> None:
+        """Compiles this stage's programs for micro-batches of ``batch_rows`` sequences of
+        ``seq_len`` tokens (before the pipeline starts, so no stage waits for another's
+        compiler). Runs nothing."""
+        tokens = jax.ShapeDtypeStruct((batch_rows, seq_len), jnp.int32)
+        x = tokens if self.first else jax.ShapeDtypeStruct(self.hidden.shape, jnp.float32)
+        acc = self._acc
+        if self.last:
+            self._last.lower(self.params, self.frozen, x, tokens, acc).compile()
+        else:
+            lowered = self._fwd.lower(self.params, self.frozen, x)
+            lowered.compile()
+            _, kept = jax.eval_shape(self._fwd, self.params, self.frozen, x)
+            g = jax.ShapeDtypeStruct(self.hidden.shape, jnp.float32)
+            self._bwd.lower(self.params, self.frozen, x, kept, g, acc).compile()
+            self.residual_bytes = int(sum(np.dtype(k.dtype).itemsize * int(np.prod(k.shape)) for k in kept))
+        self._update.lower(self.params, self.opt_state, acc).compile()
+
+    # ------------------------------------------------------------------ ops
+    def _weights_for_forward(self, g: int) -> Any:
+        if self.mode != "2bw":
+            return self.params
+        want = max(g // self.micro_batches - 1, 0)
+        if self.version == want:
+            return self.params
+        if self.version == want + 1 and self._prev is not None:
+            return self._prev
+        raise RuntimeError(f"2bw: micro-batch {g} needs weight version {want}, this stage is at {self.version}")
+
+    def forward(self, g: int, x: Any, targets: Any = None) -> tuple[Any, Any]:
+        """Forward of micro-batch ``g`` (the last stage: forward, loss and backward).
+
+        Args:
+          x: int32 tokens ``(rows, seq)`` on the first stage, else the float32 activation.
+          targets: int32 ``(rows, seq)``, on the last stage only.
+
+        Returns:
+          ``(packed, loss)``: the encoded activation to send forward (on the last stage: the
+          encoded activation-gradient to send back, ``None`` on a single stage), and the
+          micro-batch's loss (a device scalar; ``None`` except on the last stage).
+        """
+        params = self._weights_for_forward(g)
+        if self.last:
+            loss, self._acc, gx = self._last(params, self.frozen, x, targets, self._acc)
+            return gx, loss
+        x = jnp.asarray(x)
+        packed, kept = self._fwd(params, self.frozen, x)
+        self._stash[g] = _Stashed(params, x, kept)
+        return packed, None
+
+    def backward(self, g: int, grad: Any) -> Any:
+        """Backward of micro-batch ``g`` from the activation-gradient ``grad`` (float32, the
+        activation's shape); returns the encoded gradient for the previous stage (``None`` on
+        the first). The last stage's backward ran in its forward: returns ``None``."""
+        if self.last:
+            return None
+        st = self._stash.pop(g)
+        self._acc, gx = self._bwd(st.params, self.frozen, st.x, st.kept, grad, self._acc)
+        return gx
+
+    def update(self) -> None:
+        """Applies the step's mean gradient (sum over micro-batches / M) with the optimizer."""
+        if self.mode == "2bw":
+            self._prev = self.params
+        self.params, self.opt_state, self._acc, grads = self._update(self.params, self.opt_state, self._acc)
+        self.last_grads = grads
+        self.version += 1
+
+    def set_state(self, params: Any, opt_state: Any) -> None:
+        """Replaces params and optimizer state (after an outer DiLoCo round or a download);
+        weight versions of the asynchronous modes restart from ``params``."""
+        self.params, self.opt_state = params, opt_state
+        if self._prev is not None:
+            self._prev = params
+
+    def reset_step(self) -> None:
+        """Drops the micro-batches in flight and the gradient accumulated so far (a step that
+        is replayed after a fault)."""
+        self._stash.clear()
+        self._acc = self._zeros()
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches forwarded and not yet backwarded on this stage."""
+        return len(self._stash)
+
+
+def _source(leaf: Any, p_leaves: list, f_leaves: list, x_in: Any) -> tuple[str, int] | None:
+    """Where a residual comes from: ``("p", i)`` the i-th parameter, ``("f", i)`` the i-th
+    frozen leaf, ``("x", 0)`` the input, ``None`` computed in the forward (kept)."""
+    for i, p in enumerate(p_leaves):
+        if leaf is p:
+            return ("p", i)
+    for i, f in enumerate(f_leaves):
+        if leaf is f:
+            return ("f", i)
+    if leaf is x_in:
+        return ("x", 0)
+    return None

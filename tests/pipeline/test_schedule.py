@@ -1,0 +1,89 @@
+"""The 1F1B schedule and the balanced cut: pure Python, fast."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ravnest_jax.pipeline import balance, stage_ops
+
+
+def _check(ops, stage, S, M, steps, mode):
+    fwd, bwd, upd, in_flight, peak = [], [], [], set(), 0
+    for op, n in ops:
+        if op == "F":
+            assert n not in in_flight and n not in fwd
+            fwd.append(n)
+            in_flight.add(n)
+            peak = max(peak, len(in_flight))
+        elif op == "B":
+            assert n in in_flight, f"backward of {n} before its forward"
+            in_flight.discard(n)
+            bwd.append(n)
+        else:
+            assert all(g in bwd for g in range(n * M, (n + 1) * M)), f"update {n} before its backwards"
+            upd.append(n)
+            if mode == "sync":  # a flush: nothing of the next step forwarded before the update
+                assert all(g < (n + 1) * M for g in fwd), f"sync: step {n + 1} forwarded before update {n}"
+    G = steps * M
+    assert fwd == list(range(G)) and bwd == list(range(G)) and upd == list(range(steps)) and not in_flight
+    return peak
+
+
+@given(S=st.integers(1, 6), M=st.integers(1, 8), steps=st.integers(1, 3))
+def test_one_f_one_b_bounds_micro_batches_in_flight(S, M, steps):
+    for stage, mode in itertools.product(range(S), ("sync", "async")):
+        peak = _check(list(stage_ops(stage, S, M, steps, mode)), stage, S, M, steps, mode)
+        assert peak <= S - stage, f"stage {stage} of {S} held {peak} micro-batches"
+        if M >= S:
+            assert peak == S - stage  # the warm-up fills the pipeline
+
+
+def test_async_schedule_has_no_flush():
+    ops = list(stage_ops(0, 3, 4, 2, "async"))
+    # stage 0 forwards micro-batches of step 1 before the update of step 0
+    assert ops.index(("F", 4)) < ops.index(("U", 0)), ops
+
+
+def test_schedule_rejects_bad_input():
+    with pytest.raises(ValueError):
+        list(stage_ops(3, 3, 4, 1, "sync"))
+    with pytest.raises(ValueError):
+        list(stage_ops(0, 3, 0, 1, "sync"))
+    with pytest.raises(ValueError):
+        list(stage_ops(0, 3, 4, 1, "fast"))
+
+
+def _brute(costs, S):
+    n = len(costs)
+    best = None
+    for cuts in itertools.combinations(range(1, n), S - 1):
+        b = (0, *cuts, n)
+        m = max(sum(costs[b[i] : b[i + 1]]) for i in range(S))
+        best = m if best is None else min(best, m)
+    return best
+
+
+@given(costs=st.lists(st.integers(0, 100), min_size=1, max_size=8), S=st.integers(1, 8))
+def test_balance_is_optimal_and_contiguous(costs, S):
+    if S > len(costs):
+        with pytest.raises(ValueError):
+            balance(costs, S)
+        return
+    bounds = balance(costs, S)
+    assert bounds[0][0] == 0 and bounds[-1][1] == len(costs)
+    assert all(lo < hi for lo, hi in bounds) and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    got = max(sum(costs[lo:hi]) for lo, hi in bounds)
+    assert got == _brute(costs, S), (costs, S, bounds)
+
+
+def test_balance_rejects_bad_costs():
+    with pytest.raises(ValueError):
+        balance([1.0, -1.0], 1)
+    with pytest.raises(ValueError):
+        balance([1.0, float("nan")], 1)
+    with pytest.raises(ValueError):
+        balance([1.0], 0)
