@@ -17,6 +17,7 @@ from ._model import LayerSplit as LayerSplit
 from ._model import StageModel as StageModel
 from ._model import token_cross_entropy as token_cross_entropy
 from ._model import transformer_split as transformer_split
+from ._model import whole_params as whole_params
 from ._peer import PipelineBroken as PipelineBroken
 from ._peer import StageMetrics as StageMetrics
 from ._peer import StagePeer as StagePeer
@@ -41,4 +42,5 @@ __all__ = [
     "token_cross_entropy",
     "transformer_split",
     "unit_seconds",
+    "whole_params",
 ]

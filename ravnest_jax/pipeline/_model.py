@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-__all__ = ["LayerSplit", "StageModel", "token_cross_entropy", "transformer_split"]
+__all__ = ["LayerSplit", "StageModel", "token_cross_entropy", "transformer_split", "whole_params"]
 
 
 def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -186,3 +186,9 @@ def transformer_split(
         trainable=trainable,
         tied=model.config.tie_word_embeddings,
     )
+
+
+def whole_params(*stage_params: Any) -> Any:
+    """The whole model's parameters (an ``nnx.State``) from the stages' (their paths are the
+    whole model's, so this is their union): e.g. for an evaluation of the unsplit model."""
+    return nnx.merge_state(*stage_params)
