@@ -21,6 +21,8 @@ from ._model import whole_params as whole_params
 from ._peer import PipelineBroken as PipelineBroken
 from ._peer import StageMetrics as StageMetrics
 from ._peer import StagePeer as StagePeer
+from ._placement import Placement as Placement
+from ._placement import place as place
 from ._schedule import stage_ops as stage_ops
 from ._worker import MODES as MODES
 from ._worker import StageWorker as StageWorker
@@ -29,6 +31,7 @@ __all__ = [
     "MODES",
     "LayerSplit",
     "PipelineBroken",
+    "Placement",
     "SimResult",
     "StageMetrics",
     "StageModel",
@@ -36,6 +39,7 @@ __all__ = [
     "StagePlan",
     "StageWorker",
     "balance",
+    "place",
     "plan_stages",
     "simulate",
     "stage_ops",

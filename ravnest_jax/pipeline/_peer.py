@@ -1,10 +1,17 @@
 """`StagePeer`: one pipeline stage as a peer process: its compute (a :class:`StageWorker`), its
-neighbours found through the rendezvous, activations over the swarm's transport.
+place (given, or from :func:`place` over the peers' reports), its neighbours found through the
+rendezvous, activations over the swarm's transport, DiLoCo with the peers that hold the same
+stage in other clusters, and recovery when a stage peer of its cluster dies.
 
-The training thread runs the stage's schedule and blocks only to receive (an activation from
-the previous stage, an activation-gradient from the next), with a deadline. Sends never block
-it: each encoded output goes to a sender thread, which waits for the device, builds the wire
-message and hands it to the swarm's event loop, which uploads it while the next op computes.
+The training thread runs the stage's schedule and blocks only to receive (an activation from the
+previous stage, an activation-gradient from the next), with a deadline. Sends never block it:
+each encoded output goes to a sender thread, which waits for the device, builds the wire message
+and hands it to the swarm's event loop, which uploads it while the next op computes.
+
+What a stage peer publishes through the rendezvous (``info["pipe"]``): its role (``"active"``,
+``"standby"``, ``"unplaced"``), cluster, stage, the pipeline epoch it is at, whether it is ready,
+the step it will run next (``resume``), whether it is done, and its report for placement
+(``memory`` bytes, ``mbit``).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from ravnest_jax.swarm import Swarm, SwarmError, Timeouts
 from ravnest_jax.swarm._activations import ActivationLink, PipelineBroken
 
 from ._drive import Batches, encode_message, run_stage
+from ._placement import Placement, device_memory, place
 from ._schedule import stage_ops
 from ._worker import StageWorker
 
@@ -44,10 +52,14 @@ class StageMetrics:
       busy_seconds: time the stage computed (its ops until their outputs were ready, padding of
         an emulated compute time included).
       wait_seconds: time it waited for an activation or activation-gradient.
-      wall_seconds: time from its first op to its last.
-      bytes_sent / bytes_received: activation messages (wire format, all codecs' bytes).
+      wall_seconds: time from its first op to its last (recoveries excluded).
+      bytes_sent / bytes_received: activation messages (wire format).
       messages_sent / messages_received, send_retries: as counted by the link.
       residual_bytes: device bytes a micro-batch in flight keeps besides its input.
+      recoveries: times the pipeline broke and this peer went on in a new epoch.
+      replayed_steps: steps started again after a break (their micro-batches replayed).
+      recovery_seconds: time from a break until the cluster ran again.
+      outer_rounds: DiLoCo rounds merged (with the peers of this stage in other clusters).
     """
 
     steps: int = 0
@@ -61,6 +73,10 @@ class StageMetrics:
     messages_received: int = 0
     send_retries: int = 0
     residual_bytes: int = 0
+    recoveries: int = 0
+    replayed_steps: int = 0
+    recovery_seconds: float = 0.0
+    outer_rounds: int = 0
 
     @property
     def utilisation(self) -> float | None:
@@ -127,42 +143,60 @@ class _Sender:
 
 class StagePeer:
     """One stage of a pipeline, as a peer of a swarm run: trains its slice of the model with its
-    neighbours in the same cluster.
+    neighbours in the same cluster, averages it with DiLoCo among the peers that hold the same
+    stage in other clusters, and recovers when a stage peer of its cluster dies.
 
     Args:
       split: the model's :class:`LayerSplit` (every stage peer builds the same one).
       plan: the :class:`StagePlan` (the same on every stage peer).
-      stage: the stage this peer holds, in ``[0, plan.num_stages)``.
-      tx: the optax optimizer of the stage's parameters.
+      tx: the optimizer of the stage's parameters: an optax transformation, or an
+        ``rj.diloco(...)`` one for DiLoCo across clusters (then the peer joins the stage's group,
+        run ``"{run_id}.stage{s}"``, with an :class:`rj.OuterSync` (``outer``: its options) and
+        downloads the stage's state from a running member when there is one).
+      stage, cluster: this peer's place; ``stage=None``: placed by :func:`place` once
+        ``expected_peers`` peers joined (it may become a standby).
       micro_batches: M micro-batches per step (the batch's rows must divide by M).
       mode: ``"sync"`` (flush every step: exactly the unsplit model's training), ``"stash"`` or
-        ``"2bw"`` (asynchronous: no flush; see :mod:`ravnest_jax.pipeline._worker`).
+        ``"2bw"`` (asynchronous, no flush; ``docs/pipeline.md``).
       codec, codec_options: the activation codec (``"fp32"``, ``"bf16"``, ``"int8"``, ``"int4"``,
         ``"fp4"``) for activations and activation-gradients.
       recompute: recompute the forward in the backward (less memory per micro-batch in flight).
       rendezvous_url, run_id, token, listen, advertise, peer_id, timeouts: of the peer's
-        :class:`rj.Swarm` (read from ``RAVNEST_*`` when left out, as there).
-      cluster: which replica of the model this peer's pipeline is (stages of one cluster send
-        activations to each other).
-      recv_timeout: seconds a stage waits for an activation or activation-gradient before the
-        pipeline is broken (:class:`PipelineBroken`); a send is retried as long.
-      start_timeout: seconds to wait for the neighbours to appear at the rendezvous.
+        pipeline :class:`rj.Swarm` (read from ``RAVNEST_*`` when left out, as there).
+      recv_timeout: seconds a stage waits for an activation or activation-gradient before its
+        cluster's pipeline is broken (:class:`PipelineBroken`); a send is retried as long.
+      start_timeout: seconds to wait for the cluster's stages (at start and after a break).
+      recover: after a break, go on in a new epoch with whoever holds each stage then (a
+        standby that took over), replaying the step that was cut; ``False``: raise.
       compute_seconds: emulate a slower accelerator: each forward takes at least ``[0]`` and each
         backward ``[1]`` seconds (the last stage's fused forward-backward their sum).
+      outer: options of the :class:`rj.OuterSync` (``mode``, ``overlap_steps``, ...).
+      outer_codec: the codec of the stage groups' rounds (default ``"int8"``).
+      group_size: peers each stage group waits for before its first step (default: 1, or the
+        placement's cluster count).
+      group_listen, group_advertise: the stage group swarm's listen address and advertised URL
+        (default: the pipeline swarm's host, port 0; the guessed address).
+      expected_peers, clusters, standbys: placement (``stage=None``): wait for this many peers,
+        form this many clusters and standbys (see :func:`place`).
+      memory, mbit: this peer's report for placement (default: the device's memory, bandwidth
+        unknown).
+      need_bytes: device bytes each stage needs (default: 4 x its parameter bytes).
+      keep_grads: keep each step's mean gradient (tests).
 
     Use as a context manager; then :meth:`run`.
 
     Raises:
-      ValueError: a bad stage, mode, codec or plan.
+      ValueError: a bad stage, mode, codec, plan or timeout.
     """
 
     def __init__(
         self,
         split: Any,
         plan: Any,
-        stage: int,
         tx: Any,
         *,
+        stage: int | None = None,
+        cluster: int = 0,
         micro_batches: int,
         mode: str = "sync",
         codec: str = "fp32",
@@ -175,25 +209,54 @@ class StagePeer:
         advertise: str | None = None,
         peer_id: str | None = None,
         timeouts: Timeouts | None = None,
-        cluster: int = 0,
         recv_timeout: float = 60.0,
         start_timeout: float = 120.0,
+        recover: bool = True,
         compute_seconds: tuple[float, float] | None = None,
+        outer: dict | None = None,
+        outer_codec: str = "int8",
+        group_size: int | None = None,
+        group_listen: str | None = None,
+        group_advertise: str | None = None,
+        expected_peers: int | None = None,
+        clusters: int | None = None,
+        standbys: int | None = None,
+        memory: int | None = None,
+        mbit: float | None = None,
+        need_bytes: list[int] | None = None,
         keep_grads: bool = False,
     ):
         S = plan.num_stages
-        if not isinstance(stage, int) or not 0 <= stage < S:
-            raise ValueError(f"stage must be an int in [0, {S}), got {stage!r}")
-        if not recv_timeout > 0:
-            raise ValueError(f"recv_timeout must be > 0 seconds, got {recv_timeout!r}")
-        self.split, self.plan, self.stage, self.num_stages = split, plan, stage, S
+        if stage is not None and (not isinstance(stage, int) or not 0 <= stage < S):
+            raise ValueError(f"stage must be an int in [0, {S}) or None (placed), got {stage!r}")
+        if stage is None and not expected_peers:
+            raise ValueError("stage=None (placement) needs expected_peers")
+        if not recv_timeout > 0 or not start_timeout > 0:
+            raise ValueError(f"recv_timeout and start_timeout must be > 0 seconds, got {recv_timeout}, {start_timeout}")
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        self.split, self.plan, self.num_stages = split, plan, S
+        self.stage, self.cluster = stage, int(cluster)
+        self.role = "active" if stage is not None else "unplaced"
         self.tx, self.micro_batches, self.mode = tx, int(micro_batches), mode
         self.codec, self.codec_options, self.recompute = codec, dict(codec_options or {}), recompute
-        self.cluster = int(cluster)
-        self.recv_timeout, self.start_timeout = float(recv_timeout), float(start_timeout)
+        self.recv_timeout, self.start_timeout, self.recover = float(recv_timeout), float(start_timeout), bool(recover)
         self.compute_seconds = compute_seconds
+        self.outer, self.outer_codec, self.group_size = dict(outer or {}), outer_codec, group_size
+        self.expected_peers, self.clusters, self.standbys = expected_peers, clusters, standbys
+        self.memory = memory if memory is not None else device_memory()
+        self.mbit = mbit
+        self.need_bytes = need_bytes
         self.keep_grads = keep_grads
+        self.placement: Placement | None = None
+        self.step = 0  # the next step this stage runs
         self._epoch = 0
+        self._ready = False
+        self._done = False
+        self._resume = 0
+        self._timeouts = timeouts
+        self._swarm_args = dict(rendezvous_url=rendezvous_url, token=token, timeouts=timeouts)
+        self._group_listen, self._group_advertise = group_listen, group_advertise
         self.swarm = Swarm(
             rendezvous_url,
             run_id=run_id,
@@ -202,20 +265,38 @@ class StagePeer:
             advertise=advertise,
             peer_id=peer_id,
             timeouts=timeouts,
-            info={INFO_KEY: self._info(ready=False)},
+            info={INFO_KEY: self._info()},
         )
         self.link = self.swarm.activation_link()
         self.worker: StageWorker | None = None
         self.metrics = StageMetrics()
         self.neighbours: dict[str, tuple[str, str] | None] = {"prev": None, "next": None}
+        self.group: Swarm | None = None
+        self.sync: Any = None
+        self.joined: str | None = None  # how the stage's state began: "fresh" or "joined" (downloaded)
         self._sender: _Sender | None = None
+        self._shape: tuple[int, int] | None = None
 
     @property
     def peer_id(self) -> str:
         return self.swarm.peer_id
 
-    def _info(self, ready: bool) -> dict:
-        return {"cluster": self.cluster, "stage": self.stage, "epoch": self._epoch, "ready": ready}
+    def _info(self) -> dict:
+        return {
+            "role": self.role,
+            "cluster": self.cluster if self.role == "active" else None,
+            "stage": self.stage,
+            "epoch": self._epoch,
+            "ready": self._ready,
+            "resume": self._resume,
+            "done": self._done,
+            "memory": self.memory,
+            "mbit": self.mbit,
+        }
+
+    def _publish(self) -> None:
+        self.swarm.set_info({INFO_KEY: self._info()})
+        self.swarm.announce()
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> StagePeer:
@@ -226,24 +307,126 @@ class StagePeer:
         self.close()
 
     def start(self) -> None:
-        """Joins the run (the swarm starts; not yet ready: neighbours do not send to it yet)."""
+        """Joins the run (the pipeline swarm starts; not yet ready: nobody sends to it yet)."""
         self.swarm.start()
         self._sender = _Sender(self.link, self.recv_timeout, f"pipe-send-{self.peer_id}")
 
     def close(self) -> None:
-        """Leaves the run; stops the sender thread. Idempotent."""
+        """Says it is done, leaves the run and its stage group; stops the sender thread.
+        Idempotent."""
         if self._sender is not None:
+            try:
+                self._done, self._ready = True, False
+                self._publish()
+            except (SwarmError, RuntimeError) as e:
+                log.info("%s: could not say done: %s", self.peer_id, e)
             self._sender.close()
             self._sender = None
+        if self.sync is not None:
+            self.sync.close()
+        if self.group is not None:
+            self.group.close()
         self.swarm.close()
+
+    # ------------------------------------------------------------------ membership
+    def _members(self) -> list[tuple[Any, dict]]:
+        """Live peers of the run (stale heartbeats excluded) with their pipeline info."""
+        hb = (self._timeouts or Timeouts()).heartbeat
+        out = []
+        for p in self.swarm.peers():
+            info = p.info.get(INFO_KEY)
+            if isinstance(info, dict) and p.seconds_since_heartbeat <= 3 * hb + 0.5:
+                out.append((p, info))
+        return out
+
+    def place(self) -> Placement | None:
+        """Placement (``stage=None``): waits until ``expected_peers`` peers joined, then computes
+        :func:`place` from their reports (the same on every peer) and takes this peer's part.
+
+        Raises:
+          SwarmError: fewer peers joined within ``start_timeout``. ValueError: see :func:`place`.
+        """
+        if self.role != "unplaced":
+            return self.placement
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            members = [(p, i) for p, i in self._members() if i.get("role") == "unplaced"]
+            if len(members) >= self.expected_peers:
+                break
+            if time.monotonic() > deadline:
+                raise SwarmError(
+                    f"{len(members)} of {self.expected_peers} peers joined within {self.start_timeout:.0f} s"
+                )
+            time.sleep(0.1)
+        reports = [{"peer": p.peer_id, "memory": i.get("memory"), "mbit": i.get("mbit")} for p, i in members]
+        reports = sorted(reports, key=lambda r: r["peer"])[: self.expected_peers]
+        need = self.need_bytes or [4 * sum(self.split.unit_nbytes()[lo:hi]) for lo, hi in self.plan.bounds]
+        self.placement = place(reports, need, clusters=self.clusters, standbys=self.standbys)
+        role, cluster, stage = self.placement.of(self.peer_id)
+        if role == "none":
+            raise SwarmError(f"{self.peer_id}: the placement has no place for this peer")
+        self.role, self.stage = role, stage
+        if cluster is not None:
+            self.cluster = cluster
+        if self.group_size is None:
+            self.group_size = self.placement.clusters
+        self._publish()
+        log.info("%s: placed as %s (cluster %s, stage %s)", self.peer_id, role, cluster, stage)
+        return self.placement
+
+    def _wait_for_a_free_slot(self, deadline: float | None = None) -> bool:
+        """A standby's watch: waits until a stage of some cluster has no live peer while the
+        cluster still trains, and takes it if it is this peer's turn (lowest id among the
+        standbys for that stage, else among all standbys). Returns False when no cluster trains
+        any more (nothing to take over)."""
+        hb = (self._timeouts or Timeouts()).heartbeat
+        clusters_expected = self.placement.clusters if self.placement is not None else 1
+        seen_full = False  # every slot held at once: the placement is in force
+        while deadline is None or time.monotonic() < deadline:
+            members = self._members()
+            active = [(p, i) for p, i in members if i.get("role") == "active" and not i.get("done")]
+            held_slots = {(i.get("cluster"), i.get("stage")) for _, i in active}
+            if not seen_full:
+                seen_full = len(held_slots) >= clusters_expected * self.num_stages
+                time.sleep(hb / 2)
+                continue
+            if not active:
+                return False
+            standbys = sorted(
+                ((p.peer_id, i.get("stage")) for p, i in members if i.get("role") == "standby" and not i.get("done")),
+            )
+            clusters = sorted({i.get("cluster") for _, i in active})
+            for c in clusters:
+                held = {i.get("stage") for _, i in active if i.get("cluster") == c}
+                for s in range(self.num_stages):
+                    if s in held:
+                        continue
+                    mine = [pid for pid, st in standbys if st == s] or [pid for pid, _ in standbys]
+                    if mine and mine[0] == self.peer_id:
+                        epochs = [int(i.get("epoch", 0)) for _, i in active if i.get("cluster") == c]
+                        resumes = [int(i.get("resume", 0)) for _, i in active if i.get("cluster") == c]
+                        self.role, self.cluster, self.stage = "active", int(c), s
+                        self._epoch, self._resume = max(epochs), max(resumes)
+                        self.step = self._resume
+                        log.warning("%s: takes over stage %d of cluster %d (epoch %d)", self.peer_id, s, c, self._epoch)
+                        return True
+            time.sleep(hb / 2)
+        return False
 
     # ------------------------------------------------------------------ set-up
     def prepare(self, batch_rows: int, seq_len: int) -> StageWorker:
         """Builds and compiles this stage's compute for batches of ``batch_rows`` sequences of
-        ``seq_len`` tokens (before :meth:`run`; :meth:`run` calls it when not done)."""
-        if self.micro_batches < 1 or batch_rows % self.micro_batches:
+        ``seq_len`` tokens (:meth:`run` calls it when not done)."""
+        if batch_rows % self.micro_batches:
             raise ValueError(f"batch of {batch_rows} rows does not split into {self.micro_batches} micro-batches")
+        assert self.stage is not None, "place() first"
         rows = batch_rows // self.micro_batches
+        if (
+            self.worker is not None
+            and self.worker.stage.lo == self.plan.bounds[self.stage][0]
+            and self._shape == (batch_rows, seq_len)
+        ):
+            return self.worker
         lo, hi = self.plan.bounds[self.stage]
         self.worker = StageWorker(
             self.split.stage(lo, hi),
@@ -259,52 +442,104 @@ class StagePeer:
         )
         self.worker.compile(rows, seq_len)
         self.metrics.residual_bytes = self.worker.residual_bytes
+        self._shape = (batch_rows, seq_len)
         return self.worker
 
+    def _join_group(self) -> None:
+        """DiLoCo across clusters: joins the stage's group (its own swarm run) with an OuterSync;
+        downloads the stage's state when a member already trains."""
+        from ravnest_jax.optim import DiLoCo
+        from ravnest_jax.sync import OuterSync, join_or_resume
+
+        if self.group is not None or not isinstance(self.tx, DiLoCo):
+            return
+        w = self.worker
+        assert w is not None
+        host = (self.swarm.transport._listen or ("0.0.0.0", 0))[0]
+        self.group = Swarm(
+            self._swarm_args["rendezvous_url"],
+            run_id=f"{self.swarm.run_id}.stage{self.stage}",
+            token=self._swarm_args["token"],
+            codec=self.outer_codec,
+            listen=self._group_listen or f"{host}:0",
+            advertise=self._group_advertise,
+            timeouts=self._timeouts,
+            peer_id=self.peer_id,
+        )
+        self.group.start()
+        opts = {"samples_per_step": float(self._shape[0]) if self._shape else 1.0, **self.outer}
+        self.sync = OuterSync(self.tx, self.group, **opts)
+        self.sync.warmup(w.params, w.opt_state)
+        took_over = self.placement is not None and self.peer_id in self.placement.standbys
+        got = join_or_resume(
+            self.group,
+            self.sync,
+            w.params,
+            w.opt_state,
+            min_peers=1 if took_over else max(1, int(self.group_size or 1)),
+            timeout=self.start_timeout,
+        )
+        self.joined = got.how
+        if got.how == "joined":
+            w.set_state(got.params, got.state)
+            log.warning("%s: downloaded stage %d's state from its group (step %d)", self.peer_id, self.stage, got.step)
+
     def connect(self) -> None:
-        """Says this stage is ready and waits (up to ``start_timeout``) until its neighbours in
-        the cluster are too; then only they may send to it.
+        """Says this stage is ready (in its epoch) and waits (up to ``start_timeout``) until
+        every stage of the cluster is ready in the same epoch; adopts a newer epoch when a
+        cluster member is at one. Then only its neighbours may send to it, and all stages go on
+        from the largest step any of them will run next.
 
         Raises:
-          SwarmError: a neighbour did not appear in time.
+          SwarmError: the cluster did not become ready in time.
         """
         assert self.worker is not None, "prepare() first"
-        self.swarm.set_info({INFO_KEY: self._info(ready=True)})
-        self.swarm.announce()
-        want = {
-            "prev": self.stage - 1 if self.stage > 0 else None,
-            "next": self.stage + 1 if self.stage < self.num_stages - 1 else None,
-        }
+        self._ready, self._resume = True, self.step
+        self._publish()
         deadline = time.monotonic() + self.start_timeout
         while True:
-            found = self._find(want)
-            if all(found[k] is not None for k, s in want.items() if s is not None):
+            members = [
+                (p, i)
+                for p, i in self._members()
+                if i.get("role") == "active" and i.get("cluster") == self.cluster and not i.get("done")
+            ]
+            top = max([int(i.get("epoch", 0)) for _, i in members] + [self._epoch])
+            if top > self._epoch:
+                log.info("%s: cluster %d is at epoch %d: joining it", self.peer_id, self.cluster, top)
+                self._epoch = top
+                self._publish()
+                continue
+            ready = {}
+            for p, i in members:
+                if i.get("ready") and int(i.get("epoch", -1)) == self._epoch:
+                    ready.setdefault(int(i.get("stage")), (p, i))
+            if len(ready) == self.num_stages and ready[self.stage][0].peer_id == self.peer_id:
                 break
             if time.monotonic() > deadline:
-                missing = [f"stage {s}" for k, s in want.items() if s is not None and found[k] is None]
+                missing = [s for s in range(self.num_stages) if s not in ready]
                 raise SwarmError(
-                    f"cluster {self.cluster}: {', '.join(missing)} not ready within {self.start_timeout:.0f} s"
+                    f"cluster {self.cluster}: stages {missing} not ready in epoch {self._epoch} within "
+                    f"{self.start_timeout:.0f} s"
                 )
-            time.sleep(0.1)
-        self.neighbours = found
+            time.sleep(0.05)
+        resume = max(int(i.get("resume", 0)) for _, i in ready.values())
+        if resume > self.step:
+            log.warning(
+                "%s: the cluster goes on at step %d; this stage skips from step %d", self.peer_id, resume, self.step
+            )
+            self.worker.reset_step()
+        self.step = resume
+        prev = ready.get(self.stage - 1)
+        nxt = ready.get(self.stage + 1)
+        self.neighbours = {
+            "prev": (prev[0].peer_id, prev[0].address) if prev else None,
+            "next": (nxt[0].peer_id, nxt[0].address) if nxt else None,
+        }
+        self._cluster_addresses = [p.address for p, _ in ready.values() if p.peer_id != self.peer_id]
         shape = self.worker.hidden.shape
-        prev, nxt = found["prev"], found["next"]
         self.link.set_epoch(self._epoch)
-        self.link.expect("act", prev[0] if prev else None, shape, self.codec)
-        self.link.expect("grad", nxt[0] if nxt else None, shape, self.codec)
-
-    def _find(self, want: dict[str, int | None]) -> dict[str, tuple[str, str] | None]:
-        out: dict[str, tuple[str, str] | None] = {k: None for k in want}
-        for p in self.swarm.peers():
-            info = p.info.get(INFO_KEY) or {}
-            if p.peer_id == self.peer_id or not info.get("ready") or info.get("cluster") != self.cluster:
-                continue
-            if info.get("epoch") != self._epoch:
-                continue
-            for k, s in want.items():
-                if s is not None and info.get("stage") == s:
-                    out[k] = (p.peer_id, p.address)
-        return out
+        self.link.expect("act", self.neighbours["prev"][0] if prev else None, shape, self.codec)
+        self.link.expect("grad", self.neighbours["next"][0] if nxt else None, shape, self.codec)
 
     # ------------------------------------------------------------------ training
     def run(
@@ -312,40 +547,91 @@ class StagePeer:
         steps: int,
         batches: Callable[[int], Any] | None,
         *,
-        start: int = 0,
+        batch_shape: tuple[int, int] | None = None,
         on_step: Callable[[int, Any], None] | None = None,
     ) -> list[float]:
-        """Runs ``steps`` steps of this stage's schedule from step ``start``.
+        """Trains until step ``steps`` (steps are counted from 0 through the run; a peer that
+        took over a stage starts where its cluster is).
 
         Args:
-          batches: ``batches(step)`` -> int32 tokens ``(B, T + 1)``, the same on every stage of
-            the cluster (the first stage reads the inputs, the last the targets); ``None`` on a
-            stage that is neither.
+          steps: the step to stop before.
+          batches: ``batches(step)`` -> int32 tokens ``(B, T + 1)``, the same on every stage of a
+            cluster (the first stage reads the inputs, the last the targets; clusters should
+            read different data).
+          batch_shape: ``(B, T)`` when ``batches`` is None (a middle stage without data).
           on_step: ``on_step(step, loss)`` after each update (``loss``: the step's mean
             micro-batch loss, a float, on the last stage; else ``None``).
 
         Returns:
-          the losses of the steps (on the last stage; else an empty list).
+          the losses of the steps this peer ran (on the last stage; else an empty list). A
+          standby that took nothing over returns an empty list.
 
         Raises:
-          PipelineBroken: a neighbour did not deliver in time or a send failed for good.
+          PipelineBroken: the pipeline broke and ``recover`` is False.
+          SwarmError: the cluster did not come together within ``start_timeout``.
           ValueError: a bad batch.
         """
-        if self.worker is None:
+        assert self._sender is not None, "start() first"
+        if batch_shape is None:
             if batches is None:
-                raise ValueError("a stage without data must be prepared first: call prepare(batch_rows, seq_len)")
-            tok = np.asarray(batches(start))
-            self.prepare(tok.shape[0], tok.shape[1] - 1)
-        if self.neighbours["prev"] is None and self.neighbours["next"] is None and self.num_stages > 1:
-            self.connect()
+                raise ValueError("a stage without data needs batch_shape=(B, T)")
+            tok = np.asarray(batches(self.step))
+            batch_shape = (tok.shape[0], tok.shape[1] - 1)
+        if self.role == "unplaced":
+            self.place()
+        if self.role == "standby":
+            self.prepare(*batch_shape)  # compiled ahead: a takeover costs the download only
+            self._ready = False
+            self._publish()
+            if not self._wait_for_a_free_slot():
+                return []
+        self.prepare(*batch_shape)
+        self._join_group()
+        losses: list[float] = []
+        data = Batches(batches, self.micro_batches) if batches is not None else None
+        broke_at: float | None = None
+        while self.step < steps:
+            try:
+                self.connect()
+                if broke_at is not None:
+                    self.metrics.recovery_seconds += time.perf_counter() - broke_at
+                    broke_at = None
+                self._train(steps, data, losses, on_step)
+            except PipelineBroken as e:
+                if not self.recover:
+                    raise
+                broke_at = time.perf_counter()
+                log.warning("%s: pipeline of cluster %d broke at step %d: %s", self.peer_id, self.cluster, self.step, e)
+                self._abort_cluster(str(e))
+                self.metrics.recoveries += 1
+                self.metrics.replayed_steps += 1
+                self.worker.reset_step()
+                self._epoch += 1
+                self._ready = False
+        if self.sync is not None:
+            w = self.worker
+            params, state = self.sync.flush(w.params, w.opt_state)
+            if params is not w.params:
+                w.set_state(params, state)
+            self.metrics.outer_rounds = sum(1 for m in self.sync.metrics if m.ok)
+        return losses
+
+    def _abort_cluster(self, reason: str) -> None:
+        for address in getattr(self, "_cluster_addresses", []):
+            self.link.abort(address, reason, timeout=min(2.0, self.recv_timeout))
+
+    def _train(self, steps: int, data: Batches | None, losses: list[float], on_step: Callable | None) -> None:
         w = self.worker
         assert w is not None and self._sender is not None
-        data = Batches(batches, self.micro_batches) if batches is not None else None
-        losses: list[float] = []
         m = self.metrics
 
         def updated(step: int, loss: Any) -> None:
             m.steps += 1
+            self.step = step + 1
+            if self.sync is not None:
+                params, state = self.sync(w.params, w.opt_state)
+                if params is not w.params:
+                    w.set_state(params, state)
             val = None if loss is None else float(loss)
             if val is not None:
                 losses.append(val)
@@ -353,13 +639,11 @@ class StagePeer:
                 on_step(step, val)
 
         sched = "sync" if self.mode == "sync" else "async"
-        gen = run_stage(
-            w, stage_ops(self.stage, self.num_stages, self.micro_batches, steps, sched, start), data, updated
-        )
+        ops = stage_ops(self.stage, self.num_stages, self.micro_batches, steps - self.step, sched, self.step)
+        gen = run_stage(w, ops, data, updated)
         pad_f, pad_b = self.compute_seconds or (0.0, 0.0)
         pads = {"F": pad_f + pad_b if w.last else pad_f, "B": pad_b, "U": 0.0}
-        t_start = time.perf_counter()
-        t_op = t_start
+        t_start = t_op = time.perf_counter()
         value = None
         try:
             while True:
@@ -393,14 +677,47 @@ class StagePeer:
             if self.link.failure is not None:
                 raise self.link.failure
         finally:
+            gen.close()
             m.wall_seconds += time.perf_counter() - t_start
             st = self.link.stats
             m.bytes_sent, m.bytes_received = st.bytes_sent, st.bytes_received
             m.messages_sent, m.messages_received, m.send_retries = st.messages_sent, st.messages_received, st.retries
-        return losses
 
     def _pad(self, t0: float, seconds: float) -> None:
         if seconds > 0:
             left = seconds - (time.perf_counter() - t0)
             if left > 0:
                 time.sleep(left)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, tokens: Any) -> float | None:
+        """The mean loss of the cluster's model on ``tokens`` (int32 ``(K, B, T + 1)``, the
+        same on every stage of the cluster): a forward-only pass through the pipeline, batch
+        by batch of the training micro-batch's shape. Returns the loss on the last stage, else
+        ``None``.
+
+        Raises:
+          PipelineBroken: a neighbour did not deliver in time.
+          ValueError: the rows or sequence length do not fit the training shape.
+        """
+        w = self.worker
+        assert w is not None and self._sender is not None and self._shape is not None
+        rows, seq = self._shape[0] // self.micro_batches, self._shape[1]
+        tok = np.asarray(tokens, np.int32).reshape(-1, tokens.shape[-1])
+        if tok.shape[1] != seq + 1 or tok.shape[0] % rows:
+            raise ValueError(f"eval tokens of shape {tok.shape} do not cut into ({rows}, {seq + 1}) micro-batches")
+        losses = []
+        for k in range(tok.shape[0] // rows):
+            g = -1 - k  # eval micro-batches: negative numbers, never a training one's
+            chunk = tok[k * rows : (k + 1) * rows]
+            x = chunk[:, :-1] if w.first else self.link.take("act", g, self.recv_timeout)
+            packed, loss = w.evaluate(x, chunk[:, 1:] if w.last else None)
+            if w.last:
+                losses.append(loss)
+            else:
+                jax.block_until_ready(packed)
+                assert self.neighbours["next"] is not None
+                self._sender.put(packed, "act", g, self.neighbours["next"])
+        if not self._sender.flush(self.recv_timeout):
+            raise PipelineBroken("eval sends still in flight")
+        return float(np.mean([float(x) for x in losses])) if losses else None

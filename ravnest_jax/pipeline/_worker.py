@@ -113,6 +113,7 @@ class StageWorker:
         self._meta: tuple[Any, list] | None = None  # residual layout, set when the forward traces
         self.last_grads: Any = None
         self.residual_bytes = 0  # device bytes kept per micro-batch in flight (besides its input)
+        self._eval: tuple[Any, Any] | None = None
         self._build()
 
     # ------------------------------------------------------------------ jitted functions
@@ -276,6 +277,23 @@ class StageWorker:
         self.params, self.opt_state, self._acc, grads = self._update(self.params, self.opt_state, self._acc)
         self.last_grads = grads
         self.version += 1
+
+    def evaluate(self, x: Any, targets: Any = None) -> tuple[Any, Any]:
+        """Forward only (no gradient, nothing kept) with the newest weights: ``(packed, None)``
+        for the next stage, or ``(None, loss)`` on the last stage (a device scalar)."""
+        if self._eval is None:
+            stage = self.stage
+
+            def mid(params, frozen, x):
+                return self._encode(stage.apply(params, frozen, self._input(x)))
+
+            def last(params, frozen, x, targets):
+                return stage.loss(stage.apply(params, frozen, self._input(x)), targets)
+
+            self._eval = (jax.jit(mid), jax.jit(last))
+        if self.last:
+            return None, self._eval[1](self.params, self.frozen, x, targets)
+        return self._eval[0](self.params, self.frozen, jnp.asarray(x)), None
 
     def set_state(self, params: Any, opt_state: Any) -> None:
         """Replaces params and optimizer state (after an outer DiLoCo round or a download);

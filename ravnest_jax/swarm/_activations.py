@@ -6,7 +6,9 @@ leaf, ``"x"``, any codec) to::
 
     /v1/runs/{run}/pipe/{kind}/{epoch}/{micro}
 
-``kind`` is ``act`` or ``grad``, ``epoch`` the pipeline's incarnation (it grows when a stage is
+(and ``POST /v1/runs/{run}/pipe/abort/{epoch}``: a stage peer that found the pipeline broken
+tells the rest of its cluster at once). ``kind`` is ``act`` or ``grad``, ``epoch`` the
+pipeline's incarnation (it grows when a stage is
 taken over, so a message of an abandoned schedule is refused with 410) and ``micro`` the
 micro-batch's index in the run (``step * micro_batches + m``). The receiver checks, before it
 allocates anything, that the sender is the neighbour it expects for that kind (409 otherwise:
@@ -34,7 +36,7 @@ from aiohttp import web
 
 from ._auth import body_digest
 from ._codec import ActivationDecoder
-from ._http import HTTPStatusError
+from ._http import HTTPStatusError, read_json_body, signed_json
 from ._transport import Transport, why
 from ._types import SwarmError
 
@@ -108,6 +110,7 @@ class ActivationLink:
         self._closed = False
         self._sends: set[concurrent.futures.Future[Any]] = set()
         transport.route("PUT", "/pipe/{kind}/{epoch}/{micro}", self._h_put)
+        transport.route("POST", "/pipe/abort/{epoch}", self._h_abort)
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -169,6 +172,52 @@ class ActivationLink:
             self.stats.messages_received += 1
             self._cond.notify_all()
         return t.reply(request, {"ok": True})
+
+    async def _h_abort(self, request: web.Request) -> web.Response:
+        sender, claimed = self.transport.verify(request)
+        body = await read_json_body(request, claimed)
+        try:
+            epoch = int(request.match_info["epoch"])
+        except ValueError:
+            raise web.HTTPBadRequest(text="epoch must be an integer") from None
+        reason = str((body or {}).get("reason", ""))[:500]
+        with self._cond:
+            if epoch == self._epoch and self._failure is None:
+                self._failure = PipelineBroken(
+                    f"{sender} stopped the pipeline (epoch {epoch}): {reason}", neighbour=None
+                )
+                self._cond.notify_all()
+        return self.transport.reply(request, {"ok": True})
+
+    def abort(self, address: str, reason: str, timeout: float) -> concurrent.futures.Future[Any]:
+        """Tells the stage peer at ``address`` that this epoch's pipeline is broken (its
+        :meth:`take` raises at once instead of at its deadline). Best effort: failures are
+        swallowed; returns a future of whether it was delivered."""
+        epoch = self._epoch
+
+        async def go() -> bool:
+            assert self.transport.session is not None
+            try:
+                await signed_json(
+                    self.transport.session,
+                    address,
+                    "POST",
+                    self.transport.path(f"/pipe/abort/{epoch}"),
+                    token=self.transport.token,
+                    run_id=self.transport.run_id,
+                    peer=self.transport.peer_id,
+                    payload={"reason": reason},
+                    ssl=self.transport.client_ssl,
+                    timeout=aiohttp.ClientTimeout(
+                        total=timeout, sock_connect=min(timeout, self.transport.timeouts.connect)
+                    ),
+                )
+                return True
+            except Exception as e:  # noqa: BLE001 - best effort: the peer may be the dead one
+                log.info("%s: abort to %s failed: %s", self.transport.peer_id, address, why(e))
+                return False
+
+        return asyncio.run_coroutine_threadsafe(go(), self._loop())
 
     def take(self, kind: str, micro: int, timeout: float) -> np.ndarray:
         """Blocks until the ``kind`` message of micro-batch ``micro`` (this epoch) is in, and

@@ -77,3 +77,40 @@ def test_sync_pipeline_equals_unsplit_model(pipe_cluster, tmp_path, model, stage
                 assert_matches(f"param {name}", got, ref_params[name])
             seen.add(name)
     assert seen - {""} == set(ref_grads), f"stages hold {sorted(seen)}, the model {sorted(ref_grads)}"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["stash", "2bw"])
+def test_async_pipeline_of_processes_equals_its_simulation(pipe_cluster, tmp_path, mode):
+    """The asynchronous modes are deterministic (each stage's op order is fixed): the peer
+    processes compute exactly what the one-process simulation does."""
+    import jax
+
+    import ravnest_jax as rj
+
+    pipe_cluster.rendezvous()
+    stages = 3
+    procs = []
+    for s in range(stages):
+        out = tmp_path / f"stage{s}.npz"
+        args = ["--stages", str(stages), "--stage", str(s), "--mode", mode, "--steps", "4", "--out", str(out)]
+        procs.append((out, pipe_cluster.start(f"stage{s}", WORKER, *args)))
+    split, _, _, vocab = build("char")
+    sim = rj.pipeline.simulate(
+        split,
+        rj.pipeline.plan_stages(split, stages),
+        optimizer(LR),
+        batches(vocab),
+        steps=4,
+        micro_batches=4,
+        mode=mode,
+    )
+    for _, p in procs:
+        p.expect("done", timeout=240)
+        assert p.wait(30) == 0, p.stderr()
+    results = [dict(np.load(out)) for out, _ in procs]
+    np.testing.assert_allclose(results[-1]["losses"], sim.losses, rtol=RTOL, err_msg="losses")
+    for r, w in zip(results, sim.workers):
+        want = flat(jax.device_get(w.params))
+        for name, v in want.items():
+            assert_matches(f"param {name}", r[f"param/{name}"], v)
