@@ -49,6 +49,11 @@ _FORWARD = (
     "devices",
     "layout",
     "log_level",
+    "stages",
+    "micro_batches",
+    "pipeline_mode",
+    "activation_codec",
+    "standbys",
 )
 
 
@@ -123,7 +128,8 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
     from ravnest_jax.launch import stop_processes
 
     check_text(args.text)  # before anything starts
-    n = args.local_peers
+    staged = getattr(args, "stages", 1) > 1
+    n = args.local_peers + (args.standbys if staged else 0)  # processes: the clusters' peers and the standbys
     procs: list[subprocess.Popen] = []
     run_id = f"char-lm-{secrets.token_hex(3)}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAVNEST_TOKEN": secrets.token_hex(16)}
@@ -192,6 +198,9 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
                     f"{ev['group_size']} peers{loss}",
                     flush=True,
                 )
+        elif kind == "placed" and staged and args.no_progress:
+            where = "standby" if ev["role"] == "standby" else f"cluster {ev['cluster']}"
+            print(f"peer{i}: stage {ev['stage']} ({where})", flush=True)
         elif kind == "result":
             results[i] = ev["result"]
 
@@ -236,6 +245,11 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
             f"rendezvous {url}, run {run_id}; starting {n} peers "
             f"(codec {args.codec}, H={args.sync_every}, overlap {args.overlap_steps}, mode {args.mode})"
         )
+        if staged:
+            print(
+                f"pipeline: {args.stages} stages, {args.local_peers // args.stages} clusters, {args.standbys} standbys, "
+                f"{args.micro_batches} micro-batches, {args.pipeline_mode} schedule, {args.activation_codec} activations"
+            )
         print(f"status page: {url}/runs/{run_id}?token={env['RAVNEST_TOKEN']}", flush=True)
         # N peers share this machine's cores: one compute thread each
         xla = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")}
@@ -265,7 +279,8 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
             if args.adversary is not None and i < args.adversary_peers:
                 cmd += ["--adversary", args.adversary]
             peers.append(start(cmd, f"peer{i}", xla))
-        bar = tqdm(total=n * args.max_steps, desc=f"{n} peers (starting)", disable=args.no_progress, dynamic_ncols=True)
+        total = (args.local_peers if staged else n) * args.max_steps
+        bar = tqdm(total=total, desc=f"{n} peers (starting)", disable=args.no_progress, dynamic_ncols=True)
         if args.no_progress:
             print(f"compiling on {n} peers (a minute or so on a small CPU machine)...", flush=True)
         while any(p.poll() is None for p in peers) or not events.empty():
@@ -317,6 +332,22 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
         raise RuntimeError("no peer finished")
     if failed and not interrupted:
         print(f"\n{len(failed)} of {n} peers did not finish (above); the {len(done)} that did:")
+    if staged:
+        from char_lm.pipe_peer import print_stage_table
+
+        equal = print_stage_table(done) if done else False
+        return {
+            "mode": "local_swarm",
+            "pipeline": True,
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "machine": machine_info(),
+            "config": run_config(args, run_id=run_id, rendezvous=url),
+            "interrupted": interrupted,
+            "peers": done,
+            "stages": _stage_summary(done),
+            "round_digests_equal": equal,
+            "failed_peers": failed,
+        }
     dp_bytes = data_parallel_bytes(n, done[0]["params"], args.max_steps) if done else 0.0
     equal = print_peer_table(done, dp_bytes) if done else False
     return {
@@ -331,3 +362,25 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
         "round_digests_equal": equal,
         "failed_peers": failed,
     }
+
+
+def _stage_summary(results: list[dict]) -> list[dict]:
+    """Per stage: mean utilisation and bubble fraction over its active peers, activation bytes,
+    outer rounds (the cross-cluster DiLoCo rounds of its group)."""
+    out = []
+    for s in sorted({r["stage"] for r in results if r.get("role") == "active"}):
+        rs = [r for r in results if r.get("role") == "active" and r["stage"] == s]
+        utils = [r["utilisation"] for r in rs if r["utilisation"] is not None]
+        out.append(
+            {
+                "stage": s,
+                "peers": [r["peer"] for r in rs],
+                "utilisation": float(np.mean(utils)) if utils else None,
+                "bubble_fraction": float(1 - np.mean(utils)) if utils else None,
+                "activation_bytes_sent": int(sum(r["activation_bytes_sent"] for r in rs)),
+                "activation_bytes_received": int(sum(r["activation_bytes_received"] for r in rs)),
+                "outer_rounds": max(r["outer_rounds"] for r in rs),
+                "eval_loss_end": [r["eval_loss_end"] for r in rs if r["eval_loss_end"] is not None] or None,
+            }
+        )
+    return out

@@ -277,6 +277,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="replicated",
         help="with --devices > 1: params replicated on every device, or split along their first axis",
     )
+    pp = p.add_argument_group("pipeline stages (--stages S > 1 with --local-peers / --rendezvous)")
+    pp.add_argument(
+        "--stages",
+        type=_positive_int,
+        default=1,
+        help="cut the model into S pipeline stages, one peer each; --local-peers N makes N / S clusters that "
+        "average each stage with DiLoCo (docs/pipeline.md)",
+    )
+    pp.add_argument(
+        "--micro-batches", type=_positive_int, default=4, help="micro-batches per step (divides --batch-size)"
+    )
+    pp.add_argument(
+        "--pipeline-mode",
+        choices=["sync", "async", "stash", "2bw"],
+        default="sync",
+        help="sync: flush every step (exactly the unsplit model); async: no flush (the measured choice, "
+        "docs/pipeline.md), or name stash / 2bw",
+    )
+    pp.add_argument(
+        "--activation-codec",
+        choices=["fp32", "bf16", "int8", "int4", "fp4"],
+        default="int8",
+        help="codec of the activations and activation-gradients between stages",
+    )
+    pp.add_argument(
+        "--standbys", type=int, default=0, help="extra peers that wait to take over a stage whose peer dies"
+    )
     s.add_argument("--json-events", action="store_true", help=argparse.SUPPRESS)
     s.add_argument("--join-when-exists", default=None, help=argparse.SUPPRESS)  # tests: join on cue
     s.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
@@ -338,6 +365,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.checkpoint_dir and args.rendezvous and os.environ.get("RAVNEST_PEER_ID") and not args.local_peers:
         # under `ravnest-jax local`: one subfolder per peer, as with --local-peers
         args.checkpoint_dir = str(Path(args.checkpoint_dir) / os.environ["RAVNEST_PEER_ID"])
+    if args.stages > 1:
+        if not (args.local_peers or args.rendezvous):
+            p.error("--stages applies to swarm peers (--local-peers / --rendezvous)")
+        if args.local_peers and args.local_peers % args.stages:
+            p.error(f"--local-peers ({args.local_peers}) must be a multiple of --stages ({args.stages})")
+        if args.stages > args.layers + 2:
+            p.error(
+                f"--stages ({args.stages}) can be at most --layers + 2 ({args.layers + 2}): embedding, blocks, head"
+            )
+        if args.batch_size % args.micro_batches:
+            p.error(f"--batch-size ({args.batch_size}) must be a multiple of --micro-batches ({args.micro_batches})")
+        if 32 % (args.batch_size // args.micro_batches):
+            p.error("--batch-size / --micro-batches must divide 32 (the eval batches pass through the pipeline)")
+        if args.standbys < 0:
+            p.error("--standbys must be >= 0")
+        for flag, bad in (
+            ("--devices", args.devices > 1),
+            ("--checkpoint-dir", args.checkpoint_dir),
+            ("--adversary", args.adversary),
+            ("--fragments", args.fragments > 1),
+        ):
+            if bad:
+                p.error(f"{flag} is not supported with --stages yet (docs/pipeline.md, limits)")
+    elif args.standbys:
+        p.error("--standbys needs --stages > 1")
     if not (args.local_peers or args.rendezvous):
         args.simulate = True
     elif args.codec is None:
@@ -393,6 +445,21 @@ def _main(args: argparse.Namespace) -> int:
     try:
         if args.local_peers:
             summary = run_local_swarm(args)
+        elif args.rendezvous and args.stages > 1:
+            from char_lm.pipe_peer import print_stage_table, run_stage_peer
+
+            result = run_stage_peer(args)
+            summary = {
+                "mode": "stage_peer",
+                "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                "machine": machine_info(),
+                "config": run_config(args, run_id=args.run_id),
+                "interrupted": result["interrupted"],
+                "peer_result": result,
+            }
+            _emit(args, event="result", result=result)
+            if not args.json_events:
+                print_stage_table([result])
         elif args.rendezvous:
             result = run_peer(args)
             summary = {
@@ -426,7 +493,7 @@ def _main(args: argparse.Namespace) -> int:
     if mode == "local_swarm" and not args.summary_json and summary.get("peers"):
         args.summary_json = str(Path("runs") / summary["config"]["run_id"] / "summary.json")
     _write_summary(args, summary)
-    if mode == "local_swarm" and summary.get("peers"):
+    if mode == "local_swarm" and summary.get("peers") and not summary.get("pipeline"):
         _plot(args.summary_json)
     if summary.get("interrupted"):
         return 128 + (_STOPPED_BY[-1] if _STOPPED_BY else 2)

@@ -24,10 +24,12 @@ from ._peer import StagePeer as StagePeer
 from ._placement import Placement as Placement
 from ._placement import place as place
 from ._schedule import stage_ops as stage_ops
+from ._worker import ASYNC_MODE as ASYNC_MODE
 from ._worker import MODES as MODES
 from ._worker import StageWorker as StageWorker
 
 __all__ = [
+    "ASYNC_MODE",
     "MODES",
     "LayerSplit",
     "PipelineBroken",

@@ -60,6 +60,7 @@ class StageMetrics:
       replayed_steps: steps started again after a break (their micro-batches replayed).
       recovery_seconds: time from a break until the cluster ran again.
       outer_rounds: DiLoCo rounds merged (with the peers of this stage in other clusters).
+      break_times: UNIX times at which this peer found its cluster's pipeline broken.
     """
 
     steps: int = 0
@@ -77,6 +78,7 @@ class StageMetrics:
     replayed_steps: int = 0
     recovery_seconds: float = 0.0
     outer_rounds: int = 0
+    break_times: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def utilisation(self) -> float | None:
@@ -238,7 +240,9 @@ class StagePeer:
         self.split, self.plan, self.num_stages = split, plan, S
         self.stage, self.cluster = stage, int(cluster)
         self.role = "active" if stage is not None else "unplaced"
-        self.tx, self.micro_batches, self.mode = tx, int(micro_batches), mode
+        from ._worker import ASYNC_MODE
+
+        self.tx, self.micro_batches, self.mode = tx, int(micro_batches), ASYNC_MODE if mode == "async" else mode
         self.codec, self.codec_options, self.recompute = codec, dict(codec_options or {}), recompute
         self.recv_timeout, self.start_timeout, self.recover = float(recv_timeout), float(start_timeout), bool(recover)
         self.compute_seconds = compute_seconds
@@ -350,7 +354,8 @@ class StagePeer:
             return self.placement
         deadline = time.monotonic() + self.start_timeout
         while True:
-            members = [(p, i) for p, i in self._members() if i.get("role") == "unplaced"]
+            # every peer with a report counts: those that placed themselves already keep it
+            members = [(p, i) for p, i in self._members() if i.get("role") in ("unplaced", "active", "standby")]
             if len(members) >= self.expected_peers:
                 break
             if time.monotonic() > deadline:
@@ -376,38 +381,46 @@ class StagePeer:
 
     def _wait_for_a_free_slot(self, deadline: float | None = None) -> bool:
         """A standby's watch: waits until a stage of some cluster has no live peer while the
-        cluster still trains, and takes it if it is this peer's turn (lowest id among the
-        standbys for that stage, else among all standbys). Returns False when no cluster trains
-        any more (nothing to take over)."""
+        rest of that cluster went on to a newer epoch than the one at which every stage was last
+        seen held (its pipeline broke and it waits for the stage: a cluster whose stages finish
+        and leave one by one stays in its epoch), and takes the stage over if it is this peer's
+        turn (lowest id among the standbys for that stage, else among all standbys). Returns
+        False when no cluster trains any more (nothing to take over)."""
         hb = (self._timeouts or Timeouts()).heartbeat
         clusters_expected = self.placement.clusters if self.placement is not None else 1
         seen_full = False  # every slot held at once: the placement is in force
+        full_epoch: dict[int, int] = {}  # cluster -> the newest epoch at which all its stages were held
         while deadline is None or time.monotonic() < deadline:
             members = self._members()
             active = [(p, i) for p, i in members if i.get("role") == "active" and not i.get("done")]
-            held_slots = {(i.get("cluster"), i.get("stage")) for _, i in active}
+            by_cluster: dict[int, list[dict]] = {}
+            for _, i in (x for x in members if x[1].get("role") == "active"):
+                by_cluster.setdefault(int(i.get("cluster")), []).append(i)
+            for c, infos in by_cluster.items():
+                if {int(i.get("stage")) for i in infos} >= set(range(self.num_stages)):
+                    full_epoch[c] = max([full_epoch.get(c, 0)] + [int(i.get("epoch", 0)) for i in infos])
             if not seen_full:
-                seen_full = len(held_slots) >= clusters_expected * self.num_stages
+                seen_full = len(full_epoch) >= clusters_expected
                 time.sleep(hb / 2)
                 continue
             if not active:
                 return False
             standbys = sorted(
-                ((p.peer_id, i.get("stage")) for p, i in members if i.get("role") == "standby" and not i.get("done")),
+                (p.peer_id, i.get("stage")) for p, i in members if i.get("role") == "standby" and not i.get("done")
             )
-            clusters = sorted({i.get("cluster") for _, i in active})
-            for c in clusters:
-                held = {i.get("stage") for _, i in active if i.get("cluster") == c}
+            for c in sorted({int(i.get("cluster")) for _, i in active}):
+                infos = [i for _, i in active if int(i.get("cluster")) == c]
+                if min(int(i.get("epoch", 0)) for i in infos) <= full_epoch.get(c, 0):
+                    continue  # the cluster did not break: a stage that is missing finished and left
+                held = {int(i.get("stage")) for i in infos}
                 for s in range(self.num_stages):
                     if s in held:
                         continue
                     mine = [pid for pid, st in standbys if st == s] or [pid for pid, _ in standbys]
                     if mine and mine[0] == self.peer_id:
-                        epochs = [int(i.get("epoch", 0)) for _, i in active if i.get("cluster") == c]
-                        resumes = [int(i.get("resume", 0)) for _, i in active if i.get("cluster") == c]
-                        self.role, self.cluster, self.stage = "active", int(c), s
-                        self._epoch, self._resume = max(epochs), max(resumes)
-                        self.step = self._resume
+                        self.role, self.cluster, self.stage = "active", c, s
+                        self._epoch = max(int(i.get("epoch", 0)) for i in infos)
+                        self._resume = self.step = max(int(i.get("resume", 0)) for i in infos)
                         log.warning("%s: takes over stage %d of cluster %d (epoch %d)", self.peer_id, s, c, self._epoch)
                         return True
             time.sleep(hb / 2)
@@ -601,6 +614,7 @@ class StagePeer:
                 if not self.recover:
                     raise
                 broke_at = time.perf_counter()
+                self.metrics.break_times.append(time.time())
                 log.warning("%s: pipeline of cluster %d broke at step %d: %s", self.peer_id, self.cluster, self.step, e)
                 self._abort_cluster(str(e))
                 self.metrics.recoveries += 1

@@ -37,9 +37,12 @@ from ravnest_jax.compress._formats import resolve
 
 from ._model import StageModel
 
-__all__ = ["MODES", "StageWorker"]
+__all__ = ["ASYNC_MODE", "MODES", "StageWorker"]
 
 MODES = ("sync", "stash", "2bw")
+#: what ``mode="async"`` means: the asynchronous mode benchmarks/bench_pipeline_quality.py chose
+#: (docs/pipeline.md, "Schedule")
+ASYNC_MODE = "stash"
 
 
 @dataclasses.dataclass
@@ -64,7 +67,7 @@ class StageWorker:
       codec_options: e.g. ``{"block_size": 64}``; ``int8`` and ``int4`` default to one scale per
         token (``block_size`` = the hidden width: ``4 d / (d + 2)`` times fewer bytes than fp32
         with int8, 3.92x at d = 96, 3.999x at d = 8192), see :func:`activation_codec_options`.
-      mode: ``"sync"``, ``"stash"`` or ``"2bw"`` (module docstring).
+      mode: ``"sync"``, ``"stash"`` or ``"2bw"`` (module docstring); ``"async"``: :data:`ASYNC_MODE`.
       recompute: the backward recomputes the forward from the stashed input instead of keeping
         its residuals (less memory per micro-batch in flight, one forward more of compute).
       keep_grads: keep a copy of each step's mean gradient (:attr:`last_grads`, for tests).
@@ -87,8 +90,9 @@ class StageWorker:
         recompute: bool = False,
         keep_grads: bool = False,
     ):
+        mode = ASYNC_MODE if mode == "async" else mode
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            raise ValueError(f"mode must be one of {MODES} or 'async', got {mode!r}")
         codec_options = activation_codec_options(codec, codec_options, hidden.shape[-1])
         resolve(codec, **codec_options)  # ValueError naming a bad codec or option
         if mode == "2bw" and micro_batches < num_stages - 1:
