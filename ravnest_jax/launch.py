@@ -141,6 +141,23 @@ def print_summaries(summaries: dict[str, dict], codes: dict[str, int | None], wr
             f"{'-' if stall is None else f'{stall:.1f}':>8}  {d[:16]}"
         )
     finished = [n for n, c in codes.items() if c == 0]
+    runs = {summaries.get(n, {}).get("run_id") for n in finished}
+    if len(runs) > 1 and None not in runs:
+        # pipeline stages: each stage's group is its own run of DiLoCo; compare within each
+        groups = {
+            r: {summaries[n].get("last_state_digest") or None for n in finished if summaries[n].get("run_id") == r}
+            for r in runs
+        }
+        equal = all(len(d) == 1 and None not in d for d in groups.values())
+        write(
+            f"global state of each of the {len(groups)} stage groups: "
+            + (
+                "identical on its peers"
+                if equal
+                else "NOT identical: " + ", ".join(f"{r}: {len(d)} digests" for r, d in sorted(groups.items()))
+            )
+        )
+        return equal
     digests = {summaries.get(n, {}).get("last_state_digest") or None for n in finished}
     equal = len(digests) == 1 and None not in digests
     others = len(finished) < len(codes)

@@ -64,6 +64,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", default=None, help="save here between rounds; resume from it")
     p.add_argument("--export", default=None, help="write the merged model here at the end (first peer only)")
     p.add_argument("--seed", type=int, default=0, help="seed of the adapters and the data order (default 0)")
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=1,
+        help="cut the model into S pipeline stages, one peer each (the launcher's peers a multiple of S: "
+        "peers / S clusters averaging each stage's adapters with DiLoCo; docs/pipeline.md)",
+    )
+    p.add_argument("--micro-batches", type=int, default=4, help="with --stages: micro-batches per step (default 4)")
+    p.add_argument(
+        "--pipeline-mode",
+        choices=["sync", "async", "stash", "2bw"],
+        default="sync",
+        help="with --stages: sync (exact) or async (no flush; only the adapters go stale)",
+    )
+    p.add_argument(
+        "--activation-codec",
+        choices=["fp32", "bf16", "int8", "int4", "fp4"],
+        default="int8",
+        help="with --stages: codec of activations and activation-gradients (default int8)",
+    )
     args = p.parse_args(argv)
     for name in ("max_steps", "sync_every", "batch_size", "seq_len", "lora_rank", "eval_batches"):
         if getattr(args, name) < 1:
@@ -72,6 +92,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--overlap-steps must be in [0, --sync-every)")
     if args.export and Path(args.export).exists() and any(Path(args.export).iterdir()):
         p.error(f"--export: {args.export} exists and is not empty")
+    if args.stages > 1:
+        world = int(os.environ.get("RAVNEST_WORLD_SIZE", "1"))
+        if world % args.stages:
+            p.error(f"--stages {args.stages}: the launcher's peers ({world}) must be a multiple of it")
+        if args.batch_size % args.micro_batches:
+            p.error(f"--batch-size ({args.batch_size}) must be a multiple of --micro-batches ({args.micro_batches})")
+        for flag, bad in (
+            ("--checkpoint-dir", args.checkpoint_dir),
+            ("--export", args.export),
+            ("--lora-dropout", args.lora_dropout > 0),
+        ):
+            if bad:
+                p.error(f"{flag} is not supported with --stages yet (docs/pipeline.md, limits)")
     return args
 
 
@@ -110,6 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     lm = split_lora(load_pretrained(args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora))
     frozen = lm.frozen
+    if args.stages > 1:
+        return train_stages(args, lm, train_tokens, eval_set)
 
     def loss_fn(adapters, frozen, batch, key=None):
         logits = lm.model(adapters, frozen, key)(batch[:, :-1])
@@ -188,6 +223,84 @@ def main(argv: list[str] | None = None) -> dict:
         summary["exported"] = str(out)
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def train_stages(args: argparse.Namespace, lm, train_tokens, eval_set) -> dict:
+    """``--stages S``: this process is one stage of a pipeline (placed among the launcher's
+    peers); the adapters of its layers train on its cluster's data shard, the activations go
+    ``--activation-codec``-compressed to its neighbours, and with several clusters each stage's
+    adapters are averaged with DiLoCo among the peers that hold that stage. Prints one JSON line."""
+    import optax
+
+    import ravnest_jax as rj
+    from ravnest_jax.data import PackedTokens
+
+    world = int(os.environ.get("RAVNEST_WORLD_SIZE", "1"))
+    clusters = max(1, world // args.stages)
+    split = rj.pipeline.transformer_split(lm)
+    plan = rj.pipeline.plan_stages(split, args.stages)
+    inner = optax.adamw(args.lr, weight_decay=0.0)
+    tx = rj.diloco(inner, sync_every=args.sync_every) if clusters > 1 else inner
+    mode = "blocking" if args.overlap_steps == 0 else "delayed"
+    peer = rj.pipeline.StagePeer(
+        split,
+        plan,
+        tx,
+        stage=None,
+        micro_batches=args.micro_batches,
+        mode=args.pipeline_mode,
+        codec=args.activation_codec,
+        expected_peers=world,
+        clusters=clusters,
+        standbys=0,
+        outer={"mode": mode, "overlap_steps": args.overlap_steps},
+        outer_codec=os.environ.get("RAVNEST_CODEC", "int4"),
+    )
+    with peer:
+        peer.place()
+        data = PackedTokens(
+            train_tokens,
+            seq_len=args.seq_len,
+            batch=args.batch_size,
+            shard=peer.cluster,
+            num_shards=clusters,
+            seed=args.seed,
+        )
+        interrupted = False
+        try:
+            losses = peer.run(args.max_steps, data.batch_at)
+            eval_end = peer.evaluate(eval_set)
+        except KeyboardInterrupt:
+            print(f"{peer.peer_id}: interrupted at step {peer.step}", file=sys.stderr)
+            interrupted, losses, eval_end = True, [], None
+        m = peer.metrics
+        summary = {
+            "peer": peer.peer_id,
+            "role": peer.role,
+            "cluster": peer.cluster,
+            "stage": peer.stage,
+            "interrupted": interrupted,
+            "steps": m.steps,
+            "adapter_params": int(sum(x.size for x in jax_leaves(peer.worker.params))) if peer.worker else 0,
+            "train_loss": losses[-1] if losses else None,
+            "eval_loss_end": eval_end,
+            "utilisation": m.utilisation,
+            "bubble_fraction": m.bubble_fraction,
+            "activation_bytes_sent": m.bytes_sent,
+            "activation_bytes_received": m.bytes_received,
+            "outer_rounds": m.outer_rounds,
+            "round_digests": {
+                str(r.swarm_round): r.state_digest for r in (peer.sync.metrics if peer.sync else []) if r.ok
+            },
+        }
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
 
 
 if __name__ == "__main__":

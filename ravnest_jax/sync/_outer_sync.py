@@ -341,8 +341,11 @@ class OuterSync:
 
     def summary(self) -> dict:
         """Totals so far: rounds, failures, resyncs, bytes, stall seconds, mean utilisation,
-        mean overlap tau (steps). Means over no round are ``None`` (the dict is strict JSON)."""
-        return summarize(self.metrics, self.failed_rounds, self.resyncs, self.stall_seconds)
+        mean overlap tau (steps), the swarm's ``run_id``. Means over no round are ``None`` (the
+        dict is strict JSON)."""
+        out = summarize(self.metrics, self.failed_rounds, self.resyncs, self.stall_seconds)
+        out["run_id"] = getattr(self.swarm, "run_id", None)
+        return out
 
     def state_dict(self, params: Any) -> dict:
         """The driver's own state for a checkpoint (a pytree of numpy values with a fixed

@@ -174,3 +174,20 @@ def test_bad_input_is_one_line_before_anything_compiles(tiny, args, msg):
     p = subprocess.run([sys.executable, str(TRAIN), *full], capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and msg in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_lora_fine_tuning_split_into_two_stages_and_two_clusters(tiny, tmp_path):
+    """``train.py --stages 2`` under the launcher with 4 peers: 2 clusters x 2 stages of the LoRA
+    model; each stage's adapters average with DiLoCo inside its group (equal digests per round),
+    and int8 activations cross between the stages; the eval loss through the pipeline is finite."""
+    args = ["--checkpoint", str(tiny), *COMMON, "--max-steps", "20", "--sync-every", "5", "--stages", "2"]
+    lines = _swarm(tmp_path, 4, args, "stages")
+    by = {(v["cluster"], v["stage"]): v for v in lines.values()}
+    assert sorted(by) == [(0, 0), (0, 1), (1, 0), (1, 1)], sorted(by)
+    for s in (0, 1):
+        a, b = by[(0, s)]["round_digests"], by[(1, s)]["round_digests"]
+        assert len(a) == 4 and a == b, (s, a, b)
+        assert by[(0, s)]["activation_bytes_sent"] > 0 and 0 < by[(0, s)]["utilisation"] <= 1
+    assert by[(0, 0)]["round_digests"] != by[(0, 1)]["round_digests"]
+    evals = [by[(c, 1)]["eval_loss_end"] for c in (0, 1)]
+    assert all(e is not None and e < 6.0 for e in evals), evals
