@@ -63,6 +63,7 @@ def main() -> int:
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--what", default="codecs,modes", help="codecs, modes or both (comma-separated)")
+    ap.add_argument("--modes", default="sync,stash,predict,2bw", help="schedules to compare (comma-separated)")
     ap.add_argument("--quick", action="store_true", help="60 steps")
     ap.add_argument("--out", default=str(HERE / "results" / "pipeline_quality.json"))
     args = ap.parse_args()
@@ -135,7 +136,7 @@ def main() -> int:
         for r in rows:
             r["bytes_vs_fp32"] = fp32 / r["message_bytes"]
     if "modes" in what:
-        for mode in ("sync", "stash", "2bw"):
+        for mode in args.modes.split(","):
             rows.append(run(f"{mode} (3 stages, fp32)", 3, mode, "fp32", {}))
     for r in rows:
         r["eval_loss_vs_unsplit"] = r["eval_loss"] / ref - 1.0

@@ -290,7 +290,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     pp.add_argument(
         "--pipeline-mode",
-        choices=["sync", "async", "stash", "2bw"],
+        choices=["sync", "async", "stash", "predict", "2bw"],
         default="sync",
         help="sync: flush every step (exactly the unsplit model); async: no flush (the measured choice, "
         "docs/pipeline.md), or name stash / 2bw",

@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=4, help="with --stages: micro-batches per step (default 4)")
     p.add_argument(
         "--pipeline-mode",
-        choices=["sync", "async", "stash", "2bw"],
+        choices=["sync", "async", "stash", "predict", "2bw"],
         default="sync",
         help="with --stages: sync (exact) or async (no flush; only the adapters go stale)",
     )

@@ -183,6 +183,9 @@ class StagePeer:
       memory, mbit: this peer's report for placement (default: the device's memory, bandwidth
         unknown).
       need_bytes: device bytes each stage needs (default: 4 x its parameter bytes).
+      advertise_to: ``{"prev": url, "next": url}``: the base URL the previous (next) stage uses
+        to reach this peer when it differs from ``advertise`` (e.g. a different network per
+        neighbour; the benchmark's emulated links).
       keep_grads: keep each step's mean gradient (tests).
 
     Use as a context manager; then :meth:`run`.
@@ -226,6 +229,7 @@ class StagePeer:
         memory: int | None = None,
         mbit: float | None = None,
         need_bytes: list[int] | None = None,
+        advertise_to: dict[str, str] | None = None,
         keep_grads: bool = False,
     ):
         S = plan.num_stages
@@ -251,6 +255,7 @@ class StagePeer:
         self.memory = memory if memory is not None else device_memory()
         self.mbit = mbit
         self.need_bytes = need_bytes
+        self.advertise_to = dict(advertise_to or {})
         self.keep_grads = keep_grads
         self.placement: Placement | None = None
         self.step = 0  # the next step this stage runs
@@ -296,6 +301,7 @@ class StagePeer:
             "done": self._done,
             "memory": self.memory,
             "mbit": self.mbit,
+            "via": self.advertise_to,
         }
 
     def _publish(self) -> None:
@@ -544,9 +550,10 @@ class StagePeer:
         self.step = resume
         prev = ready.get(self.stage - 1)
         nxt = ready.get(self.stage + 1)
+        # the previous stage reaches us "from next" of its view: its via["next"], and vice versa
         self.neighbours = {
-            "prev": (prev[0].peer_id, prev[0].address) if prev else None,
-            "next": (nxt[0].peer_id, nxt[0].address) if nxt else None,
+            "prev": (prev[0].peer_id, (prev[1].get("via") or {}).get("next") or prev[0].address) if prev else None,
+            "next": (nxt[0].peer_id, (nxt[1].get("via") or {}).get("prev") or nxt[0].address) if nxt else None,
         }
         self._cluster_addresses = [p.address for p, _ in ready.values() if p.peer_id != self.peer_id]
         shape = self.worker.hidden.shape

@@ -15,6 +15,10 @@ Weights each micro-batch sees (``mode``):
   forward uses the newest weights of its stage, its backward the same weights (stashed by
   reference), so each gradient is a true gradient at some version; a step's micro-batches may
   mix the newest and the one before (at most ``S - s - 1`` of them on stage ``s``).
+- ``"predict"``: weight stashing, and a forward that runs before its stage applied the
+  previous step's update uses the weights predicted for after it, ``W_t + (W_t - W_{t-1})``
+  (the last update repeated: weight prediction, as SpecTrain, arXiv 1809.02839, with the
+  update in place of the smoothed gradient), stashed for its backward like any version.
 - ``"2bw"`` (PipeDream-2BW, arXiv 2006.09503): every micro-batch of step ``t`` uses ``W_{t-1}``
   and ``W_{t+1} = W_t - u(grad at W_{t-1})``: a uniform one-step delay; two versions are kept.
 
@@ -39,7 +43,7 @@ from ._model import StageModel
 
 __all__ = ["ASYNC_MODE", "MODES", "StageWorker"]
 
-MODES = ("sync", "stash", "2bw")
+MODES = ("sync", "stash", "predict", "2bw")
 #: what ``mode="async"`` means: the asynchronous mode benchmarks/bench_pipeline_quality.py chose
 #: (docs/pipeline.md, "Schedule")
 ASYNC_MODE = "stash"
@@ -118,6 +122,8 @@ class StageWorker:
         self.last_grads: Any = None
         self.residual_bytes = 0  # device bytes kept per micro-batch in flight (besides its input)
         self._eval: tuple[Any, Any] | None = None
+        self._predicted: tuple[int, Any] | None = None
+        self._predict = jax.jit(lambda p, q: jax.tree.map(lambda a, b: a + (a - b), p, q))
         self._build()
 
     # ------------------------------------------------------------------ jitted functions
@@ -234,6 +240,12 @@ class StageWorker:
 
     # ------------------------------------------------------------------ ops
     def _weights_for_forward(self, g: int) -> Any:
+        if self.mode == "predict":
+            if self.version >= g // self.micro_batches or self._prev is None:
+                return self.params
+            if self._predicted is None or self._predicted[0] != self.version:
+                self._predicted = (self.version, self._predict(self.params, self._prev))
+            return self._predicted[1]
         if self.mode != "2bw":
             return self.params
         want = max(g // self.micro_batches - 1, 0)
@@ -276,7 +288,7 @@ class StageWorker:
 
     def update(self) -> None:
         """Applies the step's mean gradient (sum over micro-batches / M) with the optimizer."""
-        if self.mode == "2bw":
+        if self.mode in ("2bw", "predict"):
             self._prev = self.params
         self.params, self.opt_state, self._acc, grads = self._update(self.params, self.opt_state, self._acc)
         self.last_grads = grads

@@ -5,7 +5,7 @@ Every request and answer is signed with the run token (HMAC-SHA256 over method, 
 nonce and the SHA-256 of the body, see ``_auth.py``). Binary bodies stream both ways: a sender
 yields its buffer in chunks (no copy), a receiver hashes and decodes each chunk as the socket
 delivers it (:meth:`Transport.read_body`, the one part reader of butterfly, ring and the state
-transfer). The all-reduce algorithms, the state transfer and (later) pipeline activations are
+transfer). The all-reduce algorithms, the state transfer and the pipeline activations are
 users of this layer; none of them signs, hashes or opens connections itself.
 """
 

@@ -93,3 +93,31 @@ def test_lora_pipeline_trains_adapters_only():
         for k, v in flat(w.frozen).items():
             np.testing.assert_array_equal(v, frozen_before[k], err_msg=f"frozen {k} changed")
     assert res.losses[-1] < res.losses[0], res.losses
+
+
+def test_predict_mode_forwards_early_micro_batches_on_predicted_weights():
+    import jax
+
+    split, _, _, vocab = build("char")
+    plan = rj.pipeline.plan_stages(split, 3)
+    checked = []
+    orig = rj.pipeline.StageWorker.forward
+
+    def spy(self, g, x, targets=None):
+        w = self._weights_for_forward(g)
+        if self.version < g // self.micro_batches and self._prev is not None:  # a step early
+            want = jax.tree.map(lambda a, b: 2 * a - b, self.params, self._prev)
+            for got, exp in zip(jax.tree.leaves(w), jax.tree.leaves(want)):
+                np.testing.assert_allclose(np.asarray(got), np.asarray(exp), rtol=1e-6, atol=1e-7)
+            checked.append((self.stage.lo, g))
+        else:
+            assert w is self.params
+        return orig(self, g, x, targets)
+
+    rj.pipeline.StageWorker.forward = spy
+    try:
+        rj.pipeline.simulate(split, plan, optimizer(0.05), batches(vocab), steps=4, micro_batches=4, mode="predict")
+    finally:
+        rj.pipeline.StageWorker.forward = orig
+    # stages 0 and 1 run forwards a step early (from step 2 on: step 1's have no update to repeat)
+    assert {lo for lo, _ in checked} == {plan.bounds[0][0], plan.bounds[1][0]}, checked
