@@ -145,7 +145,7 @@ def main() -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine_info(),
         "jax": jax.__version__,
-        "config": vars(args),
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
         "unsplit": results["unsplit"],
         "results": rows,
         "goals": {

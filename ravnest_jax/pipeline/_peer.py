@@ -158,8 +158,9 @@ class StagePeer:
       stage, cluster: this peer's place; ``stage=None``: placed by :func:`place` once
         ``expected_peers`` peers joined (it may become a standby).
       micro_batches: M micro-batches per step (the batch's rows must divide by M).
-      mode: ``"sync"`` (flush every step: exactly the unsplit model's training), ``"stash"`` or
-        ``"2bw"`` (asynchronous, no flush; ``docs/pipeline.md``).
+      mode: ``"sync"`` (flush every step: exactly the unsplit model's training) or ``"async"``
+        (no flush; ``rj.pipeline.ASYNC_MODE``, weight stashing with weight prediction), or an
+        asynchronous mode by name: ``"stash"``, ``"predict"``, ``"2bw"`` (``docs/pipeline.md``).
       codec, codec_options: the activation codec (``"fp32"``, ``"bf16"``, ``"int8"``, ``"int4"``,
         ``"fp4"``) for activations and activation-gradients.
       recompute: recompute the forward in the backward (less memory per micro-batch in flight).
