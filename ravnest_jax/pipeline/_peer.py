@@ -110,7 +110,8 @@ class _Sender:
         self._t.start()
 
     def put(self, packed: Any, kind: str, g: int, dest: tuple[str, str]) -> None:
-        self._q.put((packed, kind, g, dest))
+        # the epoch now: an output queued before a break must not go out as the new epoch's
+        self._q.put((packed, kind, g, dest, self.link.epoch))
 
     def _run(self) -> None:
         while True:
@@ -118,15 +119,17 @@ class _Sender:
             try:
                 if item is None:
                     return
-                packed, kind, g, (peer, address) = item
+                packed, kind, g, (peer, address), epoch = item
                 del item
+                if epoch < self.link.epoch:
+                    continue  # computed before a break: the replay sends its own
                 try:
                     data = encode_message(packed)
                 except Exception as e:  # noqa: BLE001 - NonFiniteError, a device error: the pipeline stops
                     self.link.fail(PipelineBroken(f"cannot send {kind} of micro-batch {g}: {e}"))
                     continue
                 del packed
-                self.link.send(address, peer, kind, g, data, self.timeout)
+                self.link.send(address, peer, kind, g, data, self.timeout, epoch=epoch)
             finally:
                 self._q.task_done()
 
@@ -725,7 +728,8 @@ class StagePeer:
         w = self.worker
         assert w is not None and self._sender is not None and self._shape is not None
         rows, seq = self._shape[0] // self.micro_batches, self._shape[1]
-        tok = np.asarray(tokens, np.int32).reshape(-1, tokens.shape[-1])
+        tok = np.asarray(tokens, np.int32)
+        tok = tok.reshape(-1, tok.shape[-1])
         if tok.shape[1] != seq + 1 or tok.shape[0] % rows:
             raise ValueError(f"eval tokens of shape {tok.shape} do not cut into ({rows}, {seq + 1}) micro-batches")
         losses = []

@@ -34,7 +34,7 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from ._auth import body_digest
+from ._auth import body_digest, digest_matches
 from ._codec import ActivationDecoder
 from ._http import HTTPStatusError, read_json_body, signed_json
 from ._transport import Transport, why
@@ -104,6 +104,7 @@ class ActivationLink:
         self.stats = LinkStats()
         self._cond = threading.Condition()
         self._inbox: dict[tuple[str, int, int], np.ndarray] = {}
+        self._seen: dict[tuple[str, int, int], str] = {}  # body digests of this epoch's messages
         self._expect: dict[str, _Expect] = {}
         self._epoch = 0
         self._failure: PipelineBroken | None = None
@@ -123,6 +124,7 @@ class ActivationLink:
         with self._cond:
             self._epoch = int(epoch)
             self._inbox = {k: v for k, v in self._inbox.items() if k[1] >= self._epoch}
+            self._seen = {k: v for k, v in self._seen.items() if k[1] >= self._epoch}
             self._failure = None
             self._cond.notify_all()
 
@@ -154,8 +156,12 @@ class ActivationLink:
                 raise web.HTTPGone(text=f"epoch {epoch} is over (this stage is at {self._epoch})")
             if epoch > self._epoch or exp is None or exp.sender != sender:
                 raise web.HTTPConflict(text=f"not expecting {kind} from {sender} in epoch {epoch}")
-            if (kind, epoch, micro) in self._inbox:
-                raise web.HTTPConflict(text="duplicate message")
+            seen = self._seen.get((kind, epoch, micro))
+            if seen is not None:
+                # a retry of a message whose answer was lost is answered again; another body is not
+                if digest_matches(seen, claimed):
+                    return t.reply(request, {"ok": True, "duplicate": True})
+                raise web.HTTPConflict(text="another message for this micro-batch arrived first")
             if len(self._inbox) >= self.max_pending:
                 raise web.HTTPServiceUnavailable(text="inbox full")
         n = int(np.prod(exp.shape, dtype=np.int64))
@@ -168,6 +174,10 @@ class ActivationLink:
             if epoch < self._epoch:  # a takeover happened while it streamed in
                 raise web.HTTPGone(text=f"epoch {epoch} is over")
             self._inbox[(kind, epoch, micro)] = arr
+            self._seen[(kind, epoch, micro)] = claimed
+            if len(self._seen) > 64 * self.max_pending:  # keep the newest (a retry comes soon)
+                for k in list(self._seen)[: len(self._seen) // 2]:
+                    del self._seen[k]
             self.stats.bytes_received += dec.nbytes
             self.stats.messages_received += 1
             self._cond.notify_all()
@@ -261,7 +271,7 @@ class ActivationLink:
 
     # ------------------------------------------------------------------ sending
     def send(
-        self, address: str, peer: str, kind: str, micro: int, data: bytes, timeout: float
+        self, address: str, peer: str, kind: str, micro: int, data: bytes, timeout: float, epoch: int | None = None
     ) -> concurrent.futures.Future[int]:
         """Sends one message to the peer ``peer`` at ``address`` on the event loop and returns
         at once. Refusals that may pass (409: the receiver does not expect this sender yet; 503:
@@ -269,10 +279,13 @@ class ActivationLink:
         or on any other refusal, the failure is recorded (:meth:`take` raises it). A 410 (the
         receiver moved on to a newer epoch) ends the send quietly.
 
+        ``epoch``: the epoch the message belongs to (default: the current one); a message of an
+        older epoch than the link's is dropped at once (it was computed before a takeover).
+
         Returns:
           a future of the bytes sent (0 when dropped as stale).
         """
-        epoch = self._epoch
+        epoch = self._epoch if epoch is None else int(epoch)
         fut = asyncio.run_coroutine_threadsafe(
             self._send(address, peer, kind, epoch, micro, data, timeout), self._loop()
         )

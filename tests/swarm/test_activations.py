@@ -48,6 +48,13 @@ def test_activation_link_delivers_checks_and_times_out(cluster):
         np.testing.assert_array_equal(got, x)
         assert la.stats.messages_sent == 1 and lb.stats.messages_received == 1 and la.stats.retries >= 1
         assert la.stats.bytes_sent == lb.stats.bytes_received == len(_msg(x))
+        # the same message again (a retry whose answer was lost) is answered, not stored twice
+        assert la.send(b.address, "b", "act", 7, _msg(x), timeout=10).result(10) > 0
+        assert lb.stats.messages_received == 1
+        with pytest.raises(PipelineBroken):
+            lb.take("act", 7, timeout=0.3)
+        # a message computed in an older epoch than the sender's link is dropped before sending
+        assert la.send(b.address, "b", "act", 11, _msg(x), timeout=10, epoch=-1).result(10) == 0
         # lossy codec: what arrives is the codec's decode
         lb.expect("grad", "a", SHAPE, "int8")
         la.send(b.address, "b", "grad", 7, _msg(x, "int8"), timeout=10).result(10)
@@ -58,6 +65,10 @@ def test_activation_link_delivers_checks_and_times_out(cluster):
         with pytest.raises(PipelineBroken) as e:
             lb.take("act", 8, timeout=0.5)
         assert 0.45 <= time.monotonic() - t0 < 3 and e.value.neighbour == "a" and "micro-batch 8" in str(e.value)
+        # another body for a micro-batch already delivered is a conflict: retried, then a failure
+        with pytest.raises(PipelineBroken):
+            la.send(b.address, "b", "act", 7, _msg(x + 1), timeout=0.5).result(10)
+        la.set_epoch(0)  # clears the recorded failure
         # a wrong shape is refused for good: the sender's link records the failure
         la.send(b.address, "b", "act", 9, _msg(np.zeros((2, 3, 5), np.float32)), timeout=10)
         with pytest.raises(PipelineBroken) as e:
