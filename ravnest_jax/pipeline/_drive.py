@@ -158,7 +158,6 @@ def simulate(
     """
     S = plan.num_stages
     if workers is None:
-        rows = None
         sample = np.asarray(batches(start))
         rows = sample.shape[0] // micro_batches
         hidden = split.hidden(rows, sample.shape[1] - 1)
