@@ -16,10 +16,7 @@ the step it will run next (``resume``), whether it is done, and its report for p
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,11 +25,13 @@ import jax
 import numpy as np
 
 from ravnest_jax.swarm import Swarm, SwarmError, Timeouts
-from ravnest_jax.swarm._activations import ActivationLink, PipelineBroken
+from ravnest_jax.swarm._activations import PipelineBroken
 
-from ._drive import Batches, encode_message, run_stage
+from ._drive import Batches, run_stage
 from ._placement import Placement, device_memory, place
 from ._schedule import stage_ops
+from ._stage_io import StageMetrics, _Sender
+from ._standby import wait_for_a_free_slot
 from ._worker import StageWorker
 
 log = logging.getLogger("ravnest_jax.pipeline")
@@ -40,110 +39,6 @@ log = logging.getLogger("ravnest_jax.pipeline")
 __all__ = ["PipelineBroken", "StageMetrics", "StagePeer"]
 
 INFO_KEY = "pipe"
-
-
-@dataclasses.dataclass
-class StageMetrics:
-    """Totals of one stage peer (seconds, bytes).
-
-    Attributes:
-      steps: updates applied.
-      micro_batches: forwards run.
-      busy_seconds: time the stage computed (its ops until their outputs were ready, padding of
-        an emulated compute time included).
-      wait_seconds: time it waited for an activation or activation-gradient.
-      wall_seconds: time from its first op to its last (recoveries excluded).
-      bytes_sent / bytes_received: activation messages (wire format).
-      messages_sent / messages_received, send_retries: as counted by the link.
-      residual_bytes: device bytes a micro-batch in flight keeps besides its input.
-      recoveries: times the pipeline broke and this peer went on in a new epoch.
-      replayed_steps: steps started again after a break (their micro-batches replayed).
-      recovery_seconds: time from a break until the cluster ran again.
-      outer_rounds: DiLoCo rounds merged (with the peers of this stage in other clusters).
-      break_times: UNIX times at which this peer found its cluster's pipeline broken.
-    """
-
-    steps: int = 0
-    micro_batches: int = 0
-    busy_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    wall_seconds: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    messages_sent: int = 0
-    messages_received: int = 0
-    send_retries: int = 0
-    residual_bytes: int = 0
-    recoveries: int = 0
-    replayed_steps: int = 0
-    recovery_seconds: float = 0.0
-    outer_rounds: int = 0
-    break_times: list[float] = dataclasses.field(default_factory=list)
-
-    @property
-    def utilisation(self) -> float | None:
-        """busy / wall: the fraction of the time this stage computed."""
-        return self.busy_seconds / self.wall_seconds if self.wall_seconds > 0 else None
-
-    @property
-    def bubble_fraction(self) -> float | None:
-        """1 - utilisation: the fraction of the time the stage idled (pipeline bubbles and
-        transfers it could not hide)."""
-        u = self.utilisation
-        return None if u is None else 1.0 - u
-
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["utilisation"] = self.utilisation
-        d["bubble_fraction"] = self.bubble_fraction
-        return d
-
-
-class _Sender:
-    """The sender thread: waits for each encoded output on the device, serialises it and hands
-    it to the link (whose upload runs on the event loop). FIFO; never blocks the caller."""
-
-    def __init__(self, link: ActivationLink, timeout: float, name: str):
-        self.link, self.timeout = link, timeout
-        self._q: queue.Queue[Any] = queue.Queue()
-        self._t = threading.Thread(target=self._run, name=name, daemon=True)
-        self._t.start()
-
-    def put(self, packed: Any, kind: str, g: int, dest: tuple[str, str]) -> None:
-        # the epoch now: an output queued before a break must not go out as the new epoch's
-        self._q.put((packed, kind, g, dest, self.link.epoch))
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            try:
-                if item is None:
-                    return
-                packed, kind, g, (peer, address), epoch = item
-                del item
-                if epoch < self.link.epoch:
-                    continue  # computed before a break: the replay sends its own
-                try:
-                    data = encode_message(packed)
-                except Exception as e:  # noqa: BLE001 - NonFiniteError, a device error: the pipeline stops
-                    self.link.fail(PipelineBroken(f"cannot send {kind} of micro-batch {g}: {e}"))
-                    continue
-                del packed
-                self.link.send(address, peer, kind, g, data, self.timeout, epoch=epoch)
-            finally:
-                self._q.task_done()
-
-    def flush(self, timeout: float) -> bool:
-        """Waits (up to ``timeout`` seconds) until every queued output went to the link and
-        every send ended; returns whether they did."""
-        deadline = time.monotonic() + timeout
-        while self._q.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.002)
-        return self.link.drain(max(0.0, deadline - time.monotonic()))
-
-    def close(self) -> None:
-        self._q.put(None)
-        self._t.join(timeout=10)
 
 
 class StagePeer:
@@ -390,51 +285,7 @@ class StagePeer:
         return self.placement
 
     def _wait_for_a_free_slot(self, deadline: float | None = None) -> bool:
-        """A standby's watch: waits until a stage of some cluster has no live peer while the
-        rest of that cluster went on to a newer epoch than the one at which every stage was last
-        seen held (its pipeline broke and it waits for the stage: a cluster whose stages finish
-        and leave one by one stays in its epoch), and takes the stage over if it is this peer's
-        turn (lowest id among the standbys for that stage, else among all standbys). Returns
-        False when no cluster trains any more (nothing to take over)."""
-        hb = (self._timeouts or Timeouts()).heartbeat
-        clusters_expected = self.placement.clusters if self.placement is not None else 1
-        seen_full = False  # every slot held at once: the placement is in force
-        full_epoch: dict[int, int] = {}  # cluster -> the newest epoch at which all its stages were held
-        while deadline is None or time.monotonic() < deadline:
-            members = self._members()
-            active = [(p, i) for p, i in members if i.get("role") == "active" and not i.get("done")]
-            by_cluster: dict[int, list[dict]] = {}
-            for _, i in (x for x in members if x[1].get("role") == "active"):
-                by_cluster.setdefault(int(i.get("cluster")), []).append(i)
-            for c, infos in by_cluster.items():
-                if {int(i.get("stage")) for i in infos} >= set(range(self.num_stages)):
-                    full_epoch[c] = max([full_epoch.get(c, 0)] + [int(i.get("epoch", 0)) for i in infos])
-            if not seen_full:
-                seen_full = len(full_epoch) >= clusters_expected
-                time.sleep(hb / 2)
-                continue
-            if not active:
-                return False
-            standbys = sorted(
-                (p.peer_id, i.get("stage")) for p, i in members if i.get("role") == "standby" and not i.get("done")
-            )
-            for c in sorted({int(i.get("cluster")) for _, i in active}):
-                infos = [i for _, i in active if int(i.get("cluster")) == c]
-                if min(int(i.get("epoch", 0)) for i in infos) <= full_epoch.get(c, 0):
-                    continue  # the cluster did not break: a stage that is missing finished and left
-                held = {int(i.get("stage")) for i in infos}
-                for s in range(self.num_stages):
-                    if s in held:
-                        continue
-                    mine = [pid for pid, st in standbys if st == s] or [pid for pid, _ in standbys]
-                    if mine and mine[0] == self.peer_id:
-                        self.role, self.cluster, self.stage = "active", c, s
-                        self._epoch = max(int(i.get("epoch", 0)) for i in infos)
-                        self._resume = self.step = max(int(i.get("resume", 0)) for i in infos)
-                        log.warning("%s: takes over stage %d of cluster %d (epoch %d)", self.peer_id, s, c, self._epoch)
-                        return True
-            time.sleep(hb / 2)
-        return False
+        return wait_for_a_free_slot(self, deadline)
 
     # ------------------------------------------------------------------ set-up
     def prepare(self, batch_rows: int, seq_len: int) -> StageWorker:

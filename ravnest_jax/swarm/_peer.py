@@ -200,13 +200,9 @@ class Swarm:
         self._info = dict(info)
 
     def activation_link(self, max_pending: int = 64) -> ActivationLink:
-        """This peer's pipeline endpoint (``ravnest_jax.pipeline``): it receives activations and
-        activation-gradients of neighbouring stages and sends this stage's. Made on the first
-        call, which must come before :meth:`start` (it adds a route to the server).
-
-        Raises:
-          RuntimeError: the swarm started before the first call.
-        """
+        """This peer's pipeline endpoint (``ravnest_jax.pipeline``: activations and their
+        gradients to and from neighbouring stages); the first call must come before :meth:`start`
+        (it adds a route), else ``RuntimeError``."""
         if self._link is None:
             if self._thread is not None:
                 raise RuntimeError("activation_link() must be called before the swarm starts")
@@ -214,23 +210,9 @@ class Swarm:
         return self._link
 
     def announce(self, timeout: float | None = None) -> None:
-        """Sends a heartbeat now, so that the rendezvous has this peer's :attr:`info` at once
-        (instead of at the next heartbeat). Blocks until it answered.
-
-        Raises:
-          SwarmError: the rendezvous did not answer in ``timeout`` seconds (default: twice the
-            connect deadline). RuntimeError: the swarm is not running.
-        """
-        if self._loop is None or self._closed:
-            raise RuntimeError("Swarm is not running")
-        t = self.timeouts.connect * 2 if timeout is None else timeout
-        fut = asyncio.run_coroutine_threadsafe(
-            self.transport.rendezvous("POST", "/heartbeat", self._hello(), t), self._loop
-        )
-        try:
-            fut.result(timeout=t + 5)
-        except Exception as e:
-            raise SwarmError(f"rendezvous unreachable: {e}") from e
+        """A heartbeat now, so that the rendezvous has this peer's :attr:`info` at once; blocks
+        until it answered (``timeout``, seconds). Raises SwarmError when it did not."""
+        self._ask("POST", "/heartbeat", self._hello(), timeout)
 
     # ------------------------------------------------------------------ lifecycle (caller thread)
     def __enter__(self) -> Swarm:
@@ -401,22 +383,11 @@ class Swarm:
 
     def peers(self) -> list[PeerInfo]:
         """The live peers of the run, sorted by id (asks the rendezvous; raises SwarmError)."""
-        if self._loop is None or self._closed:
-            raise RuntimeError("Swarm is not running")
-        fut = asyncio.run_coroutine_threadsafe(
-            self.transport.rendezvous("GET", "/peers", None, self.timeouts.connect * 2), self._loop
-        )
-        try:
-            data = fut.result(timeout=self.timeouts.connect * 2 + 5)
-        except Exception as e:
-            raise SwarmError(f"rendezvous unreachable: {e}") from e
-        return [PeerInfo.of(p) for p in data["peers"]]
+        return [PeerInfo.of(p) for p in self._ask("GET", "/peers", None)["peers"]]
 
     def wait_for_peers(self, n: int, timeout: float = 60.0) -> list[PeerInfo]:
-        """Block until at least ``n`` live peers (this one included) are registered.
-
-        Returns the peers. Raises ``TimeoutError`` after ``timeout`` seconds.
-        """
+        """Blocks until at least ``n`` live peers (this one included) are registered; returns
+        them. Raises ``TimeoutError`` after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -430,28 +401,17 @@ class Swarm:
             time.sleep(0.1)
 
     def serve_state(self, provider: StateProvider | None) -> None:
-        """Lets other peers download this peer's current global state.
-
-        Args:
-          provider: called (in a worker thread) for each authenticated request; returns the
-            state bytes, or a ``concurrent.futures.Future`` of them (``rj.OuterSync
-            .request_state`` does), or ``None`` when it has none. ``None`` stops serving.
-        """
+        """Lets other peers download this peer's current global state: ``provider`` is called
+        (in a worker thread) for each authenticated request and returns the state bytes, a
+        ``concurrent.futures.Future`` of them (``rj.OuterSync.request_state``), or ``None`` when
+        it has none; ``provider=None`` stops serving."""
         self._state.provider = provider
 
     def fetch_state(self, timeout: float = 120.0) -> bytes | None:
-        """Downloads the current global state from a live peer of the run.
-
-        Tries the other live peers that train (not on standby), most advanced first (by their
-        last round; peers the last round found diverged last), until one answers. A peer that
-        has no state yet answers 404 at once; when every peer did, there is nobody to download
-        from and the answer is ``None``.
-
-        Args:
-          timeout: overall deadline, seconds.
-
-        Returns:
-          The state bytes, or ``None`` when no other peer is live or none has a state.
+        """Downloads the current global state from a live peer of the run, trying the other
+        training peers most advanced first (diverged ones last) until one answers, within
+        ``timeout`` seconds. Returns the state bytes, or ``None`` when no other peer is live or
+        none has a state (each answers 404 at once).
 
         Raises:
           SwarmError: peers are live but none delivered a state before the deadline, or the
@@ -470,10 +430,9 @@ class Swarm:
         """The rendezvous' outcome of a round: ``"ok"``, ``"failed"``, ``"running"`` or
         ``"unknown"`` (too old, or the rendezvous restarted since). Raises SwarmError when the
         rendezvous cannot be reached."""
-        for r in self.status().get("rounds", []):
-            if r.get("round") == round_:
-                return str(r.get("outcome"))
-        return "unknown"
+        return next(
+            (str(r.get("outcome")) for r in self.status().get("rounds", []) if r.get("round") == round_), "unknown"
+        )
 
     def status(self) -> dict[str, Any]:
         """The run's status from the rendezvous (peers, membership version, recent rounds).
@@ -481,10 +440,14 @@ class Swarm:
         Raises:
           SwarmError: the rendezvous cannot be reached. RuntimeError: the swarm is not running.
         """
+        return self._ask("GET", "/status", None)
+
+    def _ask(self, method: str, rest: str, payload: Any, timeout: float | None = None) -> Any:
+        """One rendezvous request from the caller's thread (SwarmError when it cannot be reached)."""
         if self._loop is None or self._closed:
             raise RuntimeError("Swarm is not running")
-        t = self.timeouts.connect * 2
-        fut = asyncio.run_coroutine_threadsafe(self.transport.rendezvous("GET", "/status", None, t), self._loop)
+        t = self.timeouts.connect * 2 if timeout is None else timeout
+        fut = asyncio.run_coroutine_threadsafe(self.transport.rendezvous(method, rest, payload, t), self._loop)
         try:
             return fut.result(timeout=t + 5)
         except Exception as e:
