@@ -191,7 +191,13 @@ def _cmd_plan_memory(args: argparse.Namespace) -> int:
             rank=args.lora_rank, alpha=2.0 * args.lora_rank, targets=tuple(args.lora_targets), train_a=not args.frozen_a
         )
         plan = plan_memory(
-            cfg, lora=lora, quantize=args.quantize, batch=args.batch, seq_len=args.seq_len, dtype=args.dtype
+            cfg,
+            lora=lora,
+            quantize=args.quantize,
+            batch=args.batch,
+            seq_len=args.seq_len,
+            dtype=args.dtype,
+            remat=not args.no_remat,
         )
     except ImportError as e:
         print(f"error: plan-memory needs the llm extra (pip install 'ravnest-jax[llm]'): {e}", file=sys.stderr)
@@ -200,8 +206,10 @@ def _cmd_plan_memory(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     q = args.quantize or args.dtype
+    remat = "no remat" if args.no_remat else "remat"
     print(
-        f"{args.config}: LoRA rank {args.lora_rank}, base {q}, batch {args.batch} x {args.seq_len} tokens, {args.dtype}"
+        f"{args.config}: LoRA rank {args.lora_rank}, base {q}, batch {args.batch} x {args.seq_len} tokens, "
+        f"{args.dtype}, {remat}"
     )
     print(plan.table())
     if args.device_gib:
@@ -209,7 +217,15 @@ def _cmd_plan_memory(args: argparse.Namespace) -> int:
         print(f"{verdict} in {args.device_gib:g} GiB (with 10% headroom)")
     if args.json:
         Path(args.json).write_text(
-            plan_json(plan, config=str(args.config), quantize=args.quantize, batch=args.batch, seq_len=args.seq_len)
+            plan_json(
+                plan,
+                config=str(args.config),
+                quantize=args.quantize,
+                batch=args.batch,
+                seq_len=args.seq_len,
+                dtype=args.dtype,
+                remat=not args.no_remat,
+            )
             + "\n"
         )
     return 0

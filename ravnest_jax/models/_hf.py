@@ -109,8 +109,8 @@ def load_pretrained(
     files = _tensor_files(root)
 
     def build():
-        # qwix creates the adapters in a first call, which must not run under jax.checkpoint:
-        # remat is switched on after (it is read at call time only)
+        # qwix creates the adapters in a first call, which must not run inside a recomputed
+        # block: remat is switched on after (it is read at call time only)
         model = Transformer(cfg, nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
         if lora is not None or quantize is not None:
             model = _wrap(model, lora, quantize)

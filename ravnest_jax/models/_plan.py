@@ -3,10 +3,22 @@
 Parameters and optimizer state come from ``jax.eval_shape`` of the real objects (the qwix
 model, ``rj.diloco(optax.adamw)``'s state), counted at their storage width (int4: half a byte).
 Activations come from XLA itself: the jitted training step is compiled (not run) for the model
-cut to one and to two layers at the real width, batch and sequence length, and the temporary
-bytes XLA plans for it (``compiled.memory_analysis()``) are extrapolated linearly to all layers
-(every layer is the same). XLA on CPU plans the same buffers an accelerator step needs up to
-its fusion choices; see docs/finetuning.md for the measured agreement.
+cut to two and to three layers at the real width, batch and sequence length, and the temporary
+bytes XLA plans for it (``compiled.memory_analysis()``) are taken. Every layer of the model is
+the same, so every figure is linear in depth: the parameter and optimizer bytes are
+``f(1) + (layers - 1) * (f(2) - f(1))`` from one and two layers, exact (tested against
+``eval_shape`` of the whole model); the activations ``f(2) + (layers - 2) * (f(3) - f(2))``
+(XLA's plan grows by the same bytes with every layer from the second on; tested within 10% of
+the compiled full-depth step). Tracing the whole qwix model costs time quadratic in depth (over
+10 minutes for 80 layers); a few layers take seconds.
+
+The plan is XLA's **CPU** plan. With ``remat=True`` (the default) each block is recomputed in
+the backward pass (:func:`~ravnest_jax.models._transformer.recompute_in_backward`), so it holds
+one block's working set (its float32 attention scores ``batch x heads x seq^2``, XLA's
+attention) plus every block's input and the logits. XLA on CPU computes bfloat16 matmuls in
+float32 and makes float32 copies of the bfloat16 weights it multiplies (at most one block's
+and the output head's at a time): a GPU, which multiplies bfloat16 natively, needs less, so
+for a GPU the plan is an upper bound. See docs/finetuning.md for the figures.
 """
 
 from __future__ import annotations
@@ -56,7 +68,8 @@ class MemoryPlan:
       adapters: the trainable adapters (float32).
       optimizer: AdamW's two moments and step count over the adapters.
       outer: ``rj.diloco``'s anchor (global adapters) and outer momentum.
-      activations: XLA's temporary buffers of one training step (forward, backward, update).
+      activations: XLA's temporary buffers of one training step (forward, backward, update),
+        as XLA on CPU plans them (an upper bound for a GPU: see the module docstring).
       adapter_params: the number of trainable parameters.
       base_params: the number of parameters of the base.
     """
@@ -168,6 +181,43 @@ def _step_temp_bytes(
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
+def _static_bytes(cfg: TransformerConfig, lora: LoraConfig, quantize: str | None, dtype: Any) -> dict[str, int]:
+    """Parameter and optimizer bytes and counts of the whole ``cfg`` (``jax.eval_shape``)."""
+    import optax
+
+    from ..optim import diloco
+
+    _, adapters, frozen = _abstract(cfg, lora, quantize, dtype)
+    state = jax.eval_shape(diloco(optax.adamw(1e-4), sync_every=100).init, adapters)
+    # the frozen A are adapter machinery and the scales of quantised kernels storage details,
+    # not parameters of the model
+    not_model = sum(
+        _count(v)
+        for p, v in _flat(frozen)
+        if str(p[-1]).endswith("_lora_a") or ("array" in map(str, p) and str(p[-1]) != "qvalue")
+    )
+    return {
+        "base": _bytes(frozen),
+        "adapters": _bytes(adapters),
+        "optimizer": _bytes(state.inner_state),
+        "outer": _bytes(state.global_params) + _bytes(state.outer_state),
+        "adapter_params": _count(adapters),
+        "base_params": _count(frozen) - not_model,
+    }
+
+
+def by_layers(fn: Any, cfg: TransformerConfig, first: int = 1) -> dict[str, int]:
+    """``fn(config)`` (a dict of ints) for ``cfg``, from ``cfg`` cut to ``first`` and to
+    ``first + 1`` layers: ``f(first) + (layers - first) * (f(first + 1) - f(first))`` (every
+    layer is the same); ``fn(cfg)`` itself when ``cfg`` has no more than ``first + 1`` layers."""
+    layers = cfg.num_hidden_layers
+    if layers <= first + 1:
+        return fn(cfg)
+    a = fn(dataclasses.replace(cfg, num_hidden_layers=first))
+    b = fn(dataclasses.replace(cfg, num_hidden_layers=first + 1))
+    return {k: a[k] + (layers - first) * (b[k] - a[k]) for k in a}
+
+
 def plan_memory(
     config: str | Path | TransformerConfig,
     *,
@@ -179,18 +229,20 @@ def plan_memory(
     remat: bool = True,
 ) -> MemoryPlan:
     """A peer's device bytes for LoRA (QLoRA with ``quantize``) fine-tuning with ``rj.diloco``
-    over AdamW, computed without allocating (see the module docstring for how).
+    over AdamW, computed without allocating (see the module docstring for how): seconds, for
+    any depth.
 
     Args:
       config: a ``config.json``, a checkpoint directory, a :data:`PRESETS` name or a
         :class:`TransformerConfig`.
-      lora: the adapters (default ``LoraConfig()``: rank 16 on every projection, frozen ``A``).
+      lora: the adapters (default ``LoraConfig()``: rank 16 on every projection, ``A`` and
+        ``B`` trained).
       quantize: None, ``"int8"`` or ``"int4"``: the frozen base's storage.
       batch, seq_len: sequences per step and tokens per sequence.
       dtype: ``"bfloat16"`` or ``"float32"``: compute and unquantised parameter dtype.
-      remat: gradient checkpointing per block (``load_pretrained(..., remat=True)``), the
-        default: without it every block's activations (and a quantised base's dequantised
-        weights) are kept for the backward pass.
+      remat: recompute each block in the backward pass (``load_pretrained(..., remat=True)``),
+        the default: without it every block's activations (and a quantised base's
+        dequantised weights) are kept for the backward pass.
 
     Returns:
       a :class:`MemoryPlan` (bytes).
@@ -207,32 +259,13 @@ def plan_memory(
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
-    import optax
-
-    from ..optim import diloco
-
-    _, adapters, frozen = _abstract(cfg, lora, quantize, jdtype)
-    state = jax.eval_shape(diloco(optax.adamw(1e-4), sync_every=100).init, adapters)
-    one = _step_temp_bytes(dataclasses.replace(cfg, num_hidden_layers=1), lora, quantize, jdtype, batch, seq_len, remat)
-    if cfg.num_hidden_layers > 1:
-        two = _step_temp_bytes(
-            dataclasses.replace(cfg, num_hidden_layers=2), lora, quantize, jdtype, batch, seq_len, remat
-        )
-        activations = one + (cfg.num_hidden_layers - 1) * max(two - one, 0)
-    else:
-        activations = one
-    base_params = _count(frozen) - sum(
-        _count(v) for p, v in _flat(frozen) if str(p[-1]).endswith("_lora_a")
-    )  # the frozen A are adapter machinery, not the model
-    return MemoryPlan(
-        base=_bytes(frozen),
-        adapters=_bytes(adapters),
-        optimizer=_bytes(state.inner_state),
-        outer=_bytes(state.global_params) + _bytes(state.outer_state),
-        activations=activations,
-        adapter_params=_count(adapters),
-        base_params=base_params,
+    static = by_layers(lambda c: _static_bytes(c, lora, quantize, jdtype), cfg)
+    # XLA's plan grows by the same bytes with every layer from the second on (measured: the
+    # first layer's share differs), so the activations are extrapolated from 2 and 3 layers
+    act = by_layers(
+        lambda c: {"activations": _step_temp_bytes(c, lora, quantize, jdtype, batch, seq_len, remat)}, cfg, first=2
     )
+    return MemoryPlan(**static, activations=act["activations"])
 
 
 def _flat(state: Any) -> list:

@@ -20,7 +20,7 @@ from flax import nnx  # noqa: E402
 
 import ravnest_jax as rj  # noqa: E402
 from ravnest_jax.models import LoraConfig, TransformerConfig, apply_lora, split_lora  # noqa: E402
-from ravnest_jax.models._plan import plan_memory  # noqa: E402
+from ravnest_jax.models._plan import _static_bytes, by_layers, load_config, plan_memory  # noqa: E402
 
 LLAMA = Path(__file__).resolve().parents[1] / "fixtures" / "llm" / "llama"
 
@@ -32,11 +32,14 @@ def _bytes(tree) -> int:
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("quantize", [None, "int4"])
-def test_planner_within_10_percent_of_live_bytes(quantize):
+@pytest.mark.parametrize("remat", [False, True], ids=["no-remat", "remat"])
+def test_planner_within_10_percent_of_live_bytes(quantize, remat):
+    """The planner (2 and 3 layers compiled, extrapolated) against the real 4-layer model's
+    objects and its compiled step, at 256 tokens where activations are most of the bytes."""
     cfg = dataclasses.replace(TransformerConfig.from_hf(LLAMA), num_hidden_layers=4)
     lora = LoraConfig(rank=4)
-    batch, seq = 2, 32
-    plan = plan_memory(cfg, lora=lora, quantize=quantize, batch=batch, seq_len=seq, dtype="float32", remat=False)
+    batch, seq = 2, 256
+    plan = plan_memory(cfg, lora=lora, quantize=quantize, batch=batch, seq_len=seq, dtype="float32", remat=remat)
 
     # live: the real model, adapters, optimizer and the compiled full-depth step
     lm = split_lora(apply_lora(rj.models.Transformer(cfg, nnx.Rngs(0)), lora, quantize=quantize))
@@ -45,7 +48,9 @@ def test_planner_within_10_percent_of_live_bytes(quantize):
 
     def step(adapters, state, frozen, tokens):
         def loss_fn(a):
-            logits = lm.model(a, frozen)(tokens[:, :-1])
+            model = lm.model(a, frozen)
+            model.remat = remat
+            logits = model(tokens[:, :-1])
             return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
         updates, state = tx.update(jax.grad(loss_fn)(adapters), state, adapters)
@@ -63,25 +68,45 @@ def test_planner_within_10_percent_of_live_bytes(quantize):
     planned = {k: getattr(plan, k) for k in live}
     for k in ("base", "adapters", "optimizer", "outer"):
         assert planned[k] == live[k], (k, planned, live)
+    assert plan.base_params == cfg.num_params(), (plan.base_params, cfg.num_params())
+    assert plan.adapter_params == lm.num_adapter_params, (plan.adapter_params, lm.num_adapter_params)
     act = abs(planned["activations"] - live["activations"]) / live["activations"]
     total = abs(plan.total - sum(live.values())) / sum(live.values())
     assert act < 0.10 and total < 0.10, f"planned {planned} vs live {live}: activations {act:.1%}, total {total:.1%}"
 
 
+@pytest.mark.integration  # traces the qwix model at 1, 2 and 6 layers of Llama 3.2 1B's width: ~10 s
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_parameter_bytes_from_two_layers_equal_the_whole_model(quantize):
+    """Every layer is the same: the planner's parameter and optimizer figures, extrapolated
+    from 1 and 2 layers, equal ``eval_shape`` of the whole model (here 6 layers of Llama 3.2
+    1B), byte for byte."""
+    cfg = dataclasses.replace(load_config("llama-3.2-1b"), num_hidden_layers=6)
+    lora = LoraConfig(rank=16)
+    whole = _static_bytes(cfg, lora, quantize, jnp.bfloat16)
+    assert by_layers(lambda c: _static_bytes(c, lora, quantize, jnp.bfloat16), cfg) == whole
+    assert whole["base_params"] == cfg.num_params(), (whole, cfg.num_params())
+
+
 @pytest.mark.slow
 def test_plan_memory_command_prints_a_table_and_json(tmp_path):
-    out = tmp_path / "plan.json"
-    args = ["--config", str(LLAMA), "--lora-rank", "4", "--quantize", "int4", "--batch", "1", "--seq-len", "16"]
-    p = subprocess.run(
-        [sys.executable, "-m", "ravnest_jax.cli", "plan-memory", *args, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0, p.stderr
-    assert "adapters" in p.stdout and "fits in 24 GiB" in p.stdout, p.stdout
-    d = json.loads(out.read_text())
-    assert d["total"] == sum(d[k] for k in ("base", "adapters", "optimizer", "outer", "activations")) > 0
+    plans = {}
+    for flags in ([], ["--no-remat"]):
+        out = tmp_path / f"plan{len(flags)}.json"
+        args = ["--config", str(LLAMA), "--lora-rank", "4", "--quantize", "int4", "--batch", "2", "--seq-len", "128"]
+        p = subprocess.run(
+            [sys.executable, "-m", "ravnest_jax.cli", "plan-memory", *args, *flags, "--json", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert p.returncode == 0, p.stderr
+        assert "adapters" in p.stdout and "fits in 24 GiB" in p.stdout, p.stdout
+        d = json.loads(out.read_text())
+        assert d["total"] == sum(d[k] for k in ("base", "adapters", "optimizer", "outer", "activations")) > 0
+        plans[d["remat"]] = d
+    assert plans[True]["base"] == plans[False]["base"], plans
+    assert plans[True]["activations"] < plans[False]["activations"], plans
 
 
 @pytest.mark.integration  # CLI processes: keeps the unit tier under 3 minutes
