@@ -5,6 +5,8 @@ Needs the ``llm`` extra (``safetensors``, ``tokenizers``, ``qwix``)."""
 
 from ._config import ARCHITECTURES as ARCHITECTURES
 from ._config import TransformerConfig as TransformerConfig
+from ._hf import adapter_sharding as adapter_sharding
+from ._hf import base_sharding as base_sharding
 from ._hf import hf_config as hf_config
 from ._hf import load_pretrained as load_pretrained
 from ._hf import save_pretrained as save_pretrained
@@ -25,7 +27,9 @@ __all__ = [
     "LoraModel",
     "Transformer",
     "TransformerConfig",
+    "adapter_sharding",
     "apply_lora",
+    "base_sharding",
     "hf_config",
     "load_pretrained",
     "merge_adapters",

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ._config import TransformerConfig
 from ._lora import LoraConfig, _wrap, check_quantize, init_adapters
@@ -76,7 +78,8 @@ def load_pretrained(
     LoRA adapters and a quantised frozen base (QLoRA).
 
     Tensors are read one at a time from the memory-mapped safetensors files, cast (or quantised)
-    and placed before the next is read: the unquantised model never exists in memory.
+    and placed before the next is read: the unquantised model never exists in memory. With a
+    ``mesh`` each tensor is read one device shard at a time.
 
     Args:
       path: a directory with ``config.json`` and ``model.safetensors`` or its shards with
@@ -88,22 +91,30 @@ def load_pretrained(
       lora: adds adapters (:class:`LoraConfig`); split them out with :func:`split_lora`.
       adapter_dtype: the adapters' dtype (default float32).
       remat: gradient checkpointing per block (see :class:`Transformer`).
-      mesh: not yet supported (``None`` only: the default device).
+      mesh: None (the default device), or a ``jax.sharding.Mesh`` of this process's devices
+        with automatic axes: the peer's devices. Every tensor is laid out FSDP-style over all
+        the mesh's devices: a frozen one split along its last axis whose size divides by the
+        number of devices (a kernel ``(in, out)``: its outputs, so each device quantises its
+        own columns), an adapter along its first (:func:`base_sharding`,
+        :func:`adapter_sharding`); replicated when no axis divides. Each device's shard is
+        read on its own from the memory-mapped file: neither the host nor any device ever
+        holds a whole tensor that is split. XLA gathers each weight where a jitted step uses
+        it (docs/multi-device.md).
 
     Returns:
       The model with every parameter from the checkpoint (and initial adapters).
 
     Raises:
       ValueError: no such directory, an unsupported architecture, a tensor missing from the
-        files, a tensor whose shape differs from the model's (each named), an unknown
-        ``quantize``, or a ``mesh``.
+        files, a tensor whose shape differs from the model's (each named; all checked before
+        any tensor is read), an unknown ``quantize``, or a ``mesh`` that is not a mesh of this
+        process's devices with automatic axes.
     """
     root = Path(path)
     if not root.is_dir():
         raise ValueError(f"checkpoint directory {root} does not exist")
     check_quantize(quantize)
-    if mesh is not None:
-        raise ValueError("mesh= is not supported yet (None only)")
+    check_mesh(mesh)
     cfg = TransformerConfig.from_hf(root)
     param_dtype = dtype if param_dtype is None else param_dtype
     files = _tensor_files(root)
@@ -141,46 +152,76 @@ def load_pretrained(
     for p, item in wanted.items():
         by_file.setdefault(files[item[0]], []).append((p, *item))
     shapes = {tuple(p): tuple(v.get_value().shape) for p, v in flat}
-    values: dict[tuple, Any] = {}
-    jitted: dict = {}
+    # every file and every shape is checked (headers only) before anything is read
     for file, items in by_file.items():
         if not file.is_file():
             raise ValueError(f"{file} (listed in {INDEX}) does not exist")
         with safe_open(str(file), framework="numpy") as f:
             for p, name, transposed in items:
                 shape = tuple(f.get_slice(name).get_shape())
-                quantized = p not in shapes
-                want = shapes[p + ("array", "qvalue")] if quantized else shapes[p]
-                got = shape[::-1] if transposed else shape
-                if got != want:
+                want = shapes[p + ("array", "qvalue")] if p not in shapes else shapes[p]
+                if (shape[::-1] if transposed else shape) != want:
                     raise ValueError(
                         f"tensor {name} has shape {list(shape)}, the model needs "
                         f"{list(want[::-1] if transposed else want)} (config.json and weights disagree)"
                     )
-                # one host copy of this tensor (numpy, cast and transposed in place of the
-                # memory-mapped bytes), then one device copy; the host copy is dropped at once
-                t = np.ascontiguousarray(f.get_tensor(name).T if transposed else f.get_tensor(name), dtype=param_dtype)
+    values: dict[tuple, Any] = {}
+    jitted: dict = {}
+    for file, items in by_file.items():
+        with safe_open(str(file), framework="numpy") as f:
+            for p, name, transposed in items:
+                quantized = p not in shapes
+                shape = shapes[p + ("array", "qvalue")] if quantized else shapes[p]
+                w = _read(f, name, transposed, shape, param_dtype, base_sharding(mesh, shape))
                 if quantized:
-                    values.update(_quantized_leaves(abstract, p, jax.device_put(t), jitted))
+                    values.update(_quantized_leaves(abstract, p, w, jitted, mesh, shapes))
                 else:
-                    values[p] = jax.device_put(t)
-                del t
+                    values[p] = w
+                del w
     for p, var in flat:
         p = tuple(p)
         if isinstance(var, nnx.LoRAParam):
-            var.set_value(jnp.zeros(var.get_value().shape, adapter_dtype))
+            var.set_value(jax.ShapeDtypeStruct(var.get_value().shape, adapter_dtype))
         else:
             var.set_value(values[p])
     state = nnx.from_flat_state(flat)
     if lora is not None:
-        init_adapters(state, lora.seed)
+        init_adapters(state, lora.seed, sharding=None if mesh is None else lambda shape: adapter_sharding(mesh, shape))
     return nnx.merge(graphdef, state)
 
 
-def _quantized_leaves(abstract: Any, path: tuple, weight: jax.Array, cache: dict) -> dict[tuple, jax.Array]:
+def _read(f: Any, name: str, transposed: bool, shape: tuple, dtype: Any, sharding: Any) -> jax.Array:
+    """Tensor ``name`` of the open safetensors file ``f`` on the devices, ``shape`` (ours:
+    transposed from Hugging Face's ``(out, in)`` when ``transposed``), cast to ``dtype``.
+
+    On one device: one host copy (numpy, cast and transposed in place of the memory-mapped
+    bytes), then one device copy; the host copy is dropped at once. Laid out over a mesh: each
+    device's shard is read on its own from the memory-mapped file (only its bytes), cast and
+    placed, so that neither the host nor any device holds the whole tensor (a replicated tensor
+    is read once a device)."""
+    if sharding is None:
+        t = f.get_tensor(name)
+        return jax.device_put(np.ascontiguousarray(t.T if transposed else t, dtype=dtype))
+    part = f.get_slice(name)
+
+    def shard(index: tuple) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        if transposed:
+            return np.ascontiguousarray(part[index[::-1]].T, dtype=dtype)
+        return np.ascontiguousarray(part[index], dtype=dtype)
+
+    return jax.make_array_from_callback(shape, sharding, shard)
+
+
+def _quantized_leaves(
+    abstract: Any, path: tuple, weight: jax.Array, cache: dict, mesh: Any = None, shapes: dict | None = None
+) -> dict[tuple, jax.Array]:
     """Quantises one kernel ``(in, out)`` the way the abstract qwix model stores it: jitted
     (one program per shape and format, shared by every layer), so that no full-size temporary
-    of the eager ops is held beside the tensor."""
+    of the eager ops is held beside the tensor. On a mesh the kernel and its quantised leaves
+    are split along the outputs (:func:`base_sharding`): the scales are per output column (int8)
+    or per tile of inputs and output column (int4), so each device quantises its own columns
+    and nothing is gathered."""
     import qwix
 
     node = abstract
@@ -203,8 +244,61 @@ def _quantized_leaves(abstract: Any, path: tuple, weight: jax.Array, cache: dict
                 arr = {f.name: getattr(arr, f.name) for f in dataclasses.fields(arr)}
             return {k: v for k, v in arr.items() if isinstance(v, jax.Array)}
 
-        cache[key] = jax.jit(quantize)
+        if mesh is None:
+            cache[key] = jax.jit(quantize)
+        else:
+            leaves = jax.eval_shape(quantize, jax.ShapeDtypeStruct(weight.shape, weight.dtype))
+            cache[key] = jax.jit(
+                quantize,
+                in_shardings=base_sharding(mesh, weight.shape),
+                out_shardings={k: base_sharding(mesh, v.shape) for k, v in leaves.items()},
+            )
     return {path + ("array", k): v for k, v in cache[key](weight).items()}
+
+
+def check_mesh(mesh: Any) -> None:
+    """``mesh`` is None or a ``jax.sharding.Mesh`` with automatic axes over this process's
+    devices; else ValueError saying what is wrong."""
+    if mesh is None:
+        return
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+    if mesh.explicit_axes:
+        raise ValueError(
+            f"mesh axes {mesh.explicit_axes} are explicit; the model needs automatic axes (XLA gathers each "
+            "weight where it is used): jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))"
+        )
+    here = jax.process_index()
+    if any(d.process_index != here for d in mesh.devices.flat):
+        raise ValueError("mesh has devices of other processes; load_pretrained takes this process's devices only")
+
+
+def _split(mesh: Any, shape: tuple, axes: Any) -> Any:
+    for axis in axes:
+        if shape[axis] % mesh.size == 0:
+            spec = [None] * len(shape)
+            spec[axis] = tuple(mesh.axis_names)
+            return NamedSharding(mesh, P(*spec))
+    return NamedSharding(mesh, P())
+
+
+def base_sharding(mesh: Any, shape: tuple) -> Any:
+    """Where a frozen tensor of ``shape`` lies on ``mesh`` (FSDP-style): split over all the
+    mesh's devices along its last axis that divides by their number (a kernel ``(in, out)``:
+    the outputs), replicated when none does; ``None`` without a mesh."""
+    if mesh is None:
+        return None
+    return _split(mesh, shape, reversed(range(len(shape))))
+
+
+def adapter_sharding(mesh: Any, shape: tuple) -> Any:
+    """Where an adapter (or anything shaped like one: its optimizer moments, anchor, outer
+    momentum) of ``shape`` lies on ``mesh``: split along its first axis that divides by the
+    number of devices (whole rows: the blocks of a round's codec stay on one device,
+    docs/multi-device.md), replicated when none does; ``None`` without a mesh."""
+    if mesh is None:
+        return None
+    return _split(mesh, shape, range(len(shape)))
 
 
 def save_pretrained(model: Transformer, path: str | Path) -> Path:

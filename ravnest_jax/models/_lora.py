@@ -173,20 +173,29 @@ def _trainable(lora: LoraConfig):
     return keep
 
 
-def init_adapters(state: nnx.State, seed: int) -> None:
+def init_adapters(state: nnx.State, seed: int, sharding: Any = None) -> None:
     """Sets every adapter in ``state`` (in place) to its initial value: ``A`` He-uniform
     ``(in, rank)``, ``B`` zeros ``(rank, out)``, from ``seed`` and the parameter's path only, so
-    every peer starts from the same adapters."""
+    every peer starts from the same adapters. ``sharding(shape)``, if given, is where each
+    adapter goes: each device computes its own shard (the same values as on one device:
+    ``jax_threefry_partitionable``)."""
     for path, var in nnx.to_flat_state(state):
         if not isinstance(var, nnx.LoRAParam):
             continue
         v = var.get_value()
+        shape, dtype = tuple(v.shape), v.dtype
         name = ".".join(map(str, path))
+        key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(name.encode()) & 0x7FFFFFFF)
         if name.endswith("_lora_b"):
-            var.set_value(jnp.zeros(v.shape, v.dtype))
+
+            def init(key, shape=shape, dtype=dtype):
+                return jnp.zeros(shape, dtype)
         else:
-            key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(name.encode()) & 0x7FFFFFFF)
-            var.set_value(jax.nn.initializers.he_uniform()(key, v.shape, v.dtype))
+
+            def init(key, shape=shape, dtype=dtype):
+                return jax.nn.initializers.he_uniform()(key, shape, dtype)
+
+        var.set_value(init(key) if sharding is None else jax.jit(init, out_shardings=sharding(shape))(key))
 
 
 def apply_lora(
