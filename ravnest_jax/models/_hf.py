@@ -97,9 +97,9 @@ def load_pretrained(
         number of devices (a kernel ``(in, out)``: its outputs, so each device quantises its
         own columns), an adapter along its first (:func:`base_sharding`,
         :func:`adapter_sharding`); replicated when no axis divides. Each device's shard is
-        read on its own from the memory-mapped file: neither the host nor any device ever
-        holds a whole tensor that is split. XLA gathers each weight where a jitted step uses
-        it (docs/multi-device.md).
+        read on its own from the memory-mapped file and sent to that device only: no device
+        ever holds more than its shard of a split tensor, the host one tensor at a time. XLA
+        gathers each weight where a jitted step uses it (docs/multi-device.md).
 
     Returns:
       The model with every parameter from the checkpoint (and initial adapters).
@@ -196,9 +196,9 @@ def _read(f: Any, name: str, transposed: bool, shape: tuple, dtype: Any, shardin
 
     On one device: one host copy (numpy, cast and transposed in place of the memory-mapped
     bytes), then one device copy; the host copy is dropped at once. Laid out over a mesh: each
-    device's shard is read on its own from the memory-mapped file (only its bytes), cast and
-    placed, so that neither the host nor any device holds the whole tensor (a replicated tensor
-    is read once a device)."""
+    device's shard is read on its own from the memory-mapped file (only its bytes) and cast,
+    and each device receives its shard only: the host holds this one tensor's shards for the
+    transfer, no device more than its shard (a replicated tensor is read once)."""
     if sharding is None:
         t = f.get_tensor(name)
         return jax.device_put(np.ascontiguousarray(t.T if transposed else t, dtype=dtype))
