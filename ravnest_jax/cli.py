@@ -182,7 +182,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan_memory(args: argparse.Namespace) -> int:
+    if args.devices < 1:
+        print(f"error: --devices must be >= 1, got {args.devices}", file=sys.stderr)
+        return 2
     try:
+        if args.devices > 1:  # CPU devices to compile the sharded step for, before jax starts
+            import jax
+
+            jax.config.update("jax_num_cpu_devices", args.devices)
         from ravnest_jax.models import LoraConfig
         from ravnest_jax.models._plan import load_config, plan_json, plan_memory
 
@@ -198,6 +205,7 @@ def _cmd_plan_memory(args: argparse.Namespace) -> int:
             seq_len=args.seq_len,
             dtype=args.dtype,
             remat=not args.no_remat,
+            devices=args.devices,
         )
     except ImportError as e:
         print(f"error: plan-memory needs the llm extra (pip install 'ravnest-jax[llm]'): {e}", file=sys.stderr)
@@ -207,14 +215,16 @@ def _cmd_plan_memory(args: argparse.Namespace) -> int:
         return 2
     q = args.quantize or args.dtype
     remat = "no remat" if args.no_remat else "remat"
+    where = "" if args.devices == 1 else f", FSDP over {args.devices} devices (bytes of one)"
     print(
         f"{args.config}: LoRA rank {args.lora_rank}, base {q}, batch {args.batch} x {args.seq_len} tokens, "
-        f"{args.dtype}, {remat}"
+        f"{args.dtype}, {remat}{where}"
     )
     print(plan.table())
     if args.device_gib:
         verdict = "fits" if plan.fits(int(args.device_gib * 1024**3)) else "does not fit"
-        print(f"{verdict} in {args.device_gib:g} GiB (with 10% headroom)")
+        each = "" if args.devices == 1 else " on each device"
+        print(f"{verdict} in {args.device_gib:g} GiB{each} (with 10% headroom)")
     if args.json:
         Path(args.json).write_text(
             plan_json(
@@ -350,6 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
     pm.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     pm.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
     pm.add_argument("--no-remat", action="store_true", help="keep every block's activations (default: recompute)")
+    pm.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="the peer's devices: bytes of one when the model lies FSDP-style over all of them "
+        "(load_pretrained(mesh=)) and the batch is split (default 1)",
+    )
     pm.add_argument("--device-gib", type=float, default=24.0, help="say whether it fits this much (default 24)")
     pm.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON here")
     pm.set_defaults(func=_cmd_plan_memory)

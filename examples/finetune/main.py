@@ -11,6 +11,7 @@ peer's summary. Every other option goes to ``train.py`` (``train.py --help`` lis
     python examples/finetune/main.py --local-peers 4
     python examples/finetune/main.py --local-peers 2 --quantize int4 --lora-rank 16 --export merged/
     python examples/finetune/main.py --local-peers 2 --checkpoint ~/models/Qwen3-0.6B --text notes.txt --dtype bfloat16
+    python examples/finetune/main.py --local-peers 2 --devices 2 --quantize int4   # each peer on 2 devices
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ tokenizer and packs it into sequences, one shard per peer (``rj.data.PackedToken
 adapters only with AdamW, and averages them every H steps over the swarm (``rj.diloco`` +
 ``rj.OuterSync``: rounds carry the adapters, nothing else); checkpoints adapters, optimizer and
 data position (``rj.Checkpointer``) and resumes exactly; ``--export DIR`` writes the merged model
-(adapters folded in) as a Hugging Face checkpoint. Started by the launcher:
+(adapters folded in) as a Hugging Face checkpoint; ``--devices N`` lays the base and the adapters
+FSDP-style over N local devices (``load_pretrained(..., mesh=)``) and splits the batch over them.
+Started by the launcher:
 
     ravnest-jax local --peers 4 -- python examples/finetune/train.py --checkpoint CKPT
     python examples/finetune/main.py --local-peers 4        # makes a tiny checkpoint first
@@ -60,6 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quantize", choices=["int8", "int4"], default=None, help="store the frozen base in 8 or 4 bits")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute and base dtype (default float32)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="local devices of this peer: the base and adapters FSDP-style over them, the batch split "
+        "(on a machine without accelerators this many CPU devices are made; default 1)",
+    )
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the eval loss (default 4)")
     p.add_argument("--checkpoint-dir", default=None, help="save here between rounds; resume from it")
     p.add_argument("--export", default=None, help="write the merged model here at the end (first peer only)")
@@ -85,9 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --stages: codec of activations and activation-gradients (default int8)",
     )
     args = p.parse_args(argv)
-    for name in ("max_steps", "sync_every", "batch_size", "seq_len", "lora_rank", "eval_batches"):
+    for name in ("max_steps", "sync_every", "batch_size", "seq_len", "lora_rank", "eval_batches", "devices"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.batch_size % args.devices:
+        p.error(f"--batch-size ({args.batch_size}) must be a multiple of --devices ({args.devices})")
     if not 0 <= args.overlap_steps < args.sync_every:
         p.error("--overlap-steps must be in [0, --sync-every)")
     if args.export and Path(args.export).exists() and any(Path(args.export).iterdir()):
@@ -108,9 +119,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def peer_mesh(n: int):
+    """The peer's local devices as a mesh with one automatic ``"data"`` axis (XLA gathers each
+    FSDP weight where it is used), or ``None`` for one device.
+
+    Raises:
+      ValueError: fewer than ``n`` local devices.
+    """
+    import jax
+    from jax.sharding import AxisType
+
+    if n == 1:
+        return None
+    devices = jax.local_devices()
+    if len(devices) < n:
+        raise ValueError(f"--devices {n}: this process has {len(devices)} local {jax.default_backend()} devices")
+    return jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,), devices=devices[:n])
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     import jax
+
+    if args.devices > 1:
+        try:  # CPU devices for --devices without accelerators; no effect on a GPU or TPU backend
+            jax.config.update("jax_num_cpu_devices", args.devices)
+        except RuntimeError:  # the backend is already up (a test calling main() in its process)
+            pass
     import jax.numpy as jnp
     import numpy as np
     import optax
@@ -141,7 +176,9 @@ def main(argv: list[str] | None = None) -> dict:
     eval_set = np.stack([evals.batch_at(i) for i in range(args.eval_batches)])
 
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    lm = split_lora(load_pretrained(args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora))
+    mesh = peer_mesh(args.devices)
+    # on a mesh: the frozen base and the adapters FSDP-style over the peer's devices
+    lm = split_lora(load_pretrained(args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora, mesh=mesh))
     frozen = lm.frozen
     if args.stages > 1:
         return train_stages(args, lm, train_tokens, eval_set)
@@ -151,15 +188,31 @@ def main(argv: list[str] | None = None) -> dict:
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
     tx = rj.diloco(optax.adamw(args.lr, weight_decay=0.0), sync_every=args.sync_every)
-    state = tx.init(lm.adapters)
+    state = tx.init(lm.adapters)  # moments, anchor, momentum: laid out like the adapters
     dropout_key = jax.random.key(args.seed + 1)
+    put_batch, layouts = (lambda b: b), None
+    if mesh is not None:
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
-    @jax.jit
-    def train_step(adapters, state, frozen, batch, step):
+        # tx.init leaves its step counters on one device: replicate them on the mesh, so that
+        # the layouts never change (nothing compiles twice); the batch is split over the devices
+        state = jax.tree.map(
+            lambda x: x if getattr(x.sharding, "mesh", None) == mesh else jax.device_put(x, NamedSharding(mesh, P())),
+            state,
+        )
+        split = NamedSharding(mesh, P("data"))
+        put_batch = lambda b: jax.device_put(b, split)  # noqa: E731
+        # the step keeps the layouts of adapters and state (with automatic axes XLA would choose)
+        layouts = (jax.tree.map(lambda x: x.sharding, lm.adapters), jax.tree.map(lambda x: x.sharding, state), None)
+
+    def step_fn(adapters, state, frozen, batch, step):
         key = jax.random.fold_in(dropout_key, step) if lora.dropout > 0 else None
         loss, grads = jax.value_and_grad(loss_fn)(adapters, frozen, batch, key)
         updates, state = tx.update(grads, state, adapters)
         return optax.apply_updates(adapters, updates), state, loss
+
+    train_step = jax.jit(step_fn, out_shardings=layouts)
 
     @jax.jit
     def eval_loss(adapters, frozen, batches):
@@ -182,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             while int(sync.step or joined.step) < args.max_steps:
                 step = int(sync.step or joined.step)
-                adapters, state, loss = train_step(adapters, state, frozen, data.next(), step)
+                adapters, state, loss = train_step(adapters, state, frozen, put_batch(data.next()), step)
                 adapters, state = sync(adapters, state)  # counts; starts and merges rounds when due
                 if ckpt is not None and sync.step - last_saved >= args.sync_every and not sync.pending:
                     extra = rj.checkpoint_extra(sync, adapters, {"data": data.state()})
@@ -202,6 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
             "interrupted": interrupted,
             "steps": int(sync.step or joined.step),
             "adapter_params": lm.num_adapter_params,
+            "devices": args.devices,
             "train_loss": None if loss is None else float(loss),
             "eval_loss_start": eval_start,
             "eval_loss_end": float(eval_loss(state.global_params, frozen, eval_set)),

@@ -273,13 +273,22 @@ def check_mesh(mesh: Any) -> None:
         raise ValueError("mesh has devices of other processes; load_pretrained takes this process's devices only")
 
 
-def _split(mesh: Any, shape: tuple, axes: Any) -> Any:
-    for axis in axes:
-        if shape[axis] % mesh.size == 0:
-            spec = [None] * len(shape)
-            spec[axis] = tuple(mesh.axis_names)
-            return NamedSharding(mesh, P(*spec))
-    return NamedSharding(mesh, P())
+def split_axis(shape: tuple, n: int, *, last_first: bool) -> int | None:
+    """The axis of ``shape`` that an FSDP layout over ``n`` devices splits: the last (or first)
+    whose size divides by ``n``; None (replicated) when none does or ``n`` is 1."""
+    if n <= 1:
+        return None
+    axes = reversed(range(len(shape))) if last_first else range(len(shape))
+    return next((a for a in axes if shape[a] % n == 0), None)
+
+
+def _split(mesh: Any, shape: tuple, last_first: bool) -> Any:
+    axis = split_axis(shape, mesh.size, last_first=last_first)
+    if axis is None:
+        return NamedSharding(mesh, P())
+    spec: list = [None] * len(shape)
+    spec[axis] = tuple(mesh.axis_names)
+    return NamedSharding(mesh, P(*spec))
 
 
 def base_sharding(mesh: Any, shape: tuple) -> Any:
@@ -288,7 +297,7 @@ def base_sharding(mesh: Any, shape: tuple) -> Any:
     the outputs), replicated when none does; ``None`` without a mesh."""
     if mesh is None:
         return None
-    return _split(mesh, shape, reversed(range(len(shape))))
+    return _split(mesh, shape, last_first=True)
 
 
 def adapter_sharding(mesh: Any, shape: tuple) -> Any:
@@ -298,7 +307,7 @@ def adapter_sharding(mesh: Any, shape: tuple) -> Any:
     docs/multi-device.md), replicated when none does; ``None`` without a mesh."""
     if mesh is None:
         return None
-    return _split(mesh, shape, range(len(shape)))
+    return _split(mesh, shape, last_first=False)
 
 
 def save_pretrained(model: Transformer, path: str | Path) -> Path:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._config import TransformerConfig
+from ._hf import adapter_sharding, base_sharding, split_axis
 from ._lora import LoraConfig, _trainable, _wrap, check_quantize
 from ._transformer import Transformer
 
@@ -72,6 +73,8 @@ class MemoryPlan:
         as XLA on CPU plans them (an upper bound for a GPU: see the module docstring).
       adapter_params: the number of trainable parameters.
       base_params: the number of parameters of the base.
+      devices: the peer's devices; with more than one, every byte figure is one device's
+        (FSDP layout, batch split).
     """
 
     base: int
@@ -81,6 +84,7 @@ class MemoryPlan:
     activations: int
     adapter_params: int
     base_params: int
+    devices: int = 1
 
     @property
     def total(self) -> int:
@@ -100,7 +104,8 @@ class MemoryPlan:
             ("activations (one step)", self.activations),
             ("total", self.total),
         ]
-        out = [f"{'part':<26}{'bytes':>16}{'GiB':>10}"]
+        part = "part" if self.devices == 1 else f"one of {self.devices} devices"
+        out = [f"{part:<26}{'bytes':>16}{'GiB':>10}"]
         out += [f"{name:<26}{b:>16,}{b / GIB:>10.2f}" for name, b in rows]
         out.append(
             f"trainable parameters: {self.adapter_params:,} of {self.base_params:,} ({self.adapter_fraction:.3%})"
@@ -140,7 +145,11 @@ def load_config(config: str | Path | TransformerConfig) -> TransformerConfig:
     raise ValueError(f"--config {config}: no such file or directory, and not a preset ({', '.join(PRESETS)})")
 
 
-def _abstract(cfg: TransformerConfig, lora: LoraConfig, quantize: str | None, dtype: Any, remat: bool = False):
+def _abstract(
+    cfg: TransformerConfig, lora: LoraConfig, quantize: str | None, dtype: Any, remat: bool = False, mesh: Any = None
+):
+    """The qwix model's graph, adapters and frozen rest as shapes (laid out on ``mesh`` the way
+    ``load_pretrained(..., mesh=mesh)`` lays them out)."""
     from flax import nnx
 
     def build():
@@ -151,19 +160,42 @@ def _abstract(cfg: TransformerConfig, lora: LoraConfig, quantize: str | None, dt
     model = nnx.eval_shape(build)
     graphdef, adapters, frozen = nnx.split(model, _trainable(lora), ...)
     adapters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), adapters)
+    if mesh is not None:
+        adapters = jax.tree.map(lambda x: _on(x, adapter_sharding(mesh, x.shape)), adapters)
+        flat = nnx.to_flat_state(frozen)
+        for p, var in flat:
+            v = var.get_value()
+            var.set_value(_on(v, (adapter_sharding if _is_lora(tuple(p)) else base_sharding)(mesh, v.shape)))
+        frozen = nnx.from_flat_state(flat)
     return graphdef, adapters, frozen
 
 
+def _on(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def _is_lora(path: tuple) -> bool:
+    return str(path[-1]).endswith(("_lora_a", "_lora_b"))
+
+
 def _step_temp_bytes(
-    cfg: TransformerConfig, lora: LoraConfig, quantize: str | None, dtype: Any, batch: int, seq_len: int, remat: bool
+    cfg: TransformerConfig,
+    lora: LoraConfig,
+    quantize: str | None,
+    dtype: Any,
+    batch: int,
+    seq_len: int,
+    remat: bool,
+    mesh: Any = None,
 ) -> int:
-    """XLA's temporary bytes for one compiled (not run) training step of ``cfg``."""
+    """XLA's temporary bytes for one compiled (not run) training step of ``cfg`` (a device's,
+    on ``mesh``: the FSDP layout of ``load_pretrained(..., mesh=)``, the batch split)."""
     import optax
     from flax import nnx
 
     from ..optim import diloco
 
-    graphdef, adapters, frozen = _abstract(cfg, lora, quantize, dtype, remat)
+    graphdef, adapters, frozen = _abstract(cfg, lora, quantize, dtype, remat, mesh)
     tx = diloco(optax.adamw(1e-4), sync_every=100)
     state = jax.eval_shape(tx.init, adapters)
 
@@ -177,12 +209,29 @@ def _step_temp_bytes(
         return optax.apply_updates(adapters, updates), state
 
     tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(adapters, state, frozen, tokens).compile()
+    out_shardings = None
+    if mesh is not None:
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        tokens = _on(tokens, NamedSharding(mesh, P(tuple(mesh.axis_names))))
+        # the optimizer state laid out like the adapters (tx.init keeps their layouts), step
+        # counters replicated; the step keeps those layouts (as the example pins them)
+        state = jax.tree.map(lambda x: _on(x, adapter_sharding(mesh, x.shape)), state)
+        out_shardings = jax.tree.map(lambda x: x.sharding, (adapters, state))
+    compiled = (
+        jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
+        .lower(adapters, state, frozen, tokens)
+        .compile()
+    )
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def _static_bytes(cfg: TransformerConfig, lora: LoraConfig, quantize: str | None, dtype: Any) -> dict[str, int]:
-    """Parameter and optimizer bytes and counts of the whole ``cfg`` (``jax.eval_shape``)."""
+def _static_bytes(
+    cfg: TransformerConfig, lora: LoraConfig, quantize: str | None, dtype: Any, devices: int = 1
+) -> dict[str, int]:
+    """Parameter and optimizer bytes (a device's, laid out FSDP-style over ``devices``) and
+    parameter counts of the whole ``cfg`` (``jax.eval_shape``)."""
     import optax
 
     from ..optim import diloco
@@ -196,11 +245,24 @@ def _static_bytes(cfg: TransformerConfig, lora: LoraConfig, quantize: str | None
         for p, v in _flat(frozen)
         if str(p[-1]).endswith("_lora_a") or ("array" in map(str, p) and str(p[-1]) != "qvalue")
     )
+
+    def shard(x: Any, last_first: bool) -> Any:  # one device's part of x
+        axis = split_axis(tuple(x.shape), devices, last_first=last_first)
+        if axis is None:
+            return x
+        shape = list(x.shape)
+        shape[axis] //= devices
+        return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+    def per_device(tree: Any, last_first: bool = False) -> int:
+        return _bytes(jax.tree.map(lambda x: shard(x, last_first), tree))
+
+    base = sum(_bytes(shard(v, last_first=not _is_lora(tuple(p)))) for p, v in _flat(frozen))
     return {
-        "base": _bytes(frozen),
-        "adapters": _bytes(adapters),
-        "optimizer": _bytes(state.inner_state),
-        "outer": _bytes(state.global_params) + _bytes(state.outer_state),
+        "base": base,
+        "adapters": per_device(adapters),
+        "optimizer": per_device(state.inner_state),
+        "outer": per_device(state.global_params) + per_device(state.outer_state),
         "adapter_params": _count(adapters),
         "base_params": _count(frozen) - not_model,
     }
@@ -227,6 +289,7 @@ def plan_memory(
     seq_len: int = 2048,
     dtype: str = "bfloat16",
     remat: bool = True,
+    devices: int = 1,
 ) -> MemoryPlan:
     """A peer's device bytes for LoRA (QLoRA with ``quantize``) fine-tuning with ``rj.diloco``
     over AdamW, computed without allocating (see the module docstring for how): seconds, for
@@ -243,12 +306,19 @@ def plan_memory(
       remat: recompute each block in the backward pass (``load_pretrained(..., remat=True)``),
         the default: without it every block's activations (and a quantised base's
         dequantised weights) are kept for the backward pass.
+      devices: a peer's local devices: with more than one, the bytes of one device when the
+        base and adapters lie FSDP-style over all of them (``load_pretrained(..., mesh=)``)
+        and the batch is split over them; the step is compiled for that many CPU devices,
+        which the process must have (``jax.config.update("jax_num_cpu_devices", n)`` before
+        any jax use; the command does it).
 
     Returns:
-      a :class:`MemoryPlan` (bytes).
+      a :class:`MemoryPlan` (bytes; a device's).
 
     Raises:
-      ValueError: a bad config path, ``quantize``, ``dtype``, ``batch`` or ``seq_len``.
+      ValueError: a bad config path, ``quantize``, ``dtype``, ``batch``, ``seq_len`` or
+        ``devices`` (``batch`` must be a multiple of it), or fewer CPU devices than
+        ``devices``.
     """
     cfg = load_config(config)
     lora = lora or LoraConfig()
@@ -258,14 +328,31 @@ def plan_memory(
     for name, v in (("batch", batch), ("seq_len", seq_len)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be an int >= 1, got {devices!r}")
+    if batch % devices:
+        raise ValueError(f"batch ({batch}) must be a multiple of devices ({devices}): the batch is split over them")
+    mesh = None
+    if devices > 1:
+        from jax.sharding import AxisType
+
+        cpus = jax.devices("cpu")
+        if len(cpus) < devices:
+            raise ValueError(
+                f"devices={devices}: this process has {len(cpus)} CPU devices to plan with; call "
+                f'jax.config.update("jax_num_cpu_devices", {devices}) before any jax use'
+            )
+        mesh = jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,), devices=cpus[:devices])
     jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
-    static = by_layers(lambda c: _static_bytes(c, lora, quantize, jdtype), cfg)
+    static = by_layers(lambda c: _static_bytes(c, lora, quantize, jdtype, devices), cfg)
     # XLA's plan grows by the same bytes with every layer from the second on (measured: the
     # first layer's share differs), so the activations are extrapolated from 2 and 3 layers
     act = by_layers(
-        lambda c: {"activations": _step_temp_bytes(c, lora, quantize, jdtype, batch, seq_len, remat)}, cfg, first=2
+        lambda c: {"activations": _step_temp_bytes(c, lora, quantize, jdtype, batch, seq_len, remat, mesh)},
+        cfg,
+        first=2,
     )
-    return MemoryPlan(**static, activations=act["activations"])
+    return MemoryPlan(**static, activations=act["activations"], devices=devices)
 
 
 def _flat(state: Any) -> list:

@@ -118,3 +118,67 @@ def test_plan_memory_command_rejects_bad_input_in_one_line(tmp_path):
         timeout=120,
     )
     assert p.returncode == 2 and p.stderr.startswith("error: ") and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_planner_per_device_on_a_4_device_mesh_within_10_percent(tmp_path):
+    """``plan_memory(devices=4)`` against a real 4-device peer: the 4-layer model saved and
+    loaded with ``load_pretrained(..., mesh=)`` (int4 base, remat), the bytes on one device of
+    its frozen base, adapters and optimizer state, and XLA's plan for its compiled step with
+    the batch split over the devices."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ravnest_jax.models import load_pretrained, save_pretrained
+
+    cfg = dataclasses.replace(TransformerConfig.from_hf(LLAMA), num_hidden_layers=4)
+    lora = LoraConfig(rank=4)
+    batch, seq, n = 4, 256, 4
+    plan = plan_memory(cfg, lora=lora, quantize="int4", batch=batch, seq_len=seq, dtype="float32", devices=n)
+    assert plan.devices == n
+
+    ckpt = save_pretrained(rj.models.Transformer(cfg, nnx.Rngs(0)), tmp_path / "four")
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+    lm = split_lora(load_pretrained(ckpt, lora=lora, quantize="int4", remat=True, mesh=mesh))
+    tx = rj.diloco(optax.adamw(1e-4), sync_every=100)
+    state = tx.init(lm.adapters)
+    state = jax.tree.map(
+        lambda x: x if getattr(x.sharding, "mesh", None) == mesh else jax.device_put(x, NamedSharding(mesh, P())), state
+    )
+    device = mesh.devices.flat[0]
+
+    def on_device(tree) -> int:
+        return sum(_bytes(s.data) for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
+
+    def step(adapters, state, frozen, tokens):
+        def loss_fn(a):
+            logits = lm.model(a, frozen)(tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        updates, state = tx.update(jax.grad(loss_fn)(adapters), state, adapters)
+        return optax.apply_updates(adapters, updates), state
+
+    tokens = jax.device_put(jnp.zeros((batch, seq + 1), jnp.int32), NamedSharding(mesh, P("data")))
+    layouts = jax.tree.map(lambda x: x.sharding, (lm.adapters, state))
+    compiled = (
+        jax.jit(step, donate_argnums=(0, 1), out_shardings=layouts)
+        .lower(lm.adapters, state, lm.frozen, tokens)
+        .compile()
+    )
+    live = {
+        "base": on_device(lm.frozen),
+        "adapters": on_device(lm.adapters),
+        "optimizer": on_device(state.inner_state),
+        "outer": on_device(state.global_params) + on_device(state.outer_state),
+        "activations": compiled.memory_analysis().temp_size_in_bytes,
+    }
+    planned = {k: getattr(plan, k) for k in live}
+    for k in ("base", "adapters", "optimizer"):
+        assert planned[k] == live[k], (k, planned, live)
+    # the outer state's step counters are replicated scalars on the mesh: a few bytes apart
+    assert abs(planned["outer"] - live["outer"]) <= 16, (planned, live)
+    assert 4 * live["base"] == _bytes(lm.frozen), (live, _bytes(lm.frozen))  # every width divides by 4
+    act = abs(planned["activations"] - live["activations"]) / live["activations"]
+    assert act < 0.10, f"planned {planned} vs live {live}: activations {act:.1%}"
