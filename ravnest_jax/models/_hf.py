@@ -126,6 +126,7 @@ def load_pretrained(
         if lora is not None or quantize is not None:
             model = _wrap(model, lora, quantize)
         model.remat = bool(remat)
+        model.batch_sharding = batch_sharding(mesh)
         return model
 
     abstract = nnx.eval_shape(build)
@@ -289,6 +290,12 @@ def _split(mesh: Any, shape: tuple, last_first: bool) -> Any:
     spec: list = [None] * len(shape)
     spec[axis] = tuple(mesh.axis_names)
     return NamedSharding(mesh, P(*spec))
+
+
+def batch_sharding(mesh: Any) -> Any:
+    """Activations ``(batch, ...)`` split by batch over all the devices of ``mesh`` (data
+    parallelism beside the FSDP weights); ``None`` without a mesh."""
+    return None if mesh is None else NamedSharding(mesh, P(tuple(mesh.axis_names)))
 
 
 def base_sharding(mesh: Any, shape: tuple) -> Any:

@@ -298,12 +298,15 @@ def split_lora(model: Transformer) -> LoraModel:
         train_graphdef, adapters, frozen = nnx.split(model, keep, ...)
         cfg = model.config
         dtype, param_dtype = model.embed_tokens.dtype, model.embed_tokens.embedding.get_value().dtype
-        plain = nnx.eval_shape(
-            lambda: _wrap(
+
+        def build():
+            m = _wrap(
                 Transformer(cfg, nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype), lora, quantize, dropout=False
             )
-        )
-        graphdef = nnx.split(plain, keep, ...)[0]
+            m.remat, m.batch_sharding = model.remat, model.batch_sharding
+            return m
+
+        graphdef = nnx.split(nnx.eval_shape(build), keep, ...)[0]
     else:
         graphdef, adapters, frozen = nnx.split(model, keep, ...)
     return LoraModel(graphdef, adapters, frozen, lora, train_graphdef)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._config import TransformerConfig
-from ._hf import adapter_sharding, base_sharding, split_axis
+from ._hf import adapter_sharding, base_sharding, batch_sharding, split_axis
 from ._lora import LoraConfig, _trainable, _wrap, check_quantize
 from ._transformer import Transformer
 
@@ -155,6 +155,7 @@ def _abstract(
     def build():
         model = _wrap(Transformer(cfg, nnx.Rngs(0), dtype=dtype, param_dtype=dtype), lora, quantize)
         model.remat = remat  # after qwix's first call (it creates the adapters; not under remat)
+        model.batch_sharding = batch_sharding(mesh)
         return model
 
     model = nnx.eval_shape(build)

@@ -195,6 +195,10 @@ class Transformer(nnx.Module):
         third more compute and the same gradients. What fits a long sequence on a 24 GB card.
         Read at call time: it can be switched on a built model.
 
+    ``batch_sharding`` (attribute, default None; ``load_pretrained(..., mesh=)`` sets it): a
+    ``NamedSharding`` that splits the batch axis; the embeddings, every block's output and the
+    logits are constrained to it when the batch divides by its device count.
+
     Call with ``tokens`` int32 ``(batch, seq)`` (and optionally ``positions`` int32 ``(batch,
     seq)``, default ``0..seq-1``); returns float32 logits ``(batch, seq, vocab_size)``.
 
@@ -212,6 +216,7 @@ class Transformer(nnx.Module):
     ):
         self.config = cfg
         self.remat = bool(remat)
+        self.batch_sharding = None  # set by load_pretrained(..., mesh=): activations split by batch
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -234,7 +239,7 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape[:2])
         inv_freq = jnp.asarray(np.asarray(self._inv_freq, np.float32))
-        x = self.embed_tokens(tokens) if first else tokens
+        x = self._by_batch(self.embed_tokens(tokens)) if first else tokens
         for layer in self.layers:
             if layer is None:  # held by another pipeline stage
                 continue
@@ -245,6 +250,7 @@ class Transformer(nnx.Module):
                 )
             else:
                 x = layer(x, positions, inv_freq)
+            x = self._by_batch(x)
         if not last:
             return x
         x = self.norm(x)
@@ -252,4 +258,13 @@ class Transformer(nnx.Module):
             logits = self.embed_tokens.attend(x)
         else:
             logits = self.lm_head(x)
-        return logits.astype(jnp.float32)
+        return self._by_batch(logits.astype(jnp.float32))
+
+    def _by_batch(self, x: jax.Array) -> jax.Array:
+        """``x`` (batch, ...) split by batch over the mesh of ``batch_sharding`` (FSDP with data
+        parallelism: without it XLA's partitioner may keep activations whole on every device,
+        measured: a replicated copy of every block's input), when the batch divides."""
+        s = self.batch_sharding
+        if s is None or x.shape[0] % s.mesh.size:
+            return x
+        return jax.lax.with_sharding_constraint(x, s)
