@@ -175,7 +175,7 @@ def load_pretrained(
                 shape = shapes[p + ("array", "qvalue")] if quantized else shapes[p]
                 w = _read(f, name, transposed, shape, param_dtype, base_sharding(mesh, shape))
                 if quantized:
-                    values.update(_quantized_leaves(abstract, p, w, jitted, mesh, shapes))
+                    values.update(_quantized_leaves(abstract, p, w, jitted, mesh))
                 else:
                     values[p] = w
                 del w
@@ -215,7 +215,7 @@ def _read(f: Any, name: str, transposed: bool, shape: tuple, dtype: Any, shardin
 
 
 def _quantized_leaves(
-    abstract: Any, path: tuple, weight: jax.Array, cache: dict, mesh: Any = None, shapes: dict | None = None
+    abstract: Any, path: tuple, weight: jax.Array, cache: dict, mesh: Any = None
 ) -> dict[tuple, jax.Array]:
     """Quantises one kernel ``(in, out)`` the way the abstract qwix model stores it: jitted
     (one program per shape and format, shared by every layer), so that no full-size temporary
