@@ -1,8 +1,8 @@
 """LoRA fine-tuning across real peer processes (examples/finetune): 4 peers on a tiny pretrained
 Llama-style checkpoint agree on every round, send the adapters' encoded size per round and
 nothing else, and land within 2% of one process training the same adapters on the same tokens;
-a LoRA peer stopped at 20 steps and resumed equals 40 uninterrupted steps; an int4 base trains
-like the bf16 one; bad input is one line."""
+a LoRA peer stopped at 20 steps and resumed equals 40 uninterrupted steps, on one device and
+on two (``--devices 2``); an int4 base trains like the bf16 one; bad input is one line."""
 
 from __future__ import annotations
 
@@ -191,3 +191,19 @@ def test_lora_fine_tuning_split_into_two_stages_and_two_clusters(tiny, tmp_path)
     assert by[(0, 0)]["round_digests"] != by[(0, 1)]["round_digests"]
     evals = [by[(c, 1)]["eval_loss_end"] for c in (0, 1)]
     assert all(e is not None and e < 6.0 for e in evals), evals
+
+
+def test_a_peer_on_two_devices_resumes_exactly(tiny, tmp_path):
+    """``--devices 2``: the peer's int4 base and adapters FSDP-style over 2 (CPU) devices, the
+    batch split; stopped at 20 steps and resumed from its checkpoint (restored in the
+    adapters' layout), it equals 30 uninterrupted steps on 2 devices, bit for bit."""
+    base = ["--checkpoint", str(tiny), "--sync-every", "10", "--overlap-steps", "0", *COMMON]
+    base += ["--quantize", "int4", "--devices", "2"]
+    straight = _swarm(tmp_path, 1, [*base, "--max-steps", "30", "--checkpoint-dir", str(tmp_path / "a")], "straight")
+    first = _swarm(tmp_path, 1, [*base, "--max-steps", "20", "--checkpoint-dir", str(tmp_path / "b")], "first")
+    second = _swarm(tmp_path, 1, [*base, "--max-steps", "30", "--checkpoint-dir", str(tmp_path / "b")], "second")
+    s, f, r = straight["peer0"], first["peer0"], second["peer0"]
+    assert s["devices"] == f["devices"] == r["devices"] == 2, (s, f, r)
+    assert f["steps"] == 20 and r["how"] == "resumed" and r["steps"] == 30 and r["data_position"] == 30, (f, r)
+    assert r["last_state_digest"] == s["last_state_digest"], (r, s)
+    assert r["eval_loss_end"] == s["eval_loss_end"], (r["eval_loss_end"], s["eval_loss_end"])
