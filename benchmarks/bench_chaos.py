@@ -22,6 +22,11 @@ meanwhile:
 
 Writes ``benchmarks/results/chaos.json`` (the machine, the command, every event) and
 ``chaos.png``: per round, which peers contributed; kills and the rendezvous restart; stalls; RSS.
+RSS is sampled every 2 s for every process (``rss_mb``: seconds, name, MB, process number);
+``summary.rss_after_warmup`` has, per process after its warm-up (a peer: its first 3 rounds;
+the rendezvous: 30 s), the median RSS of its first and last minute, its range, and fitted
+slopes in MB/h (least squares and Theil-Sen, over all of it and over its second half; the
+Theil-Sen slope is the one a restart's dip or a spike hardly moves).
 
     python benchmarks/bench_chaos.py                  # 4 peers, 100 rounds, 50 kills, 10,000 requests
     python benchmarks/bench_chaos.py --rounds 30 --kills 10 --bad-requests 2000   # a short run
