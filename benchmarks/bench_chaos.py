@@ -22,6 +22,11 @@ meanwhile:
 
 Writes ``benchmarks/results/chaos.json`` (the machine, the command, every event) and
 ``chaos.png``: per round, which peers contributed; kills and the rendezvous restart; stalls; RSS.
+RSS is sampled every 2 s for every process (``rss_mb``: seconds, name, MB, process number);
+``summary.rss_after_warmup`` has, per process after its warm-up (a peer: its first 3 rounds;
+the rendezvous: 30 s), the median RSS of its first and last minute, its range, and fitted
+slopes in MB/h (least squares and Theil-Sen, over all of it and over its second half; the
+Theil-Sen slope is the one a restart's dip or a spike hardly moves).
 
     python benchmarks/bench_chaos.py                  # 4 peers, 100 rounds, 50 kills, 10,000 requests
     python benchmarks/bench_chaos.py --rounds 30 --kills 10 --bad-requests 2000   # a short run
@@ -341,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     kills: list[dict] = []
     rv_restart: dict = {}
     bad: list = []
-    rss: list[tuple[float, str, float]] = []
+    rss: list[tuple[float, str, float, int]] = []  # (seconds since start, name, MB, process number)
     ghosts: set[str] = set()  # peer ids the rendezvous listed that no peer of ours has
     stop_attack, pause_attack = threading.Event(), threading.Event()
     t_begin = time.time()
@@ -407,10 +412,10 @@ def main(argv: list[str] | None = None) -> int:
             now = time.time()
             if now - last_rss > 2.0:
                 last_rss = now
-                for i, ps in peers.items():
+                for name, ps in [*((f"peer{i}", ps) for i, ps in peers.items()), ("rendezvous", rendezvous)]:
                     v = ps[-1].rss_mb() if ps[-1].p.poll() is None else None
                     if v is not None:
-                        rss.append((now - t_begin, f"peer{i}", v))
+                        rss.append((now - t_begin, name, v, len(ps) - 1))
             if now - last_ghost > 10.0:
                 last_ghost = now
                 ours = {
@@ -492,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
             if r.p.poll() is None:
                 r.p.terminate()
                 r.p.wait(timeout=20)
-    return report(args, work, peers, kills, rv_restart, bad, rss, t_begin, ghosts)
+    return report(args, work, peers, kills, rv_restart, bad, rss, t_begin, ghosts, rendezvous)
 
 
 def _wait_health(url: str, timeout: float = 30.0) -> None:
@@ -555,8 +560,111 @@ def _peer_port(rv_url: str, run_id: str, token: str, prefix: str, proc: Proc) ->
     return int(addr.rsplit(":", 1)[1])
 
 
+def _slope_per_hour(pts: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of ``(seconds, MB)`` points, in MB per hour."""
+    if len(pts) < 3:
+        return None
+    mt = sum(t for t, _ in pts) / len(pts)
+    mv = sum(v for _, v in pts) / len(pts)
+    den = sum((t - mt) ** 2 for t, _ in pts)
+    return 3600 * sum((t - mt) * (v - mv) for t, v in pts) / den if den else None
+
+
+def _theil_sen_per_hour(pts: list[tuple[float, float]], max_points: int = 600) -> float | None:
+    """Theil-Sen slope (the median of the slopes between all pairs of points), in MB per hour:
+    a dip (a restart's transient, a trim) or a spike moves it far less than a least-squares fit."""
+    if len(pts) > max_points:  # evenly thinned: the pairs grow with the square
+        pts = [pts[round(k * (len(pts) - 1) / (max_points - 1))] for k in range(max_points)]
+    slopes = sorted((b[1] - a[1]) / (b[0] - a[0]) for i, a in enumerate(pts) for b in pts[i + 1 :] if b[0] > a[0])
+    return 3600 * slopes[len(slopes) // 2] if slopes else None
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+RSS_WARMUP_ROUNDS = 3  # compiled, trained, a round merged and a checkpoint saved (and trimmed)
+RSS_MIN_SPAN_S = 300.0  # a slope over less than this says little
+
+
+def rss_of_process(pts: list[tuple[float, float]], warmup_end: float | None) -> dict:
+    """One process' RSS after its warm-up: the median of its first and last minute, the
+    maximum, and the slope (MB per hour: least squares over all of it and over its second half,
+    and Theil-Sen) when it spans at least ``RSS_MIN_SPAN_S`` seconds. ``pts``: ``(seconds, MB)``;
+    ``warmup_end``: seconds (None: the process never finished its warm-up)."""
+    after = [(t, v) for t, v in pts if warmup_end is not None and t >= warmup_end]
+    out: dict = {
+        "warmup_end_s": warmup_end,
+        "samples_after_warmup": len(after),
+        "span_after_warmup_s": after[-1][0] - after[0][0] if after else 0.0,
+        "max_mb_during_warmup": max((v for t, v in pts if warmup_end is None or t < warmup_end), default=None),
+    }
+    if not after:
+        return out
+    t0, t1 = after[0][0], after[-1][0]
+    out.update(
+        {
+            "first_minute_mb": _median([v for t, v in after if t <= t0 + 60]),
+            "last_minute_mb": _median([v for t, v in after if t >= t1 - 60]),
+            "min_mb": min(v for _, v in after),
+            "max_mb": max(v for _, v in after),
+        }
+    )
+    if t1 - t0 >= RSS_MIN_SPAN_S:
+        out.update(
+            {
+                "mb_per_hour_least_squares": _slope_per_hour(after),
+                "mb_per_hour_least_squares_second_half": _slope_per_hour(after[len(after) // 2 :]),
+                "mb_per_hour_theil_sen": _theil_sen_per_hour(after),
+                "mb_per_hour_theil_sen_second_half": _theil_sen_per_hour(after[len(after) // 2 :]),
+            }
+        )
+    return out
+
+
+def rss_report(rss: list, peers: dict, rendezvous: list, t_begin: float) -> dict:
+    """RSS per process after its warm-up (:func:`rss_of_process`): a peer process' warm-up ends
+    at its ``RSS_WARMUP_ROUNDS``-th round, the rendezvous' 30 s after it started. Keys
+    ``"peer0"`` (the survivor, one process), ``"rendezvous"`` (its first process, until the
+    restart, and the second), and ``"restarted"`` (every other peer process that lived at least
+    ``RSS_MIN_SPAN_S`` seconds after its warm-up)."""
+
+    def pts(name: str, gen: int) -> list[tuple[float, float]]:
+        return [(s[0], s[2]) for s in rss if s[1] == name and (s[3] if len(s) > 3 else 0) == gen]
+
+    def warmup(p: Proc) -> float | None:
+        rounds = [e["t"] for e in p.events if e.get("event") == "round"]
+        return rounds[RSS_WARMUP_ROUNDS - 1] - t_begin if len(rounds) >= RSS_WARMUP_ROUNDS else None
+
+    out: dict = {"warmup": f"a peer: until its round {RSS_WARMUP_ROUNDS}; the rendezvous: 30 s"}
+    out["peer0"] = rss_of_process(pts("peer0", 0), warmup(peers[0][0]))
+    out["rendezvous"] = [
+        rss_of_process(pts("rendezvous", g), r.started - t_begin + 30.0) for g, r in enumerate(rendezvous)
+    ]
+    restarted = []
+    for i, ps in peers.items():
+        for g, p in enumerate(ps):
+            if i == 0 and g == 0:
+                continue
+            r = rss_of_process(pts(f"peer{i}", g), warmup(p))
+            if r["span_after_warmup_s"] >= RSS_MIN_SPAN_S:
+                restarted.append({"peer": f"peer{i}", "process": g, **r})
+    out["restarted"] = restarted
+    return out
+
+
 def report(
-    args, work: Path, peers: dict, kills: list, rv_restart: dict, bad: list, rss: list, t_begin: float, ghosts: set
+    args,
+    work: Path,
+    peers: dict,
+    kills: list,
+    rv_restart: dict,
+    bad: list,
+    rss: list,
+    t_begin: float,
+    ghosts: set,
+    rendezvous: list,
 ) -> int:
     rounds = []  # every round event of every process
     for i, ps in peers.items():
@@ -634,15 +742,10 @@ def report(
                         )
                     }
                 )
-    rss0 = [(t, v) for t, name, v in rss if name == "peer0"]
+    rss0 = [(s[0], s[2]) for s in rss if s[1] == "peer0"]
     third = max(len(rss0) // 3, 1)
-    half = rss0[len(rss0) // 2 :]
-    slope = None  # MB per hour over the second half (least squares)
-    if len(half) > 2:
-        mt = sum(t for t, _ in half) / len(half)
-        mv = sum(v for _, v in half) / len(half)
-        den = sum((t - mt) ** 2 for t, _ in half)
-        slope = 3600 * sum((t - mt) * (v - mv) for t, v in half) / den if den else None
+    slope = _slope_per_hour(rss0[len(rss0) // 2 :])  # MB per hour over the second half (least squares)
+    rss_after_warmup = rss_report(rss, peers, rendezvous, t_begin)
     contributed = [k for k in rejoin if k["rounds_before_first_ok"] is not None]
     part_plus_round = args.part_timeout + args.sync_every * args.step_seconds + 2.0
     out = {
@@ -688,6 +791,7 @@ def report(
             ),
             "peer0_rss_mb_last_third_mean": sum(v for _, v in rss0[-third:]) / third if rss0 else None,
             "peer0_rss_mb_per_hour_second_half": slope,
+            "rss_after_warmup": rss_after_warmup,
             "final_digests_equal": len(
                 {r["final_global_digest"] for v in results.values() for r in v if not r["interrupted"]}
             )
@@ -744,9 +848,12 @@ def plot(out: dict, path: Path) -> None:
     ax.set_ylabel("stall per round (s)")
     ax.legend(fontsize=7, ncol=5)
     ax = axes[2]
-    for name in names:
-        pts = [(t, v) for t, n, v in out["rss_mb"] if n == name]
+    for name in [*names, "rendezvous"]:
+        pts = [(s[0], s[2]) for s in out["rss_mb"] if s[1] == name]
         ax.plot([t for t, _ in pts], [v for _, v in pts], ".", ms=2, label=name)
+    warm = (out["summary"].get("rss_after_warmup") or {}).get("peer0", {}).get("warmup_end_s")
+    if warm is not None:
+        ax.axvline(warm, color="0.3", ls=":", lw=1, label="peer0 warm-up end")
     ax.set_ylabel("RSS (MB)")
     ax.set_xlabel("seconds since start")
     ax.legend(fontsize=7, ncol=5)

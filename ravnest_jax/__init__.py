@@ -11,6 +11,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__ as __version__
+from .compress._alloc import cap_host_arenas as _cap_host_arenas
+
+_cap_host_arenas()  # before jax starts its threads (a long-running peer's RSS; see its docstring)
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {

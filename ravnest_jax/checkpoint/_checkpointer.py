@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 
 from ..compress._alloc import release_free_heap
 from . import _leaves
-from ._orbax_fixes import skip_raw_io_metrics
+from ._orbax_fixes import avoid_kvstore_spec_to_json, skip_raw_io_metrics
 
 __all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointWarning", "Restored"]
 
@@ -214,6 +214,7 @@ class Checkpointer:
         # background error once per calling thread, so one thread means each error surfaces once.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rj-checkpoint")
         skip_raw_io_metrics()  # orbax's throughput log query keeps ~30 KB a save (_orbax_fixes)
+        avoid_kvstore_spec_to_json()  # tensorstore's to_json leaks ~220 B per array saved (_orbax_fixes)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=self.max_to_keep,
             save_interval_steps=1,  # the interval is applied in save(); orbax always gets force=True

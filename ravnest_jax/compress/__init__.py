@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._alloc import cap_host_arenas as cap_host_arenas
 from ._alloc import host_allocator_settings as host_allocator_settings
 from ._alloc import release_free_heap as release_free_heap
 from ._alloc import tune_host_allocator as tune_host_allocator
@@ -76,6 +77,7 @@ __all__ = sorted(
         "Packed",
         "StreamDecoder",
         "WireFormatError",
+        "cap_host_arenas",
         "decode",
         "encode",
         "host_allocator_settings",

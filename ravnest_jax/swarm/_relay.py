@@ -103,7 +103,7 @@ class _Message:
 
 @dataclasses.dataclass
 class RelayStats:
-    """What the relay carried for one client-only peer (cumulative)."""
+    """What the relay carried for one client-only peer (cumulative, since it joined)."""
 
     messages: int = 0
     failed: int = 0
@@ -178,7 +178,9 @@ class Relay:
         return {p: s.as_dict() for (r, p), s in sorted(self.stats.items()) if r == run_id}
 
     def drop(self, run_id: str, peer_id: str) -> None:
-        """``peer_id`` left the run: its queued requests are answered 503 at once."""
+        """``peer_id`` left the run (or was evicted): its queued requests are answered 503 at
+        once, and its stats are forgotten (they were kept for every relayed id ever seen)."""
+        self.stats.pop((run_id, peer_id), None)
         box = self._boxes.pop((run_id, peer_id), None)
         while box is not None and not box.empty():
             m = box.get_nowait()

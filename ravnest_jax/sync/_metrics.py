@@ -9,8 +9,6 @@ import math
 import os
 from typing import Any
 
-import numpy as np
-
 
 @dataclasses.dataclass(frozen=True)
 class RoundMetrics:
@@ -113,22 +111,67 @@ def round_metrics(
     )
 
 
-def summarize(metrics: list[RoundMetrics], failed_rounds: int, resyncs: int, stall_seconds: float) -> dict:
-    """Totals over ``metrics``: rounds, failures, resyncs, bytes, stall seconds, mean utilisation,
+METRICS_KEPT = 10_000  # rounds whose RoundMetrics a driver keeps (about 0.85 KB each)
+
+
+@dataclasses.dataclass
+class Totals:
+    """Running totals over every round of a driver, what :func:`summarize` reports: kept apart
+    from the per-round list, which keeps the last :data:`METRICS_KEPT` rounds only (a peer's
+    memory must not grow with the rounds it has run).
+
+    Attributes:
+      ok_rounds: merged rounds.
+      bytes_sent, bytes_received: body bytes over all rounds.
+      overlap_steps: tau summed over the merged rounds (steps).
+      utilisation: compute utilisation summed over the merged rounds.
+      clipped_rounds: merged rounds in which some contribution was clipped.
+      max_needed_overlap_steps: the largest ``needed_overlap_steps`` of a merged round.
+      last_ok: the last merged round's metrics, or None.
+    """
+
+    ok_rounds: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    overlap_steps: int = 0
+    utilisation: float = 0.0
+    clipped_rounds: int = 0
+    max_needed_overlap_steps: int = 0
+    last_ok: RoundMetrics | None = None
+
+    def add(self, m: RoundMetrics, metrics: list[RoundMetrics]) -> None:
+        """Counts round ``m`` and appends it to ``metrics``, dropping its oldest entries beyond
+        :data:`METRICS_KEPT`."""
+        self.bytes_sent += m.bytes_sent
+        self.bytes_received += m.bytes_received
+        if m.ok:
+            self.ok_rounds += 1
+            self.overlap_steps += m.overlap_steps
+            self.utilisation += m.compute_utilisation
+            self.clipped_rounds += bool(m.clipped)
+            self.max_needed_overlap_steps = max(self.max_needed_overlap_steps, m.needed_overlap_steps)
+            self.last_ok = m
+        metrics.append(m)
+        if len(metrics) > METRICS_KEPT:
+            del metrics[: len(metrics) - METRICS_KEPT]
+
+
+def summarize(totals: Totals, failed_rounds: int, resyncs: int, stall_seconds: float) -> dict:
+    """Totals over every round: rounds, failures, resyncs, bytes, stall seconds, mean utilisation,
     mean overlap tau (steps). Means over no round are ``None`` (the dict is strict JSON)."""
-    ok = [m for m in metrics if m.ok]
+    n = totals.ok_rounds
     return {
-        "rounds": len(ok),
-        "mean_overlap_steps": float(np.mean([m.overlap_steps for m in ok])) if ok else None,
+        "rounds": n,
+        "mean_overlap_steps": totals.overlap_steps / n if n else None,
         "failed_rounds": failed_rounds,
         "resyncs": resyncs,
-        "bytes_sent": int(sum(m.bytes_sent for m in metrics)),
-        "bytes_received": int(sum(m.bytes_received for m in metrics)),
+        "bytes_sent": int(totals.bytes_sent),
+        "bytes_received": int(totals.bytes_received),
         "stall_seconds": stall_seconds,
-        "compute_utilisation": float(np.mean([m.compute_utilisation for m in ok])) if ok else None,
-        "last_state_digest": ok[-1].state_digest if ok else "",
-        "clipped_rounds": sum(1 for m in ok if m.clipped),
-        "max_needed_overlap_steps": max((m.needed_overlap_steps for m in ok), default=0),
+        "compute_utilisation": totals.utilisation / n if n else None,
+        "last_state_digest": totals.last_ok.state_digest if totals.last_ok is not None else "",
+        "clipped_rounds": totals.clipped_rounds,
+        "max_needed_overlap_steps": totals.max_needed_overlap_steps,
     }
 
 

@@ -33,7 +33,7 @@ from . import _nnx
 from ._config import MODES, check_options
 from ._contract import Exchange
 from ._layout import put_like
-from ._metrics import RoundMetrics, report_summary, round_metrics, summarize
+from ._metrics import RoundMetrics, Totals, report_summary, round_metrics, summarize
 from ._pipeline import Pending, RoundPipeline
 from ._recovery import after_failure
 from ._round_fns import RoundFunctions
@@ -129,6 +129,9 @@ class OuterSync:
         processes (``jax.distributed``) other than process 0: they pass ``swarm=None`` and
         encode with process 0 (docs/multi-device.md); elsewhere it must equal ``swarm.codec``.
 
+    ``metrics`` holds the :class:`RoundMetrics` of the last 10,000 rounds (older ones are
+    dropped, so memory stays flat); :meth:`summary` counts every round.
+
     A peer may span several processes (``jax.distributed``): all run the same loop and calls,
     process 0 holds the swarm and broadcasts each mean; such a peer serves and downloads no
     state, a failed round is skipped (docs/multi-device.md).
@@ -194,7 +197,8 @@ class OuterSync:
         self._pending = self._rounds.pending  # rounds in flight, oldest first
 
         self.step: int | None = None  # inner steps taken (== state.count), known after 1st call
-        self.metrics: list[RoundMetrics] = []
+        self.metrics: list[RoundMetrics] = []  # the last _metrics.METRICS_KEPT rounds
+        self._totals = Totals()  # over every round (summary())
         self.stall_seconds = 0.0
         self.failed_rounds = 0
         self.resyncs = 0
@@ -343,7 +347,7 @@ class OuterSync:
         """Totals so far: rounds, failures, resyncs, bytes, stall seconds, mean utilisation,
         mean overlap tau (steps), the swarm's ``run_id``. Means over no round are ``None`` (the
         dict is strict JSON)."""
-        out = summarize(self.metrics, self.failed_rounds, self.resyncs, self.stall_seconds)
+        out = summarize(self._totals, self.failed_rounds, self.resyncs, self.stall_seconds)
         out["run_id"] = getattr(self.swarm, "run_id", None)
         return out
 
@@ -498,7 +502,7 @@ class OuterSync:
             log.warning("round %d (fragment %d) failed on this peer: %s", p.seq, p.fragment, out.error)
             m = round_metrics(*timing, error=out.error, **needed)
             params, state = after_failure(self, p, out.exc, params, state)
-        self.metrics.append(m)
+        self._totals.add(m, self.metrics)
         self._stats.publish(self.swarm, m, self)
         if self.on_round is not None:
             self.on_round(m)

@@ -73,8 +73,7 @@ class PeerStats:
         if not m.ok and m.error:
             self.last_error = m.error[:_ERROR_CHARS]
         summary = sync.summary()
-        ok_rounds = [r for r in sync.metrics if r.ok]
-        last = ok_rounds[-1] if ok_rounds else None
+        last = sync._totals.last_ok
         link = None
         if last is not None and last.exchange_seconds > 0:
             link = max(last.bytes_sent, last.bytes_received) * 8 / last.exchange_seconds / 1e6

@@ -351,3 +351,52 @@ def test_a_directory_held_by_an_open_checkpointer_is_refused(tmp_path: Path) -> 
         assert "in use by another Checkpointer" in out.stdout, (out.stdout, out.stderr[-2000:])
     with rj.Checkpointer(d) as again:  # released by close()
         assert again.all_steps() == []
+
+
+def test_orbax_kvstore_specs_answer_like_tensorstore(tmp_path: Path) -> None:
+    """The ``tensorstore`` orbax's helpers see after a Checkpointer exists answers ``to_json()``
+    of a plain local-file spec in Python, exactly as tensorstore would, and still opens it."""
+    import tensorstore as ts
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    rj.Checkpointer(tmp_path / "c").close()  # installs the workaround
+    shim = tensorstore_utils.ts
+    assert shim.Context is ts.Context and shim.KvStore.Spec is not ts.KvStore.Spec
+    for path in (f"{tmp_path}/a/", "/tmp/a b/\u00fc/", "relative/x", "/no/trailing/slash"):
+        spec = {"driver": "file", "path": path}
+        got, want = shim.KvStore.Spec(spec).to_json(), ts.KvStore.Spec(spec).to_json()
+        assert got == want and type(got) is dict, (path, got, want)
+    # anything but a plain local-file spec is tensorstore's own object
+    for other in ({"driver": "memory"}, {"driver": "file", "path": "/x/", "file_io_sync": False}):
+        assert type(shim.KvStore.Spec(other)) is ts.KvStore.Spec, other
+    with pytest.raises(ValueError, match="Invalid file path"):  # tensorstore still validates
+        shim.KvStore.Spec({"driver": "file", "path": "/double//slash/"})
+    kv = shim.KvStore.open(shim.KvStore.Spec({"driver": "file", "path": f"{tmp_path}/kv/"})).result()
+    kv.write("k", b"v").result()
+    assert kv.read("k").result().value == b"v"
+
+
+@pytest.mark.integration  # 25 saves: seconds
+def test_saves_keep_no_python_heap(tmp_path: Path) -> None:
+    """A long-running peer saves thousands of times: a save must leave no Python objects
+    behind. tensorstore's ``KvStore.Spec.to_json()`` leaked ~4 strings per saved array (about
+    450 allocated blocks a save of this 104-leaf state before the workaround; after it, the
+    count moves by at most ~1,400 blocks either way over 10 saves and does not grow)."""
+    import sys
+
+    params = {f"w{i}": jnp.full((4,), float(i)) for i in range(20)}
+    tx, state = small_state(params)  # 5 copies of the params' 20 leaves, and counters
+    n_leaves = len(jax.tree.leaves((params, state)))
+    with rj.Checkpointer(tmp_path / "c", max_to_keep=2) as ckpt:
+
+        def saves(first: int, n: int) -> None:
+            for s in range(first, first + n):
+                ckpt.save(s, params=params, opt_state=state, force=True)
+            ckpt.wait()
+            gc.collect()
+
+        saves(1, 5)  # warm-up: orbax's and jax's caches fill
+        before = sys.getallocatedblocks()
+        saves(6, 20)
+        grown = sys.getallocatedblocks() - before
+    assert grown < 20 * 150, f"20 saves of {n_leaves} leaves kept {grown} Python blocks ({grown / 20:.0f} a save)"

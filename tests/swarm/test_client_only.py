@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ravnest_jax.swarm import Swarm, Timeouts, _auth
-from ravnest_jax.swarm._relay import _Bucket
+from ravnest_jax.swarm._relay import Relay, RelayStats, _Bucket
 
 from ._expect import check_round
 from .conftest import TOKEN, Cluster
@@ -192,6 +192,17 @@ def test_relay_bucket_holds_the_rate():
 
     elapsed = asyncio.run(go())
     assert elapsed >= 0.95, f"2 MB at 1 MB/s with a 1 MB burst took only {elapsed:.3f} s"
+
+
+def test_relay_forgets_the_peers_that_left():
+    """The relay's per-peer stats were kept for every relayed peer id ever seen: a rendezvous
+    serving client-only peers that come and go with new ids grew without bound."""
+    relay = Relay(b"token", lambda run, peer: True)
+    for i in range(500):
+        relay.stats[("run", f"p{i}")] = RelayStats(messages=1)
+        if i >= 2:  # two stay
+            relay.drop("run", f"p{i}")
+    assert sorted(relay.run_stats("run")) == ["p0", "p1"], sorted(relay.stats)
 
 
 @pytest.mark.integration

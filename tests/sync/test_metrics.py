@@ -1,0 +1,87 @@
+"""rj.OuterSync's per-round records stay bounded over any number of rounds, and its summary still
+counts every round (a long-running peer's memory must not grow with its rounds)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import ravnest_jax as rj
+from ravnest_jax.sync import _metrics
+
+
+class Echo:
+    """An exchange of one peer: the mean is its own contribution; every round moves 100 bytes
+    out and 60 in. It publishes info like a swarm (the driver's round stats)."""
+
+    codec = "fp32"
+
+    def __init__(self) -> None:
+        self.rounds = 0
+        self.info: dict = {}
+
+    def set_info(self, info: dict) -> None:
+        self.info = dict(info)
+
+    def all_reduce_async(self, tree, *, weight, **kw):
+        rec = types.SimpleNamespace(
+            round=self.rounds, contributors=("me",), bytes_sent=100, bytes_received=60, digest="d", clipped={}
+        )
+        self.rounds += 1
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result((tree, rec))
+        return fut
+
+
+def test_metrics_keep_the_last_rounds_and_the_summary_counts_all(monkeypatch) -> None:
+    monkeypatch.setattr(_metrics, "METRICS_KEPT", 5)
+    params = {"w": jnp.ones(4)}
+    tx = rj.diloco(optax.sgd(0.1), sync_every=1)
+    state = tx.init(params)
+    seen: list[rj.sync.RoundMetrics] = []
+    sync = rj.OuterSync(tx, Echo(), mode="blocking", overlap_steps=0, on_round=seen.append)
+
+    @jax.jit
+    def step(params, state):
+        updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+        return optax.apply_updates(params, updates), state
+
+    with sync:
+        for _ in range(12):
+            params, state = sync(*step(params, state))
+        summary = sync.summary()
+    assert len(seen) == 12 and all(m.ok for m in seen), [m.error for m in seen]
+    assert [m.round for m in sync.metrics] == [m.round for m in seen[-5:]], (sync.metrics, seen)
+    assert summary["rounds"] == 12 and summary["failed_rounds"] == 0, summary
+    assert summary["bytes_sent"] == 12 * 100 and summary["bytes_received"] == 12 * 60, summary
+    assert summary["last_state_digest"] == seen[-1].state_digest != "", summary
+    want_util = sum(m.compute_utilisation for m in seen) / 12
+    assert abs(summary["compute_utilisation"] - want_util) < 1e-12, (summary, want_util)
+    assert summary["mean_overlap_steps"] == 0.0 and summary["clipped_rounds"] == 0, summary
+    stats = sync.swarm.info["stats"]  # published after every round, from the totals
+    assert stats["rounds_ok"] == 12 and stats["round"] == 11 and stats["bytes_sent"] == 1200, stats
+
+
+def test_totals_match_the_rounds_they_counted() -> None:
+    base = dict(
+        fragment=0, step=0, merged_at_step=1, swarm_round=0, group_size=2, payload_bytes=8, codec_ratio=0.5,
+        exchange_seconds=0.1, stall_seconds=0.0, result_digest="r", state_digest="s", overlap_steps=1,
+    )  # fmt: skip
+    ok = _metrics.RoundMetrics(
+        round=0, ok=True, bytes_sent=10, bytes_received=20, compute_utilisation=0.5, **base, needed_overlap_steps=3
+    )
+    clipped = dataclasses.replace(ok, round=1, compute_utilisation=1.0, clipped={"p": 0.5}, state_digest="t")
+    failed = dataclasses.replace(ok, round=2, ok=False, bytes_sent=0, bytes_received=0, error="x")
+    totals, kept = _metrics.Totals(), []
+    for m in (ok, clipped, failed):
+        totals.add(m, kept)
+    s = _metrics.summarize(totals, failed_rounds=1, resyncs=0, stall_seconds=0.0)
+    assert kept == [ok, clipped, failed]
+    assert s["rounds"] == 2 and s["bytes_sent"] == 20 and s["bytes_received"] == 40, s
+    assert s["compute_utilisation"] == 0.75 and s["mean_overlap_steps"] == 1.0, s
+    assert s["clipped_rounds"] == 1 and s["max_needed_overlap_steps"] == 3 and s["last_state_digest"] == "t", s
