@@ -22,7 +22,11 @@ Setup (real library code, nothing of it patched):
   ``t_f``/``t_b`` (the rule is in :func:`times_from_flops`).
 - Configurations (int8 activations unless named): ``1f1b-sync`` (M micro-batches, flush every
   step), ``1f1b-async`` (no flush, ``rj.pipeline.ASYNC_MODE``), ``naive`` (one micro-batch a
-  step, each stage waits for the others: plain model parallelism), ``1f1b-async-fp32``.
+  step, each stage waits for the others: plain model parallelism), ``1f1b-async-fp32``, and
+  ``-deep`` variants (``1f1b-async-deep``): the schedule's depth ``StagePeer(in_flight=M + 1)``
+  instead of 1F1B's S micro-batches in flight, so that stage 0 keeps computing while a
+  micro-batch's round trip (its compute on all stages and ``2 (S - 1)`` transfers) is longer
+  than S micro-batches of its compute: the case of slow links.
 - ``one peer``: the same model on one machine with all stages' compute (the upper bound of a
   pipeline, which adds peers but never FLOPs): ``S * (t_f + t_b)`` per micro-batch, no
   transfers; computed, not measured (on one machine the emulated compute is the only cost).
@@ -91,7 +95,7 @@ def grid_setup(args: argparse.Namespace) -> dict:
         "t_f": t_f,
         "t_b": t_b,
         "links": [(100.0, 20.0), (100.0, 100.0), (1000.0, 20.0), (1000.0, 100.0)],
-        "configs": ["1f1b-async", "1f1b-sync", "naive", "1f1b-async-fp32"],
+        "configs": ["1f1b-async", "1f1b-async-deep", "1f1b-sync", "naive", "1f1b-async-fp32"],
     }
 
 
@@ -111,7 +115,7 @@ def analog_setup(args: argparse.Namespace) -> dict:
         "t_f": t_f,
         "t_b": t_b,
         "links": [(100.0, 50.0)],
-        "configs": ["1f1b-async", "1f1b-sync"],
+        "configs": ["1f1b-async", "1f1b-async-deep", "1f1b-sync"],
     }
 
 
@@ -167,8 +171,9 @@ def stage_main(cfg: dict, s: int, ports: dict, barrier, results) -> None:  # pra
     plan = rj.pipeline.StagePlan(tuple(bounds), tuple(1.0 for _ in bounds), "bytes", split.unit_names)
     cfg_mode = cfg["config"]
     M = 1 if cfg_mode == "naive" else cfg["micro_batches"]
-    mode = "sync" if cfg_mode in ("naive", "1f1b-sync") else "async"
+    mode = "sync" if cfg_mode == "naive" or cfg_mode.startswith("1f1b-sync") else "async"
     codec = "fp32" if cfg_mode.endswith("fp32") else "int8"
+    in_flight = M + 1 if "-deep" in cfg_mode else None
     advertise_to = {}
     if s > 0:
         advertise_to["prev"] = f"http://127.0.0.1:{ports['in'][(s - 1, s)]}"
@@ -181,6 +186,7 @@ def stage_main(cfg: dict, s: int, ports: dict, barrier, results) -> None:  # pra
         stage=s,
         micro_batches=M,
         mode=mode,
+        in_flight=in_flight,
         codec=codec,
         rendezvous_url=f"http://127.0.0.1:{ports['rendezvous']}",
         run_id=f"{RUN}-{cfg_mode}",
@@ -318,7 +324,9 @@ def main() -> int:
         f"micro-batch of {micro_tokens} tokens per stage; one peer with all stages: {one_peer:.1f} tok/s",
         flush=True,
     )
-    cells = []
+    name = "pipeline_analog" if args.analog else "pipeline"
+    out = Path(args.out) if args.out else HERE / "results" / f"{name}.json"
+    cells = _kept_cells(out, setup) if args.configs else []  # a rerun of some configurations
     for config in setup["configs"]:
         cells += run_config(setup, config, args)
     for c in cells:
@@ -327,26 +335,27 @@ def main() -> int:
             (n for n in cells if n["config"] == "naive" and (n["mbit"], n["rtt_ms"]) == (c["mbit"], c["rtt_ms"])), None
         )
         c["vs_naive"] = c["tokens_per_s"] / naive["tokens_per_s"] if naive else None
-    name = "pipeline_analog" if args.analog else "pipeline"
-    out = Path(args.out) if args.out else HERE / "results" / f"{name}.json"
     summary = {
         "title": f"pipeline stages over emulated links ({setup['name']})",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine_info(),
-        "setup": {k: v for k, v in setup.items() if k != "links"},
+        "setup": {
+            **{k: v for k, v in setup.items() if k != "links"},
+            "configs": list(dict.fromkeys(c["config"] for c in cells)),
+        },
         "links": setup["links"],
         "one_peer_tokens_per_s": one_peer,
         "cells": cells,
         "goals": {
-            "utilisation >= 0.8 at 1 Gbit/s with int8 (1f1b-async)": [
-                (c["rtt_ms"], round(min(c["utilisation"]), 3))
+            "utilisation >= 0.8 at 1 Gbit/s with int8 (1f1b-async, depth S; -deep: M + 1)": [
+                (c["config"], c["rtt_ms"], round(min(c["utilisation"]), 3))
                 for c in cells
-                if c["config"] == "1f1b-async" and c["mbit"] >= 1000
+                if c["config"] in ("1f1b-async", "1f1b-async-deep") and c["mbit"] >= 1000
             ],
-            ">= 3x naive at 100 Mbit/s (1f1b-async)": [
-                (c["rtt_ms"], None if c["vs_naive"] is None else round(c["vs_naive"], 2))
+            ">= 3x naive at 100 Mbit/s (1f1b-async, depth S; -deep: M + 1)": [
+                (c["config"], c["rtt_ms"], None if c["vs_naive"] is None else round(c["vs_naive"], 2))
                 for c in cells
-                if c["config"] == "1f1b-async" and c["mbit"] <= 100
+                if c["config"] in ("1f1b-async", "1f1b-async-deep") and c["mbit"] <= 100
             ],
             "analog: >= 50% of one machine's tokens/s": [
                 (c["config"], round(c["vs_one_peer"], 3)) for c in cells if args.analog
@@ -358,6 +367,22 @@ def main() -> int:
     print(f"wrote {out}")
     _plot(summary, out.with_suffix(".png"))
     return 0
+
+
+def _kept_cells(out: Path, setup: dict) -> list[dict]:
+    """The cells of an earlier run written to ``out`` with the same setup, except the
+    configurations this run measures again (``--configs``): a rerun replaces those only."""
+    try:
+        old = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return []
+    same = all(old.get("setup", {}).get(k) == setup[k] for k in ("stages", "hidden", "seq", "rows", "t_f", "t_b"))
+    if not same or [list(x) for x in old.get("links", [])] != [list(x) for x in setup["links"]]:
+        print(f"{out}: an earlier run with another setup; not kept")
+        return []
+    kept = [c for c in old.get("cells", []) if c["config"] not in setup["configs"]]
+    print(f"kept {len(kept)} cells of {out} ({sorted({c['config'] for c in kept})})")
+    return kept
 
 
 def _plot(summary: dict, path: Path) -> None:

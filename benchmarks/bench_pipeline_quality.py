@@ -64,6 +64,9 @@ def main() -> int:
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--what", default="codecs,modes", help="codecs, modes or both (comma-separated)")
     ap.add_argument("--modes", default="sync,stash,predict,2bw", help="schedules to compare (comma-separated)")
+    ap.add_argument(
+        "--in-flight", type=int, default=None, help="the schedule's depth for the modes (default: the stage count)"
+    )
     ap.add_argument("--quick", action="store_true", help="60 steps")
     ap.add_argument("--out", default=str(HERE / "results" / "pipeline_quality.json"))
     args = ap.parse_args()
@@ -86,7 +89,7 @@ def main() -> int:
     def batches(step: int) -> np.ndarray:
         return sample_batch(train, np.random.default_rng([0, step]), args.batch_size, cfg.seq_len)
 
-    def run(name: str, stages: int, mode: str, codec: str, options: dict) -> dict:
+    def run(name: str, stages: int, mode: str, codec: str, options: dict, in_flight: int | None = None) -> dict:
         plan = rj.pipeline.plan_stages(split, stages)
         curve: list[tuple[int, float]] = []
 
@@ -106,6 +109,7 @@ def main() -> int:
             codec=codec,
             codec_options=options,
             on_step=on_step,
+            in_flight=in_flight,
         )
         messages = 2 * (stages - 1) * args.steps * args.micro_batches
         out = {
@@ -114,6 +118,7 @@ def main() -> int:
             "mode": mode,
             "codec": codec,
             "codec_options": options,
+            "in_flight": in_flight or stages,
             "eval_loss": curve[-1][1],
             "curve": curve,
             "train_loss_last": res.losses[-1],
@@ -137,7 +142,8 @@ def main() -> int:
             r["bytes_vs_fp32"] = fp32 / r["message_bytes"]
     if "modes" in what:
         for mode in args.modes.split(","):
-            rows.append(run(f"{mode} (3 stages, fp32)", 3, mode, "fp32", {}))
+            depth = f", {args.in_flight} in flight" if args.in_flight else ""
+            rows.append(run(f"{mode} (3 stages, fp32{depth})", 3, mode, "fp32", {}, args.in_flight))
     for r in rows:
         r["eval_loss_vs_unsplit"] = r["eval_loss"] / ref - 1.0
     summary = {

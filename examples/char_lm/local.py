@@ -51,6 +51,7 @@ _FORWARD = (
     "log_level",
     "stages",
     "micro_batches",
+    "in_flight",
     "pipeline_mode",
     "activation_codec",
     "standbys",

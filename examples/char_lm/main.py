@@ -289,6 +289,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--micro-batches", type=_positive_int, default=4, help="micro-batches per step (divides --batch-size)"
     )
     pp.add_argument(
+        "--in-flight",
+        type=_positive_int,
+        default=None,
+        help="micro-batches the first stage holds (default: the stage count, 1F1B's; up to --micro-batches + 1 "
+        "hides slow links, docs/pipeline.md)",
+    )
+    pp.add_argument(
         "--pipeline-mode",
         choices=["sync", "async", "stash", "predict", "2bw"],
         default="sync",
@@ -376,6 +383,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             )
         if args.batch_size % args.micro_batches:
             p.error(f"--batch-size ({args.batch_size}) must be a multiple of --micro-batches ({args.micro_batches})")
+        if args.in_flight is not None and not args.stages <= args.in_flight <= max(args.stages, args.micro_batches + 1):
+            p.error(
+                f"--in-flight ({args.in_flight}) must be in [--stages, --micro-batches + 1] = "
+                f"[{args.stages}, {max(args.stages, args.micro_batches + 1)}]"
+            )
         if 32 % (args.batch_size // args.micro_batches):
             p.error("--batch-size / --micro-batches must divide 32 (the eval batches pass through the pipeline)")
         if args.standbys < 0:

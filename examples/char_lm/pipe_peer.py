@@ -59,6 +59,7 @@ def run_stage_peer(args: argparse.Namespace) -> dict:
         tx,
         stage=None,
         micro_batches=args.micro_batches,
+        in_flight=args.in_flight,
         mode=pipeline_mode(args),
         codec=args.activation_codec,
         rendezvous_url=args.rendezvous,

@@ -82,6 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--micro-batches", type=int, default=4, help="with --stages: micro-batches per step (default 4)")
     p.add_argument(
+        "--in-flight",
+        type=int,
+        default=None,
+        help="with --stages: micro-batches the first stage holds (default: the stage count; up to "
+        "--micro-batches + 1 hides slow links)",
+    )
+    p.add_argument(
         "--pipeline-mode",
         choices=["sync", "async", "stash", "predict", "2bw"],
         default="sync",
@@ -109,6 +116,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--stages {args.stages}: the launcher's peers ({world}) must be a multiple of it")
         if args.batch_size % args.micro_batches:
             p.error(f"--batch-size ({args.batch_size}) must be a multiple of --micro-batches ({args.micro_batches})")
+        hi = max(args.stages, args.micro_batches + 1)
+        if args.in_flight is not None and not args.stages <= args.in_flight <= hi:
+            p.error(
+                f"--in-flight ({args.in_flight}) must be in [--stages, --micro-batches + 1] = [{args.stages}, {hi}]"
+            )
         for flag, bad in (
             ("--checkpoint-dir", args.checkpoint_dir),
             ("--export", args.export),
@@ -302,6 +314,7 @@ def train_stages(args: argparse.Namespace, lm, train_tokens, eval_set) -> dict:
         tx,
         stage=None,
         micro_batches=args.micro_batches,
+        in_flight=args.in_flight,
         mode=args.pipeline_mode,
         codec=args.activation_codec,
         expected_peers=world,

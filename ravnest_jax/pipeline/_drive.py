@@ -134,6 +134,7 @@ def simulate(
     codec: str = "fp32",
     codec_options: dict | None = None,
     recompute: bool = False,
+    in_flight: int | None = None,
     keep_grads: bool = False,
     on_step: Callable[[int, list[StageWorker]], None] | None = None,
     workers: list[StageWorker] | None = None,
@@ -149,6 +150,7 @@ def simulate(
       batches: ``batches(step)`` -> int32 tokens ``(B, T + 1)``; ``B`` divisible by
         ``micro_batches``.
       steps, micro_batches, mode, codec, codec_options, recompute: see :class:`StageWorker`.
+      in_flight: the schedule's depth (:func:`stage_ops`; default the stage count).
       on_step: called with ``(step, workers)`` once every stage applied step ``step``'s update
         (sync mode: between steps; asynchronous modes: when the last stage did).
       workers: continue with these workers (from an earlier result) at step ``start``.
@@ -194,7 +196,10 @@ def simulate(
     sched = "sync" if mode == "sync" else "async"
     gens = [
         run_stage(
-            w, stage_ops(s, S, micro_batches, steps, sched, start), Batches(batches, micro_batches), make_on_update(s)
+            w,
+            stage_ops(s, S, micro_batches, steps, sched, start, in_flight),
+            Batches(batches, micro_batches),
+            make_on_update(s),
         )
         for s, w in enumerate(workers)
     ]

@@ -29,8 +29,8 @@ from ravnest_jax.swarm._activations import PipelineBroken
 
 from ._drive import Batches, run_stage
 from ._placement import Placement, device_memory, place
-from ._schedule import stage_ops
-from ._stage_io import StageMetrics, _Sender
+from ._schedule import check_depth, stage_ops
+from ._stage_io import StageMetrics, _Sender, pad_to
 from ._standby import wait_for_a_free_slot
 from ._worker import StageWorker
 
@@ -62,6 +62,8 @@ class StagePeer:
       codec, codec_options: the activation codec (``"fp32"``, ``"bf16"``, ``"int8"``, ``"int4"``,
         ``"fp4"``) for activations and activation-gradients.
       recompute: recompute the forward in the backward (less memory per micro-batch in flight).
+      in_flight: the most micro-batches stage 0 holds (default S; at most M + 1); over slow links
+        a larger depth hides the transfers (``rj.pipeline.stage_ops``, docs/pipeline.md).
       rendezvous_url, run_id, token, listen, advertise, peer_id, timeouts: of the peer's
         pipeline :class:`rj.Swarm` (read from ``RAVNEST_*`` when left out, as there).
       recv_timeout: seconds a stage waits for an activation or activation-gradient before its
@@ -106,6 +108,7 @@ class StagePeer:
         codec: str = "fp32",
         codec_options: dict | None = None,
         recompute: bool = False,
+        in_flight: int | None = None,
         rendezvous_url: str | None = None,
         run_id: str | None = None,
         token: str | bytes | None = None,
@@ -146,6 +149,7 @@ class StagePeer:
         from ._worker import ASYNC_MODE
 
         self.tx, self.micro_batches, self.mode = tx, int(micro_batches), ASYNC_MODE if mode == "async" else mode
+        self.in_flight = check_depth(in_flight, S, self.micro_batches)
         self.codec, self.codec_options, self.recompute = codec, dict(codec_options or {}), recompute
         self.recv_timeout, self.start_timeout, self.recover = float(recv_timeout), float(start_timeout), bool(recover)
         self.compute_seconds = compute_seconds
@@ -515,7 +519,8 @@ class StagePeer:
                 on_step(step, val)
 
         sched = "sync" if self.mode == "sync" else "async"
-        ops = stage_ops(self.stage, self.num_stages, self.micro_batches, steps - self.step, sched, self.step)
+        S, M = self.num_stages, self.micro_batches
+        ops = stage_ops(self.stage, S, M, steps - self.step, sched, self.step, self.in_flight)
         gen = run_stage(w, ops, data, updated)
         pad_f, pad_b = self.compute_seconds or (0.0, 0.0)
         pads = {"F": pad_f + pad_b if w.last else pad_f, "B": pad_b, "U": 0.0}
@@ -537,7 +542,7 @@ class StagePeer:
                     continue
                 op = req[-1]
                 jax.block_until_ready(req[3] if req[0] == "send" else req[1])
-                self._pad(t_op, pads[op])
+                pad_to(t_op, pads[op])
                 if req[0] == "send":
                     _, kind, g, packed, _ = req
                     dest = self.neighbours["next" if kind == "act" else "prev"]
@@ -558,12 +563,6 @@ class StagePeer:
             st = self.link.stats
             m.bytes_sent, m.bytes_received = st.bytes_sent, st.bytes_received
             m.messages_sent, m.messages_received, m.send_retries = st.messages_sent, st.messages_received, st.retries
-
-    def _pad(self, t0: float, seconds: float) -> None:
-        if seconds > 0:
-            left = seconds - (time.perf_counter() - t0)
-            if left > 0:
-                time.sleep(left)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, tokens: Any) -> float | None:

@@ -7,6 +7,16 @@ backwards: at most ``w + 1 <= S`` micro-batches are in flight on a stage (forwar
 backwarded), which bounds the activations it keeps (Narayanan et al., PipeDream, arXiv
 1806.03377; the flushed variant is PipeDream-Flush / 1F1B of arXiv 2006.09503).
 
+*Depth* ``D`` (``in_flight``, default ``S``): the most micro-batches stage 0 holds. With ``D > S``
+every stage but the last runs ``D - S`` more warm-up forwards (``w = D - s - 1``; the last stage
+keeps ``w = 0``: its forward and backward are one call). A micro-batch's round trip through the
+pipeline is its compute on every stage plus ``2 (S - 1)`` transfers; with ``S`` in flight the
+first stage idles whenever that round trip is longer than ``S`` micro-batches of its compute (a
+slow link), so over a WAN the depth must cover the round trip:
+``D >= (S (t_f + t_b) + 2 (S - 1) (transfer + one-way delay)) / (t_f + t_b)``. Still free of
+deadlock: each stage's warm-up is one more than its successor's. Cost: ``D - S`` more
+activations kept on each stage but the last.
+
 ``"sync"``: the schedule restarts every step (a flush: every backward of step ``t`` before
 any forward of step ``t + 1``), so the update of step ``t`` sees the gradients of all its
 micro-batches at the weights they were computed with: the same as the unsplit model.
@@ -24,10 +34,14 @@ __all__ = ["Op", "stage_ops", "in_flight_bound"]
 Op = tuple[str, int]  # ("F", g) forward of micro-batch g, ("B", g) its backward, ("U", t) update of step t
 
 
-def _one_f_one_b(stage: int, num_stages: int, lo: int, count: int, micro: int) -> Iterator[Op]:
+def _warmup(stage: int, num_stages: int, depth: int) -> int:
+    return 0 if stage == num_stages - 1 else depth - stage - 1
+
+
+def _one_f_one_b(stage: int, num_stages: int, lo: int, count: int, micro: int, depth: int) -> Iterator[Op]:
     """1F1B over micro-batches ``lo .. lo + count - 1``; ("U", t) after the last backward of
     each step ``t`` (micro-batches ``t * micro .. (t + 1) * micro - 1``)."""
-    w = min(num_stages - stage - 1, count)
+    w = min(_warmup(stage, num_stages, depth), count)
 
     def backward(i: int) -> Iterator[Op]:
         g = lo + i
@@ -44,25 +58,57 @@ def _one_f_one_b(stage: int, num_stages: int, lo: int, count: int, micro: int) -
         yield from backward(i)
 
 
-def stage_ops(stage: int, num_stages: int, micro_batches: int, steps: int, mode: str, start: int = 0) -> Iterator[Op]:
-    """The ops of ``stage`` for steps ``start .. start + steps - 1``.
+def check_depth(in_flight: int | None, num_stages: int, micro_batches: int) -> int:
+    """The depth ``D`` (module docstring) for ``in_flight`` (``None``: ``num_stages``).
+
+    A ``D`` above ``S`` is at most ``M + 1``: then no forward runs more than one update ahead of
+    its stage's weights (what the asynchronous modes' weight versions assume).
 
     Raises:
-      ValueError: a bad stage, stage count, micro-batch count, step count or mode.
+      ValueError: ``in_flight`` not an int, below ``num_stages``, or above both ``num_stages``
+        and ``micro_batches + 1``.
+    """
+    if in_flight is None:
+        return num_stages
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or not num_stages <= in_flight:
+        raise ValueError(f"in_flight must be an int >= the stage count {num_stages}, got {in_flight!r}")
+    if in_flight > max(num_stages, micro_batches + 1):
+        raise ValueError(
+            f"in_flight {in_flight} needs more micro-batches per step: at most micro_batches + 1 = {micro_batches + 1}"
+        )
+    return in_flight
+
+
+def stage_ops(
+    stage: int,
+    num_stages: int,
+    micro_batches: int,
+    steps: int,
+    mode: str,
+    start: int = 0,
+    in_flight: int | None = None,
+) -> Iterator[Op]:
+    """The ops of ``stage`` for steps ``start .. start + steps - 1``; ``in_flight``: the depth
+    (module docstring; default ``num_stages``).
+
+    Raises:
+      ValueError: a bad stage, stage count, micro-batch count, step count, mode or depth.
     """
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
     if micro_batches < 1 or steps < 0 or start < 0:
         raise ValueError(f"need micro_batches >= 1, steps >= 0, start >= 0; got {micro_batches}, {steps}, {start}")
+    depth = check_depth(in_flight, num_stages, micro_batches)
     if mode == "sync":
         for t in range(start, start + steps):
-            yield from _one_f_one_b(stage, num_stages, t * micro_batches, micro_batches, micro_batches)
+            yield from _one_f_one_b(stage, num_stages, t * micro_batches, micro_batches, micro_batches, depth)
     elif mode == "async":
-        yield from _one_f_one_b(stage, num_stages, start * micro_batches, steps * micro_batches, micro_batches)
+        yield from _one_f_one_b(stage, num_stages, start * micro_batches, steps * micro_batches, micro_batches, depth)
     else:
         raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
 
 
-def in_flight_bound(stage: int, num_stages: int) -> int:
+def in_flight_bound(stage: int, num_stages: int, in_flight: int | None = None) -> int:
     """The most micro-batches stage ``stage`` holds between their forward and backward."""
-    return num_stages - stage
+    depth = num_stages if in_flight is None else in_flight
+    return _warmup(stage, num_stages, depth) + 1

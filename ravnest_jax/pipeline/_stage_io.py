@@ -74,6 +74,14 @@ class StageMetrics:
         return d
 
 
+def pad_to(t0: float, seconds: float) -> None:
+    """Sleeps until ``seconds`` after ``t0`` (``time.perf_counter()``): an emulated accelerator's
+    op time (``StagePeer(compute_seconds=...)``)."""
+    left = seconds - (time.perf_counter() - t0)
+    if seconds > 0 and left > 0:
+        time.sleep(left)
+
+
 class _Sender:
     """The sender thread: waits for each encoded output on the device, serialises it and hands
     it to the link (whose upload runs on the event loop). FIFO; never blocks the caller."""

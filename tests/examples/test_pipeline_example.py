@@ -42,6 +42,8 @@ TINY = [
         (["--local-peers", "5", "--stages", "5", "--layers", "2"], "at most --layers + 2"),
         (["--local-peers", "4", "--stages", "2", "--micro-batches", "3"], "multiple of --micro-batches"),
         (["--local-peers", "4", "--standbys", "1"], "--standbys needs --stages"),
+        (["--local-peers", "4", "--stages", "2", "--in-flight", "1"], "--in-flight (1) must be in [--stages"),
+        (["--local-peers", "4", "--stages", "2", "--micro-batches", "4", "--in-flight", "6"], "= [2, 5]"),
     ],
 )
 def test_bad_stage_flags_are_one_line(bad, needle, capsys):
@@ -58,7 +60,8 @@ def test_two_clusters_of_two_stages(tmp_path):
     out = tmp_path / "summary.json"
     # (the standby's takeover is tests/pipeline/test_clusters.py's; a fifth process here would
     # cost the suite a minute)
-    args = ["--local-peers", "4", "--stages", "2", "--max-steps", "12", "--sync-every", "4"]
+    # a depth above 1F1B's (3 micro-batches in flight on stage 0, not 2): through real processes
+    args = ["--local-peers", "4", "--stages", "2", "--in-flight", "3", "--max-steps", "12", "--sync-every", "4"]
     args += [*TINY, "--no-progress", "--log-every", "4", "--summary-json", str(out)]
     r = subprocess.run(
         [sys.executable, EXAMPLE, *args],

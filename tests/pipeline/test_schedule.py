@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ravnest_jax.pipeline import balance, stage_ops
+from ravnest_jax.pipeline._schedule import in_flight_bound
 
 
 def _check(ops, stage, S, M, steps, mode):
@@ -40,6 +41,63 @@ def test_one_f_one_b_bounds_micro_batches_in_flight(S, M, steps):
         assert peak <= S - stage, f"stage {stage} of {S} held {peak} micro-batches"
         if M >= S:
             assert peak == S - stage  # the warm-up fills the pipeline
+
+
+def _run_cluster(S, M, steps, mode, depth):
+    """Executes every stage's ops with the pipeline's data dependencies (a forward needs the
+    previous stage's forward, a backward the next stage's backward): fails on a deadlock."""
+    queues = [list(stage_ops(s, S, M, steps, mode, in_flight=depth)) for s in range(S)]
+    pos, done = [0] * S, set()
+    while any(pos[s] < len(queues[s]) for s in range(S)):
+        moved = False
+        for s in range(S):
+            while pos[s] < len(queues[s]):
+                op, n = queues[s][pos[s]]
+                ready = (
+                    (op == "F" and (s == 0 or ("F", s - 1, n) in done))
+                    or (op == "B" and (s == S - 1 or ("B", s + 1, n) in done))
+                    or op == "U"
+                )
+                if not ready:
+                    break
+                done.add((op, s, n))
+                pos[s] += 1
+                moved = True
+        assert moved, (
+            f"deadlock: S={S} M={M} depth={depth} {mode}, stages at {[q[i : i + 1] for q, i in zip(queues, pos)]}"
+        )
+
+
+@given(S=st.integers(1, 5), M=st.integers(1, 8), steps=st.integers(1, 3), extra=st.integers(0, 8))
+def test_a_deeper_schedule_keeps_its_bounds_never_deadlocks_and_stays_one_update_ahead(S, M, steps, extra):
+    depth = min(S + extra, max(S, M + 1))
+    for stage, mode in itertools.product(range(S), ("sync", "async")):
+        ops = list(stage_ops(stage, S, M, steps, mode, in_flight=depth))
+        peak = _check(ops, stage, S, M, steps, mode)
+        bound = in_flight_bound(stage, S, depth)
+        assert peak <= bound, f"stage {stage} of {S}, depth {depth}: held {peak} > {bound}"
+        if mode == "async" and stage < S - 1 and steps * M >= bound:
+            assert peak == bound, f"stage {stage} of {S}, depth {depth}: the warm-up filled {peak} of {bound}"
+        if depth > M + 1:
+            continue  # the default depth S with fewer micro-batches: 1F1B as it always was
+        updates = 0
+        for op, n in ops:  # the asynchronous modes' weight versions assume at most one update behind
+            updates += op == "U"
+            if op == "F":
+                assert updates >= n // M - 1, f"stage {stage}: forward of {n} (step {n // M}) after {updates} updates"
+        _run_cluster(S, M, steps, mode, depth)
+
+
+def test_a_deeper_schedule_runs_more_forwards_first():
+    ops = list(stage_ops(0, 3, 8, 1, "async", in_flight=6))
+    assert ops[:7] == [("F", g) for g in range(6)] + [("B", 0)], ops[:8]  # 6 in flight, then 1F1B
+    assert list(stage_ops(2, 3, 8, 1, "async", in_flight=6))[:2] == [("F", 0), ("B", 0)]  # the last stage: F, B
+
+
+@pytest.mark.parametrize("bad", [2, 10, 4.0, True])
+def test_depth_out_of_range_is_a_value_error(bad):
+    with pytest.raises(ValueError, match="in_flight"):
+        list(stage_ops(0, 3, 8, 1, "async", in_flight=bad))
 
 
 def test_async_schedule_has_no_flush():

@@ -121,3 +121,40 @@ def test_predict_mode_forwards_early_micro_batches_on_predicted_weights():
         rj.pipeline.StageWorker.forward = orig
     # stages 0 and 1 run forwards a step early (from step 2 on: step 1's have no update to repeat)
     assert {lo for lo, _ in checked} == {plan.bounds[0][0], plan.bounds[1][0]}, checked
+
+
+def test_a_deeper_schedule_is_exact_when_synchronous_and_trains_when_asynchronous():
+    """``in_flight`` above S: the synchronous schedule still computes the unsplit step (the same
+    losses and weights as depth S, bit for bit), and the asynchronous one runs without a
+    deadlock (``simulate`` raises on one) with every forward at most one update behind."""
+    import jax
+
+    split, _, _, vocab = build("char")
+    plan = rj.pipeline.plan_stages(split, 3)
+    data = batches(vocab)
+    ref = rj.pipeline.simulate(split, plan, optimizer(0.05), data, steps=3, micro_batches=4)
+    deep = rj.pipeline.simulate(split, plan, optimizer(0.05), data, steps=3, micro_batches=4, in_flight=5)
+    assert deep.losses == ref.losses, (deep.losses, ref.losses)
+    for a, b in zip(ref.workers, deep.workers):
+        for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    peak = {}
+    orig = rj.pipeline.StageWorker.forward
+
+    def spy(self, g, x, targets=None):
+        assert self.version >= g // self.micro_batches - 1, (self.stage.lo, g, self.version)
+        out = orig(self, g, x, targets)
+        peak[self.stage.lo] = max(peak.get(self.stage.lo, 0), self.in_flight)
+        return out
+
+    rj.pipeline.StageWorker.forward = spy
+    try:
+        same = data(0)
+        res = rj.pipeline.simulate(
+            split, plan, optimizer(0.05), lambda t: same, steps=4, micro_batches=4, mode="async", in_flight=5
+        )
+    finally:
+        rj.pipeline.StageWorker.forward = orig
+    held = [peak[lo] for lo, _ in plan.bounds]
+    assert held == [5, 4, 0], f"micro-batches held per stage: {held} (the last stage's forward is its backward)"
+    assert res.losses[-1] < res.losses[0], res.losses
