@@ -173,7 +173,7 @@ def stage_main(cfg: dict, s: int, ports: dict, barrier, results) -> None:  # pra
     M = 1 if cfg_mode == "naive" else cfg["micro_batches"]
     mode = "sync" if cfg_mode == "naive" or cfg_mode.startswith("1f1b-sync") else "async"
     codec = "fp32" if cfg_mode.endswith("fp32") else "int8"
-    in_flight = M + 1 if "-deep" in cfg_mode else None
+    in_flight = (cfg.get("deep_in_flight") or M + 1) if "-deep" in cfg_mode else None
     advertise_to = {}
     if s > 0:
         advertise_to["prev"] = f"http://127.0.0.1:{ports['in'][(s - 1, s)]}"
@@ -272,6 +272,10 @@ def run_config(setup: dict, config: str, args: argparse.Namespace) -> list[dict]
                 last = rows[-1]
                 cell = {
                     "config": config,
+                    "measured_steps": args.steps,
+                    "in_flight": (setup.get("deep_in_flight") or setup["micro_batches"] + 1)
+                    if "-deep" in config
+                    else setup["stages"],
                     "mbit": mbit,
                     "rtt_ms": rtt,
                     "tokens_per_s": last["tokens"] / last["wall"],
@@ -305,6 +309,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6, help="measured steps per link setting")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--configs", default=None, help="comma-separated subset of the configurations")
+    ap.add_argument("--deep-in-flight", type=int, default=None, help="the -deep configurations' depth (default M + 1)")
     ap.add_argument("--quick", action="store_true", help="one link, 2 steps, small activations")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -316,6 +321,8 @@ def main() -> int:
         args.steps, args.warmup = 2, 1
     if args.configs:
         setup["configs"] = args.configs.split(",")
+    if args.deep_in_flight:
+        setup["deep_in_flight"] = args.deep_in_flight
     S = setup["stages"]
     micro_tokens = setup["rows"] * setup["seq"]
     one_peer = micro_tokens / (S * (setup["t_f"] + setup["t_b"]))
