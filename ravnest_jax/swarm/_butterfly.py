@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
+from ravnest_jax.compress._alloc import host_empty
+
 from ._allreduce import (
     CHUNK,
     check_aggregator,
@@ -147,7 +149,7 @@ class Butterfly:
         fold, kept = st.fold, None
         try:
             if fold is None:  # the trimmed mean: the whole (unweighted) part, kept
-                kept = np.empty(st.hi - st.lo, np.float32)
+                kept = host_empty(st.hi - st.lo)
                 grid = st.grid
                 dec = RangeDecoder(st.layout, st.lo, st.hi, lambda j, v: kept.__setitem__(slice(*grid[j]), v))
             else:
@@ -200,14 +202,14 @@ class Butterfly:
         contrib = inp.contrib
         puller = self.peer_id in st.pullers
         st.contrib = contrib
-        st.out = np.empty(st.n_elements, np.float32)
+        st.out = host_empty(st.n_elements)
         st.grid = st.layout.chunk_grid(st.lo, st.hi)
         own = contrib.chunk_reader(st.lo, st.hi)
         st.own_chunk = own
         if puller:
             pass
         elif self.aggregator == "trimmed_mean":
-            mine = np.empty(st.hi - st.lo, np.float32)
+            mine = host_empty(st.hi - st.lo)
             for a, b in st.grid:
                 mine[a:b] = own(a, b)
             st.kept[self.peer_id] = (inp.weight, mine)
