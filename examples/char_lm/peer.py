@@ -406,14 +406,27 @@ def _adversary_swarm(spec: str) -> type:
     kind, _, factor = spec.partition(":")
     rng = np.random.default_rng()
 
+    def spoil(pg: np.ndarray) -> np.ndarray:
+        pg = np.asarray(pg, np.float32)
+        if kind == "scale":
+            return pg * np.float32(float(factor))
+        norm = float(np.linalg.norm(pg.astype(np.float64)))
+        return (rng.standard_normal(pg.shape) * (norm / max(1.0, pg.size) ** 0.5)).astype(np.float32)
+
     class Adversary(rj.Swarm):
+        def all_reduce_packed_async(self, packed, **kw):  # type: ignore[no-untyped-def]
+            # what OuterSync sends: its device-encoded pseudo-gradient (one packed leaf per
+            # leaf); decoded, spoiled leaf by leaf and encoded again with the swarm's codec
+            import jax
+
+            dec = rj.compress.StreamDecoder()
+            for c in rj.compress.packed_to_chunks(packed):
+                dec.feed(c)
+            leaves = [spoil(x) for x in jax.tree.leaves(dec.finish())]
+            bad, _ = rj.compress.device_encode(leaves, self.codec, **self.codec_options)
+            return super().all_reduce_packed_async(jax.device_get(bad), **kw)
+
         def all_reduce_async(self, tree, **kw):  # type: ignore[no-untyped-def]
-            pg = np.asarray(tree["pg"], np.float32)
-            if kind == "scale":
-                bad = pg * np.float32(float(factor))
-            else:
-                norm = float(np.linalg.norm(pg.astype(np.float64)))
-                bad = (rng.standard_normal(pg.shape) * (norm / max(1.0, pg.size) ** 0.5)).astype(np.float32)
-            return super().all_reduce_async({**tree, "pg": bad}, **kw)
+            return super().all_reduce_async({**tree, "pg": spoil(tree["pg"])}, **kw)
 
     return Adversary
