@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 from ._alloc import cap_host_arenas as cap_host_arenas
 from ._alloc import host_allocator_settings as host_allocator_settings
-from ._alloc import host_empty as host_empty
 from ._alloc import release_free_heap as release_free_heap
 from ._alloc import tune_host_allocator as tune_host_allocator
 from ._decode import StreamDecoder as StreamDecoder
@@ -82,7 +81,6 @@ __all__ = sorted(
         "decode",
         "encode",
         "host_allocator_settings",
-        "host_empty",
         "release_free_heap",
         "host_pack",
         "packed_to_bytes",

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import mmap
 import os
 import platform
 import threading
-
-import numpy as np
 
 M_TRIM_THRESHOLD = -1  # glibc <malloc.h>
 M_MMAP_THRESHOLD = -3
@@ -26,7 +23,6 @@ M_ARENA_MAX = -8
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc's upper limit on 64-bit (HEAP_MAX_SIZE / 2)
 DEFAULT_TRIM_THRESHOLD = 256 << 20
 DEFAULT_ARENA_MAX = 2
-HUGE_PAGE_MIN_BYTES = 8 << 20  # host_empty: buffers from this size on get transparent huge pages
 ENV_OPT_OUT = "RAVNEST_JAX_KEEP_MALLOC"
 
 _lock = threading.Lock()
@@ -159,32 +155,3 @@ def release_free_heap() -> bool:
         return bool(libc.malloc_trim(0))
     except (OSError, AttributeError):
         return False
-
-
-def host_empty(n: int, dtype: np.dtype | type = np.float32) -> np.ndarray:
-    """An uninitialised 1-D host array of ``n`` elements of ``dtype`` for a round's large
-    buffers (the mean, the owner's sum), whose pages fault in 2 MiB at a time.
-
-    A fresh buffer's first write costs one page fault per 4 KiB page: for a 1 GiB float32 mean,
-    262,144 faults, which on a loaded or virtualised core cost more than the reduction itself
-    (measured on this project's 2-core VM: filling a fresh 1 GiB array took 10-11 s, the same
-    array advised for huge pages 0.7-1.0 s; ``docs/performance.md``). From
-    :data:`HUGE_PAGE_MIN_BYTES` (8 MiB) on, the array is an anonymous private mapping advised
-    ``MADV_HUGEPAGE`` (Linux transparent huge pages, used where
-    ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``); smaller ones,
-    other systems, ``RAVNEST_JAX_KEEP_MALLOC=1``, or a refused mapping: ``np.empty``. The mapping
-    is returned to the system when the array (and every view of it) is freed.
-
-    Returns:
-      a writable C-contiguous ``(n,)`` array of ``dtype``.
-    """
-    dtype = np.dtype(dtype)
-    nbytes = int(n) * dtype.itemsize
-    if nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE") or os.environ.get(ENV_OPT_OUT):
-        return np.empty(n, dtype)
-    try:
-        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        m.madvise(mmap.MADV_HUGEPAGE)
-    except (OSError, ValueError):
-        return np.empty(n, dtype)
-    return np.frombuffer(m, dtype, count=n)

@@ -8,8 +8,6 @@ from collections.abc import Mapping, Sequence
 import msgpack
 import numpy as np
 
-from ravnest_jax.compress._alloc import host_empty
-
 CHUNK = 1 << 20  # bytes per streamed chunk (writes; reads take what the socket delivers)
 
 
@@ -59,7 +57,7 @@ def mean_of_scaled(
     """
     order = sorted(contributors)
     first = parts[order[0]][1]
-    acc = host_empty(first.size).reshape(first.shape) if out is None else out
+    acc = np.empty_like(first) if out is None else out
     if len(order) == 1:
         np.copyto(acc, first)
     else:

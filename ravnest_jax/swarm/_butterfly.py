@@ -36,8 +36,6 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from ravnest_jax.compress._alloc import host_empty
-
 from ._allreduce import (
     CHUNK,
     check_aggregator,
@@ -149,7 +147,7 @@ class Butterfly:
         fold, kept = st.fold, None
         try:
             if fold is None:  # the trimmed mean: the whole (unweighted) part, kept
-                kept = host_empty(st.hi - st.lo)
+                kept = np.empty(st.hi - st.lo, np.float32)
                 grid = st.grid
                 dec = RangeDecoder(st.layout, st.lo, st.hi, lambda j, v: kept.__setitem__(slice(*grid[j]), v))
             else:
@@ -202,14 +200,14 @@ class Butterfly:
         contrib = inp.contrib
         puller = self.peer_id in st.pullers
         st.contrib = contrib
-        st.out = host_empty(st.n_elements)
+        st.out = np.empty(st.n_elements, np.float32)
         st.grid = st.layout.chunk_grid(st.lo, st.hi)
         own = contrib.chunk_reader(st.lo, st.hi)
         st.own_chunk = own
         if puller:
             pass
         elif self.aggregator == "trimmed_mean":
-            mine = host_empty(st.hi - st.lo)
+            mine = np.empty(st.hi - st.lo, np.float32)
             for a, b in st.grid:
                 mine[a:b] = own(a, b)
             st.kept[self.peer_id] = (inp.weight, mine)

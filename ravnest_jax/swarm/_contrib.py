@@ -17,8 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from ravnest_jax.compress._alloc import host_empty
-
 from ._codec import LeafSpec, Packed, PartLayout, RangeDecoder, host_pack, part_chunks
 from ._types import flatten
 
@@ -105,9 +103,8 @@ class Contribution:
             raise ValueError("tree has no leaves")
         if len(leaves) == 1 and not copy:
             vec = np.ravel(leaves[0])
-        else:  # the copy in huge pages (host_empty), cast to float32 on the way
-            vec = host_empty(sum(int(np.size(x)) for x in leaves))
-            np.concatenate([np.ravel(x) for x in leaves], out=vec, casting="unsafe")
+        else:
+            vec = np.concatenate([np.ravel(x) for x in leaves])
         vec = vec.astype(np.float32, copy=False)
         if not _check_finite(vec):
             raise ValueError("tree holds NaN or infinity")
@@ -153,7 +150,7 @@ class Contribution:
         works on it)."""
         if self.vec is not None and self.packed.codec == "fp32":
             return self.vec
-        out = host_empty(self.n)
+        out = np.empty(self.n, np.float32)
         grid = self.layout.chunk_grid(0, self.n)
         dec = RangeDecoder(self.layout, 0, self.n, lambda j, v: out.__setitem__(slice(*grid[j]), v))
         for c in self.part(0, self.n):

@@ -13,8 +13,6 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from ravnest_jax.compress._alloc import host_empty
-
 from . import _auth
 from ._allreduce import CHUNK, trimmed_mean
 from ._attempt import Attempt, AttemptInput, Reduced, Retry, RoundFail, Voter, decided, route_ints
@@ -118,7 +116,7 @@ class AllGather:
         in_out = k not in st.out_claims
         if in_out:
             st.out_claims[k] = tag
-        dst = st.out[lo:hi] if in_out else host_empty(hi - lo)
+        dst = st.out[lo:hi] if in_out else np.empty(hi - lo, np.float32)
         grid = st.layout.chunk_grid(lo, hi)
         dec = RangeDecoder(st.layout, lo, hi, lambda j, v: dst.__setitem__(slice(*grid[j]), v))
         st.results_receiving.add((k, tag))

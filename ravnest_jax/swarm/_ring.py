@@ -19,8 +19,6 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from ravnest_jax.compress._alloc import host_empty
-
 from . import _auth
 from ._allreduce import max_message_bytes, part_bounds, ring_segments
 from ._attempt import Attempt, AttemptInput, Reduced, Retry, RoundFail, Voter, decided, route_ints
@@ -203,7 +201,7 @@ class Ring:
         st.entered.set()
         right = inp.membership.get(group[(i + 1) % n], "")
         segs = st.segments
-        out = host_empty(vec.size)
+        out = np.empty(vec.size, dtype=np.float32)
         shas: dict[tuple[int, int], str] = {}
         own: dict[int, tuple[bytes, str]] = {}
         totals: dict[int, np.float32] = {}

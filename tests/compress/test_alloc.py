@@ -8,7 +8,6 @@ import platform
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import ravnest_jax.compress as C
@@ -94,26 +93,3 @@ print(json.dumps({"arenas": n, "cap": ravnest_jax.compress.cap_host_arenas()}))
         assert r["cap"] is None and r["arenas"] > 2, r
     else:
         assert r["cap"] == 2 and r["arenas"] <= 2, r
-
-
-def test_host_empty_gives_large_buffers_huge_pages_and_small_ones_numpy(monkeypatch):
-    import mmap
-
-    from ravnest_jax.compress import host_empty
-    from ravnest_jax.compress._alloc import HUGE_PAGE_MIN_BYTES
-
-    def mapped(a):
-        return isinstance(getattr(a.base, "obj", a.base), mmap.mmap)
-
-    n = HUGE_PAGE_MIN_BYTES // 4
-    big = host_empty(n)
-    assert big.shape == (n,) and big.dtype == np.float32 and big.flags.writeable and big.flags.c_contiguous
-    big[:] = 1.5  # writable through, every page
-    assert float(big.sum(dtype=np.float64)) == 1.5 * n
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        assert mapped(big), type(big.base)  # its own mapping, freed with it
-    small = host_empty(n - 1)
-    assert small.shape == (n - 1,) and not mapped(small)
-    assert host_empty(n // 2, np.float64).dtype == np.float64
-    monkeypatch.setenv("RAVNEST_JAX_KEEP_MALLOC", "1")  # the opt-out: plain numpy
-    assert not mapped(host_empty(n))
