@@ -73,54 +73,6 @@ def encode_part(name: str, vec: np.ndarray, codec: str, **options: Any) -> bytes
     return encode({name: vec}, codec=codec, max_bytes=max(1 << 20, 8 * vec.size + (1 << 20)), **options)
 
 
-class PartDecoder:
-    """Incremental decoder of one part, checked against the round manifest.
-
-    Args:
-      name: expected leaf name.
-      length: expected number of float32 elements.
-      codec: expected codec name.
-      max_bytes: the most bytes accepted in all.
-
-    ``feed`` raises :class:`WireFormatError` as soon as the header is known and does not match
-    (or the message is garbage, or longer than ``max_bytes``); ``finish`` returns the float32
-    vector of shape ``(length,)`` or raises :class:`WireFormatError` (truncated, corrupt) /
-    :class:`NonFiniteError`.
-    """
-
-    def __init__(self, *, name: str, length: int, codec: str, max_bytes: int):
-        self.name, self.length, self.codec, self.max_bytes = name, int(length), codec, max_bytes
-        self.nbytes = 0
-        self._checked = False
-        self._dec = StreamDecoder(max_bytes=max_bytes, max_decoded_bytes=4 * self.length + (1 << 16))
-
-    def _check_manifest(self) -> None:
-        hdr = self._dec.header
-        if hdr is None or self._checked:
-            return
-        if hdr.codec != self.codec:
-            raise WireFormatError(f"codec {hdr.codec!r} does not match the round's {self.codec!r}")
-        leaves = [(leaf.name, tuple(int(s) for s in leaf.shape)) for leaf in hdr.leaves]
-        if leaves != [(self.name, (self.length,))]:
-            raise WireFormatError("leaf names/shapes do not match the round manifest")
-        self._checked = True
-
-    def feed(self, chunk: bytes | memoryview) -> None:
-        self.nbytes += len(chunk)
-        if self.nbytes > self.max_bytes:
-            raise WireFormatError(f"message longer than {self.max_bytes} bytes")
-        self._dec.feed(chunk)
-        self._check_manifest()
-
-    def finish(self) -> np.ndarray:
-        tree = self._dec.finish()
-        self._check_manifest()
-        vec = np.asarray(tree[self.name], dtype=np.float32).reshape(self.length)
-        if not np.isfinite(vec).all():
-            raise NonFiniteError("part holds NaN or infinity")
-        return vec
-
-
 def decode_part(data: bytes, *, name: str, length: int, codec: str) -> np.ndarray:
     """Decode a whole message at once (the owner's own result part)."""
     dec = PartDecoder(name=name, length=length, codec=codec, max_bytes=len(data))
@@ -129,14 +81,17 @@ def decode_part(data: bytes, *, name: str, length: int, codec: str) -> np.ndarra
 
 
 class ActivationDecoder:
-    """Incremental decoder of one pipeline activation (or activation-gradient) message: one leaf
-    named ``name`` of shape ``shape``, in ``codec``; same interface as :class:`PartDecoder`.
+    """Incremental decoder of one message holding a single leaf named ``name`` of shape
+    ``shape`` in ``codec``: a pipeline activation (or activation-gradient), or, as
+    :class:`PartDecoder`, a part of a round.
 
     ``feed`` raises :class:`WireFormatError` as soon as the header shows another leaf, shape or
-    codec (before the payload is allocated), or when the message exceeds ``max_bytes``;
-    ``finish`` returns the float32 array of shape ``shape`` or raises :class:`WireFormatError` /
-    :class:`NonFiniteError`.
+    codec (before the payload is allocated), or when the message is garbage or exceeds
+    ``max_bytes``; ``finish`` returns the float32 array of shape ``shape`` or raises
+    :class:`WireFormatError` (truncated, corrupt) / :class:`NonFiniteError`.
     """
+
+    what = "activation"
 
     def __init__(self, *, name: str, shape: tuple[int, ...], codec: str, max_bytes: int):
         self.name, self.shape, self.codec, self.max_bytes = name, tuple(int(s) for s in shape), codec, max_bytes
@@ -168,8 +123,21 @@ class ActivationDecoder:
         self._check_header()
         arr = np.asarray(tree[self.name], dtype=np.float32).reshape(self.shape)
         if not np.isfinite(arr).all():
-            raise NonFiniteError("activation holds NaN or infinity")
+            raise NonFiniteError(f"{self.what} holds NaN or infinity")
         return arr
+
+
+class PartDecoder(ActivationDecoder):
+    """Incremental decoder of one part of a round, checked against the round manifest: the leaf
+    ``name`` of ``length`` float32 elements in ``codec`` (:class:`ActivationDecoder` with shape
+    ``(length,)``); ``finish`` returns the vector ``(length,)``.
+    """
+
+    what = "part"
+
+    def __init__(self, *, name: str, length: int, codec: str, max_bytes: int):
+        super().__init__(name=name, shape=(int(length),), codec=codec, max_bytes=max_bytes)
+        self.length = int(length)
 
 
 def decode_activation(data: bytes | memoryview, *, name: str, shape: tuple[int, ...], codec: str) -> np.ndarray:
