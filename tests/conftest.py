@@ -23,8 +23,9 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 
 def pytest_collection_modifyitems(config, items):
-    """``slow`` tests (LLM fine-tuning end to end) run only with ``RAVNEST_SLOW_TESTS=1``: with
-    them the suite exceeds CI's 20 minutes on 2 cores."""
+    """``slow`` tests run only with ``RAVNEST_SLOW_TESTS=1`` (``python -m pytest -m slow``): LLM
+    fine-tuning end to end, and process tests whose ground the default suite covers another way
+    (each says which); with them the suite exceeds CI's 20 minutes on 2 cores."""
     import pytest
 
     if os.environ.get("RAVNEST_SLOW_TESTS", "") not in ("", "0"):

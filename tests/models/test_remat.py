@@ -40,6 +40,7 @@ def _loss(lm, remat):
     return loss
 
 
+@pytest.mark.slow  # 30 s of compiles; the slow tier runs it with the LLM tests
 @pytest.mark.parametrize("quantize, dropout", [("int4", 0.3)])  # float weights, int4 and keys all tied
 def test_remat_gives_the_same_loss_and_gradients(quantize, dropout):
     lm = _lm(2, quantize, dropout)

@@ -18,6 +18,7 @@ def _rounds(proc) -> dict[int, str]:
     return {e["round"]: e["digest"] for e in proc.all if e.get("event") == "round" and e.get("ok")}
 
 
+@pytest.mark.slow  # default suite: the takeover test below and the example's 2 x 2 clusters test
 def test_two_clusters_of_two_stages_average_each_stage_with_diloco(pipe_cluster):
     pipe_cluster.rendezvous()
     procs = {}

@@ -80,7 +80,7 @@ def test_sync_pipeline_equals_unsplit_model(pipe_cluster, tmp_path, model, stage
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("mode", ["async", "2bw"])
+@pytest.mark.parametrize("mode", ["async", pytest.param("2bw", marks=pytest.mark.slow)])  # 2bw: not the default
 def test_async_pipeline_of_processes_equals_its_simulation(pipe_cluster, tmp_path, mode):
     """The asynchronous modes are deterministic (each stage's op order is fixed): the peer
     processes compute exactly what the one-process simulation does."""

@@ -132,8 +132,8 @@ def test_a_deeper_schedule_is_exact_when_synchronous_and_trains_when_asynchronou
     split, _, _, vocab = build("char")
     plan = rj.pipeline.plan_stages(split, 3)
     data = batches(vocab)
-    ref = rj.pipeline.simulate(split, plan, optimizer(0.05), data, steps=3, micro_batches=4)
-    deep = rj.pipeline.simulate(split, plan, optimizer(0.05), data, steps=3, micro_batches=4, in_flight=5)
+    ref = rj.pipeline.simulate(split, plan, optimizer(0.05), data, steps=2, micro_batches=4)
+    deep = rj.pipeline.simulate(split, plan, optimizer(0.05), data, steps=2, micro_batches=4, in_flight=5)
     assert deep.losses == ref.losses, (deep.losses, ref.losses)
     for a, b in zip(ref.workers, deep.workers):
         for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
@@ -151,7 +151,7 @@ def test_a_deeper_schedule_is_exact_when_synchronous_and_trains_when_asynchronou
     try:
         same = data(0)
         res = rj.pipeline.simulate(
-            split, plan, optimizer(0.05), lambda t: same, steps=4, micro_batches=4, mode="async", in_flight=5
+            split, plan, optimizer(0.05), lambda t: same, steps=3, micro_batches=4, mode="async", in_flight=5
         )
     finally:
         rj.pipeline.StageWorker.forward = orig

@@ -49,6 +49,7 @@ def _ready(e: dict) -> bool:
     return e.get("event") == "ready"
 
 
+@pytest.mark.slow  # default suite: test_restart_soak (3 restarts) and checkpoint/test_resume (kill -9)
 @pytest.mark.timeout(420)
 def test_peer_killed_and_restarted_from_its_checkpoint_rejoins(cluster):
     """3 peers with checkpoints; peer2 is killed (SIGKILL), the others run a round of two, peer2
