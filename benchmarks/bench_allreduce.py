@@ -280,7 +280,7 @@ def bus_factor(n: int) -> float:
 def start_rendezvous(tmp: Path) -> tuple[subprocess.Popen[str], str]:
     import tempfile
 
-    pf = Path(tempfile.mkdtemp(prefix="ravnest-bench-")) / "rv.port"
+    pf = Path(tempfile.mkdtemp(prefix="rv-", dir=tmp)) / "rv.port"  # inside the caller's temp dir: removed with it
     env = {**os.environ, "RAVNEST_TOKEN": TOKEN}
     rv = subprocess.Popen(
         [
