@@ -457,12 +457,15 @@ def _main(args: argparse.Namespace) -> int:
     try:
         if args.local_peers:
             summary = run_local_swarm(args)
-        elif args.rendezvous and args.stages > 1:
-            from char_lm.pipe_peer import print_stage_table, run_stage_peer
+        elif args.rendezvous:  # one peer of a swarm: a whole model, or one pipeline stage
+            if args.stages > 1:
+                from char_lm.pipe_peer import print_stage_table, run_stage_peer
 
-            result = run_stage_peer(args)
+                mode, result = "stage_peer", run_stage_peer(args)
+            else:
+                mode, result = "peer", run_peer(args)
             summary = {
-                "mode": "stage_peer",
+                "mode": mode,
                 "command": " ".join([Path(sys.executable).name, *sys.argv]),
                 "machine": machine_info(),
                 "config": run_config(args, run_id=args.run_id),
@@ -470,20 +473,9 @@ def _main(args: argparse.Namespace) -> int:
                 "peer_result": result,
             }
             _emit(args, event="result", result=result)
-            if not args.json_events:
+            if not args.json_events and args.stages > 1:
                 print_stage_table([result])
-        elif args.rendezvous:
-            result = run_peer(args)
-            summary = {
-                "mode": "peer",
-                "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                "machine": machine_info(),
-                "config": run_config(args, run_id=args.run_id),
-                "interrupted": result["interrupted"],
-                "peer_result": result,
-            }
-            _emit(args, event="result", result=result)
-            if not args.json_events:
+            elif not args.json_events:
                 print_peer_table([result], None)
         else:
             summary = run_simulation(args)
