@@ -73,20 +73,34 @@ def inner_optimizer(cell: Cell):
     return char_lm.inner_optimizer(cell.inner_lr, cell.steps, cell.inner, cell.warmup)
 
 
+def parse_codec(spec: str) -> tuple[str, dict, bool, bool]:
+    """``"name[:opt]..."`` -> ``(name, codec options, exact, mean_ef)``. Options: a number (topk:
+    the fraction; a block codec: the block size), ``exact`` (the mean of the contributions is kept
+    as it is: the all-gather sends it losslessly), ``mef`` (the owners' error feedback on the
+    mean, ``rj.Swarm(mean_error_feedback=True)``)."""
+    name, *rest = spec.split(":")
+    exact, mean_ef = "exact" in rest, "mef" in rest
+    nums = [r for r in rest if r not in ("exact", "mef")]
+    options: dict = {}
+    if nums:
+        options = {"fraction": float(nums[0])} if name == "topk" else {"block_size": int(nums[0])}
+    return name, options, exact, mean_ef
+
+
 def _codec(cell: Cell):
-    """``"name[:fraction][:exact]"``: ``exact`` keeps the mean of the sparse contributions as it
-    is (the all-gather sends every non-zero of the mean), else the mean is encoded again."""
+    """The cell's codec as the swarm applies it (see :func:`parse_codec`); the mean is encoded
+    again unless ``exact``."""
     if cell.codec == "fp32":
         return None
     from ravnest_jax.compress import simulated
 
-    name, *rest = cell.codec.split(":")
-    exact = "exact" in rest
-    rest = [r for r in rest if r != "exact"]
-    options = {"fraction": float(rest[0])} if name == "topk" and rest else {}
-    codec = simulated(name, error_feedback=True, error_feedback_decay=cell.ef_decay, **options)
+    name, options, exact, mean_ef = parse_codec(cell.codec)
+    codec = simulated(
+        name, error_feedback=True, error_feedback_decay=cell.ef_decay, mean_error_feedback=mean_ef, **options
+    )
     if exact:
         codec.requantize = lambda mean, key: mean
+        codec.mean_error_feedback = False
     return codec
 
 
@@ -206,9 +220,8 @@ def bits_per_round(codec: str, n: int) -> float:
     the byte ratio against data-parallel; exact from the wire format."""
     from ravnest_jax.compress import _formats as F
 
-    name, _, opt = codec.partition(":")
-    opt = opt.split(":")[0]
-    cfg = F.resolve(name, **({"fraction": float(opt)} if name == "topk" and opt else {}))
+    name, options, _, _ = parse_codec(codec)
+    cfg = F.resolve(name, **options)
     k = F.topk_count(n, cfg.fraction) if name == "topk" else 0
     return 2 * 8 * F.payload_nbytes(name, n, cfg.block_size, k) / n
 

@@ -30,6 +30,8 @@ _FORWARD = (
     "outer_momentum",
     "codec",
     "topk_fraction",
+    "block_size",
+    "mean_ef",
     "ef_decay",
     "overlap_steps",
     "staleness_budget",

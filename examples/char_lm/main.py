@@ -159,6 +159,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --codec topk: the fraction of each part's values sent (default 0.01)",
     )
     s.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=None,
+        help="with a block codec (int8, int4, fp4, int2, sign): elements per block (default: the codec's)",
+    )
+    s.add_argument(
+        "--mean-ef",
+        choices=["on", "off"],
+        default="off",
+        help="the part owners' error feedback on the mean they send (rj.Swarm(mean_error_feedback=))",
+    )
+    s.add_argument(
         "--ef-decay",
         type=float,
         default=1.0,
@@ -328,6 +340,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--codec must be one of {', '.join(CODECS)}, got {args.codec!r}")
     if args.topk_fraction is not None and (args.codec != "topk" or not args.topk_fraction <= 1.0):
         p.error(f"--topk-fraction needs --codec topk and a value in (0, 1], got {args.topk_fraction}")
+    if args.block_size is not None:
+        from ravnest_jax.compress._formats import BLOCK_CODECS, resolve
+
+        if args.codec not in BLOCK_CODECS:
+            p.error(f"--block-size needs a block codec ({', '.join(BLOCK_CODECS)}), got --codec {args.codec}")
+        try:
+            resolve(args.codec, block_size=args.block_size)
+        except ValueError as e:
+            p.error(f"--block-size: {e}")
     if not args.staleness_budget < 1.0:
         p.error(f"--staleness-budget must be a fraction below 1, got {args.staleness_budget}")
     if not args.clip_multiple >= 1.0:

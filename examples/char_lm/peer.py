@@ -205,6 +205,8 @@ def run_peer(args: argparse.Namespace) -> dict:
         )
 
     codec_options = {"fraction": args.topk_fraction} if args.topk_fraction is not None else {}
+    if args.block_size is not None:
+        codec_options["block_size"] = args.block_size
     # the swarm joins the run only once this peer is compiled and ready: a registered peer is in
     # every round's group, and one still compiling would cost the others a timeout
     swarm_class = rj.Swarm if args.adversary is None else _adversary_swarm(args.adversary)
@@ -221,6 +223,7 @@ def run_peer(args: argparse.Namespace) -> dict:
         aggregator=args.aggregator,
         clip_multiple=args.clip_multiple,
         trim=args.trim,
+        mean_error_feedback=args.mean_ef == "on",
     )
     mode = "blocking" if args.overlap_steps == 0 and args.mode != "eager" else args.mode
     sync = rj.OuterSync(

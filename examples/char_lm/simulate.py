@@ -145,7 +145,9 @@ def run_simulation(args: argparse.Namespace) -> dict:
         from ravnest_jax.compress import simulated
 
         opts = {"fraction": args.topk_fraction} if args.topk_fraction is not None else {}
-        codec = simulated(codec, error_feedback_decay=args.ef_decay, **opts)
+        if args.block_size is not None:
+            opts["block_size"] = args.block_size
+        codec = simulated(codec, error_feedback_decay=args.ef_decay, mean_error_feedback=args.mean_ef == "on", **opts)
     results: dict[str, dict] = {}
     init_loss = evaluate(params0)
     t = time.perf_counter()

@@ -88,13 +88,25 @@ def _pair_lut(codec: str) -> np.ndarray:
 
 _PAIR_LUT = {"int4": _pair_lut("int4"), "fp4": _pair_lut("fp4")}
 
+_BYTES = np.arange(256, dtype=np.uint8)[:, None]
+_MULTI_LUT = {
+    "sign": np.ascontiguousarray(F.sign_code_values(np, F.unpack_bits(np, _BYTES))),
+    "int2": np.ascontiguousarray(F.int2_code_values(np, F.unpack_crumbs(np, _BYTES))),
+}
+"""(256, 8) / (256, 4) float32: a sign / int2 byte -> its unscaled values, first element first."""
+
 _F16_SCALE = np.float32(F._F16_TO_F32_SCALE)
 _F16_MASK = np.int32(-0x70000001)  # 0x8FFFFFFF: the sign and bits 0..27
 _F16_MAX = float(F.FP16_MAX)
 
 
 # Largest valid scales: q * s stays finite (the encoder stays below these for |x| <= 2**127).
-_MAX_INT_SCALE = {"int8": 1.5 * F.MAX_ABS / 127, "int4": 1.5 * F.MAX_ABS / 7}
+_MAX_INT_SCALE = {
+    "int8": 1.5 * F.MAX_ABS / 127,
+    "int4": 1.5 * F.MAX_ABS / 7,
+    "sign": 1.5 * F.MAX_ABS,
+    "int2": 1.3 * F.MAX_ABS,
+}
 _MAX_E8M0 = 252
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -147,11 +159,13 @@ def _decode_dense(codec: str, leaf: LeafInfo, src: np.ndarray) -> np.ndarray:
 
 
 def _decode_blocks(codec: str, leaf: LeafInfo, s: np.ndarray, codes: np.ndarray) -> np.ndarray:
-    """int8 / int4 / fp4 payload -> new float32 array of ``nb * B`` values (block padding
+    """int8 / int4 / fp4 / int2 / sign payload -> new float32 array of ``nb * B`` values (block padding
     included): the code values times their block's scale, chunk by chunk.
 
     int8: the byte read as int8 (``_formats.int_code_values``) converted to float32; int4 and
-    fp4: two values per byte from :data:`_PAIR_LUT`. Then one in-place multiply by the scales.
+    fp4: two values per byte from :data:`_PAIR_LUT`; int2 and sign: four and eight per byte from
+    :data:`_MULTI_LUT`.
+    Then one in-place multiply by the scales.
     The scales were checked, so every product is finite.
     """
     B = leaf.block_size
@@ -160,6 +174,9 @@ def _decode_blocks(codec: str, leaf: LeafInfo, s: np.ndarray, codes: np.ndarray)
     step = B * max(1, _CHUNK // B)
     if codec == "int8":
         q = codes.view(np.int8)
+    elif codec in _MULTI_LUT:
+        per = F.CODES_PER_BYTE[codec]
+        out_bytes = out.reshape(-1, per)  # B is a multiple of 8: a block is B / per whole bytes
     else:
         lut = _PAIR_LUT[codec]
         out_pairs = out.view(np.uint64)  # B is even: a block is B / 2 whole pairs
@@ -167,6 +184,10 @@ def _decode_blocks(codec: str, leaf: LeafInfo, s: np.ndarray, codes: np.ndarray)
         b = min(total, a + step)
         if codec == "int8":
             np.copyto(out[a:b], q[a:b])
+        elif codec in _MULTI_LUT:
+            np.take(
+                _MULTI_LUT[codec], codes[a // per : b // per], axis=0, out=out_bytes[a // per : b // per], mode="clip"
+            )
         else:  # mode="clip" (indices are bytes < 256 anyway): "raise" would buffer the output
             np.take(lut, codes[a // 2 : b // 2], out=out_pairs[a // 2 : b // 2], mode="clip")
         o = out[a:b].reshape(-1, B)

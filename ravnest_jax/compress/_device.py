@@ -252,9 +252,12 @@ class ErrorFeedbackState(NamedTuple):
       residual: pytree shaped like the params, float32: what quantisation dropped last round,
         added to the next round's pseudo-gradient before encoding (Seide et al. 2014; Karimireddy
         et al. 2019, https://arxiv.org/abs/1901.09847).
+      mean_residual: with ``mean_error_feedback``, the same for the mean (what the owners'
+        encode of the mean dropped; equal on every replica), else ``None``.
     """
 
     residual: Any
+    mean_residual: Any = None
 
 
 class SimulatedCodecImpl:
@@ -265,20 +268,34 @@ class SimulatedCodecImpl:
     jittable and vmappable; non-finite inputs cannot raise inside jit and simply propagate.
     """
 
-    def __init__(self, cfg: F.CodecConfig, error_feedback: bool, error_feedback_decay: float = 1.0):
+    def __init__(
+        self,
+        cfg: F.CodecConfig,
+        error_feedback: bool,
+        error_feedback_decay: float = 1.0,
+        mean_error_feedback: bool = False,
+    ):
         self.cfg = cfg
         self.error_feedback = bool(error_feedback) and cfg.codec in F.LOSSY_CODECS
         self.decay = float(error_feedback_decay)
+        self.mean_error_feedback = bool(mean_error_feedback) and cfg.codec in F.LOSSY_CODECS
 
     def __repr__(self) -> str:
-        return f"simulated({self.cfg.codec!r}, error_feedback={self.error_feedback}, {self.cfg})"
+        return (
+            f"simulated({self.cfg.codec!r}, error_feedback={self.error_feedback}, "
+            f"mean_error_feedback={self.mean_error_feedback}, {self.cfg})"
+        )
 
     def init(self, params: Any) -> Any:
-        if self.error_feedback:
-            return ErrorFeedbackState(init_error_feedback(params))
+        if self.error_feedback or self.mean_error_feedback:
+            zeros = init_error_feedback(params)
+            return ErrorFeedbackState(
+                zeros if self.error_feedback else None,
+                init_error_feedback(params) if self.mean_error_feedback else None,
+            )
         return optax.EmptyState()
 
-    def _apply(self, tree: Any, residual: Any, key: jax.Array) -> tuple[Any, Any]:
+    def _apply(self, tree: Any, residual: Any, key: jax.Array, decay: float = 1.0) -> tuple[Any, Any]:
         leaves, treedef = jax.tree.flatten(tree)
         res = treedef.flatten_up_to(residual) if residual is not None else [None] * len(leaves)
         keys = _split(key if self.cfg.stochastic else None, len(leaves))
@@ -286,7 +303,7 @@ class SimulatedCodecImpl:
         for leaf, r, k in zip(leaves, res, keys):
             x = jnp.asarray(leaf, jnp.float32).reshape(-1)
             if r is not None:
-                x = x + (r.reshape(-1) if self.decay == 1.0 else self.decay * r.reshape(-1))
+                x = x + (r.reshape(-1) if decay == 1.0 else decay * r.reshape(-1))
             _, _, dec = _roundtrip(self.cfg, x, k)
             out.append(dec.reshape(jnp.shape(leaf)))
             new_res.append((x - dec).reshape(jnp.shape(leaf)))
@@ -296,8 +313,8 @@ class SimulatedCodecImpl:
         if self.cfg.codec == "fp32":
             return delta, state
         if self.error_feedback:
-            dec, res = self._apply(delta, state.residual, key)
-            return dec, ErrorFeedbackState(res)
+            dec, res = self._apply(delta, state.residual, key, self.decay)
+            return dec, state._replace(residual=res)
         dec, _ = self._apply(delta, None, key)
         return dec, state
 
@@ -305,6 +322,16 @@ class SimulatedCodecImpl:
         if self.cfg.codec == "fp32":
             return mean
         return self._apply(mean, None, key)[0]
+
+    def requantize_with_state(self, mean: Any, state: Any, key: jax.Array) -> tuple[Any, Any]:
+        """:meth:`requantize` with the owners' error feedback on the mean (``mean_error_feedback``:
+        the residual of the mean's encode is added to the next round's mean before encoding, as
+        each part's owner does in the swarm; DoubleSqueeze, arXiv 1905.05957). ``mean`` is the
+        same on every replica, so is the residual."""
+        if not self.mean_error_feedback:
+            return self.requantize(mean, key), state
+        dec, res = self._apply(mean, state.mean_residual, key)
+        return dec, state._replace(mean_residual=res)
 
 
 def check_error_feedback_decay(value: Any) -> float:
@@ -319,6 +346,7 @@ def simulated(
     *,
     error_feedback: bool = True,
     error_feedback_decay: float = 1.0,
+    mean_error_feedback: bool = False,
     stochastic: bool = False,
     **options: Any,
 ) -> SimulatedCodecImpl:
@@ -335,6 +363,10 @@ def simulated(
       error_feedback_decay: beta in ``[0, 1]``: the residual carried is ``beta * residual``
         (1.0: classic error feedback; SparseLoCo, arXiv 2508.15706, uses 0.95 with outer SGD
         and no outer momentum, the decayed residual standing in for it).
+      mean_error_feedback: the owners of the mean carry its quantisation residual into the next
+        round's mean (``rj.Swarm(mean_error_feedback=True)``; bidirectional compression with
+        error feedback, DoubleSqueeze arXiv 1905.05957). Off by default: on the char-LM it made
+        ``sign`` worse, not better (``docs/compression.md``).
       stochastic: stochastic rounding (bf16, int8, int4, fp4) with the round key of diloco.
       **options: ``block_size`` or ``fraction`` as in ``encode``.
 
@@ -345,4 +377,6 @@ def simulated(
       ValueError: bad codec or option, ``error_feedback_decay`` outside ``[0, 1]``.
     """
     check_error_feedback_decay(error_feedback_decay)
-    return SimulatedCodecImpl(F.resolve(codec, stochastic=stochastic, **options), error_feedback, error_feedback_decay)
+    return SimulatedCodecImpl(
+        F.resolve(codec, stochastic=stochastic, **options), error_feedback, error_feedback_decay, mean_error_feedback
+    )

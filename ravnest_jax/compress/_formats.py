@@ -21,6 +21,8 @@ bf16      values ``<u2`` bfloat16 bits (n)            ``2 n``
 int8      scales ``<u2`` bf16 (nb), codes ``u1`` (nb B)  ``2 nb + nb B``
 int4      scales ``<u2`` bf16 (nb), codes ``u1`` (nb B / 2)  ``2 nb + nb B / 2``
 fp4       scales ``u1`` E8M0 (nb), codes ``u1`` (nb B / 2)   ``nb + nb B / 2``
+int2      scales ``<u2`` bf16 (nb), codes ``u1`` (nb B / 4)  ``2 nb + nb B / 4``
+sign      scales ``<u2`` bf16 (nb), bits ``u1`` (nb B / 8)   ``2 nb + nb B / 8``
 topk      indices ``<u4`` (k), values ``<f4`` (k)      ``8 k``
 ========  ==========================================  ======================================
 """
@@ -51,13 +53,17 @@ __all__ = [
     "topk_count",
 ]
 
-CODECS: tuple[str, ...] = ("fp32", "fp16", "bf16", "int8", "int4", "fp4", "topk")
+CODECS: tuple[str, ...] = ("fp32", "fp16", "bf16", "int8", "int4", "fp4", "int2", "sign", "topk")
 """Names of the codecs, as accepted by ``codec=`` everywhere."""
 
-BLOCK_CODECS = ("int8", "int4", "fp4")
+BLOCK_CODECS = ("int8", "int4", "fp4", "int2", "sign")
 STOCHASTIC_CODECS = ("bf16", "int8", "int4", "fp4")
-LOSSY_CODECS = ("fp16", "bf16", "int8", "int4", "fp4", "topk")
-DEFAULT_BLOCK_SIZE = {"int8": 64, "int4": 64, "fp4": 32}
+LOSSY_CODECS = ("fp16", "bf16", "int8", "int4", "fp4", "int2", "sign", "topk")
+DEFAULT_BLOCK_SIZE = {"int8": 64, "int4": 64, "fp4": 32, "int2": 64, "sign": 64}
+CODES_PER_BYTE = {"int8": 1, "int4": 2, "fp4": 2, "int2": 4, "sign": 8}
+MEAN_SCALED = ("int2", "sign")
+"""Block codecs scaled by the block's mean ``|x|`` (block size a power of two >= 8)."""
+"""Elements whose codes share one payload byte, per block codec."""
 MAX_BLOCK_SIZE = 1 << 16
 DEFAULT_TOPK_FRACTION = 0.01
 
@@ -76,7 +82,8 @@ class CodecConfig(NamedTuple):
 
     Attributes:
       codec: one of :data:`CODECS`.
-      block_size: elements per block for int8/int4/fp4 (even, 2..65536), else 0.
+      block_size: elements per block for int8/int4/fp4 (even, 2..65536) or int2/sign (a power of
+        two, 8..65536), else 0.
       fraction: for topk, the fraction of elements sent (0 < fraction <= 1), else 0.0.
       stochastic: stochastic rounding (bf16, int8, int4, fp4 only).
     """
@@ -90,7 +97,7 @@ class CodecConfig(NamedTuple):
 def resolve(codec: str, **options: Any) -> CodecConfig:
     """Validates a codec name and its options; returns a :class:`CodecConfig`.
 
-    Options: ``block_size`` (int8, int4, fp4; default 64, 64, 32), ``fraction`` (topk; default
+    Options: ``block_size`` (int8, int4, fp4, int2, sign; default 64, 64, 32, 64, 64), ``fraction`` (topk; default
     0.01), ``stochastic`` (bf16, int8, int4, fp4; default False).
 
     Raises:
@@ -128,6 +135,8 @@ def resolve(codec: str, **options: Any) -> CodecConfig:
             or block_size % 2
         ):
             raise ValueError(f"option 'block_size' must be an even int in [2, {MAX_BLOCK_SIZE}], got {block_size!r}")
+        if not block_size_ok(codec, int(block_size)):
+            raise ValueError(f"option 'block_size' of codec {codec!r} must be a power of two >= 8, got {block_size!r}")
         return CodecConfig(codec, int(block_size), 0.0, stochastic)
     if codec == "topk":
         if fraction is None:
@@ -143,6 +152,15 @@ def resolve(codec: str, **options: Any) -> CodecConfig:
 
 
 # ----------------------------------------------------------------------------- sizes
+
+
+def block_size_ok(codec: str, block_size: int) -> bool:
+    """Whether ``block_size`` is valid for block codec ``codec``: an even int in [2, 65536]; for
+    int2 and sign also a power of two >= 8 (whole code bytes per block, and the scale's
+    fixed-order sum)."""
+    if not (2 <= block_size <= MAX_BLOCK_SIZE and block_size % 2 == 0):
+        return False
+    return codec not in MEAN_SCALED or (block_size >= 8 and block_size & (block_size - 1) == 0)
 
 
 def num_blocks(n: int, block_size: int) -> int:
@@ -167,9 +185,7 @@ def part_lengths(codec: str, n: int, block_size: int, k: int) -> tuple[int, ...]
     if codec == "topk":
         return (k, k)
     nb = num_blocks(n, block_size)
-    if codec == "int8":
-        return (nb, nb * block_size)
-    return (nb, nb * block_size // 2)  # int4, fp4
+    return (nb, nb * block_size // CODES_PER_BYTE[codec])
 
 
 def part_dtypes(codec: str) -> tuple[np.dtype, ...]:
@@ -184,6 +200,8 @@ _PART_DTYPES = {
     "int8": (np.dtype("<u2"), np.dtype("u1")),
     "int4": (np.dtype("<u2"), np.dtype("u1")),
     "fp4": (np.dtype("u1"), np.dtype("u1")),
+    "int2": (np.dtype("<u2"), np.dtype("u1")),
+    "sign": (np.dtype("<u2"), np.dtype("u1")),
     "topk": (np.dtype("<u4"), np.dtype("<f4")),
 }
 
@@ -257,6 +275,52 @@ def unpack_nibbles(xp: Any, packed: Any) -> Any:
     lo = packed & 0x0F
     hi = packed >> 4
     return xp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def pack_bits(xp: Any, bits: Any) -> Any:
+    """``(8m,)`` uint8 bits (0 or 1) -> ``(m,)`` bytes; element ``8i + j`` in bit ``j`` (the bytes
+    of ``np.packbits(bits, bitorder="little")``), by integer multiply-adds only."""
+    b = bits.reshape(-1, 8).astype(xp.uint8)
+    out = b[:, 0]
+    for j in range(1, 8):
+        out = out | (b[:, j] << xp.uint8(j))
+    return out.astype(xp.uint8)
+
+
+def unpack_bits(xp: Any, packed: Any) -> Any:
+    """Inverse of :func:`pack_bits`: ``(..., m)`` bytes -> ``(..., 8m)`` bits (uint8 0 or 1)."""
+    bits = xp.stack([(packed >> xp.uint8(j)) & xp.uint8(1) for j in range(8)], axis=-1)
+    return bits.reshape(*packed.shape[:-1], packed.shape[-1] * 8).astype(xp.uint8)
+
+
+def pack_crumbs(xp: Any, codes: Any) -> Any:
+    """``(4m,)`` uint8 2-bit codes (< 4) -> ``(m,)`` bytes; element ``4i + j`` in bits ``2j, 2j+1``."""
+    c = codes.reshape(-1, 4).astype(xp.uint8)
+    out = c[:, 0]
+    for j in range(1, 4):
+        out = out | (c[:, j] << xp.uint8(2 * j))
+    return out.astype(xp.uint8)
+
+
+def unpack_crumbs(xp: Any, packed: Any) -> Any:
+    """Inverse of :func:`pack_crumbs`: ``(..., m)`` bytes -> ``(..., 4m)`` codes 0..3."""
+    codes = xp.stack([(packed >> xp.uint8(2 * j)) & xp.uint8(3) for j in range(4)], axis=-1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * 4).astype(xp.uint8)
+
+
+def int2_code_values(xp: Any, codes: Any) -> Any:
+    """int2 code 0..3 -> float32 value before scaling: -1.5, -0.5, 0.5, 1.5 (a midrise grid)."""
+    return codes.astype(xp.float32) - xp.float32(1.5)
+
+
+INT2_STEP = 1.25
+"""int2's step in multiples of the block's mean ``|x|``: about the MSE-optimal 4-level uniform
+quantiser of a Gaussian (step 0.996 sigma, Max 1960) with sigma = sqrt(pi / 2) mean |x|."""
+
+
+def sign_code_values(xp: Any, bits: Any) -> Any:
+    """sign codec bit -> float32 value before scaling: 1 -> +1.0, 0 -> -1.0."""
+    return bits.astype(xp.float32) * xp.float32(2.0) - xp.float32(1.0)
 
 
 def int_code_values(xp: Any, codec: str, codes: Any) -> Any:
@@ -377,6 +441,53 @@ def _quantize_int(xp, cfg, xb, noise):
     return ok, (s_bits, codes.reshape(-1))
 
 
+def _block_mean_abs(xp: Any, xb: Any, n: int) -> Any:
+    """``(nb, B)`` float32 (``B`` a power of two; the leaf's ``n`` elements, then zero padding) ->
+    ``(nb,)`` mean of ``|x|`` over each block's elements of the leaf (the last block's padding is
+    not counted). The sum runs in a fixed pairwise order (halves added elementwise) and is scaled
+    by a float32 reciprocal computed in Python, so numpy and XLA give the same bits (a library
+    sum's order, and XLA's rewrite of a division, differ between them). Each ``|x|`` is scaled by
+    ``1 / B`` first (exact), so the sum cannot overflow for ``|x| <= MAX_ABS``."""
+    nb, B = xb.shape
+    a = xp.abs(xb) * xp.float32(1.0 / B)
+    while a.shape[1] > 1:
+        h = a.shape[1] // 2
+        a = a[:, :h] + a[:, h:]
+    last = n - (nb - 1) * B
+    fix = xp.where(xp.arange(nb) == nb - 1, xp.float32(B / last), xp.float32(1.0))
+    return a[:, 0] * fix.astype(xp.float32)
+
+
+def _quantize_sign(xp, cfg, xb, n):
+    """Scaled sign (EF-SignSGD, arXiv 1901.09847, per block): bit ``x >= 0``, value ``+-s`` with
+    ``s`` the block's mean ``|x|`` (the scale that minimises the block's squared error for those
+    signs) rounded to bfloat16; blocks with ``s < TINY`` send ``s = 0``."""
+    amax = _block_absmax(xp, xb)
+    ok = xp.max(amax) <= MAX_ABS
+    s = _block_mean_abs(xp, xb, n)
+    s = xp.where(s < TINY, 0.0, s).astype(xp.float32)
+    s_bits = f32_to_bf16_bits(xp, s)
+    bits = (xb >= 0).astype(xp.uint8).reshape(-1)
+    return ok, (s_bits, pack_bits(xp, bits))
+
+
+def _quantize_int2(xp, cfg, xb, n):
+    """2-bit midrise grid per block: step ``d = INT2_STEP * mean |x|`` rounded up to bfloat16,
+    values ``(q + 0.5) d`` for ``q = floor(x / d)`` clipped to ``[-2, 1]`` (stored ``q + 2``);
+    blocks with ``d < TINY`` send ``d = 0``."""
+    amax = _block_absmax(xp, xb)
+    ok = xp.max(amax) <= MAX_ABS
+    d = _block_mean_abs(xp, xb, n) * xp.float32(INT2_STEP)
+    d = xp.where(d < TINY, 0.0, d).astype(xp.float32)
+    d_bits = bf16_bits_ceil(xp, d)
+    d = bf16_bits_to_f32(xp, d_bits)
+    inv = xp.where(d > 0, xp.float32(1.0) / xp.where(d > 0, d, xp.float32(1.0)), 0.0).astype(xp.float32)
+    d_bits, inv = _materialize(xp, (d_bits, inv))
+    q = xp.clip(xp.floor(xb * inv[:, None]), -2.0, 1.0)
+    codes = (q + xp.float32(2.0)).astype(xp.uint8).reshape(-1)
+    return ok, (d_bits, pack_crumbs(xp, codes))
+
+
 def _quantize_fp4(xp, cfg, xb, noise):
     amax = _block_absmax(xp, xb)
     ok = xp.max(amax) <= MAX_ABS
@@ -485,6 +596,10 @@ def quantize(
     nz = noise(xb.shape) if (cfg.stochastic and noise is not None) else None
     if codec in ("int8", "int4"):
         return _quantize_int(xp, cfg, xb, nz)
+    if codec == "sign":
+        return _quantize_sign(xp, cfg, xb, x.shape[0])
+    if codec == "int2":
+        return _quantize_int2(xp, cfg, xb, x.shape[0])
     return _quantize_fp4(xp, cfg, xb, nz)
 
 
@@ -516,6 +631,12 @@ def dequantize(xp: Any, cfg: CodecConfig, parts: tuple[Any, ...], n: int) -> Any
     elif codec == "int4":
         s = bf16_bits_to_f32(xp, s_raw)
         vals = int_code_values(xp, codec, unpack_nibbles(xp, codes))
+    elif codec == "sign":
+        s = bf16_bits_to_f32(xp, s_raw)
+        vals = sign_code_values(xp, unpack_bits(xp, codes))
+    elif codec == "int2":
+        s = bf16_bits_to_f32(xp, s_raw)
+        vals = int2_code_values(xp, unpack_crumbs(xp, codes))
     else:
         s = e8m0_scale_values(xp, s_raw)
         vals = e2m1_code_values(xp, unpack_nibbles(xp, codes))

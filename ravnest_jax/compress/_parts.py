@@ -93,7 +93,7 @@ class PartLayout:
     Args:
       codec: the codec of the contribution (``compress.CODECS``).
       sizes: element count of every leaf, in leaf order.
-      block_size: the block size of a block codec (int8 / int4 / fp4), else 0.
+      block_size: the block size of a block codec (int8 / int4 / fp4 / sign), else 0.
 
     The elements of the contribution are numbered leaf after leaf (the leaves raveled and
     concatenated, as a flat float32 vector of :attr:`n` elements). A block codec's part starts at
@@ -107,8 +107,8 @@ class PartLayout:
             raise ValueError(f"unknown codec {codec!r}")
         self.codec = codec
         self.block_size = int(block_size) if codec in F.BLOCK_CODECS else 0
-        if codec in F.BLOCK_CODECS and not (2 <= self.block_size <= F.MAX_BLOCK_SIZE and self.block_size % 2 == 0):
-            raise ValueError(f"block_size {block_size!r} is not an even int in [2, {F.MAX_BLOCK_SIZE}]")
+        if codec in F.BLOCK_CODECS and not F.block_size_ok(codec, self.block_size):
+            raise ValueError(f"block_size {block_size!r} is not valid for codec {codec!r}")
         self.sizes = tuple(int(s) for s in sizes)
         self.offsets = np.cumsum((0,) + self.sizes, dtype=np.int64)
         self.grid = (GRID // self.block_size) * self.block_size if self.block_size else GRID
@@ -246,7 +246,7 @@ def part_chunks(packed: Packed, layout: PartLayout, lo: int, hi: int) -> list[by
         else:
             B = layout.block_size
             nb_a, nb_b = a // B, -(-b // B)
-            per_byte = 1 if codec == "int8" else 2
+            per_byte = F.CODES_PER_BYTE[codec]
             views += segs[0].views(nb_a, nb_b)
             views += segs[1].views(nb_a * B // per_byte, nb_b * B // per_byte)
         entries.append([str(j), [b - a], spec.dtype, layout.block_size, k])
@@ -374,7 +374,7 @@ class RangeDecoder:
                 nb = F.num_blocks(length, B)
                 sdt = F.part_dtypes(self.codec)[0]
                 plan.append(("scales", leaf, nb * sdt.itemsize))
-                per_byte = 1 if self.codec == "int8" else 2
+                per_byte = F.CODES_PER_BYTE[self.codec]
                 for ga, gb in self.grid[first:]:
                     if gb > base + length:
                         break

@@ -378,8 +378,8 @@ def _parse_header(prefix: Any, header: Any, max_bytes: int, max_decoded_bytes: i
             raise WireFormatError(f"leaf {name!r}: block_size and k must be ints")
         n = math.prod(shape)
         if codec in F.BLOCK_CODECS:
-            if not 2 <= block <= F.MAX_BLOCK_SIZE or block % 2:
-                raise WireFormatError(f"leaf {name!r}: block_size {block} is not an even int in [2, 65536]")
+            if not F.block_size_ok(codec, block):
+                raise WireFormatError(f"leaf {name!r}: block_size {block} is not valid for codec {codec!r}")
             decoded += 4 * F.num_blocks(n, block) * block
         else:
             if block != 0:

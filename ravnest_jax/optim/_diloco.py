@@ -536,7 +536,12 @@ def diloco(
                     key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
                     frag_state = codec_state if ids is None else codec_state[fragment]
                     delta, frag_state = codec.compress(delta, frag_state, key)
-                    mean = codec.requantize(jax.lax.pmean(delta, axis_name), mean_key)
+                    if hasattr(codec, "requantize_with_state"):  # the owners' error feedback on the mean
+                        mean, frag_state = codec.requantize_with_state(
+                            jax.lax.pmean(delta, axis_name), frag_state, mean_key
+                        )
+                    else:
+                        mean = codec.requantize(jax.lax.pmean(delta, axis_name), mean_key)
                     if ids is None:
                         codec_state = frag_state
                     else:

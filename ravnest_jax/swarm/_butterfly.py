@@ -67,6 +67,8 @@ class Butterfly:
       aggregator: ``"mean"``, ``"clipped_mean"`` or ``"trimmed_mean"`` (module docstring).
       clip_multiple: the clipped mean's bound, in multiples of the median norm (>= 1).
       trim: the trimmed mean drops this many values at each end of every coordinate (>= 1).
+      mean_error_feedback: each part owner carries what its encode of the mean dropped into the
+        next round's mean (``_gather.MeanResidual``).
     """
 
     name = "butterfly"
@@ -81,6 +83,7 @@ class Butterfly:
         aggregator: str = "mean",
         clip_multiple: float = 2.0,
         trim: int = 1,
+        mean_error_feedback: bool = False,
     ):
         check_aggregator(aggregator, clip_multiple, trim)
         self.aggregator, self.clip_multiple, self.trim = aggregator, float(clip_multiple), int(trim)
@@ -89,7 +92,9 @@ class Butterfly:
         self.peer_id = transport.peer_id
         transport.route("PUT", PARTS, self._h_put_part)
         transport.route("GET", CONTRIB, self._h_get_contrib)
-        self.gather = AllGather(transport, rounds, codec, codec_options, timeouts, aggregator, trim)
+        self.gather = AllGather(
+            transport, rounds, codec, codec_options, timeouts, aggregator, trim, mean_error_feedback
+        )
 
     def wire(self) -> str:
         """Codec, algorithm and aggregator (with its knob): part of the round manifest."""

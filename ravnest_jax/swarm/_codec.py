@@ -67,6 +67,16 @@ def check_codec(codec: str, options: dict[str, Any] | None = None) -> None:
     encode({"probe": np.zeros(4, np.float32)}, codec=codec, **(options or {}))
 
 
+def check_mean_error_feedback(value: bool, codec: str, algorithm: str) -> bool:
+    """``Swarm(mean_error_feedback=...)`` checked: ``ValueError`` for a non-bool, or ``True``
+    with the ring; off for ``fp32`` (nothing dropped)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"mean_error_feedback must be True or False, got {value!r}")
+    if value and algorithm == "ring":
+        raise ValueError("mean_error_feedback needs algorithm='butterfly' (the ring re-encodes partial sums)")
+    return value and codec != "fp32"
+
+
 def encode_part(name: str, vec: np.ndarray, codec: str, **options: Any) -> bytes:
     """Encode a float32 vector of shape ``(n,)`` under a leaf name. Returns the message bytes."""
     vec = np.ascontiguousarray(vec, dtype=np.float32)

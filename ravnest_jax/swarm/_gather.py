@@ -64,11 +64,45 @@ def send(
     )
 
 
+class MeanResidual:
+    """An owner's error feedback on the mean it sends (``mean_error_feedback``): what its encode
+    of the mean of its part dropped, added to that part's mean in the next round (bidirectional
+    compression with error feedback, DoubleSqueeze arXiv 1905.05957; needed by coarse codecs
+    such as ``sign``, whose mean would otherwise lose a third of its energy every round).
+
+    A residual counts once its round committed with the contributor set it was computed for
+    (:meth:`offer` per push, :meth:`commit` after the commit vote); it is used only for the same
+    part of the same layout (a part cut elsewhere after a membership change starts from zero).
+    Every member decodes the same bytes, so the residual changes nothing of the round's
+    agreement; it lives on the owner only (float32, the part's length).
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple[str, int, int] | None = None
+        self.value: np.ndarray | None = None
+        self.pending: dict[tuple[int, str], tuple[tuple[str, int, int], np.ndarray]] = {}
+
+    def carried(self, key: tuple[str, int, int]) -> np.ndarray | None:
+        """The committed residual of part ``key`` = ``(layout key, lo, hi)``, or ``None``."""
+        return self.value if key == self.key else None
+
+    def offer(self, round_: int, tag: str, key: tuple[str, int, int], value: np.ndarray) -> None:
+        self.pending = {k: v for k, v in self.pending.items() if k[0] >= round_}
+        self.pending[(round_, tag)] = (key, value)
+
+    def commit(self, round_: int, tag: str) -> None:
+        hit = self.pending.pop((round_, tag), None)
+        self.pending = {k: v for k, v in self.pending.items() if k[0] > round_}
+        if hit is not None:
+            self.key, self.value = hit
+
+
 class AllGather:
     """The all-gather of one peer's butterfly (see the module docstring).
 
     Args:
       transport, rounds, codec, codec_options, timeouts, aggregator, trim: the butterfly's.
+      mean_error_feedback: keep a :class:`MeanResidual` of this peer's part (lossy codecs).
     """
 
     def __init__(
@@ -80,10 +114,12 @@ class AllGather:
         timeouts: Timeouts,
         aggregator: str,
         trim: int,
+        mean_error_feedback: bool = False,
     ):
         self.transport, self.rounds = transport, rounds
         self.codec, self.codec_options, self.timeouts = codec, codec_options, timeouts
         self.aggregator, self.trim = aggregator, trim
+        self.mean_residual = MeanResidual() if mean_error_feedback and codec != "fp32" else None
         self.peer_id = transport.peer_id
         self.name = "butterfly"
         transport.route("PUT", RESULTS, self._h_put_result)
@@ -204,6 +240,8 @@ class AllGather:
             return retry
         if not ok:  # pragma: no cover - the rendezvous commits only if everyone is ok
             raise RoundFail("all-gather failed here")
+        if self.mean_residual is not None:
+            self.mean_residual.commit(r, tag)
         robust: dict[str, dict[str, float]] = {}
         if self.aggregator == "clipped_mean":
             robust["clipped"] = mine.get("clipped", {})
@@ -321,6 +359,13 @@ class AllGather:
             del mean
         else:  # mean, or the clipped mean (the sum holds the clipped contributions)
             np.divide(acc, total, out=acc)
+        target = None
+        if self.mean_residual is not None:
+            ef_key = (st.layout.key(), st.lo, st.hi)
+            carried = self.mean_residual.carried(ef_key)
+            if carried is not None:
+                np.add(acc, carried, out=acc)
+            target = acc.copy()
         pieces, base = [], 0
         for _, a, b in st.layout.pieces(st.lo, st.hi):
             pieces.append(acc[base : base + b - a])
@@ -333,6 +378,9 @@ class AllGather:
             for c in data:
                 dec.feed(c)
             dec.finish()
+        if target is not None and self.mean_residual is not None:
+            np.subtract(target, acc, out=target)  # what the encode dropped
+            self.mean_residual.offer(st.round, tag, ef_key, target)
         fut = st.my_results.setdefault(tag, asyncio.get_running_loop().create_future())
         if not fut.done():  # for the client-only members that pull it
             fut.set_result((data, digest, repr(float(total))))

@@ -22,7 +22,7 @@ import numpy as np
 from ._activations import ActivationLink
 from ._allreduce import RING_SEGMENT_BYTES, check_aggregator, manifest_digest
 from ._butterfly import Butterfly
-from ._codec import check_codec, tune_host_allocator
+from ._codec import check_codec, check_mean_error_feedback, tune_host_allocator
 from ._contrib import Contribution
 from ._membership import heartbeat_loop, join
 from ._preflight import from_environment
@@ -87,6 +87,11 @@ class Swarm:
         the same one (it is in the round manifest).
       clip_multiple: the clipped mean's bound in multiples of the median norm (>= 1, default 2).
       trim: the trimmed mean's number of values dropped at each end (>= 1, default 1).
+      mean_error_feedback: each part owner carries what its encode of the mean dropped into the
+        next round's mean (bidirectional error feedback, DoubleSqueeze arXiv 1905.05957; the peer
+        side's error feedback is ``OuterSync``'s). Off by default (on the char-LM it made the
+        1-bit ``sign`` codec worse, ``docs/compression.md``). Butterfly only (the ring re-encodes
+        partial sums at every hop).
       info: a small JSON-serialisable dict (at most 4096 bytes as JSON) this peer publishes
         through the rendezvous; other peers see it as :attr:`PeerInfo.info`. Used to agree on a
         common checkpoint when a whole swarm restarts. Change it with :meth:`set_info`.
@@ -121,6 +126,7 @@ class Swarm:
         aggregator: str | None = None,
         clip_multiple: float = 2.0,
         trim: int = 1,
+        mean_error_feedback: bool = False,
     ):
         rendezvous_url, run_id, token, codec, listen, peer_id = from_environment(
             rendezvous_url, run_id, token, codec, listen, peer_id
@@ -130,6 +136,7 @@ class Swarm:
             algorithm, aggregator, clip_multiple, trim, ring_segment_bytes, run_id, token, listen, advertise
         )
         self.codec_options = dict(codec_options or {})
+        self.mean_error_feedback = check_mean_error_feedback(mean_error_feedback, codec, algorithm)
         self.algorithm, self.aggregator, self.ring_segment_bytes = algorithm, aggregator, ring_segment_bytes
         self.rendezvous_url, self.run_id, self.codec = rendezvous_url.rstrip("/"), run_id, codec
         self.timeouts = timeouts or Timeouts()
@@ -152,7 +159,13 @@ class Swarm:
         self._algorithm: Butterfly | Ring = (
             self.algorithms["ring"](*args, ring_segment_bytes)
             if algorithm == "ring"
-            else self.algorithms["butterfly"](*args, aggregator=aggregator, clip_multiple=clip_multiple, trim=trim)
+            else self.algorithms["butterfly"](
+                *args,
+                aggregator=aggregator,
+                clip_multiple=clip_multiple,
+                trim=trim,
+                mean_error_feedback=self.mean_error_feedback,
+            )
         )
         self._rounds.algorithm = self._algorithm
         self._state = StateTransfer(self.transport, lambda: self._rounds.diverged, self.timeouts.round)

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ravnest_jax.compress._formats import CODECS as WIRE_CODECS
 from ravnest_jax.compress._formats import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK_FRACTION, payload_nbytes
 
 __all__ = [
@@ -104,7 +105,7 @@ def message_bytes(params: int, codec: str) -> int:
     Raises:
       ValueError: an unknown codec.
     """
-    if codec not in ("fp32", "fp16", "bf16", "int8", "int4", "fp4", "topk"):
+    if codec not in WIRE_CODECS:
         raise ValueError(f"unknown codec {codec!r}")
     k = max(1, math.ceil(params * DEFAULT_TOPK_FRACTION))
     return payload_nbytes(codec, int(params), DEFAULT_BLOCK_SIZE.get(codec, 0), k)

@@ -94,6 +94,33 @@ def check_bound(codec: str, x, dec: np.ndarray, *, block: int | None = None, sto
         if kept.any() and (~kept).any():
             assert ax[kept].min() >= ax[~kept & (x32 != 0)].max(initial=0.0)
         return
+    if codec in ("sign", "int2"):  # scaled by the block's mean |x| over its real elements
+        n = x32.size
+        if n == 0:
+            return
+        nb = -(-n // block)
+        pad = np.zeros(nb * block, np.float64)
+        pad[:n] = ax
+        counts = np.full(nb, block, np.float64)
+        counts[-1] = n - (nb - 1) * block
+        s = np.repeat(pad.reshape(nb, block).sum(1) / counts, block)[:n]
+        if codec == "int2":  # a midrise grid of step 1.25 mean |x| (bf16, rounded up), clipped at +-1.5 steps
+            step = 1.25 * s
+            small = step < TINY * 0.99
+            assert np.all(d[small] == 0)
+            big = step > TINY * 1.01
+            st_ = step[big] * (1 + 2.0**-7)
+            bound = np.maximum(st_ / 2, ax[big] - 1.5 * step[big]) * (1 + 1e-5)
+            worst = np.max(err[big] - bound, initial=-1.0)
+            assert worst <= 0, f"int2: error above bound by {worst}"
+            return
+        signs = np.where(x32 >= 0, 1.0, -1.0)
+        small = s < TINY * 0.99
+        assert np.all(d[small] == 0)
+        big = s > TINY * 1.01
+        rel = np.abs(d[big] * signs[big] - s[big]) / s[big]
+        assert np.all(rel <= 2.0**-8 + 1e-6), f"sign: scale off by {rel.max()} (relative)"
+        return
     A = _blocks_absmax(x32.astype(np.float32), block)
     tiny = A < TINY
     assert np.all(d[tiny] == 0)
@@ -111,6 +138,8 @@ def check_bound(codec: str, x, dec: np.ndarray, *, block: int | None = None, sto
 @SETTINGS
 @given(x=arrays(), block=st.sampled_from([2, 8, 32, 64, 256]))
 def test_roundtrip_within_documented_bound(codec, x, block):
+    if codec in ("sign", "int2"):
+        block = max(block, 8)  # a power of two >= 8
     opts = {"block_size": block} if codec in F.BLOCK_CODECS else {}
     data = C.encode({"g": x}, codec, **opts)
     dec = C.decode(data)["g"]
@@ -149,7 +178,7 @@ def test_stochastic_rounding_is_unbiased(codec):
 @pytest.mark.parametrize("codec", C.CODECS)
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 1000, 100_000])
 def test_exact_payload_bytes(codec, n):
-    block = {"int8": 64, "int4": 64, "fp4": 32}.get(codec)
+    block = {"int8": 64, "int4": 64, "fp4": 32, "int2": 64, "sign": 64}.get(codec)
     data = C.encode({"w": np.ones(n, np.float32)}, codec)
     m = C.read_header(data)
     nb = -(-n // block) if block else 0
@@ -161,6 +190,8 @@ def test_exact_payload_bytes(codec, n):
         "int8": 2 * nb + nb * block if block else 0,
         "int4": 2 * nb + nb * block // 2 if block else 0,
         "fp4": nb + nb * block // 2 if block else 0,
+        "int2": 2 * nb + nb * block // 4 if block else 0,
+        "sign": 2 * nb + nb * block // 8 if block else 0,
         "topk": 8 * k,
     }[codec]
     assert m.payload_nbytes == expected == m.leaves[0].nbytes
@@ -191,9 +222,10 @@ def test_all_zero_and_tiny_blocks_decode_to_zero(codec):
 @pytest.mark.parametrize("codec", C.CODECS)
 def test_huge_magnitudes(codec):
     x = np.array([2.0**127, -(2.0**127), 1e38, -3e37, 1.0, 0.0], np.float32)
-    dec = C.decode(C.encode(x, codec, block_size=2) if codec in F.BLOCK_CODECS else C.encode(x, codec))
+    block = 8 if codec in ("sign", "int2") else 2
+    dec = C.decode(C.encode(x, codec, block_size=block) if codec in F.BLOCK_CODECS else C.encode(x, codec))
     assert np.all(np.isfinite(dec))
-    check_bound(codec, x, dec, block=2)
+    check_bound(codec, x, dec, block=block)
 
 
 @pytest.mark.parametrize("codec", C.CODECS)

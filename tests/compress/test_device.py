@@ -209,14 +209,14 @@ def test_simulated_codecs_train(codec):
 
 def test_simulated_validates_eagerly():
     with pytest.raises(ValueError, match="unknown codec"):
-        C.simulated("int2")
+        C.simulated("int3")
     with pytest.raises(ValueError, match="fraction"):
         C.simulated("int4", fraction=0.1)
     with pytest.raises(ValueError, match="unknown codec"):
-        rj.diloco(optax.sgd(0.1), sync_every=2, axis_name="r", codec="int2")
+        rj.diloco(optax.sgd(0.1), sync_every=2, axis_name="r", codec="int3")
 
 
-@pytest.mark.parametrize("codec", ["fp16", "bf16", "int8", "int4", "fp4"])
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "int8", "int4", "fp4", "int2", "sign"])
 def test_chunked_host_encode_equals_device_for_long_leaves(codec):
     # the host encoder works in chunks of 2**17 elements for long leaves: same bytes as one pass
     rng = np.random.default_rng(5)
@@ -362,3 +362,30 @@ def test_the_swarm_round_start_decays_the_residual_as_the_simulation_does():
         np.testing.assert_allclose(np.asarray(new_res[0]), np.asarray(want_res[0]), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="error_feedback_decay"):
         rj.OuterSync(tx, None, codec="topk", error_feedback_decay=2.0)
+
+
+def test_sign_mean_error_feedback_in_the_simulation():
+    """The owners' error feedback as the simulation applies it: the mean's encode residual goes
+    into the next round's mean (off by default), and the values are the scaled signs of the host
+    encoder."""
+    rng = np.random.default_rng(5)
+    mean = {"w": jnp.asarray(rng.standard_normal(1000), jnp.float32)}
+    key = jax.random.key(0)
+
+    def q(x):
+        return C.decode(C.encode({"w": np.asarray(x, np.float32)}, "sign"))["w"]
+
+    codec = C.simulated("sign", mean_error_feedback=True)
+    assert not C.simulated("sign").mean_error_feedback
+    state = codec.init(mean)
+    m = np.asarray(mean["w"])
+    first, state = codec.requantize_with_state(mean, state, key)
+    np.testing.assert_array_equal(np.asarray(first["w"]), q(m))
+    np.testing.assert_allclose(np.asarray(state.mean_residual["w"]), m - q(m), rtol=1e-6, atol=1e-7)
+    second, state = codec.requantize_with_state(mean, state, key)
+    np.testing.assert_array_equal(np.asarray(second["w"]), q(m + (m - q(m))))
+    # without it, every round sends the same
+    plain = C.simulated("sign")
+    s = plain.init(mean)
+    again, _ = plain.requantize_with_state(mean, s, key)
+    np.testing.assert_array_equal(np.asarray(again["w"]), q(m))

@@ -14,7 +14,7 @@ from ravnest_jax.compress._parts import GRID, PartLayout, RangeDecoder, part_chu
 from ravnest_jax.swarm._allreduce import part_bounds
 from ravnest_jax.swarm._codec import encode_part
 
-CODECS = ["fp32", "fp16", "bf16", "int8", "int4", "fp4", "topk"]
+CODECS = ["fp32", "fp16", "bf16", "int8", "int4", "fp4", "int2", "sign", "topk"]
 
 
 def _tree(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -65,7 +65,7 @@ def test_parts_decode_to_the_contribution_whatever_the_chunking(codec, n_parts):
             np.testing.assert_array_equal(v, flat[lo + a : lo + b])
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "fp4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp4", "int2", "sign"])
 def test_block_codec_parts_are_whole_blocks_of_their_leaves(codec):
     packed = compress.host_pack(_tree(np.random.default_rng(0)), codec)
     layout = PartLayout.of(packed)

@@ -46,6 +46,10 @@ def test_text_file_corpus(tmp_path):
         ["--topk-fraction", "0.01"],  # without --codec topk
         ["--codec", "topk", "--topk-fraction", "1.5"],
         ["--ef-decay", "1.2"],
+        ["--codec", "int4", "--block-size", "63"],
+        ["--codec", "sign", "--block-size", "48"],  # sign needs a power of two
+        ["--codec", "bf16", "--block-size", "64"],  # not a block codec
+        ["--mean-ef", "yes"],
         ["--local-peers", "4", "--adversary", "scale:abc"],
         ["--local-peers", "4", "--adversary", "flip"],
         ["--adversary", "noise"],  # not a swarm peer
