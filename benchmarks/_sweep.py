@@ -19,6 +19,7 @@ as the swarm applies it (``ravnest_jax.compress.simulated``, error feedback with
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -210,6 +211,20 @@ def run_cell(cell: Cell, seeds: list[int], *, eval_every: int = 100, eval_batche
     }
 
 
+def _die_with_parent(parent_pid: int) -> None:  # pragma: no cover - pool process
+    """Pool initializer: the worker dies with the sweep (Linux ``PR_SET_PDEATHSIG``), so Ctrl+C
+    or a kill of the sweep leaves no worker training on."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def _worker(payload: tuple[dict, list[int], int]) -> dict:  # pragma: no cover - pool process
     cell, seeds, eval_every = payload
     return run_cell(Cell(**cell), seeds, eval_every=eval_every)
@@ -318,7 +333,6 @@ def sweep_main(args, out, machine_info) -> int:
     import concurrent.futures
     import json
     import multiprocessing as mp
-    import os
     import sys
 
     cells: list[Cell] = []
@@ -363,7 +377,9 @@ def sweep_main(args, out, machine_info) -> int:
     if args.jobs > 1:
         os.environ.update(env_threads)
     ctx = mp.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
+    with concurrent.futures.ProcessPoolExecutor(
+        max_workers=args.jobs, mp_context=ctx, initializer=_die_with_parent, initargs=(os.getpid(),)
+    ) as pool:
         futs = {pool.submit(_worker, (dataclasses.asdict(c), list(args.seeds), args.eval_every)): c for c in todo}
         for f in concurrent.futures.as_completed(futs):
             res = f.result()

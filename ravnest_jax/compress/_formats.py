@@ -277,13 +277,23 @@ def unpack_nibbles(xp: Any, packed: Any) -> Any:
     return xp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
+def _u32_words(xp: Any, b: Any) -> Any:
+    """``(m, 4)`` uint8 -> ``(m,)`` little-endian uint32 words (a bitcast, no arithmetic)."""
+    return (b.view(np.dtype("<u4")) if xp is np else b.view(xp.uint32)).reshape(-1)
+
+
 def pack_bits(xp: Any, bits: Any) -> Any:
     """``(8m,)`` uint8 bits (0 or 1) -> ``(m,)`` bytes; element ``8i + j`` in bit ``j`` (the bytes
-    of ``np.packbits(bits, bitorder="little")``), by integer multiply-adds only."""
+    of ``np.packbits(bits, bitorder="little")``). Each group of 4 bits is read as one
+    little-endian uint32 (bits at 0, 8, 16, 24) and folded with shifts and masks: XLA vectorises
+    that; a strided gather of the 8 columns made its encode several times slower."""
     b = bits.reshape(-1, 8).astype(xp.uint8)
-    out = b[:, 0]
-    for j in range(1, 8):
-        out = out | (b[:, j] << xp.uint8(j))
+    out = None
+    for half in range(2):
+        u = _u32_words(xp, b[:, 4 * half : 4 * half + 4])
+        v = (u & 0x1) | ((u >> 7) & 0x2) | ((u >> 14) & 0x4) | ((u >> 21) & 0x8)
+        v = v << (4 * half) if half else v
+        out = v if out is None else out | v
     return out.astype(xp.uint8)
 
 
@@ -294,12 +304,10 @@ def unpack_bits(xp: Any, packed: Any) -> Any:
 
 
 def pack_crumbs(xp: Any, codes: Any) -> Any:
-    """``(4m,)`` uint8 2-bit codes (< 4) -> ``(m,)`` bytes; element ``4i + j`` in bits ``2j, 2j+1``."""
-    c = codes.reshape(-1, 4).astype(xp.uint8)
-    out = c[:, 0]
-    for j in range(1, 4):
-        out = out | (c[:, j] << xp.uint8(2 * j))
-    return out.astype(xp.uint8)
+    """``(4m,)`` uint8 2-bit codes (< 4) -> ``(m,)`` bytes; element ``4i + j`` in bits ``2j, 2j+1``
+    (four codes read as one little-endian uint32 and folded, as :func:`pack_bits`)."""
+    u = _u32_words(xp, codes.reshape(-1, 4).astype(xp.uint8))
+    return ((u & 0x3) | ((u >> 6) & 0xC) | ((u >> 12) & 0x30) | ((u >> 18) & 0xC0)).astype(xp.uint8)
 
 
 def unpack_crumbs(xp: Any, packed: Any) -> Any:
