@@ -6,10 +6,11 @@ one run per configuration, side by side in one invocation.
     python benchmarks/bench_wire_ratio.py                      # 2000 steps, ~20 min on 2 cores
     python benchmarks/bench_wire_ratio.py --steps 600 --configs fp32 int2:256
 
-A configuration is ``CODEC[:BLOCK][:mef][:plain]``: the swarm's codec, its block size, ``mef`` the
-part owners' error feedback on the mean (``rj.Swarm(mean_error_feedback=True)``), ``plain`` the
-outer SGD without momentum at learning rate 1 (plain averaging) instead of the default Nesterov
-0.7 / 0.9. Every peer keeps its own error feedback (``rj.OuterSync``).
+A configuration is ``CODEC[:BLOCK][:mef][:plain][:muon]``: the swarm's codec, its block size,
+``mef`` the part owners' error feedback on the mean (``rj.Swarm(mean_error_feedback=True)``),
+``plain`` the outer SGD without momentum at learning rate 1 (plain averaging) instead of the
+default Nesterov 0.7 / 0.9, ``muon`` Muon as the inner optimizer (the example's ``--inner muon
+--lr 0.02``) instead of AdamW 3e-3. Every peer keeps its own error feedback (``rj.OuterSync``).
 
 Per run: the bytes each peer sent over the whole run as the swarm counts them (every part and
 result message, headers included), the bytes a data-parallel ring all-reduce of float32
@@ -39,7 +40,7 @@ DEFAULT_CONFIGS = ["fp32", "int4", "int2:256", "sign:mef:plain"]
 
 
 def config_flags(config: str) -> list[str]:
-    """``CODEC[:BLOCK][:mef][:plain]`` -> the example's flags."""
+    """``CODEC[:BLOCK][:mef][:plain][:muon]`` -> the example's flags."""
     codec, *rest = config.split(":")
     flags = ["--codec", codec]
     for r in rest:
@@ -47,10 +48,12 @@ def config_flags(config: str) -> list[str]:
             flags += ["--mean-ef", "on"]
         elif r == "plain":
             flags += ["--outer-lr", "1", "--outer-momentum", "0"]
+        elif r == "muon":
+            flags += ["--inner", "muon", "--lr", "0.02"]
         elif r.isdigit():
             flags += ["--block-size", r]
         else:
-            raise SystemExit(f"bad config {config!r}: {r!r} is not a block size, 'mef' or 'plain'")
+            raise SystemExit(f"bad config {config!r}: {r!r} is not a block size, 'mef', 'plain' or 'muon'")
     return flags
 
 
@@ -117,7 +120,7 @@ def plot(doc: dict, path: Path) -> None:
     a1.set_yscale("log")
     a1.set_ylabel("data-parallel bytes / swarm bytes (per peer)")
     a1.legend(fontsize=8)
-    base = next((r["eval_loss"] for r in runs if r["config"] == "fp32"), None)
+    base = next((r["eval_loss"] for r in runs if r["config"].split(":")[0] == "fp32"), None)
     bars = a2.bar(names, [r["eval_loss"] for r in runs], color="tab:orange")
     a2.bar_label(bars, labels=[f"{r['eval_loss']:.4f}" for r in runs], fontsize=8)
     if base is not None:

@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="CODEC",
         help="sets RAVNEST_CODEC, the wire codec of a script that leaves rj.Swarm(codec=) out: fp32, fp16, "
-        "bf16, int8, int4, fp4, sign or topk (default: what the script sets, else fp32)",
+        "bf16, int8, int4, fp4, int2, sign or topk (default: what the script sets, else fp32)",
     )
     lo.add_argument("--run-id", default=None, help="run id (default: local- and 6 random hex digits)")
     lo.add_argument(

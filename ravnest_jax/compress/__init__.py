@@ -16,6 +16,8 @@ bf16    bfloat16, round-to-nearest (or stochastic)      0.5
 int8    blockwise absmax int8, bf16 scale per block     (B + 2) / (4 B)   (0.258 at B = 64)
 int4    blockwise absmax int4, two a byte, bf16 scale   (B / 2 + 2) / (4 B) (0.133 at B = 64)
 fp4     E2M1 values, E8M0 power-of-two block scale (MX) (B / 2 + 1) / (4 B) (0.133 at B = 32)
+int2    2-bit midrise grid, bf16 step of 1.25 mean|x|    (B / 4 + 2) / (4 B) (0.070 at B = 64)
+sign    scaled sign: 1 bit, bf16 mean|x| per block      (B / 8 + 2) / (4 B) (0.039 at B = 64)
 topk    k = ceil(fraction n) largest magnitudes         2 fraction (uint32 index + float32)
 ======  =============================================  ==================================
 """

@@ -97,8 +97,8 @@ class CodecConfig(NamedTuple):
 def resolve(codec: str, **options: Any) -> CodecConfig:
     """Validates a codec name and its options; returns a :class:`CodecConfig`.
 
-    Options: ``block_size`` (int8, int4, fp4, int2, sign; default 64, 64, 32, 64, 64), ``fraction`` (topk; default
-    0.01), ``stochastic`` (bf16, int8, int4, fp4; default False).
+    Options: ``block_size`` (int8, int4, fp4, int2, sign; default 64, 64, 32, 64, 64),
+    ``fraction`` (topk; default 0.01), ``stochastic`` (bf16, int8, int4, fp4; default False).
 
     Raises:
       ValueError: unknown codec, unknown option, an option that does not apply to the codec, or

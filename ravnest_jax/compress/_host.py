@@ -155,10 +155,11 @@ def encode(
         scalars) with a float dtype: float32, bfloat16, float16 or float64 (cast to float32).
         Leaf names in the header are the ``/``-joined paths (``"layer0/w"``).
       codec: one of ``CODECS``: ``"fp32"``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"int4"``,
-        ``"fp4"``, ``"topk"``.
+        ``"fp4"``, ``"int2"``, ``"sign"``, ``"topk"``.
       max_bytes: refuse to build a larger message (bytes).
       seed: seed of numpy's PRNG for stochastic rounding (``stochastic=True``).
-      **options: ``block_size`` (int8/int4/fp4; default 64/64/32), ``fraction`` (topk, default
+      **options: ``block_size`` (int8/int4/fp4/int2/sign; default 64/64/32/64/64; int2 and sign
+        a power of two >= 8), ``fraction`` (topk, default
         0.01), ``stochastic`` (bf16/int8/int4/fp4, default False).
 
     Returns:

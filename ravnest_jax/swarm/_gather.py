@@ -66,9 +66,11 @@ def send(
 
 class MeanResidual:
     """An owner's error feedback on the mean it sends (``mean_error_feedback``): what its encode
-    of the mean of its part dropped, added to that part's mean in the next round (bidirectional
-    compression with error feedback, DoubleSqueeze arXiv 1905.05957; needed by coarse codecs
-    such as ``sign``, whose mean would otherwise lose a third of its energy every round).
+    of the mean of its part dropped, added to that part's mean in the next round it owns that
+    part (bidirectional compression with error feedback, DoubleSqueeze arXiv 1905.05957; for
+    coarse codecs such as ``sign``, whose encode drops a third of the mean's energy; measured
+    to help with plain averaging as the outer step and to hurt with Nesterov momentum,
+    ``docs/compression.md``).
 
     A residual counts once its round committed with the contributor set it was computed for
     (:meth:`offer` per push, :meth:`commit` after the commit vote); it is used only for the same
