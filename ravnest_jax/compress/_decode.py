@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from . import _coarse, _tree
 from . import _formats as F
-from . import _tree
 from ._errors import WireFormatError
 from ._wire import (
     DEFAULT_MAX_BYTES,
@@ -90,8 +90,8 @@ _PAIR_LUT = {"int4": _pair_lut("int4"), "fp4": _pair_lut("fp4")}
 
 _BYTES = np.arange(256, dtype=np.uint8)[:, None]
 _MULTI_LUT = {
-    "sign": np.ascontiguousarray(F.sign_code_values(np, F.unpack_bits(np, _BYTES))),
-    "int2": np.ascontiguousarray(F.int2_code_values(np, F.unpack_crumbs(np, _BYTES))),
+    "sign": np.ascontiguousarray(_coarse.sign_code_values(np, _coarse.unpack_bits(np, _BYTES))),
+    "int2": np.ascontiguousarray(_coarse.int2_code_values(np, _coarse.unpack_crumbs(np, _BYTES))),
 }
 """(256, 8) / (256, 4) float32: a sign / int2 byte -> its unscaled values, first element first."""
 

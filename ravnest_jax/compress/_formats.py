@@ -277,60 +277,6 @@ def unpack_nibbles(xp: Any, packed: Any) -> Any:
     return xp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def _u32_words(xp: Any, b: Any) -> Any:
-    """``(m, 4)`` uint8 -> ``(m,)`` little-endian uint32 words (a bitcast, no arithmetic)."""
-    return (b.view(np.dtype("<u4")) if xp is np else b.view(xp.uint32)).reshape(-1)
-
-
-def pack_bits(xp: Any, bits: Any) -> Any:
-    """``(8m,)`` uint8 bits (0 or 1) -> ``(m,)`` bytes; element ``8i + j`` in bit ``j`` (the bytes
-    of ``np.packbits(bits, bitorder="little")``). Each group of 4 bits is read as one
-    little-endian uint32 (bits at 0, 8, 16, 24) and folded with shifts and masks: XLA vectorises
-    that; a strided gather of the 8 columns made its encode several times slower."""
-    b = bits.reshape(-1, 8).astype(xp.uint8)
-    out = None
-    for half in range(2):
-        u = _u32_words(xp, b[:, 4 * half : 4 * half + 4])
-        v = (u & 0x1) | ((u >> 7) & 0x2) | ((u >> 14) & 0x4) | ((u >> 21) & 0x8)
-        v = v << (4 * half) if half else v
-        out = v if out is None else out | v
-    return out.astype(xp.uint8)
-
-
-def unpack_bits(xp: Any, packed: Any) -> Any:
-    """Inverse of :func:`pack_bits`: ``(..., m)`` bytes -> ``(..., 8m)`` bits (uint8 0 or 1)."""
-    bits = xp.stack([(packed >> xp.uint8(j)) & xp.uint8(1) for j in range(8)], axis=-1)
-    return bits.reshape(*packed.shape[:-1], packed.shape[-1] * 8).astype(xp.uint8)
-
-
-def pack_crumbs(xp: Any, codes: Any) -> Any:
-    """``(4m,)`` uint8 2-bit codes (< 4) -> ``(m,)`` bytes; element ``4i + j`` in bits ``2j, 2j+1``
-    (four codes read as one little-endian uint32 and folded, as :func:`pack_bits`)."""
-    u = _u32_words(xp, codes.reshape(-1, 4).astype(xp.uint8))
-    return ((u & 0x3) | ((u >> 6) & 0xC) | ((u >> 12) & 0x30) | ((u >> 18) & 0xC0)).astype(xp.uint8)
-
-
-def unpack_crumbs(xp: Any, packed: Any) -> Any:
-    """Inverse of :func:`pack_crumbs`: ``(..., m)`` bytes -> ``(..., 4m)`` codes 0..3."""
-    codes = xp.stack([(packed >> xp.uint8(2 * j)) & xp.uint8(3) for j in range(4)], axis=-1)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * 4).astype(xp.uint8)
-
-
-def int2_code_values(xp: Any, codes: Any) -> Any:
-    """int2 code 0..3 -> float32 value before scaling: -1.5, -0.5, 0.5, 1.5 (a midrise grid)."""
-    return codes.astype(xp.float32) - xp.float32(1.5)
-
-
-INT2_STEP = 1.25
-"""int2's step in multiples of the block's mean ``|x|``: about the MSE-optimal 4-level uniform
-quantiser of a Gaussian (step 0.996 sigma, Max 1960) with sigma = sqrt(pi / 2) mean |x|."""
-
-
-def sign_code_values(xp: Any, bits: Any) -> Any:
-    """sign codec bit -> float32 value before scaling: 1 -> +1.0, 0 -> -1.0."""
-    return bits.astype(xp.float32) * xp.float32(2.0) - xp.float32(1.0)
-
-
 def int_code_values(xp: Any, codec: str, codes: Any) -> Any:
     """Integer code (uint8 as stored) -> float32 value before scaling.
 
@@ -449,53 +395,6 @@ def _quantize_int(xp, cfg, xb, noise):
     return ok, (s_bits, codes.reshape(-1))
 
 
-def _block_mean_abs(xp: Any, xb: Any, n: int) -> Any:
-    """``(nb, B)`` float32 (``B`` a power of two; the leaf's ``n`` elements, then zero padding) ->
-    ``(nb,)`` mean of ``|x|`` over each block's elements of the leaf (the last block's padding is
-    not counted). The sum runs in a fixed pairwise order (halves added elementwise) and is scaled
-    by a float32 reciprocal computed in Python, so numpy and XLA give the same bits (a library
-    sum's order, and XLA's rewrite of a division, differ between them). Each ``|x|`` is scaled by
-    ``1 / B`` first (exact), so the sum cannot overflow for ``|x| <= MAX_ABS``."""
-    nb, B = xb.shape
-    a = xp.abs(xb) * xp.float32(1.0 / B)
-    while a.shape[1] > 1:
-        h = a.shape[1] // 2
-        a = a[:, :h] + a[:, h:]
-    last = n - (nb - 1) * B
-    fix = xp.where(xp.arange(nb) == nb - 1, xp.float32(B / last), xp.float32(1.0))
-    return a[:, 0] * fix.astype(xp.float32)
-
-
-def _quantize_sign(xp, cfg, xb, n):
-    """Scaled sign (EF-SignSGD, arXiv 1901.09847, per block): bit ``x >= 0``, value ``+-s`` with
-    ``s`` the block's mean ``|x|`` (the scale that minimises the block's squared error for those
-    signs) rounded to bfloat16; blocks with ``s < TINY`` send ``s = 0``."""
-    amax = _block_absmax(xp, xb)
-    ok = xp.max(amax) <= MAX_ABS
-    s = _block_mean_abs(xp, xb, n)
-    s = xp.where(s < TINY, 0.0, s).astype(xp.float32)
-    s_bits = f32_to_bf16_bits(xp, s)
-    bits = (xb >= 0).astype(xp.uint8).reshape(-1)
-    return ok, (s_bits, pack_bits(xp, bits))
-
-
-def _quantize_int2(xp, cfg, xb, n):
-    """2-bit midrise grid per block: step ``d = INT2_STEP * mean |x|`` rounded up to bfloat16,
-    values ``(q + 0.5) d`` for ``q = floor(x / d)`` clipped to ``[-2, 1]`` (stored ``q + 2``);
-    blocks with ``d < TINY`` send ``d = 0``."""
-    amax = _block_absmax(xp, xb)
-    ok = xp.max(amax) <= MAX_ABS
-    d = _block_mean_abs(xp, xb, n) * xp.float32(INT2_STEP)
-    d = xp.where(d < TINY, 0.0, d).astype(xp.float32)
-    d_bits = bf16_bits_ceil(xp, d)
-    d = bf16_bits_to_f32(xp, d_bits)
-    inv = xp.where(d > 0, xp.float32(1.0) / xp.where(d > 0, d, xp.float32(1.0)), 0.0).astype(xp.float32)
-    d_bits, inv = _materialize(xp, (d_bits, inv))
-    q = xp.clip(xp.floor(xb * inv[:, None]), -2.0, 1.0)
-    codes = (q + xp.float32(2.0)).astype(xp.uint8).reshape(-1)
-    return ok, (d_bits, pack_crumbs(xp, codes))
-
-
 def _quantize_fp4(xp, cfg, xb, noise):
     amax = _block_absmax(xp, xb)
     ok = xp.max(amax) <= MAX_ABS
@@ -605,9 +504,9 @@ def quantize(
     if codec in ("int8", "int4"):
         return _quantize_int(xp, cfg, xb, nz)
     if codec == "sign":
-        return _quantize_sign(xp, cfg, xb, x.shape[0])
+        return _coarse.quantize_sign(xp, xb, x.shape[0])
     if codec == "int2":
-        return _quantize_int2(xp, cfg, xb, x.shape[0])
+        return _coarse.quantize_int2(xp, xb, x.shape[0])
     return _quantize_fp4(xp, cfg, xb, nz)
 
 
@@ -641,10 +540,10 @@ def dequantize(xp: Any, cfg: CodecConfig, parts: tuple[Any, ...], n: int) -> Any
         vals = int_code_values(xp, codec, unpack_nibbles(xp, codes))
     elif codec == "sign":
         s = bf16_bits_to_f32(xp, s_raw)
-        vals = sign_code_values(xp, unpack_bits(xp, codes))
+        vals = _coarse.sign_code_values(xp, _coarse.unpack_bits(xp, codes))
     elif codec == "int2":
         s = bf16_bits_to_f32(xp, s_raw)
-        vals = int2_code_values(xp, unpack_crumbs(xp, codes))
+        vals = _coarse.int2_code_values(xp, _coarse.unpack_crumbs(xp, codes))
     else:
         s = e8m0_scale_values(xp, s_raw)
         vals = e2m1_code_values(xp, unpack_nibbles(xp, codes))
@@ -657,64 +556,5 @@ def _np_scatter(n, idx, vals):
     return out
 
 
-_TOPK_SAMPLE = 1 << 16
-"""Sample size of :func:`np_topk_indices`' candidate threshold (leaves of more than 4 samples)."""
-
-
-def np_topk_indices(x: Any, k: int) -> Any:
-    """numpy: ascending indices of the ``k`` largest magnitudes ``|x|`` of a 1-D float32 array,
-    ties broken toward lower indices (exact; the same selection as ``jax.lax.top_k``).
-
-    Magnitudes are compared as the uint32 bit patterns of ``|x|`` (order-preserving for floats;
-    a NaN ranks above everything, but NaN inputs are refused anyway). For long arrays the exact
-    k-th largest magnitude ``T`` is found among *candidates*: the elements at or above a
-    threshold read from a strided sample of 65536 magnitudes, placed 6 standard deviations of
-    the sample count below the expected k-th largest, so that almost surely at least ``k``
-    elements pass it. Then every element ``>= T`` is a candidate and ``T`` is exact; if fewer
-    than ``k`` pass (a rare sample), the threshold is 0 and all elements are candidates. One
-    pass over ``x`` in L2-sized chunks, then work on about ``1.25 k`` candidates.
-
-    Args:
-      x: 1-D float32 array (n,).
-      k: ``1 <= k``; ``k >= n`` returns ``arange(n)``.
-
-    Returns:
-      ``(k,)`` int64 indices, strictly increasing.
-    """
-    n = x.shape[0]
-    if k >= n:
-        return np.arange(n)
-    bits = x.view(np.uint32)
-    t_lo = 0
-    if n > 4 * _TOPK_SAMPLE:
-        step = n // _TOPK_SAMPLE
-        sample = bits[::step] & np.uint32(0x7FFFFFFF)
-        s = sample.shape[0]
-        mean = k * s / n
-        j = min(s, int(mean + 6.0 * math.sqrt(mean) + 8))
-        t_lo = int(np.partition(sample, s - j)[s - j])
-    if t_lo:
-        cand_parts = []
-        mag = np.empty(min(n, 1 << 16), np.uint32)
-        for a in range(0, n, 1 << 16):
-            b = min(n, a + (1 << 16))
-            m = mag[: b - a]
-            np.bitwise_and(bits[a:b], np.uint32(0x7FFFFFFF), out=m)
-            hit = np.flatnonzero(m >= t_lo)
-            if hit.shape[0]:
-                cand_parts.append(hit + a)
-        cand = np.concatenate(cand_parts) if cand_parts else np.zeros(0, np.intp)
-        if cand.shape[0] >= k:
-            return _exact_topk(bits[cand] & np.uint32(0x7FFFFFFF), k, cand)
-    return _exact_topk(bits & np.uint32(0x7FFFFFFF), k, None)
-
-
-def _exact_topk(m: Any, k: int, cand: Any) -> Any:
-    """Positions (in ``cand``, or plain indices) of the k largest of uint32 ``m``, ascending."""
-    c = m.shape[0]
-    t = np.partition(m, c - k)[c - k] if c > k else m.min()
-    keep = m > t
-    need = k - int(np.count_nonzero(keep))
-    keep[np.flatnonzero(m == t)[:need]] = True
-    idx = np.flatnonzero(keep)
-    return idx if cand is None else cand[idx]
+from . import _coarse  # noqa: E402  (int2 / sign; it uses the helpers above)
+from ._topk import np_topk_indices as np_topk_indices  # noqa: E402

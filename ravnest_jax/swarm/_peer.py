@@ -53,25 +53,21 @@ class Swarm:
       rendezvous_url: base URL of the rendezvous, e.g. ``"http://10.0.0.1:8765"``.
       run_id: the run to join; peers of one run average with each other.
       token: the run token (shared secret; non-empty).
-      codec: wire codec of parts and results, one of :func:`available_codecs` (``"fp32"`` is
-        exact; lossy codecs quantise each part and again the all-gathered mean); default
-        ``"fp32"``.
-      codec_options: options of the codec (e.g. ``{"block_size": 64}``, ``{"fraction": 0.01}``
-        for ``topk``), see ``docs/compression.md``.
-      listen: ``"host:port"`` to bind; port 0 picks a free port (see :attr:`port`). ``None`` or
-        ``"none"``: *client-only* (behind NAT, a firewall): no inbound port; other peers reach
-        it through the rendezvous' relay (``docs/swarm.md``); a peer the rendezvous cannot
-        reach at its address turns client-only itself (a warning says so). Default ``"auto"``:
-        ``$RAVNEST_LISTEN``, else ``"0.0.0.0:0"``.
+      codec: wire codec of parts and results, one of :func:`available_codecs` (default ``"fp32"``,
+        exact; lossy codecs quantise each part and again the all-gathered mean).
+      codec_options: the codec's options (``{"block_size": 64}``, ``{"fraction": 0.01}``; docs/compression.md).
+      listen: ``"host:port"`` to bind (port 0: a free one, see :attr:`port`); ``None``/``"none"``:
+        *client-only* (behind NAT): no inbound port, reached through the rendezvous' relay
+        (``docs/swarm.md``; a peer the rendezvous cannot reach turns client-only, with a warning).
+        Default ``"auto"``: ``$RAVNEST_LISTEN``, else ``"0.0.0.0:0"``.
       advertise: base URL other peers use to reach this one (default: ``http://`` + the local
         address that routes to the rendezvous + the bound port). Set it behind NAT.
       timeouts: deadlines, see :class:`Timeouts`.
       algorithm: ``"butterfly"`` (default: reduce-scatter to part owners, then all-gather) or
-        ``"ring"`` (2(n - 1) neighbour steps; any failure retries the whole attempt without the
-        peers that did not vote). All peers of a run must use the same one.
-      ring_segment_bytes: the pipelined ring cuts every part into segments of about this many
-        float32 bytes (default 1 MiB), each its own message; part of the ring's round manifest,
-        so all peers of a run must use the same value.
+        ``"ring"`` (2(n - 1) neighbour steps; a failure retries the attempt without the peers
+        that did not vote); the same on all peers of a run.
+      ring_segment_bytes: the ring cuts every part into messages of about this many float32
+        bytes (default 1 MiB); in the ring's round manifest: the same on all peers of a run.
       peer_id: this peer's id (default: random); rounds order peers by id.
       ssl: server-side ``ssl.SSLContext`` (serve HTTPS; then advertise an ``https://`` URL).
       client_ssl: passed to aiohttp as ``ssl=`` for outgoing requests (an ``SSLContext`` that
@@ -87,11 +83,8 @@ class Swarm:
         the same one (it is in the round manifest).
       clip_multiple: the clipped mean's bound in multiples of the median norm (>= 1, default 2).
       trim: the trimmed mean's number of values dropped at each end (>= 1, default 1).
-      mean_error_feedback: each part owner carries what its encode of the mean dropped into the
-        next round's mean (bidirectional error feedback, DoubleSqueeze arXiv 1905.05957; the peer
-        side's error feedback is ``OuterSync``'s). Off by default (on the char-LM it made the
-        1-bit ``sign`` codec worse, ``docs/compression.md``). Butterfly only (the ring re-encodes
-        partial sums at every hop).
+      mean_error_feedback: part owners carry what their encode of the mean dropped into the next
+        round (arXiv 1905.05957; butterfly only; default off; ``docs/compression.md``).
       info: a small JSON-serialisable dict (at most 4096 bytes as JSON) this peer publishes
         through the rendezvous; other peers see it as :attr:`PeerInfo.info`. Used to agree on a
         common checkpoint when a whole swarm restarts. Change it with :meth:`set_info`.
@@ -156,16 +149,11 @@ class Swarm:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._rounds = Rounds(self.transport, self.timeouts, codec, self._hello, self._spawn)
         args = (self.transport, self._rounds, codec, self.codec_options, self.timeouts)
+        kw = {"aggregator": aggregator, "clip_multiple": clip_multiple, "trim": trim}
         self._algorithm: Butterfly | Ring = (
             self.algorithms["ring"](*args, ring_segment_bytes)
             if algorithm == "ring"
-            else self.algorithms["butterfly"](
-                *args,
-                aggregator=aggregator,
-                clip_multiple=clip_multiple,
-                trim=trim,
-                mean_error_feedback=self.mean_error_feedback,
-            )
+            else self.algorithms["butterfly"](*args, **kw, mean_error_feedback=self.mean_error_feedback)
         )
         self._rounds.algorithm = self._algorithm
         self._state = StateTransfer(self.transport, lambda: self._rounds.diverged, self.timeouts.round)

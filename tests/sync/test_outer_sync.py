@@ -337,10 +337,13 @@ def test_time_based_rounds_weight_by_samples():
                 }
 
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            futs = [pool.submit(peer, 0, peers[0], 0.01), pool.submit(peer, 1, peers[1], 0.08)]
+            # the slow peer sleeps 0.25 s a step: under load both steps take longer by the same
+            # compute time c, and (c + 0.25) / (c + 0.0) stays above 1.5 for any c below 0.5 s
+            futs = [pool.submit(peer, 0, peers[0], 0.0), pool.submit(peer, 1, peers[1], 0.25)]
             for f in futs:
                 f.result(timeout=120)
-    assert results[0]["steps"] > 1.5 * results[1]["steps"]
+    steps = (results[0]["steps"], results[1]["steps"])
+    assert steps[0] > 1.5 * steps[1], f"fast and slow peer steps: {steps}"
     n = min(len(results[0]["metrics"]), len(results[1]["metrics"]))
     assert n >= 3
     for a, b in zip(results[0]["metrics"][: n - 1], results[1]["metrics"][: n - 1]):
