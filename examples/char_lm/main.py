@@ -415,7 +415,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--standbys must be >= 0")
         for flag, bad in (
             ("--devices", args.devices > 1),
-            ("--checkpoint-dir", args.checkpoint_dir),
             ("--adversary", args.adversary),
             ("--fragments", args.fragments > 1),
         ):

@@ -79,6 +79,8 @@ def run_stage_peer(args: argparse.Namespace) -> dict:
         expected_peers=expected,
         clusters=clusters,
         standbys=args.standbys,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every or args.sync_every,
     )
     evals = eval_batches(evald, batch=32, seq_len=cfg.seq_len, num_batches=args.eval_batches)
     result: dict = {"peer": peer_id, "run_id": args.run_id, "pipeline": True, "interrupted": False}
@@ -153,6 +155,8 @@ def run_stage_peer(args: argparse.Namespace) -> dict:
                 "activation_codec": args.activation_codec,
                 "recoveries": m.recoveries,
                 "recovery_seconds": m.recovery_seconds,
+                "resumed_from": peer.resumed_from,
+                "restored_steps": m.restored_steps,
                 "outer_rounds": m.outer_rounds,
                 "outer_bytes_sent": sync_summary.get("bytes_sent"),
                 "failed_rounds": sync_summary.get("failed_rounds"),

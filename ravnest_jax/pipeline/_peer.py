@@ -10,15 +10,17 @@ and hands it to the swarm's event loop, which uploads it while the next op compu
 
 What a stage peer publishes through the rendezvous (``info["pipe"]``): its role (``"active"``,
 ``"standby"``, ``"unplaced"``), cluster, stage, the pipeline epoch it is at, whether it is ready,
-the step it will run next (``resume``), whether it is done, and its report for placement
-(``memory`` bytes, ``mbit``).
+the step it will run next (``resume``), the checkpoint steps it can go back to (``ckpt``),
+whether it is done, and its report for placement (``memory`` bytes, ``mbit``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -87,12 +89,22 @@ class StagePeer:
       advertise_to: ``{"prev": url, "next": url}``: the base URL the previous (next) stage uses
         to reach this peer when it differs from ``advertise`` (e.g. a different network per
         neighbour; the benchmark's emulated links).
-      keep_grads: keep each step's mean gradient (tests).
+      checkpoint_dir: save this stage's params and optimizer state with orbax under
+        ``<checkpoint_dir>/stage<s>/`` (an :class:`rj.Checkpointer`; the peer id is kept in
+        ``<checkpoint_dir>/peer_id`` when ``peer_id`` is not given) and resume from there: a
+        stage peer started again on the same directory goes on from its newest checkpoint, and
+        with one cluster the whole cluster goes on from the newest step every stage can resume
+        (the others roll back to it from their own checkpoints), so a stage peer that dies loses
+        at most ``checkpoint_every`` steps (docs/pipeline.md, faults).
+      checkpoint_every: steps between checkpoints (int >= 1; the last step is saved too).
+      max_to_keep: checkpoints kept per stage (int >= 2: a rollback needs an older one).
 
     Use as a context manager; then :meth:`run`.
 
     Raises:
-      ValueError: a bad stage, mode, codec, plan or timeout.
+      ValueError: a bad stage, mode, codec, plan, timeout or checkpoint option (a
+        ``checkpoint_dir`` that is a file; a checkpoint of other units than this stage's, when
+        the stage is known, before anything compiles).
     """
 
     def __init__(
@@ -133,8 +145,23 @@ class StagePeer:
         need_bytes: list[int] | None = None,
         advertise_to: dict[str, str] | None = None,
         keep_grads: bool = False,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int = 100,
+        max_to_keep: int = 3,
     ):
         S = plan.num_stages
+        if checkpoint_dir is not None:
+            root = Path(checkpoint_dir).expanduser()
+            if root.exists() and not root.is_dir():
+                raise ValueError(f"checkpoint_dir {str(root)!r} is a file")
+            if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+                raise ValueError(f"checkpoint_every must be an int >= 1 (steps), got {checkpoint_every!r}")
+            if not isinstance(max_to_keep, int) or max_to_keep < 2:
+                raise ValueError(f"max_to_keep must be an int >= 2, got {max_to_keep!r}")
+            if peer_id is None and not os.environ.get("RAVNEST_PEER_ID"):
+                from ravnest_jax.checkpoint import persistent_peer_id
+
+                peer_id = persistent_peer_id(root)
         if stage is not None and (not isinstance(stage, int) or not 0 <= stage < S):
             raise ValueError(f"stage must be an int in [0, {S}) or None (placed), got {stage!r}")
         if stage is None and not expected_peers:
@@ -166,6 +193,7 @@ class StagePeer:
         self._ready = False
         self._done = False
         self._resume = 0
+        self._ckpt_steps: list[int] = []  # published: the steps a cluster may roll back to
         self._timeouts = timeouts
         self._swarm_args = dict(rendezvous_url=rendezvous_url, token=token, timeouts=timeouts)
         self._group_listen, self._group_advertise = group_listen, group_advertise
@@ -188,6 +216,12 @@ class StagePeer:
         self.joined: str | None = None  # how the stage's state began: "fresh" or "joined" (downloaded)
         self._sender: _Sender | None = None
         self._shape: tuple[int, int] | None = None
+        self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir).expanduser()
+        self.checkpoint_every, self.max_to_keep = checkpoint_every, max_to_keep
+        self._ckpt: Any = None  # the rj.Checkpointer of this peer's stage
+        self._ckpt_units: tuple[int, int] | None = None
+        self._save_due = False
+        self.resumed_from: int | None = None  # the checkpoint step this stage started from
 
     @property
     def peer_id(self) -> str:
@@ -201,6 +235,7 @@ class StagePeer:
             "epoch": self._epoch,
             "ready": self._ready,
             "resume": self._resume,
+            "ckpt": self._ckpt_steps,
             "done": self._done,
             "memory": self.memory,
             "mbit": self.mbit,
@@ -237,6 +272,11 @@ class StagePeer:
             self._sender = None
         if self.sync is not None:
             self.sync.close()
+        if self._ckpt is not None:
+            try:
+                self._ckpt.close()  # waits for the write in flight
+            finally:
+                self._ckpt = None
         if self.group is not None:
             self.group.close()
         self.swarm.close()
@@ -318,10 +358,89 @@ class StagePeer:
             recompute=self.recompute,
             keep_grads=self.keep_grads,
         )
+        self._open_checkpoints()
         self.worker.compile(rows, seq_len)
         self.metrics.residual_bytes = self.worker.residual_bytes
         self._shape = (batch_rows, seq_len)
         return self.worker
+
+    # ------------------------------------------------------------------ checkpoints
+    def _open_checkpoints(self) -> None:
+        """Opens ``<checkpoint_dir>/stage<s>`` (checking that its checkpoints are of this
+        stage's units) and, without a stage group, restores the newest one; with a group,
+        :func:`rj.join_or_resume` restores it in :meth:`_join_group`."""
+        if self.checkpoint_dir is None:
+            return
+        from ravnest_jax.checkpoint import Checkpointer
+        from ravnest_jax.optim import DiLoCo
+
+        assert self.stage is not None and self.worker is not None
+        lo, hi = self.plan.bounds[self.stage]
+        if self._ckpt is not None:
+            if self._ckpt_units == (lo, hi):
+                return
+            self._ckpt.close()
+            self._ckpt = None
+        meta = {"stage": self.stage, "units": [lo, hi], "num_stages": self.num_stages, "run_id": self.swarm.run_id}
+        ckpt = Checkpointer(self.checkpoint_dir / f"stage{self.stage}", max_to_keep=self.max_to_keep, metadata=meta)
+        try:
+            saved = ckpt.metadata()
+            got = None if saved is None else saved.get("metadata", {})
+            if got is not None and (got.get("units") != [lo, hi] or got.get("num_stages") != self.num_stages):
+                raise ValueError(
+                    f"{ckpt.directory} holds a checkpoint of units {got.get('units')} of {got.get('num_stages')} "
+                    f"stages; this peer's stage {self.stage} holds units {[lo, hi]} of {self.num_stages} "
+                    "(another plan: use another checkpoint directory)"
+                )
+            if not isinstance(self.tx, DiLoCo):
+                w = self.worker
+                r = ckpt.restore(params=w.params, opt_state=w.opt_state)
+                if r is not None:
+                    w.set_state(r.params, r.opt_state)
+                    self.step = self.resumed_from = r.step
+                    self.metrics.restored_steps.append(r.step)
+                    log.warning("%s: stage %d resumes from its checkpoint at step %d", self.peer_id, self.stage, r.step)
+        except BaseException:
+            ckpt.close()
+            raise
+        self._ckpt, self._ckpt_units = ckpt, (lo, hi)
+
+    def _save(self, force: bool = False) -> None:
+        """A checkpoint at :attr:`step` (in the background); with DiLoCo only between rounds
+        (then at the first step after the round lands)."""
+        w = self.worker
+        if self._ckpt is None or w is None:
+            return
+        if not force and self.step % self.checkpoint_every and not self._save_due:
+            return
+        extra = None
+        if self.sync is not None:
+            if self.sync.pending:
+                self._save_due = True
+                return
+            from ravnest_jax.sync import checkpoint_extra
+
+            extra = checkpoint_extra(self.sync, w.params)
+        self._ckpt.save(self.step, params=w.params, opt_state=w.opt_state, extra=extra, force=True)
+        self._save_due = False
+
+    def _rollback(self, step: int) -> None:
+        """Goes back to this stage's checkpoint at ``step`` (the step its cluster resumes)."""
+        w = self.worker
+        assert self._ckpt is not None and w is not None
+        r = self._ckpt.restore(step, params=w.params, opt_state=w.opt_state)
+        w.set_state(r.params, r.opt_state)
+        w.reset_step()
+        log.warning(
+            "%s: the cluster resumes at step %d, the newest step every stage has: stage %d rolls back from step %d "
+            "to its checkpoint",
+            self.peer_id,
+            step,
+            self.stage,
+            self.step,
+        )
+        self.step = step
+        self.metrics.restored_steps.append(step)
 
     def _join_group(self) -> None:
         """DiLoCo across clusters: joins the stage's group (its own swarm run) with an OuterSync;
@@ -354,6 +473,7 @@ class StagePeer:
             self.sync,
             w.params,
             w.opt_state,
+            checkpointer=self._ckpt,
             min_peers=1 if took_over else max(1, int(self.group_size or 1)),
             timeout=self.start_timeout,
         )
@@ -361,6 +481,11 @@ class StagePeer:
         if got.how == "joined":
             w.set_state(got.params, got.state)
             log.warning("%s: downloaded stage %d's state from its group (step %d)", self.peer_id, self.stage, got.step)
+        elif got.how in ("resumed", "restarted"):
+            w.set_state(got.params, got.state)
+            self.step = self.resumed_from = int(got.resumed_from)
+            self.metrics.restored_steps.append(self.step)
+            log.warning("%s: stage %d resumes from its checkpoint at step %d", self.peer_id, self.stage, self.step)
 
     def connect(self) -> None:
         """Says this stage is ready (in its epoch) and waits (up to ``start_timeout``) until
@@ -372,6 +497,12 @@ class StagePeer:
           SwarmError: the cluster did not become ready in time.
         """
         assert self.worker is not None, "prepare() first"
+        self._ckpt_steps = []
+        if self._ckpt is not None and self.sync is None:
+            # without a stage group the cluster may roll back to a step every stage has saved;
+            # a group's members resume from the group (join_or_resume), not by rolling back
+            self._ckpt.wait()
+            self._ckpt_steps = self._ckpt.all_steps()
         self._ready, self._resume = True, self.step
         self._publish()
         deadline = time.monotonic() + self.start_timeout
@@ -400,8 +531,10 @@ class StagePeer:
                     f"{self.start_timeout:.0f} s"
                 )
             time.sleep(0.05)
-        resume = max(int(i.get("resume", 0)) for _, i in ready.values())
-        if resume > self.step:
+        resume = cluster_step([i for _, i in ready.values()])
+        if resume < self.step:
+            self._rollback(resume)
+        elif resume > self.step:
             log.warning(
                 "%s: the cluster goes on at step %d; this stage skips from step %d", self.peer_id, resume, self.step
             )
@@ -494,6 +627,8 @@ class StagePeer:
             if params is not w.params:
                 w.set_state(params, state)
             self.metrics.outer_rounds = sum(1 for m in self.sync.metrics if m.ok)
+            if self._save_due:
+                self._save(force=True)
         return losses
 
     def _abort_cluster(self, reason: str) -> None:
@@ -512,6 +647,8 @@ class StagePeer:
                 params, state = self.sync(w.params, w.opt_state)
                 if params is not w.params:
                     w.set_state(params, state)
+            if self._ckpt is not None:
+                self._save(force=self.step == steps)
             val = None if loss is None else float(loss)
             if val is not None:
                 losses.append(val)
@@ -597,3 +734,14 @@ class StagePeer:
         if not self._sender.flush(self.recv_timeout):
             raise PipelineBroken("eval sends still in flight")
         return float(np.mean([float(x) for x in losses])) if losses else None
+
+
+def cluster_step(infos: list[dict]) -> int:
+    """The step a cluster goes on from, from its stages' published infos: the newest step that
+    every stage either will run next (``resume``) or can go back to (``ckpt``, its checkpoint
+    steps), so that no stage skips updates; when there is none, the largest ``resume`` (the
+    stages behind skip to it, losing their part of the steps between)."""
+    resumes = [int(i.get("resume", 0)) for i in infos]
+    steps = [{int(x) for x in (i.get("ckpt") or [])} for i in infos]
+    valid = [x for x in set(resumes).union(*steps) if all(x == r or x in c for r, c in zip(resumes, steps))]
+    return max(valid) if valid else max(resumes)

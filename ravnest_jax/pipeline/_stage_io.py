@@ -36,6 +36,8 @@ class StageMetrics:
       recovery_seconds: time from a break until the cluster ran again.
       outer_rounds: DiLoCo rounds merged (with the peers of this stage in other clusters).
       break_times: UNIX times at which this peer found its cluster's pipeline broken.
+      restored_steps: the checkpoint steps this stage's state was restored from (at its start,
+        or rolling back to the step its cluster resumes at).
     """
 
     steps: int = 0
@@ -54,6 +56,7 @@ class StageMetrics:
     recovery_seconds: float = 0.0
     outer_rounds: int = 0
     break_times: list[float] = dataclasses.field(default_factory=list)
+    restored_steps: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def utilisation(self) -> float | None:

@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--pad", type=float, default=0.0, help="emulated seconds per forward and per backward")
     ap.add_argument("--recv-timeout", type=float, default=60.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--checkpoint-dir", default=None)
+    ap.add_argument("--checkpoint-every", type=int, default=100)
     args = ap.parse_args()
 
     import numpy as np
@@ -76,6 +78,8 @@ def main() -> None:
         standbys=args.standbys,
         outer={"mode": "blocking", "overlap_steps": 0},
         keep_grads=True,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
     )
     with peer:
         emit(event="ready", port=peer.swarm.port)
