@@ -3,9 +3,10 @@
 
 Loads a Hugging Face checkpoint (``config.json``, ``model.safetensors`` or shards,
 ``tokenizer.json``) with adapters on the chosen projections and, with ``--quantize int4``, the
-frozen base in 4 bits (``rj.models.load_pretrained``); tokenises the text with the checkpoint's
-tokenizer and packs it into sequences, one shard per peer (``rj.data.PackedTokens``); trains the
-adapters only with AdamW, and averages them every H steps over the swarm (``rj.diloco`` +
+frozen base in 4 bits (``rj.models.load_pretrained``; with ``--stages`` each stage peer reads
+only its own layers' tensors: ``rj.pipeline.pretrained_split``); tokenises the text with the
+checkpoint's tokenizer and packs it into sequences, one shard per peer (``rj.data.PackedTokens``);
+trains the adapters only with AdamW, and averages them every H steps over the swarm (``rj.diloco`` +
 ``rj.OuterSync``: rounds carry the adapters, nothing else); checkpoints adapters, optimizer and
 data position (``rj.Checkpointer``) and resumes exactly; ``--export DIR`` writes the merged model
 (adapters folded in) as a Hugging Face checkpoint; ``--devices N`` lays the base and the adapters
@@ -189,11 +190,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     mesh = peer_mesh(args.devices)
+    if args.stages > 1:
+        # the stage's tensors only: the split holds the model abstractly, the stage reads its slice
+        split = rj.pipeline.pretrained_split(args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora, mesh=mesh)
+        return train_stages(args, split, train_tokens, eval_set)
     # on a mesh: the frozen base and the adapters FSDP-style over the peer's devices
     lm = split_lora(load_pretrained(args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora, mesh=mesh))
     frozen = lm.frozen
-    if args.stages > 1:
-        return train_stages(args, lm, train_tokens, eval_set)
 
     def loss_fn(adapters, frozen, batch, key=None):
         logits = lm.model(adapters, frozen, key)(batch[:, :-1])
@@ -291,11 +294,13 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-def train_stages(args: argparse.Namespace, lm, train_tokens, eval_set) -> dict:
+def train_stages(args: argparse.Namespace, split, train_tokens, eval_set) -> dict:
     """``--stages S``: this process is one stage of a pipeline (placed among the launcher's
     peers); the adapters of its layers train on its cluster's data shard, the activations go
     ``--activation-codec``-compressed to its neighbours, and with several clusters each stage's
-    adapters are averaged with DiLoCo among the peers that hold that stage. Prints one JSON line."""
+    adapters are averaged with DiLoCo among the peers that hold that stage. ``split`` is
+    ``rj.pipeline.pretrained_split`` of the checkpoint: the plan needs no tensor, and the stage
+    reads only its own from the files. Prints one JSON line."""
     import optax
 
     import ravnest_jax as rj
@@ -303,7 +308,6 @@ def train_stages(args: argparse.Namespace, lm, train_tokens, eval_set) -> dict:
 
     world = int(os.environ.get("RAVNEST_WORLD_SIZE", "1"))
     clusters = max(1, world // args.stages)
-    split = rj.pipeline.transformer_split(lm)
     plan = rj.pipeline.plan_stages(split, args.stages)
     inner = optax.adamw(args.lr, weight_decay=0.0)
     tx = rj.diloco(inner, sync_every=args.sync_every) if clusters > 1 else inner

@@ -110,6 +110,162 @@ def load_pretrained(
         any tensor is read), an unknown ``quantize``, or a ``mesh`` that is not a mesh of this
         process's devices with automatic axes.
     """
+    ck = open_checkpoint(
+        path,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        quantize=quantize,
+        lora=lora,
+        adapter_dtype=adapter_dtype,
+        remat=remat,
+        mesh=mesh,
+    )
+    (state,) = ck.fill(ck.state)
+    return nnx.merge(ck.graphdef, state)
+
+
+class OpenCheckpoint:
+    """A checkpoint directory opened for loading: the abstract model (``jax.ShapeDtypeStruct``
+    leaves, adapters in ``adapter_dtype``), the checkpoint tensor of each of its weights, every
+    header checked. :meth:`fill` reads the tensors of any part of the model's state.
+
+    Attributes:
+      root: the directory.
+      graphdef, state: the abstract model, ``nnx.split``; ``state``'s leaves are
+        ``jax.ShapeDtypeStruct`` (never arrays: :meth:`fill` works on copies).
+      wanted: the path of each checkpoint weight in the model (a quantised kernel's path, without
+        its ``array/...`` leaves) -> ``(tensor name, stored transposed)``.
+      files: tensor name -> the safetensors file listed for it (it may be absent when opened with
+        ``require_files=False``).
+      missing: the listed files that do not exist (only with ``require_files=False``).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        graphdef: Any,
+        state: Any,
+        wanted: dict,
+        files: dict,
+        missing: set,
+        *,
+        param_dtype: Any,
+        lora: LoraConfig | None,
+        mesh: Any,
+    ):
+        self.root, self.graphdef, self.state = root, graphdef, state
+        self.wanted, self.files, self.missing = wanted, files, missing
+        self.param_dtype, self.lora, self.mesh = param_dtype, lora, mesh
+        self.shapes = {tuple(p): tuple(v.get_value().shape) for p, v in nnx.to_flat_state(state)}
+        self._jitted: dict = {}  # the quantisers, one per shape, shared by every fill
+
+    def model(self) -> Transformer:
+        """The abstract model (a new graph; its leaves ``jax.ShapeDtypeStruct``)."""
+        return nnx.merge(self.graphdef, _copy(self.state))
+
+    def tensors_of(self, state: Any) -> list[tuple]:
+        """The checkpoint weights (keys of :attr:`wanted`) that the leaves of ``state`` (a part
+        of the model's state, paths as in the whole model) need, in state order."""
+        out: dict[tuple, None] = {}
+        for p, var in nnx.to_flat_state(state):
+            p = tuple(p)
+            if isinstance(var, nnx.LoRAParam):
+                continue
+            out[p[: p.index("array")] if "array" in p else p] = None
+        return list(out)
+
+    def fill(self, *states: Any, missing: Any = None) -> tuple:
+        """Copies of ``states`` (abstract parts of the model's state, paths as in the whole
+        model) with arrays: each weight read from its file (cast, transposed, quantised and laid
+        out as :func:`load_pretrained` does) and the adapters at their initial values
+        (``init_adapters``: keyed by path, so equal to a whole load's).
+
+        Args:
+          missing: ``missing(file) -> str``, the message when a file the states need does not
+            exist (default: the file is named).
+
+        Raises:
+          ValueError: a file the states need does not exist (before any tensor is read).
+        """
+        need = list(dict.fromkeys(w for s in states for w in self.tensors_of(s)))
+        values = self._read(need, missing)
+        out = []
+        for s in states:
+            flat = nnx.to_flat_state(_copy(s))
+            for p, var in flat:
+                if not isinstance(var, nnx.LoRAParam):
+                    var.set_value(values[tuple(p)])
+            s = nnx.from_flat_state(flat)
+            if self.lora is not None:
+                init_adapters(s, self.lora.seed, sharding=None if self.mesh is None else self._adapter_sharding)
+            out.append(s)
+        return tuple(out)
+
+    def _adapter_sharding(self, shape: tuple) -> Any:
+        return adapter_sharding(self.mesh, shape)
+
+    def _read(self, weights: list[tuple], missing: Any = None) -> dict[tuple, Any]:
+        """The leaves of ``weights`` (keys of :attr:`wanted`): path -> array (a quantised
+        kernel's ``array/...`` leaves)."""
+        from safetensors import safe_open
+
+        by_file: dict[Path, list] = {}
+        for p in weights:
+            name, transposed = self.wanted[p]
+            by_file.setdefault(self.files[name], []).append((p, name, transposed))
+        for file in by_file:
+            if not file.is_file():
+                raise ValueError(missing(file) if missing else f"{file} (listed in {INDEX}) does not exist")
+        values: dict[tuple, Any] = {}
+        abstract = None
+        for file, items in by_file.items():
+            for p, name, transposed in items:
+                quantized = p not in self.shapes
+                shape = self.shapes[p + ("array", "qvalue")] if quantized else self.shapes[p]
+                # the file is mapped for one tensor at a time: the pages read count in the
+                # process's RSS until it is unmapped (a whole shard's otherwise)
+                with safe_open(str(file), framework="numpy") as f:
+                    w = _read(f, name, transposed, shape, self.param_dtype, base_sharding(self.mesh, shape))
+                if quantized:
+                    abstract = self.model() if abstract is None else abstract
+                    values.update(_quantized_leaves(abstract, p, w, self._jitted, self.mesh))
+                else:
+                    values[p] = w
+                del w
+        return values
+
+
+def _copy(state: Any) -> Any:
+    """A new ``nnx.State`` with new variables over the same values."""
+    return nnx.from_flat_state([(p, var.replace(var.get_value())) for p, var in nnx.to_flat_state(state)])
+
+
+def open_checkpoint(
+    path: str | Path,
+    *,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = None,
+    quantize: str | None = None,
+    lora: LoraConfig | None = None,
+    adapter_dtype: Any = jnp.float32,
+    remat: bool = False,
+    mesh: Any = None,
+    dropout: bool = True,
+    require_files: bool = True,
+) -> OpenCheckpoint:
+    """Opens the checkpoint at ``path`` for :func:`load_pretrained` (same arguments) without
+    reading a tensor: builds the abstract model, maps each weight to its tensor and checks every
+    header against the model's shapes.
+
+    Args:
+      dropout: the graph with the adapters' dropout (False: the evaluation graph, as
+        ``split_lora``'s ``graphdef``).
+      require_files: False: a file listed in the index but absent is no error here (only where
+        :meth:`OpenCheckpoint.fill` needs it); its headers are not checked.
+
+    Raises:
+      ValueError: as :func:`load_pretrained`.
+    """
     root = Path(path)
     if not root.is_dir():
         raise ValueError(f"checkpoint directory {root} does not exist")
@@ -124,7 +280,7 @@ def load_pretrained(
         # block: remat is switched on after (it is read at call time only)
         model = Transformer(cfg, nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
         if lora is not None or quantize is not None:
-            model = _wrap(model, lora, quantize)
+            model = _wrap(model, lora, quantize, dropout=dropout)
         model.remat = bool(remat)
         model.batch_sharding = batch_sharding(mesh)
         return model
@@ -138,6 +294,7 @@ def load_pretrained(
     for p, var in flat:
         p = tuple(p)
         if isinstance(var, nnx.LoRAParam):
+            var.set_value(jax.ShapeDtypeStruct(var.get_value().shape, adapter_dtype))
             continue
         if "array" in p:
             p = p[: p.index("array")]
@@ -153,10 +310,14 @@ def load_pretrained(
     for p, item in wanted.items():
         by_file.setdefault(files[item[0]], []).append((p, *item))
     shapes = {tuple(p): tuple(v.get_value().shape) for p, v in flat}
+    missing = set()
     # every file and every shape is checked (headers only) before anything is read
     for file, items in by_file.items():
         if not file.is_file():
-            raise ValueError(f"{file} (listed in {INDEX}) does not exist")
+            if require_files:
+                raise ValueError(f"{file} (listed in {INDEX}) does not exist")
+            missing.add(file)
+            continue
         with safe_open(str(file), framework="numpy") as f:
             for p, name, transposed in items:
                 shape = tuple(f.get_slice(name).get_shape())
@@ -166,29 +327,8 @@ def load_pretrained(
                         f"tensor {name} has shape {list(shape)}, the model needs "
                         f"{list(want[::-1] if transposed else want)} (config.json and weights disagree)"
                     )
-    values: dict[tuple, Any] = {}
-    jitted: dict = {}
-    for file, items in by_file.items():
-        with safe_open(str(file), framework="numpy") as f:
-            for p, name, transposed in items:
-                quantized = p not in shapes
-                shape = shapes[p + ("array", "qvalue")] if quantized else shapes[p]
-                w = _read(f, name, transposed, shape, param_dtype, base_sharding(mesh, shape))
-                if quantized:
-                    values.update(_quantized_leaves(abstract, p, w, jitted, mesh))
-                else:
-                    values[p] = w
-                del w
-    for p, var in flat:
-        p = tuple(p)
-        if isinstance(var, nnx.LoRAParam):
-            var.set_value(jax.ShapeDtypeStruct(var.get_value().shape, adapter_dtype))
-        else:
-            var.set_value(values[p])
     state = nnx.from_flat_state(flat)
-    if lora is not None:
-        init_adapters(state, lora.seed, sharding=None if mesh is None else lambda shape: adapter_sharding(mesh, shape))
-    return nnx.merge(graphdef, state)
+    return OpenCheckpoint(root, graphdef, state, wanted, files, missing, param_dtype=param_dtype, lora=lora, mesh=mesh)
 
 
 def _read(f: Any, name: str, transposed: bool, shape: tuple, dtype: Any, sharding: Any) -> jax.Array:

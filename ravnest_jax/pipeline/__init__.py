@@ -23,6 +23,7 @@ from ._peer import StageMetrics as StageMetrics
 from ._peer import StagePeer as StagePeer
 from ._placement import Placement as Placement
 from ._placement import place as place
+from ._pretrained import pretrained_split as pretrained_split
 from ._schedule import stage_ops as stage_ops
 from ._worker import ASYNC_MODE as ASYNC_MODE
 from ._worker import MODES as MODES
@@ -43,6 +44,7 @@ __all__ = [
     "balance",
     "place",
     "plan_stages",
+    "pretrained_split",
     "simulate",
     "stage_ops",
     "token_cross_entropy",

@@ -80,8 +80,12 @@ class LayerSplit:
       loss: ``loss(logits, targets) -> scalar`` (default: mean token cross-entropy).
       trainable: the nnx filter of what trains (default ``nnx.Param``); the rest is frozen.
       hidden_dtype: dtype of the activations between stages (default: what the prologue returns).
-      shared: attributes of the epilogue that use a prologue parameter (tied embeddings): a
-        split that separates the first and last unit is refused.
+      tied: the epilogue uses a prologue parameter (tied embeddings): a split that separates
+        the first and last unit is refused.
+      load: for a ``model`` whose leaves are abstract (``jax.ShapeDtypeStruct``, as in
+        :func:`pretrained_split`): ``load(lo, hi, params, frozen) -> (params, frozen)`` gives
+        the slice's states with arrays (read from a checkpoint); :meth:`stage` calls it.
+        Shapes, bytes and the plan (:meth:`unit_nbytes`, :meth:`hidden`) never call it.
 
     Raises:
       ValueError: ``blocks`` is not a list attribute, or an attribute is missing.
@@ -97,6 +101,7 @@ class LayerSplit:
         loss: Callable[[jax.Array, jax.Array], jax.Array] = token_cross_entropy,
         trainable: Any = nnx.Param,
         tied: bool = False,
+        load: Callable[[int, int, Any, Any], tuple[Any, Any]] | None = None,
     ):
         if not isinstance(getattr(model, blocks, None), (list, nnx.List)):
             raise ValueError(f"model.{blocks} is not a list of blocks")
@@ -108,6 +113,7 @@ class LayerSplit:
         self.loss = loss
         self.trainable = trainable
         self.tied = bool(tied)
+        self.load = load
         n = len(getattr(model, blocks))
         self.unit_names: tuple[str, ...] = ("prologue", *(f"{blocks}.{i}" for i in range(n)), "epilogue")
 
@@ -116,11 +122,18 @@ class LayerSplit:
         return len(self.unit_names)
 
     def unit_nbytes(self) -> list[int]:
-        """Parameter bytes of each unit (trainable and frozen), in unit order."""
-        return [self.stage(i, i + 1, check=False).nbytes for i in range(self.num_units)]
+        """Parameter bytes of each unit (trainable and frozen), in unit order (from the shapes:
+        nothing is loaded)."""
+        return [self.stage(i, i + 1, check=False, load=False).nbytes for i in range(self.num_units)]
 
-    def stage(self, lo: int, hi: int, *, check: bool = True) -> StageModel:
+    def stage(self, lo: int, hi: int, *, check: bool = True, load: bool = True) -> StageModel:
         """The slice holding units ``[lo, hi)``.
+
+        Args:
+          check: refuse tied embeddings split from the head.
+          load: with a ``load`` function (:func:`pretrained_split`), read the slice's arrays;
+            False: the slice as the model holds it (abstract leaves ``jax.ShapeDtypeStruct``
+            there: shapes and bytes only).
 
         Raises:
           ValueError: an empty or out-of-range slice; tied embeddings split from the head.
@@ -145,12 +158,14 @@ class LayerSplit:
                 setattr(s, a, None)
         s.stage_ends = (first, last)
         graphdef, params, frozen = nnx.split(s, self.trainable, ...)
+        if load and self.load is not None:
+            params, frozen = self.load(lo, hi, params, frozen)
         return StageModel(lo, hi, first, last, graphdef, params, frozen, self.loss)
 
     def hidden(self, batch: int, seq: int) -> jax.ShapeDtypeStruct:
         """Shape and dtype of the activation between two stages for ``batch`` sequences of
         ``seq`` tokens (of the prologue's output; abstract evaluation, no compute)."""
-        st = self.stage(0, 1, check=False)
+        st = self.stage(0, 1, check=False, load=False)
         return jax.eval_shape(st.apply, st.params, st.frozen, jax.ShapeDtypeStruct((batch, seq), jnp.int32))
 
 
@@ -170,13 +185,23 @@ def transformer_split(
     if isinstance(model, LoraModel):
         lora = model
         model = lora.model(lora.adapters, lora.frozen)
-        keep = lora.lora
-
-        def trainable(path: tuple, value: Any) -> bool:  # the adapters split_lora trains
-            return isinstance(value, nnx.LoRAParam) and (keep.train_a or str(path[-1]).endswith("_lora_b"))
-
+        trainable = adapter_filter(lora.lora)
     if not isinstance(model, Transformer):
         raise TypeError(f"expected an rj.models.Transformer or LoraModel, got {type(model).__name__}")
+    return _transformer_layers(model, loss, trainable)
+
+
+def adapter_filter(lora: Any) -> Callable[[tuple, Any], bool]:
+    """The nnx filter of the adapters ``split_lora`` trains under ``lora`` (a ``LoraConfig``):
+    ``A`` and ``B``, or ``B`` only with ``train_a=False``."""
+
+    def trainable(path: tuple, value: Any) -> bool:
+        return isinstance(value, nnx.LoRAParam) and (lora.train_a or str(path[-1]).endswith("_lora_b"))
+
+    return trainable
+
+
+def _transformer_layers(model: Any, loss: Callable, trainable: Any, load: Any = None) -> LayerSplit:
     return LayerSplit(
         model,
         blocks="layers",
@@ -185,6 +210,7 @@ def transformer_split(
         loss=loss,
         trainable=trainable,
         tied=model.config.tie_word_embeddings,
+        load=load,
     )
 
 
