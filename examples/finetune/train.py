@@ -123,7 +123,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"--in-flight ({args.in_flight}) must be in [--stages, --micro-batches + 1] = [{args.stages}, {hi}]"
             )
         for flag, bad in (
-            ("--checkpoint-dir", args.checkpoint_dir),
             ("--export", args.export),
             ("--lora-dropout", args.lora_dropout > 0),
         ):
@@ -324,6 +323,11 @@ def train_stages(args: argparse.Namespace, split, train_tokens, eval_set) -> dic
         expected_peers=world,
         clusters=clusters,
         standbys=0,
+        # one subfolder per peer of the launcher (as without --stages); the stage's inside it
+        checkpoint_dir=Path(args.checkpoint_dir) / os.environ.get("RAVNEST_PEER_ID", ".")
+        if args.checkpoint_dir
+        else None,
+        checkpoint_every=args.sync_every,
         outer={"mode": mode, "overlap_steps": args.overlap_steps},
         outer_codec=os.environ.get("RAVNEST_CODEC", "int4"),
     )
@@ -352,6 +356,7 @@ def train_stages(args: argparse.Namespace, split, train_tokens, eval_set) -> dic
             "stage": peer.stage,
             "interrupted": interrupted,
             "steps": m.steps,
+            "resumed_from": peer.resumed_from,
             "adapter_params": int(sum(x.size for x in jax_leaves(peer.worker.params))) if peer.worker else 0,
             "train_loss": losses[-1] if losses else None,
             "eval_loss_end": eval_end,

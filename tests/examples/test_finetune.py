@@ -207,3 +207,31 @@ def test_a_peer_on_two_devices_resumes_exactly(tiny, tmp_path):
     assert f["steps"] == 20 and r["how"] == "resumed" and r["steps"] == 30 and r["data_position"] == 30, (f, r)
     assert r["last_state_digest"] == s["last_state_digest"], (r, s)
     assert r["eval_loss_end"] == s["eval_loss_end"], (r["eval_loss_end"], s["eval_loss_end"])
+
+
+def test_stage_peers_stopped_and_started_again_resume_exactly(tiny, tmp_path):
+    """``--stages 2 --checkpoint-dir``, 2 clusters x 2 stages: 10 steps, then the whole run
+    started again to 20 on the same directory: every stage peer resumes at step 10 (its stage
+    group's common checkpoint), and the last round's digest of each stage group and each
+    cluster's eval loss equal those of 20 uninterrupted steps, bit for bit."""
+    base = ["--checkpoint", str(tiny), *COMMON, "--sync-every", "5", "--overlap-steps", "0", "--stages", "2"]
+    ck = ["--checkpoint-dir", str(tmp_path / "ck")]
+    _swarm(tmp_path, 4, [*base, "--max-steps", "10", *ck], "first")
+    resumed = _swarm(tmp_path, 4, [*base, "--max-steps", "20", *ck], "again")
+    whole = _swarm(tmp_path, 4, [*base, "--max-steps", "20"], "whole")
+
+    def by_slot(lines: dict) -> dict:
+        return {(v["cluster"], v["stage"]): v for v in lines.values()}
+
+    got, want = by_slot(resumed), by_slot(whole)
+    assert sorted(got) == sorted(want) == [(0, 0), (0, 1), (1, 0), (1, 1)], (sorted(got), sorted(want))
+    for slot, v in got.items():
+        assert v["resumed_from"] == 10 and v["steps"] == 10, (slot, v["resumed_from"], v["steps"])
+        assert want[slot]["resumed_from"] is None, want[slot]
+        last = lambda d: d["round_digests"][max(d["round_digests"], key=int)]  # noqa: E731
+        assert last(v) == last(want[slot]), (slot, v["round_digests"], want[slot]["round_digests"])
+        assert v["eval_loss_end"] == want[slot]["eval_loss_end"], (
+            slot,
+            v["eval_loss_end"],
+            want[slot]["eval_loss_end"],
+        )
