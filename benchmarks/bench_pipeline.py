@@ -311,6 +311,7 @@ def main() -> int:
     ap.add_argument("--configs", default=None, help="comma-separated subset of the configurations")
     ap.add_argument("--deep-in-flight", type=int, default=None, help="the -deep configurations' depth (default M + 1)")
     ap.add_argument("--quick", action="store_true", help="one link, 2 steps, small activations")
+    ap.add_argument("--links", default=None, help="comma-separated MBIT:RTT_MS subset, e.g. 1000:20 (default: the grid's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     setup = analog_setup(args) if args.analog else grid_setup(args)
@@ -321,6 +322,8 @@ def main() -> int:
         args.steps, args.warmup = 2, 1
     if args.configs:
         setup["configs"] = args.configs.split(",")
+    if args.links:
+        setup["links"] = [tuple(float(v) for v in x.split(":")) for x in args.links.split(",")]
     if args.deep_in_flight:
         setup["deep_in_flight"] = args.deep_in_flight
     S = setup["stages"]

@@ -7,15 +7,19 @@ backwards: at most ``w + 1 <= S`` micro-batches are in flight on a stage (forwar
 backwarded), which bounds the activations it keeps (Narayanan et al., PipeDream, arXiv
 1806.03377; the flushed variant is PipeDream-Flush / 1F1B of arXiv 2006.09503).
 
-*Depth* ``D`` (``in_flight``, default ``S``): the most micro-batches stage 0 holds. With ``D > S``
-every stage but the last runs ``D - S`` more warm-up forwards (``w = D - s - 1``; the last stage
-keeps ``w = 0``: its forward and backward are one call). A micro-batch's round trip through the
-pipeline is its compute on every stage plus ``2 (S - 1)`` transfers; with ``S`` in flight the
-first stage idles whenever that round trip is longer than ``S`` micro-batches of its compute (a
-slow link), so over a WAN the depth must cover the round trip:
-``D >= (S (t_f + t_b) + 2 (S - 1) (transfer + one-way delay)) / (t_f + t_b)``. Still free of
-deadlock: each stage's warm-up is one more than its successor's. Cost: ``D - S`` more
-activations kept on each stage but the last.
+*Depth* ``D`` (``in_flight``, default ``S``): the most micro-batches stage 0 holds. A stage
+runs its forward of micro-batch ``g`` in the same 1F1B slot as its backward of micro-batch
+``g - w_s`` (``w_s``: its warm-up), so between two neighbours ``s, s + 1`` an activation and the
+returning activation-gradient must both cross the link within ``w_s - w_{s+1}`` slots: with a
+stage's compute ``T = t_f + t_b`` per micro-batch and a transfer of ``L`` seconds (message bytes
+over the link rate, plus the one-way delay), the stages never wait when
+``(w_s - w_{s+1}) T >= T + 2 L``. 1F1B's ``w_s = S - s - 1`` gives every pair a difference of
+one slot, which no link with ``L > 0`` satisfies: each slot then takes ``T + 2 L``. With
+``D > S`` the warm-ups are spread evenly over the pairs: ``w_s = floor((S - 1 - s)(D - 1) /
+(S - 1))`` (the last stage ``w = 0``: its forward and backward are one call), so every pair gets
+about ``(D - 1) / (S - 1)`` slots, and the stages are never starved when
+``D >= S + 2 (S - 1) L / T``. Free of deadlock (each stage's warm-up exceeds its successor's).
+Cost: stage ``s`` keeps up to ``w_s + 1`` activations (stage 0 ``D``).
 
 ``"sync"``: the schedule restarts every step (a flush: every backward of step ``t`` before
 any forward of step ``t + 1``), so the update of step ``t`` sees the gradients of all its
@@ -35,7 +39,9 @@ Op = tuple[str, int]  # ("F", g) forward of micro-batch g, ("B", g) its backward
 
 
 def _warmup(stage: int, num_stages: int, depth: int) -> int:
-    return 0 if stage == num_stages - 1 else depth - stage - 1
+    if stage == num_stages - 1:
+        return 0
+    return ((num_stages - 1 - stage) * (depth - 1)) // (num_stages - 1)
 
 
 def _one_f_one_b(stage: int, num_stages: int, lo: int, count: int, micro: int, depth: int) -> Iterator[Op]:
