@@ -14,11 +14,12 @@ returning activation-gradient must both cross the link within ``w_s - w_{s+1}`` 
 stage's compute ``T = t_f + t_b`` per micro-batch and a transfer of ``L`` seconds (message bytes
 over the link rate, plus the one-way delay), the stages never wait when
 ``(w_s - w_{s+1}) T >= T + 2 L``. 1F1B's ``w_s = S - s - 1`` gives every pair a difference of
-one slot, which no link with ``L > 0`` satisfies: each slot then takes ``T + 2 L``. With
+one slot, which no link with ``L > 0`` satisfies: the stages then wait in every slot. With
 ``D > S`` the warm-ups are spread evenly over the pairs: ``w_s = floor((S - 1 - s)(D - 1) /
 (S - 1))`` (the last stage ``w = 0``: its forward and backward are one call), so every pair gets
-about ``(D - 1) / (S - 1)`` slots, and the stages are never starved when
-``D >= S + 2 (S - 1) L / T``. Free of deadlock (each stage's warm-up exceeds its successor's).
+``(D - 1) / (S - 1)`` slots (rounded), and the stages are never starved with
+``D = 1 + (S - 1) ceil(1 + 2 L / T)`` (tested with an event model of the schedule). Free of
+deadlock (each stage's warm-up exceeds its successor's).
 Cost: stage ``s`` keeps up to ``w_s + 1`` activations (stage 0 ``D``).
 
 ``"sync"``: the schedule restarts every step (a flush: every backward of step ``t`` before

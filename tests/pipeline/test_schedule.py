@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 from hypothesis import given
@@ -145,3 +146,58 @@ def test_balance_rejects_bad_costs():
         balance([1.0, float("nan")], 1)
     with pytest.raises(ValueError):
         balance([1.0], 0)
+
+
+def _timed(S: int, M: int, steps: int, depth: int, t_f: float, t_b: float, link: float) -> list[float]:
+    """Each stage's busy / wall when it runs its ``stage_ops`` (async) with forwards of ``t_f``
+    and backwards of ``t_b`` seconds (the last stage's forward is both), every activation and
+    activation-gradient taking ``link`` seconds to its neighbour: a discrete-event model of the
+    schedule alone (no transfers share a link; nothing else costs time)."""
+    ops = [list(stage_ops(s, S, M, steps, "async", in_flight=depth)) for s in range(S)]
+    arrive: dict[tuple[str, int, int], float] = {}
+    pos, clock, busy, first = [0] * S, [0.0] * S, [0.0] * S, [None] * S
+    moved = True
+    while moved:
+        moved = False
+        for s in range(S):
+            while pos[s] < len(ops[s]):
+                op, g = ops[s][pos[s]]
+                last = s == S - 1
+                if op == "U":
+                    pos[s] += 1
+                    continue
+                if op == "F":
+                    need, dur = (0.0 if s == 0 else arrive.get(("act", s - 1, g))), (t_f + t_b if last else t_f)
+                else:
+                    need, dur = (0.0, 0.0) if last else (arrive.get(("grad", s + 1, g)), t_b)
+                if need is None:
+                    break
+                start = max(clock[s], need)
+                first[s] = start if first[s] is None else first[s]
+                clock[s], busy[s] = start + dur, busy[s] + dur
+                if op == "F" and not last:
+                    arrive[("act", s, g)] = clock[s] + link
+                if op == "B" and s > 0:
+                    arrive[("grad", s, g)] = clock[s] + link
+                pos[s] += 1
+                moved = True
+    assert all(p == len(o) for p, o in zip(pos, ops)), "deadlock"
+    return [b / (c - f) for b, c, f in zip(busy, clock, first)]
+
+
+@pytest.mark.parametrize("S", [2, 3, 4])
+def test_the_depth_covers_the_round_trip_of_every_link(S):
+    """A stage's forward of micro-batch g + d shares a 1F1B cycle with its backward of g, where
+    d = w_s - w_{s+1} is the warm-up difference to the next stage, so the activation of g + d and
+    its gradient must cross the link and back within d slots: d T >= T + 2 L. With the depth
+    the docs' rule gives, D = 1 + (S - 1) ceil(1 + 2 L / T), every pair has that many slots and
+    the stages never wait once the pipeline is full; with 1F1B's depth S they wait every slot."""
+    t_f, t_b, link = 0.056, 0.112, 0.05  # T = 0.168 s, L = 50 ms (1 Gbit/s: a 4 MB message, 10 ms delay)
+    T, M, steps = t_f + t_b, 8, 40
+    depth = 1 + (S - 1) * math.ceil(1 + 2 * link / T)
+    assert depth <= M + 1
+    util = _timed(S, M, steps, depth, t_f, t_b, link)
+    # fill and drain are ~a round trip each, out of steps * M = 320 slots
+    assert min(util) > 0.97, f"S={S} depth {depth}: utilisation {util}"
+    plain = _timed(S, M, steps, S, t_f, t_b, link)
+    assert max(plain) < 0.8, f"S={S} depth S: utilisation {plain}"
