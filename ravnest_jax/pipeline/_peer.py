@@ -33,6 +33,8 @@ from ._drive import Batches, run_stage
 from ._placement import Placement, device_memory, place
 from ._schedule import check_depth, stage_ops
 from ._stage_io import StageMetrics, _Sender, pad_to
+from ._stage_state import cluster_step, join_group, open_checkpoints, rollback, save
+from ._stage_state import evaluate as evaluate_cluster
 from ._standby import wait_for_a_free_slot
 from ._worker import StageWorker
 
@@ -358,134 +360,11 @@ class StagePeer:
             recompute=self.recompute,
             keep_grads=self.keep_grads,
         )
-        self._open_checkpoints()
+        open_checkpoints(self)
         self.worker.compile(rows, seq_len)
         self.metrics.residual_bytes = self.worker.residual_bytes
         self._shape = (batch_rows, seq_len)
         return self.worker
-
-    # ------------------------------------------------------------------ checkpoints
-    def _open_checkpoints(self) -> None:
-        """Opens ``<checkpoint_dir>/stage<s>`` (checking that its checkpoints are of this
-        stage's units) and, without a stage group, restores the newest one; with a group,
-        :func:`rj.join_or_resume` restores it in :meth:`_join_group`."""
-        if self.checkpoint_dir is None:
-            return
-        from ravnest_jax.checkpoint import Checkpointer
-        from ravnest_jax.optim import DiLoCo
-
-        assert self.stage is not None and self.worker is not None
-        lo, hi = self.plan.bounds[self.stage]
-        if self._ckpt is not None:
-            if self._ckpt_units == (lo, hi):
-                return
-            self._ckpt.close()
-            self._ckpt = None
-        meta = {"stage": self.stage, "units": [lo, hi], "num_stages": self.num_stages, "run_id": self.swarm.run_id}
-        ckpt = Checkpointer(self.checkpoint_dir / f"stage{self.stage}", max_to_keep=self.max_to_keep, metadata=meta)
-        try:
-            saved = ckpt.metadata()
-            got = None if saved is None else saved.get("metadata", {})
-            if got is not None and (got.get("units") != [lo, hi] or got.get("num_stages") != self.num_stages):
-                raise ValueError(
-                    f"{ckpt.directory} holds a checkpoint of units {got.get('units')} of {got.get('num_stages')} "
-                    f"stages; this peer's stage {self.stage} holds units {[lo, hi]} of {self.num_stages} "
-                    "(another plan: use another checkpoint directory)"
-                )
-            if not isinstance(self.tx, DiLoCo):
-                w = self.worker
-                r = ckpt.restore(params=w.params, opt_state=w.opt_state)
-                if r is not None:
-                    w.set_state(r.params, r.opt_state)
-                    self.step = self.resumed_from = r.step
-                    self.metrics.restored_steps.append(r.step)
-                    log.warning("%s: stage %d resumes from its checkpoint at step %d", self.peer_id, self.stage, r.step)
-        except BaseException:
-            ckpt.close()
-            raise
-        self._ckpt, self._ckpt_units = ckpt, (lo, hi)
-
-    def _save(self, force: bool = False) -> None:
-        """A checkpoint at :attr:`step` (in the background); with DiLoCo only between rounds
-        (then at the first step after the round lands)."""
-        w = self.worker
-        if self._ckpt is None or w is None:
-            return
-        if not force and self.step % self.checkpoint_every and not self._save_due:
-            return
-        extra = None
-        if self.sync is not None:
-            if self.sync.pending:
-                self._save_due = True
-                return
-            from ravnest_jax.sync import checkpoint_extra
-
-            extra = checkpoint_extra(self.sync, w.params)
-        self._ckpt.save(self.step, params=w.params, opt_state=w.opt_state, extra=extra, force=True)
-        self._save_due = False
-
-    def _rollback(self, step: int) -> None:
-        """Goes back to this stage's checkpoint at ``step`` (the step its cluster resumes)."""
-        w = self.worker
-        assert self._ckpt is not None and w is not None
-        r = self._ckpt.restore(step, params=w.params, opt_state=w.opt_state)
-        w.set_state(r.params, r.opt_state)
-        w.reset_step()
-        log.warning(
-            "%s: the cluster resumes at step %d, the newest step every stage has: stage %d rolls back from step %d "
-            "to its checkpoint",
-            self.peer_id,
-            step,
-            self.stage,
-            self.step,
-        )
-        self.step = step
-        self.metrics.restored_steps.append(step)
-
-    def _join_group(self) -> None:
-        """DiLoCo across clusters: joins the stage's group (its own swarm run) with an OuterSync;
-        downloads the stage's state when a member already trains."""
-        from ravnest_jax.optim import DiLoCo
-        from ravnest_jax.sync import OuterSync, join_or_resume
-
-        if self.group is not None or not isinstance(self.tx, DiLoCo):
-            return
-        w = self.worker
-        assert w is not None
-        host = (self.swarm.transport._listen or ("0.0.0.0", 0))[0]
-        self.group = Swarm(
-            self._swarm_args["rendezvous_url"],
-            run_id=f"{self.swarm.run_id}.stage{self.stage}",
-            token=self._swarm_args["token"],
-            codec=self.outer_codec,
-            listen=self._group_listen or f"{host}:0",
-            advertise=self._group_advertise,
-            timeouts=self._timeouts,
-            peer_id=self.peer_id,
-        )
-        self.group.start()
-        opts = {"samples_per_step": float(self._shape[0]) if self._shape else 1.0, **self.outer}
-        self.sync = OuterSync(self.tx, self.group, **opts)
-        self.sync.warmup(w.params, w.opt_state)
-        took_over = self.placement is not None and self.peer_id in self.placement.standbys
-        got = join_or_resume(
-            self.group,
-            self.sync,
-            w.params,
-            w.opt_state,
-            checkpointer=self._ckpt,
-            min_peers=1 if took_over else max(1, int(self.group_size or 1)),
-            timeout=self.start_timeout,
-        )
-        self.joined = got.how
-        if got.how == "joined":
-            w.set_state(got.params, got.state)
-            log.warning("%s: downloaded stage %d's state from its group (step %d)", self.peer_id, self.stage, got.step)
-        elif got.how in ("resumed", "restarted"):
-            w.set_state(got.params, got.state)
-            self.step = self.resumed_from = int(got.resumed_from)
-            self.metrics.restored_steps.append(self.step)
-            log.warning("%s: stage %d resumes from its checkpoint at step %d", self.peer_id, self.stage, self.step)
 
     def connect(self) -> None:
         """Says this stage is ready (in its epoch) and waits (up to ``start_timeout``) until
@@ -533,7 +412,7 @@ class StagePeer:
             time.sleep(0.05)
         resume = cluster_step([i for _, i in ready.values()])
         if resume < self.step:
-            self._rollback(resume)
+            rollback(self, resume)
         elif resume > self.step:
             log.warning(
                 "%s: the cluster goes on at step %d; this stage skips from step %d", self.peer_id, resume, self.step
@@ -598,7 +477,7 @@ class StagePeer:
             if not self._wait_for_a_free_slot():
                 return []
         self.prepare(*batch_shape)
-        self._join_group()
+        join_group(self)
         losses: list[float] = []
         data = Batches(batches, self.micro_batches) if batches is not None else None
         broke_at: float | None = None
@@ -628,7 +507,7 @@ class StagePeer:
                 w.set_state(params, state)
             self.metrics.outer_rounds = sum(1 for m in self.sync.metrics if m.ok)
             if self._save_due:
-                self._save(force=True)
+                save(self, force=True)
         return losses
 
     def _abort_cluster(self, reason: str) -> None:
@@ -648,7 +527,7 @@ class StagePeer:
                 if params is not w.params:
                     w.set_state(params, state)
             if self._ckpt is not None:
-                self._save(force=self.step == steps)
+                save(self, force=self.step == steps)
             val = None if loss is None else float(loss)
             if val is not None:
                 losses.append(val)
@@ -701,7 +580,6 @@ class StagePeer:
             m.bytes_sent, m.bytes_received = st.bytes_sent, st.bytes_received
             m.messages_sent, m.messages_received, m.send_retries = st.messages_sent, st.messages_received, st.retries
 
-    # ------------------------------------------------------------------ evaluation
     def evaluate(self, tokens: Any) -> float | None:
         """The mean loss of the cluster's model on ``tokens`` (int32 ``(K, B, T + 1)``, the
         same on every stage of the cluster): a forward-only pass through the pipeline, batch
@@ -712,36 +590,4 @@ class StagePeer:
           PipelineBroken: a neighbour did not deliver in time.
           ValueError: the rows or sequence length do not fit the training shape.
         """
-        w = self.worker
-        assert w is not None and self._sender is not None and self._shape is not None
-        rows, seq = self._shape[0] // self.micro_batches, self._shape[1]
-        tok = np.asarray(tokens, np.int32)
-        tok = tok.reshape(-1, tok.shape[-1])
-        if tok.shape[1] != seq + 1 or tok.shape[0] % rows:
-            raise ValueError(f"eval tokens of shape {tok.shape} do not cut into ({rows}, {seq + 1}) micro-batches")
-        losses = []
-        for k in range(tok.shape[0] // rows):
-            g = -1 - k  # eval micro-batches: negative numbers, never a training one's
-            chunk = tok[k * rows : (k + 1) * rows]
-            x = chunk[:, :-1] if w.first else self.link.take("act", g, self.recv_timeout)
-            packed, loss = w.evaluate(x, chunk[:, 1:] if w.last else None)
-            if w.last:
-                losses.append(loss)
-            else:
-                jax.block_until_ready(packed)
-                assert self.neighbours["next"] is not None
-                self._sender.put(packed, "act", g, self.neighbours["next"])
-        if not self._sender.flush(self.recv_timeout):
-            raise PipelineBroken("eval sends still in flight")
-        return float(np.mean([float(x) for x in losses])) if losses else None
-
-
-def cluster_step(infos: list[dict]) -> int:
-    """The step a cluster goes on from, from its stages' published infos: the newest step that
-    every stage either will run next (``resume``) or can go back to (``ckpt``, its checkpoint
-    steps), so that no stage skips updates; when there is none, the largest ``resume`` (the
-    stages behind skip to it, losing their part of the steps between)."""
-    resumes = [int(i.get("resume", 0)) for i in infos]
-    steps = [{int(x) for x in (i.get("ckpt") or [])} for i in infos]
-    valid = [x for x in set(resumes).union(*steps) if all(x == r or x in c for r, c in zip(resumes, steps))]
-    return max(valid) if valid else max(resumes)
+        return evaluate_cluster(self, tokens)
