@@ -311,7 +311,9 @@ def main() -> int:
     ap.add_argument("--configs", default=None, help="comma-separated subset of the configurations")
     ap.add_argument("--deep-in-flight", type=int, default=None, help="the -deep configurations' depth (default M + 1)")
     ap.add_argument("--quick", action="store_true", help="one link, 2 steps, small activations")
-    ap.add_argument("--links", default=None, help="comma-separated MBIT:RTT_MS subset, e.g. 1000:20 (default: the grid's)")
+    ap.add_argument(
+        "--links", default=None, help="comma-separated MBIT:RTT_MS subset, e.g. 1000:20 (default: the grid's)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     setup = analog_setup(args) if args.analog else grid_setup(args)
