@@ -390,6 +390,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--devices applies to swarm peers (--local-peers / --rendezvous)")
     if args.batch_size % args.devices:
         p.error(f"--batch-size ({args.batch_size}) must be a multiple of --devices ({args.devices})")
+    if (
+        args.checkpoint_dir
+        and Path(args.checkpoint_dir).expanduser().exists()
+        and not Path(args.checkpoint_dir).expanduser().is_dir()
+    ):
+        p.error(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory")
     if args.checkpoint_dir and args.rendezvous and os.environ.get("RAVNEST_PEER_ID") and not args.local_peers:
         # under `ravnest-jax local`: one subfolder per peer, as with --local-peers
         args.checkpoint_dir = str(Path(args.checkpoint_dir) / os.environ["RAVNEST_PEER_ID"])

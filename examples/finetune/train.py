@@ -128,6 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ):
             if bad:
                 p.error(f"{flag} is not supported with --stages yet (docs/pipeline.md, limits)")
+    if args.checkpoint_dir and Path(args.checkpoint_dir).expanduser().exists():
+        if not Path(args.checkpoint_dir).expanduser().is_dir():
+            p.error(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory")
     return args
 
 

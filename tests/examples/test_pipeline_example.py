@@ -44,9 +44,13 @@ TINY = [
         (["--local-peers", "4", "--standbys", "1"], "--standbys needs --stages"),
         (["--local-peers", "4", "--stages", "2", "--in-flight", "1"], "--in-flight (1) must be in [--stages"),
         (["--local-peers", "4", "--stages", "2", "--micro-batches", "4", "--in-flight", "6"], "= [2, 5]"),
+        (["--local-peers", "2", "--stages", "2", "--checkpoint-dir", "{file}"], "is a file, not a directory"),
+        (["--local-peers", "2", "--checkpoint-dir", "{file}"], "is a file, not a directory"),
     ],
 )
 def test_bad_stage_flags_are_one_line(bad, needle, capsys):
+    if "{file}" in bad:  # a --checkpoint-dir that is a file (with or without --stages)
+        bad = [str(Path(__file__)) if a == "{file}" else a for a in bad]
     with pytest.raises(SystemExit) as e:
         char_lm.parse_args(bad)
     assert e.value.code == 2
