@@ -144,15 +144,7 @@ def join_group(peer: Any) -> None:
 
 
 def evaluate(peer: Any, tokens: Any) -> float | None:
-    """The mean loss of the cluster's model on ``tokens`` (int32 ``(K, B, T + 1)``, the
-    same on every stage of the cluster): a forward-only pass through the pipeline, batch
-    by batch of the training micro-batch's shape. Returns the loss on the last stage, else
-    ``None``.
-
-    Raises:
-      PipelineBroken: a neighbour did not deliver in time.
-      ValueError: the rows or sequence length do not fit the training shape.
-    """
+    """:meth:`StagePeer.evaluate` (its docstring says what and what it raises)."""
     w = peer.worker
     assert w is not None and peer._sender is not None and peer._shape is not None
     rows, seq = peer._shape[0] // peer.micro_batches, peer._shape[1]
