@@ -68,6 +68,7 @@ def main() -> int:
         "--in-flight", type=int, default=None, help="the schedule's depth for the modes (default: the stage count)"
     )
     ap.add_argument("--quick", action="store_true", help="60 steps")
+    ap.add_argument("--seed", type=int, default=0, help="the model's initialisation and the data stream")
     ap.add_argument("--out", default=str(HERE / "results" / "pipeline_quality.json"))
     args = ap.parse_args()
     if args.quick:
@@ -80,14 +81,14 @@ def main() -> int:
 
     cfg = ModelConfig(d_model=args.d_model, num_layers=args.layers, num_heads=4, seq_len=args.seq_len)
     train, evald = load_corpus()
-    graphdef, params = build_model(cfg, seed=0)
+    graphdef, params = build_model(cfg, seed=args.seed)
     evaluate = make_evaluator(
         graphdef, eval_batches(evald, batch=32, seq_len=cfg.seq_len, num_batches=args.eval_batches)
     )
     split = stage_split(graphdef, params)
 
     def batches(step: int) -> np.ndarray:
-        return sample_batch(train, np.random.default_rng([0, step]), args.batch_size, cfg.seq_len)
+        return sample_batch(train, np.random.default_rng([args.seed, step]), args.batch_size, cfg.seq_len)
 
     def run(name: str, stages: int, mode: str, codec: str, options: dict, in_flight: int | None = None) -> dict:
         plan = rj.pipeline.plan_stages(split, stages)
