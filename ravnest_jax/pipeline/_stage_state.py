@@ -38,6 +38,21 @@ def open_checkpoints(peer: Any) -> None:
     try:
         saved = ckpt.metadata()
         got = None if saved is None else saved.get("metadata", {})
+        others = sorted(
+            d.name
+            for d in peer.checkpoint_dir.glob("stage*")
+            if d.is_dir() and d.name != f"stage{peer.stage}" and any(x.name.isdigit() for x in d.iterdir())
+        )
+        if saved is None and others:
+            log.warning(
+                "%s: %s holds checkpoints of %s but none of stage %d, this peer's stage now (another placement "
+                "or plan): stage %d starts without them",
+                peer.peer_id,
+                peer.checkpoint_dir,
+                ", ".join(others),
+                peer.stage,
+                peer.stage,
+            )
         if got is not None and (got.get("units") != [lo, hi] or got.get("num_stages") != peer.num_stages):
             raise ValueError(
                 f"{ckpt.directory} holds a checkpoint of units {got.get('units')} of {got.get('num_stages')} "

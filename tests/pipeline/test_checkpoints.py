@@ -127,3 +127,38 @@ def test_kill_9_a_stage_peer_and_restart_it_loses_no_step(pipe_cluster, tmp_path
             kind, _, name = key.partition("/")
             if kind == "param":
                 assert_matches(f"param {name}", got, ref_params[name])
+
+
+def test_a_stage_without_checkpoints_beside_other_stages_ones_says_so(tmp_path, caplog):
+    """A peer placed on another stage than before (another placement or plan) finds no
+    checkpoint of its stage but some of another: it says so once and starts without them."""
+    import logging
+
+    from _models import build, optimizer
+
+    split, _, _, _ = build("char")
+    plan = rj.pipeline.plan_stages(split, 2)
+    lo, hi = plan.bounds[1]
+    st = split.stage(lo, hi)
+    with rj.Checkpointer(tmp_path / "ck" / "stage1", metadata={"units": [lo, hi], "num_stages": 2}) as c:
+        c.save(3, params=st.params, opt_state=optimizer(0.1).init(st.params))
+    peer = rj.pipeline.StagePeer(
+        split,
+        plan,
+        optimizer(0.1),
+        stage=0,
+        micro_batches=2,
+        rendezvous_url="http://127.0.0.1:9",
+        run_id="r",
+        token="t" * 16,
+        peer_id="p0",
+        checkpoint_dir=tmp_path / "ck",
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="ravnest_jax.pipeline"):
+            peer.prepare(4, 8)
+    finally:
+        peer.close()
+    said = [r.getMessage() for r in caplog.records if "holds checkpoints of stage1" in r.getMessage()]
+    assert len(said) == 1 and "stage 0 starts without them" in said[0], [r.getMessage() for r in caplog.records]
+    assert peer.step == 0 and peer.resumed_from is None, (peer.step, peer.resumed_from)
