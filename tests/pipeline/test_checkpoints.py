@@ -51,16 +51,20 @@ def test_bad_checkpoint_options_are_refused_before_anything_starts(tmp_path):
         rj.pipeline.StagePeer(split, plan, optimizer(0.1), checkpoint_dir=tmp_path / "c", max_to_keep=1, **common)
 
 
-def test_a_checkpoint_of_other_units_is_refused_before_compiling(tmp_path, monkeypatch):
+def _stage0_peer_beside(tmp_path, saved_stage: int, units_of, num_stages: int):
+    """An unstarted stage-0 peer of a 2-stage char-LM plan whose checkpoint directory holds one
+    checkpoint of stage ``saved_stage``, recorded as units ``units_of(lo, hi)`` of
+    ``num_stages`` stages (``lo, hi``: the plan's bounds of that stage)."""
     from _models import build, optimizer
 
     split, _, _, _ = build("char")
     plan = rj.pipeline.plan_stages(split, 2)
-    lo, hi = plan.bounds[0]
+    lo, hi = plan.bounds[saved_stage]
     st = split.stage(lo, hi)
-    with rj.Checkpointer(tmp_path / "ck" / "stage0", metadata={"units": [lo, hi + 1], "num_stages": 3}) as c:
+    meta = {"units": list(units_of(lo, hi)), "num_stages": num_stages}
+    with rj.Checkpointer(tmp_path / "ck" / f"stage{saved_stage}", metadata=meta) as c:
         c.save(3, params=st.params, opt_state=optimizer(0.1).init(st.params))
-    peer = rj.pipeline.StagePeer(
+    return rj.pipeline.StagePeer(
         split,
         plan,
         optimizer(0.1),
@@ -72,6 +76,10 @@ def test_a_checkpoint_of_other_units_is_refused_before_compiling(tmp_path, monke
         peer_id="p0",
         checkpoint_dir=tmp_path / "ck",
     )
+
+
+def test_a_checkpoint_of_other_units_is_refused_before_compiling(tmp_path, monkeypatch):
+    peer = _stage0_peer_beside(tmp_path, 0, lambda lo, hi: (lo, hi + 1), 3)
     compiled = []
     real = rj.pipeline.StageWorker.compile
     monkeypatch.setattr(rj.pipeline.StageWorker, "compile", lambda self, *a: compiled.append(a) or real(self, *a))
@@ -134,26 +142,7 @@ def test_a_stage_without_checkpoints_beside_other_stages_ones_says_so(tmp_path, 
     checkpoint of its stage but some of another: it says so once and starts without them."""
     import logging
 
-    from _models import build, optimizer
-
-    split, _, _, _ = build("char")
-    plan = rj.pipeline.plan_stages(split, 2)
-    lo, hi = plan.bounds[1]
-    st = split.stage(lo, hi)
-    with rj.Checkpointer(tmp_path / "ck" / "stage1", metadata={"units": [lo, hi], "num_stages": 2}) as c:
-        c.save(3, params=st.params, opt_state=optimizer(0.1).init(st.params))
-    peer = rj.pipeline.StagePeer(
-        split,
-        plan,
-        optimizer(0.1),
-        stage=0,
-        micro_batches=2,
-        rendezvous_url="http://127.0.0.1:9",
-        run_id="r",
-        token="t" * 16,
-        peer_id="p0",
-        checkpoint_dir=tmp_path / "ck",
-    )
+    peer = _stage0_peer_beside(tmp_path, 1, lambda lo, hi: (lo, hi), 2)
     try:
         with caplog.at_level(logging.WARNING, logger="ravnest_jax.pipeline"):
             peer.prepare(4, 8)
