@@ -31,6 +31,7 @@ _FORWARD = (
     "codec",
     "topk_fraction",
     "block_size",
+    "mean_codec",
     "mean_ef",
     "ef_decay",
     "overlap_steps",
@@ -246,7 +247,8 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
             time.sleep(0.05)
         print(
             f"rendezvous {url}, run {run_id}; starting {n} peers "
-            f"(codec {args.codec}, H={args.sync_every}, overlap {args.overlap_steps}, mode {args.mode})"
+            f"(codec {args.codec}{'' if args.mean_codec in (None, args.codec) else ', mean ' + args.mean_codec}"
+            f", H={args.sync_every}, overlap {args.overlap_steps}, mode {args.mode})"
         )
         if staged:
             print(

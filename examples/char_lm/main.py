@@ -165,6 +165,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with a block codec (int8, int4, fp4, int2, sign): elements per block (default: the codec's)",
     )
     s.add_argument(
+        "--mean-codec",
+        default=None,
+        help="the codec of the mean the part owners send back, if not --codec: a block codec of the same "
+        "block size (--codec sign --mean-codec int2: 1 bit up, 2 down; rj.Swarm(mean_codec=))",
+    )
+    s.add_argument(
         "--mean-ef",
         choices=["on", "off"],
         default="off",
@@ -349,6 +355,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             resolve(args.codec, block_size=args.block_size)
         except ValueError as e:
             p.error(f"--block-size: {e}")
+    if args.mean_codec is not None:
+        from ravnest_jax.compress._formats import mean_codec_options
+
+        if args.codec is None:
+            p.error("--mean-codec needs --codec (a block codec: the contributions' codec)")
+        try:
+            opts = {} if args.block_size is None else {"block_size": args.block_size}
+            mean_codec_options(args.codec, args.mean_codec, opts)
+        except ValueError as e:
+            p.error(f"--mean-codec: {e}")
     if not args.staleness_budget < 1.0:
         p.error(f"--staleness-budget must be a fraction below 1, got {args.staleness_budget}")
     if not args.clip_multiple >= 1.0:

@@ -224,6 +224,7 @@ def run_peer(args: argparse.Namespace) -> dict:
         clip_multiple=args.clip_multiple,
         trim=args.trim,
         mean_error_feedback=args.mean_ef == "on",
+        mean_codec=args.mean_codec,
     )
     mode = "blocking" if args.overlap_steps == 0 and args.mode != "eager" else args.mode
     sync = rj.OuterSync(

@@ -147,7 +147,13 @@ def run_simulation(args: argparse.Namespace) -> dict:
         opts = {"fraction": args.topk_fraction} if args.topk_fraction is not None else {}
         if args.block_size is not None:
             opts["block_size"] = args.block_size
-        codec = simulated(codec, error_feedback_decay=args.ef_decay, mean_error_feedback=args.mean_ef == "on", **opts)
+        codec = simulated(
+            codec,
+            error_feedback_decay=args.ef_decay,
+            mean_error_feedback=args.mean_ef == "on",
+            mean_codec=args.mean_codec,
+            **opts,
+        )
     results: dict[str, dict] = {}
     init_loss = evaluate(params0)
     t = time.perf_counter()

@@ -264,8 +264,9 @@ class SimulatedCodecImpl:
     """A codec as the in-process DiLoCo simulation applies it (``SimulatedCodec`` protocol).
 
     ``compress``: per replica, ``decode(encode(delta + residual))`` with error feedback;
-    ``requantize``: ``decode(encode(mean))`` (what the all-gather of the mean carries). All
-    jittable and vmappable; non-finite inputs cannot raise inside jit and simply propagate.
+    ``requantize``: ``decode(encode(mean))`` with the mean's codec (what the all-gather of the
+    mean carries; the contributions' codec unless ``mean_cfg`` is given). All jittable and
+    vmappable; non-finite inputs cannot raise inside jit and simply propagate.
     """
 
     def __init__(
@@ -274,15 +275,18 @@ class SimulatedCodecImpl:
         error_feedback: bool,
         error_feedback_decay: float = 1.0,
         mean_error_feedback: bool = False,
+        mean_cfg: F.CodecConfig | None = None,
     ):
         self.cfg = cfg
+        self.mean_cfg = cfg if mean_cfg is None else mean_cfg
         self.error_feedback = bool(error_feedback) and cfg.codec in F.LOSSY_CODECS
         self.decay = float(error_feedback_decay)
-        self.mean_error_feedback = bool(mean_error_feedback) and cfg.codec in F.LOSSY_CODECS
+        self.mean_error_feedback = bool(mean_error_feedback) and self.mean_cfg.codec in F.LOSSY_CODECS
 
     def __repr__(self) -> str:
+        mean = "" if self.mean_cfg is self.cfg else f", mean_codec={self.mean_cfg.codec!r}"
         return (
-            f"simulated({self.cfg.codec!r}, error_feedback={self.error_feedback}, "
+            f"simulated({self.cfg.codec!r}{mean}, error_feedback={self.error_feedback}, "
             f"mean_error_feedback={self.mean_error_feedback}, {self.cfg})"
         )
 
@@ -295,16 +299,19 @@ class SimulatedCodecImpl:
             )
         return optax.EmptyState()
 
-    def _apply(self, tree: Any, residual: Any, key: jax.Array, decay: float = 1.0) -> tuple[Any, Any]:
+    def _apply(
+        self, tree: Any, residual: Any, key: jax.Array, decay: float = 1.0, cfg: F.CodecConfig | None = None
+    ) -> tuple[Any, Any]:
+        cfg = self.cfg if cfg is None else cfg
         leaves, treedef = jax.tree.flatten(tree)
         res = treedef.flatten_up_to(residual) if residual is not None else [None] * len(leaves)
-        keys = _split(key if self.cfg.stochastic else None, len(leaves))
+        keys = _split(key if cfg.stochastic else None, len(leaves))
         out, new_res = [], []
         for leaf, r, k in zip(leaves, res, keys):
             x = jnp.asarray(leaf, jnp.float32).reshape(-1)
             if r is not None:
                 x = x + (r.reshape(-1) if decay == 1.0 else decay * r.reshape(-1))
-            _, _, dec = _roundtrip(self.cfg, x, k)
+            _, _, dec = _roundtrip(cfg, x, k)
             out.append(dec.reshape(jnp.shape(leaf)))
             new_res.append((x - dec).reshape(jnp.shape(leaf)))
         return treedef.unflatten(out), treedef.unflatten(new_res)
@@ -319,9 +326,9 @@ class SimulatedCodecImpl:
         return dec, state
 
     def requantize(self, mean: Any, key: jax.Array) -> Any:
-        if self.cfg.codec == "fp32":
+        if self.mean_cfg.codec == "fp32":
             return mean
-        return self._apply(mean, None, key)[0]
+        return self._apply(mean, None, key, cfg=self.mean_cfg)[0]
 
     def requantize_with_state(self, mean: Any, state: Any, key: jax.Array) -> tuple[Any, Any]:
         """:meth:`requantize` with the owners' error feedback on the mean (``mean_error_feedback``:
@@ -330,7 +337,7 @@ class SimulatedCodecImpl:
         same on every replica, so is the residual."""
         if not self.mean_error_feedback:
             return self.requantize(mean, key), state
-        dec, res = self._apply(mean, state.mean_residual, key)
+        dec, res = self._apply(mean, state.mean_residual, key, cfg=self.mean_cfg)
         return dec, state._replace(mean_residual=res)
 
 
@@ -348,6 +355,7 @@ def simulated(
     error_feedback_decay: float = 1.0,
     mean_error_feedback: bool = False,
     stochastic: bool = False,
+    mean_codec: str | None = None,
     **options: Any,
 ) -> SimulatedCodecImpl:
     """A codec for ``rj.diloco(..., axis_name=..., codec=...)`` simulations.
@@ -368,15 +376,21 @@ def simulated(
         error feedback, DoubleSqueeze arXiv 1905.05957). Off by default: on the char-LM it made
         ``sign`` worse, not better (``docs/compression.md``).
       stochastic: stochastic rounding (bf16, int8, int4, fp4) with the round key of diloco.
+      mean_codec: the codec of the mean (``rj.Swarm(mean_codec=...)``): a block codec with the
+        same ``block_size`` as ``codec``; ``None``: ``codec``. For example ``"sign"`` up and
+        ``"int2"`` down (docs/compression.md).
       **options: ``block_size`` or ``fraction`` as in ``encode``.
 
     Returns:
       An object with ``init``, ``compress``, ``requantize`` (the ``SimulatedCodec`` protocol).
 
     Raises:
-      ValueError: bad codec or option, ``error_feedback_decay`` outside ``[0, 1]``.
+      ValueError: bad codec or option, ``error_feedback_decay`` outside ``[0, 1]``, a mean codec
+        that does not pair with ``codec``.
     """
     check_error_feedback_decay(error_feedback_decay)
-    return SimulatedCodecImpl(
-        F.resolve(codec, stochastic=stochastic, **options), error_feedback, error_feedback_decay, mean_error_feedback
-    )
+    cfg = F.resolve(codec, stochastic=stochastic, **options)
+    mean_cfg = None
+    if mean_codec is not None and mean_codec != codec:
+        mean_cfg = F.resolve(mean_codec, stochastic=stochastic, **F.mean_codec_options(codec, mean_codec, options))
+    return SimulatedCodecImpl(cfg, error_feedback, error_feedback_decay, mean_error_feedback, mean_cfg)

@@ -44,6 +44,7 @@ __all__ = [
     "TINY",
     "dequantize",
     "in_range",
+    "mean_codec_options",
     "num_blocks",
     "part_dtypes",
     "part_lengths",
@@ -161,6 +162,30 @@ def block_size_ok(codec: str, block_size: int) -> bool:
     if not (2 <= block_size <= MAX_BLOCK_SIZE and block_size % 2 == 0):
         return False
     return codec not in MEAN_SCALED or (block_size >= 8 and block_size & (block_size - 1) == 0)
+
+
+def mean_codec_options(codec: str, mean_codec: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The options of the mean's codec when the contributions are in ``codec`` with ``options``:
+    both must be block codecs (``BLOCK_CODECS``) of one block size (the contribution's, default
+    included), so that the parts of a round are cut on blocks of both; or the same codec.
+
+    Raises:
+      ValueError: ``mean_codec`` is unknown, not a block codec, or cannot take the block size.
+    """
+    if mean_codec == codec:
+        return dict(options or {})
+    if not isinstance(mean_codec, str) or mean_codec not in CODECS:
+        raise ValueError(f"unknown mean codec {mean_codec!r}; available: {', '.join(CODECS)}")
+    if codec not in BLOCK_CODECS or mean_codec not in BLOCK_CODECS:
+        raise ValueError(
+            f"mean codec {mean_codec!r} with codec {codec!r}: a mean codec of its own needs block codecs on both "
+            f"sides ({', '.join(BLOCK_CODECS)})"
+        )
+    opts = dict(options or {})
+    opts.setdefault("block_size", DEFAULT_BLOCK_SIZE[codec])
+    if not block_size_ok(mean_codec, int(opts["block_size"])):
+        raise ValueError(f"block_size {opts['block_size']} is not valid for the mean codec {mean_codec!r}")
+    return opts
 
 
 def num_blocks(n: int, block_size: int) -> int:

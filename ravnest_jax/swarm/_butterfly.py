@@ -69,6 +69,7 @@ class Butterfly:
       trim: the trimmed mean drops this many values at each end of every coordinate (>= 1).
       mean_error_feedback: each part owner carries what its encode of the mean dropped into the
         next round's mean (``_gather.MeanResidual``).
+      mean_codec: the codec of the mean (the result parts); ``None``: ``codec``.
     """
 
     name = "butterfly"
@@ -84,6 +85,7 @@ class Butterfly:
         clip_multiple: float = 2.0,
         trim: int = 1,
         mean_error_feedback: bool = False,
+        mean_codec: str | None = None,
     ):
         check_aggregator(aggregator, clip_multiple, trim)
         self.aggregator, self.clip_multiple, self.trim = aggregator, float(clip_multiple), int(trim)
@@ -93,16 +95,18 @@ class Butterfly:
         transport.route("PUT", PARTS, self._h_put_part)
         transport.route("GET", CONTRIB, self._h_get_contrib)
         self.gather = AllGather(
-            transport, rounds, codec, codec_options, timeouts, aggregator, trim, mean_error_feedback
+            transport, rounds, codec, codec_options, timeouts, aggregator, trim, mean_error_feedback, mean_codec
         )
 
     def wire(self) -> str:
-        """Codec, algorithm and aggregator (with its knob): part of the round manifest."""
+        """Codec (and the mean's, if another), algorithm and aggregator (with its knob): part of
+        the round manifest."""
+        codec = self.codec if self.gather.mean_codec == self.codec else f"{self.codec}>{self.gather.mean_codec}"
         if self.aggregator == "clipped_mean":
-            return f"{self.codec}/butterfly/clipped_mean:{self.clip_multiple!r}"
+            return f"{codec}/butterfly/clipped_mean:{self.clip_multiple!r}"
         if self.aggregator == "trimmed_mean":
-            return f"{self.codec}/butterfly/trimmed_mean:{self.trim}"
-        return f"{self.codec}/butterfly"
+            return f"{codec}/butterfly/trimmed_mean:{self.trim}"
+        return f"{codec}/butterfly"
 
     def prepare(self, st: Attempt, layout: PartLayout, relayed: frozenset[str] = frozenset()) -> None:
         """The parts of this attempt. Client-only members (``relayed``) own no part while some

@@ -26,7 +26,7 @@ from ravnest_jax.compress import (
     release_free_heap,
     tune_host_allocator,
 )
-from ravnest_jax.compress._formats import part_dtypes, part_lengths
+from ravnest_jax.compress._formats import mean_codec_options, part_dtypes, part_lengths
 from ravnest_jax.compress._parts import GRID, PartLayout, RangeDecoder, chunks_nbytes, part_chunks
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "RangeDecoder",
     "chunks_nbytes",
     "host_pack",
+    "mean_codec_options",
     "packed_to_chunks",
     "part_chunks",
     "part_dtypes",
@@ -75,6 +76,18 @@ def check_mean_error_feedback(value: bool, codec: str, algorithm: str) -> bool:
     if value and algorithm == "ring":
         raise ValueError("mean_error_feedback needs algorithm='butterfly' (the ring re-encodes partial sums)")
     return value and codec != "fp32"
+
+
+def check_mean_codec(mean_codec: str | None, codec: str, options: dict[str, Any], algorithm: str) -> str:
+    """``Swarm(mean_codec=...)`` checked: the mean's codec (``codec`` for ``None``); ``ValueError``
+    for one that does not pair with ``codec`` (:func:`ravnest_jax.compress._formats.mean_codec_options`)
+    or another than ``codec`` with the ring (which sends partial sums, not a mean)."""
+    if mean_codec is None or mean_codec == codec:
+        return codec
+    if algorithm == "ring":
+        raise ValueError("mean_codec needs algorithm='butterfly' (the ring sends partial sums in the one codec)")
+    mean_codec_options(codec, mean_codec, options)
+    return mean_codec
 
 
 def encode_part(name: str, vec: np.ndarray, codec: str, **options: Any) -> bytes:

@@ -16,7 +16,7 @@ from aiohttp import web
 from . import _auth
 from ._allreduce import CHUNK, trimmed_mean
 from ._attempt import Attempt, AttemptInput, Reduced, Retry, RoundFail, Voter, decided, route_ints
-from ._codec import RangeDecoder, WireFormatError, host_pack, packed_to_chunks
+from ._codec import PartLayout, RangeDecoder, WireFormatError, host_pack, mean_codec_options, packed_to_chunks
 from ._http import stream_body
 from ._transport import Body, Transport, body_digest
 from ._types import Timeouts, result_digest
@@ -105,6 +105,8 @@ class AllGather:
     Args:
       transport, rounds, codec, codec_options, timeouts, aggregator, trim: the butterfly's.
       mean_error_feedback: keep a :class:`MeanResidual` of this peer's part (lossy codecs).
+      mean_codec: the codec of the result parts (the mean), ``None``: ``codec``; a block codec
+        of the same block size as a block ``codec`` (checked by the swarm).
     """
 
     def __init__(
@@ -117,15 +119,32 @@ class AllGather:
         aggregator: str,
         trim: int,
         mean_error_feedback: bool = False,
+        mean_codec: str | None = None,
     ):
         self.transport, self.rounds = transport, rounds
         self.codec, self.codec_options, self.timeouts = codec, codec_options, timeouts
+        self.mean_codec = mean_codec or codec
+        self.mean_options = mean_codec_options(codec, self.mean_codec, codec_options)
         self.aggregator, self.trim = aggregator, trim
-        self.mean_residual = MeanResidual() if mean_error_feedback and codec != "fp32" else None
+        self.mean_residual = MeanResidual() if mean_error_feedback and self.mean_codec != "fp32" else None
+        self._layouts: dict[str, PartLayout] = {}  # contribution layout key -> the mean's layout
         self.peer_id = transport.peer_id
         self.name = "butterfly"
         transport.route("PUT", RESULTS, self._h_put_result)
         transport.route("GET", PULL, self._h_get_result)
+
+    def layout(self, st: Attempt) -> PartLayout:
+        """The layout of the result parts: the contribution's, in the mean's codec (same leaves,
+        same block size, so the same parts and grid chunks)."""
+        if self.mean_codec == st.layout.codec:
+            return st.layout
+        key = st.layout.key()
+        out = self._layouts.get(key)
+        if out is None:
+            if len(self._layouts) > 16:
+                self._layouts.clear()
+            out = self._layouts[key] = PartLayout(self.mean_codec, st.layout.sizes, st.layout.block_size)
+        return out
 
     async def _h_put_result(self, request: web.Request) -> web.Response:
         """All-gather: owner k pushes its reduced part k, tagged with the contributor set it
@@ -148,15 +167,16 @@ class AllGather:
         if (k, tag) in st.results or (k, tag) in st.results_receiving:
             raise web.HTTPConflict(text="duplicate result part")
         lo, hi = st.bounds[k]
-        limit = part_limit(st.codec, hi - lo)
+        limit = part_limit(self.mean_codec, hi - lo)
         if request.content_length is not None and request.content_length > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
         in_out = k not in st.out_claims
         if in_out:
             st.out_claims[k] = tag
         dst = st.out[lo:hi] if in_out else np.empty(hi - lo, np.float32)
-        grid = st.layout.chunk_grid(lo, hi)
-        dec = RangeDecoder(st.layout, lo, hi, lambda j, v: dst.__setitem__(slice(*grid[j]), v))
+        layout = self.layout(st)
+        grid = layout.chunk_grid(lo, hi)
+        dec = RangeDecoder(layout, lo, hi, lambda j, v: dst.__setitem__(slice(*grid[j]), v))
         st.results_receiving.add((k, tag))
         try:
             sha = await self.transport.read_stream(
@@ -282,16 +302,15 @@ class AllGather:
         the output buffer as it streams in."""
         lo, hi = st.bounds[k]
         rest = PULL.format(round=st.round, attempt=st.attempt, part=k, tag=tag)
-        grid = st.layout.chunk_grid(lo, hi)
+        layout = self.layout(st)
+        grid = layout.chunk_grid(lo, hi)
         out = st.out
         assert out is not None
         while time.monotonic() < t_end:
-            dec = RangeDecoder(
-                st.layout, lo, hi, lambda j, v: out.__setitem__(slice(lo + grid[j][0], lo + grid[j][1]), v)
-            )
+            dec = RangeDecoder(layout, lo, hi, lambda j, v: out.__setitem__(slice(lo + grid[j][0], lo + grid[j][1]), v))
             try:
                 sha, total = await self.transport.get_stream(
-                    address, rest, t_end - time.monotonic(), part_limit(st.codec, hi - lo), H_TOTAL, dec.feed
+                    address, rest, t_end - time.monotonic(), part_limit(self.mean_codec, hi - lo), H_TOTAL, dec.feed
                 )
                 dec.finish()
                 st.results[(k, tag)] = (None, sha)
@@ -345,7 +364,7 @@ class AllGather:
         tag: str,
     ) -> None:
         """This owner's mean over ``contributors`` (its sum divided by their total weight, or the
-        trimmed mean), encoded once with the swarm's codec in the pieces of the part, decoded
+        trimmed mean), encoded once with the mean's codec in the pieces of the part, decoded
         back into the output buffer as every member decodes it, and pushed to every other member
         tagged ``tag`` (tasks in ``mine["pushes"]``); ``mine`` also gets the tag, digest and
         total weight."""
@@ -372,11 +391,12 @@ class AllGather:
         for _, a, b in st.layout.pieces(st.lo, st.hi):
             pieces.append(acc[base : base + b - a])
             base += b - a
-        data = packed_to_chunks(host_pack(pieces, self.codec, **self.codec_options))
+        data = packed_to_chunks(host_pack(pieces, self.mean_codec, **self.mean_options))
         digest = body_digest(data)
-        if self.codec != "fp32":  # lossy: the owner keeps what the others decode
-            grid = st.grid
-            dec = RangeDecoder(st.layout, st.lo, st.hi, lambda j, v: acc.__setitem__(slice(*grid[j]), v))
+        if self.mean_codec != "fp32":  # lossy: the owner keeps what the others decode
+            layout = self.layout(st)
+            grid = layout.chunk_grid(st.lo, st.hi)
+            dec = RangeDecoder(layout, st.lo, st.hi, lambda j, v: acc.__setitem__(slice(*grid[j]), v))
             for c in data:
                 dec.feed(c)
             dec.finish()

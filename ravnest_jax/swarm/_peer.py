@@ -22,7 +22,7 @@ import numpy as np
 from ._activations import ActivationLink
 from ._allreduce import RING_SEGMENT_BYTES, check_aggregator, manifest_digest
 from ._butterfly import Butterfly
-from ._codec import check_codec, check_mean_error_feedback, tune_host_allocator
+from ._codec import check_codec, check_mean_codec, check_mean_error_feedback, tune_host_allocator
 from ._contrib import Contribution
 from ._membership import heartbeat_loop, join
 from ._preflight import from_environment
@@ -85,6 +85,8 @@ class Swarm:
       trim: the trimmed mean's number of values dropped at each end (>= 1, default 1).
       mean_error_feedback: part owners carry what their encode of the mean dropped into the next
         round (arXiv 1905.05957; butterfly only; default off; ``docs/compression.md``).
+      mean_codec: the codec of the mean sent back (butterfly; ``None``: ``codec``), a block codec
+        of ``codec``'s block size: ``"sign"`` up, ``"int2"`` down (``docs/compression.md``).
       info: a small JSON-serialisable dict (at most 4096 bytes as JSON) this peer publishes
         through the rendezvous; other peers see it as :attr:`PeerInfo.info`. Used to agree on a
         common checkpoint when a whole swarm restarts. Change it with :meth:`set_info`.
@@ -120,6 +122,7 @@ class Swarm:
         clip_multiple: float = 2.0,
         trim: int = 1,
         mean_error_feedback: bool = False,
+        mean_codec: str | None = None,
     ):
         rendezvous_url, run_id, token, codec, listen, peer_id = from_environment(
             rendezvous_url, run_id, token, codec, listen, peer_id
@@ -129,7 +132,8 @@ class Swarm:
             algorithm, aggregator, clip_multiple, trim, ring_segment_bytes, run_id, token, listen, advertise
         )
         self.codec_options = dict(codec_options or {})
-        self.mean_error_feedback = check_mean_error_feedback(mean_error_feedback, codec, algorithm)
+        mean = _mean_settings(mean_error_feedback, mean_codec, codec, self.codec_options, algorithm)
+        self.mean_error_feedback, self.mean_codec = mean["mean_error_feedback"], mean["mean_codec"]
         self.algorithm, self.aggregator, self.ring_segment_bytes = algorithm, aggregator, ring_segment_bytes
         self.rendezvous_url, self.run_id, self.codec = rendezvous_url.rstrip("/"), run_id, codec
         self.timeouts = timeouts or Timeouts()
@@ -149,12 +153,8 @@ class Swarm:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._rounds = Rounds(self.transport, self.timeouts, codec, self._hello, self._spawn)
         args = (self.transport, self._rounds, codec, self.codec_options, self.timeouts)
-        kw = {"aggregator": aggregator, "clip_multiple": clip_multiple, "trim": trim}
-        self._algorithm: Butterfly | Ring = (
-            self.algorithms["ring"](*args, ring_segment_bytes)
-            if algorithm == "ring"
-            else self.algorithms["butterfly"](*args, **kw, mean_error_feedback=self.mean_error_feedback)
-        )
+        kw = {"aggregator": aggregator, "clip_multiple": clip_multiple, "trim": trim, **mean}
+        self._algorithm: Butterfly | Ring = _algorithm(self.algorithms, algorithm, args, ring_segment_bytes, kw)
         self._rounds.algorithm = self._algorithm
         self._state = StateTransfer(self.transport, lambda: self._rounds.diverged, self.timeouts.round)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -504,6 +504,27 @@ def forward(
 
     inner.add_done_callback(done)
     return out
+
+
+def _mean_settings(
+    mean_error_feedback: bool, mean_codec: str | None, codec: str, options: dict[str, Any], algorithm: str
+) -> dict[str, Any]:
+    """``Swarm(mean_error_feedback=, mean_codec=)`` checked (``ValueError``): the butterfly's
+    keyword arguments for the mean (its error feedback, its codec)."""
+    return {
+        "mean_error_feedback": check_mean_error_feedback(mean_error_feedback, codec, algorithm),
+        "mean_codec": check_mean_codec(mean_codec, codec, options, algorithm),
+    }
+
+
+def _algorithm(
+    algorithms: dict[str, Any], algorithm: str, args: tuple, ring_segment_bytes: int, kw: dict[str, Any]
+) -> Butterfly | Ring:
+    """The swarm's all-reduce algorithm: the ring (which takes no aggregator or mean settings) or
+    the butterfly."""
+    if algorithm == "ring":
+        return algorithms["ring"](*args, ring_segment_bytes)
+    return algorithms["butterfly"](*args, **kw)
 
 
 def _checked(

@@ -389,3 +389,39 @@ def test_sign_mean_error_feedback_in_the_simulation():
     s = plain.init(mean)
     again, _ = plain.requantize_with_state(mean, s, key)
     np.testing.assert_array_equal(np.asarray(again["w"]), q(m))
+
+
+def test_a_mean_codec_of_its_own_in_the_simulation():
+    """``simulated("sign", mean_codec="int2")``: the contributions as ``sign`` encodes them, the
+    mean as ``int2`` does (the contribution's block size), its error feedback in ``int2`` too;
+    a mean codec that cannot pair with the codec is a ``ValueError``."""
+    rng = np.random.default_rng(6)
+    x = {"w": jnp.asarray(rng.standard_normal(2048), jnp.float32)}
+    key = jax.random.key(0)
+
+    def q(codec, v):
+        return C.decode(C.encode({"w": np.asarray(v, np.float32)}, codec, block_size=256))["w"]
+
+    codec = C.simulated("sign", mean_codec="int2", mean_error_feedback=True, block_size=256)
+    state = codec.init(x)
+    up, _ = codec.compress(x, state, key)
+    np.testing.assert_array_equal(np.asarray(up["w"]), q("sign", x["w"]))
+    down, state = codec.requantize_with_state(x, state, key)
+    np.testing.assert_array_equal(np.asarray(down["w"]), q("int2", x["w"]))
+    m = np.asarray(x["w"])
+    np.testing.assert_allclose(np.asarray(state.mean_residual["w"]), m - q("int2", m), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(codec.requantize(x, key)["w"]), q("int2", m))
+    assert "mean_codec='int2'" in repr(codec)
+    same = C.simulated("sign", mean_codec="sign")
+    np.testing.assert_array_equal(
+        np.asarray(same.requantize(x, key)["w"]), np.asarray(C.simulated("sign").requantize(x, key)["w"])
+    )
+    for codec_, mean, match in [
+        ("fp32", "int2", "block codecs"),
+        ("sign", "topk", "block codecs"),
+        ("sign", "x", "unknown"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            C.simulated(codec_, mean_codec=mean)
+    # the mean takes the contribution's block size, the default one included (fp4's own is 32)
+    assert C.simulated("sign", mean_codec="fp4").mean_cfg.block_size == 64

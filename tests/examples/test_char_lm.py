@@ -50,6 +50,9 @@ def test_text_file_corpus(tmp_path):
         ["--codec", "sign", "--block-size", "48"],  # sign needs a power of two
         ["--codec", "bf16", "--block-size", "64"],  # not a block codec
         ["--mean-ef", "yes"],
+        ["--codec", "sign", "--mean-codec", "topk"],  # not a block codec
+        ["--codec", "fp32", "--mean-codec", "int2"],
+        ["--mean-codec", "int2"],  # without --codec
         ["--local-peers", "4", "--adversary", "scale:abc"],
         ["--local-peers", "4", "--adversary", "flip"],
         ["--adversary", "noise"],  # not a swarm peer

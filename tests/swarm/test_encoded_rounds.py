@@ -179,3 +179,68 @@ def test_sign_owners_carry_what_the_encode_of_the_mean_dropped(cluster):
         residual = target - sent
         off = np.linalg.norm(got - sent) / norm
         assert off < 1e-3, f"round {t}: the swarm's mean is {off:.2e} (relative) from the owners' error feedback"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_the_mean_goes_back_in_its_own_codec(cluster):
+    """``Swarm(codec="sign", mean_codec="int2")``: the parts go up as slices of each peer's
+    1-bit message, the owners send the mean back in 2-bit ``int2`` (same block size, so the same
+    parts and pieces): the result is the owners' ``int2`` encode of the mean of the decoded
+    contributions, equal on every peer, and each peer's bytes are its sign parts plus its int2
+    result part to each other member."""
+    ids = ["a", "b", "c"]
+    trees = _trees(ids, 4)
+    opts = {"block_size": 256}
+    packed = {p: compress.host_pack(trees[p], "sign", **opts) for p in ids}
+    (results,) = _run(
+        cluster.rendezvous(), "enc-mean-codec", packed, dict.fromkeys(ids, 1.0), mean_codec="int2", codec_options=opts
+    )
+    means, recs = [m for m, _ in results], [r for _, r in results]
+    assert all(r.ok and r.contributors == tuple(ids) for r in recs), recs
+    assert len({r.digest for r in recs}) == 1, recs
+    for m in means[1:]:
+        np.testing.assert_array_equal(m, means[0])
+    dec = {p: compress.decode(compress.packed_to_bytes(packed[p])) for p in ids}
+    flat = {p: np.concatenate([_leaf(dec[p], s.name) for s in packed[p].specs]) for p in ids}
+    want = (sum(np.float64(flat[p]) for p in ids) / 3).astype(np.float32)
+    layout = PartLayout.of(packed["a"])
+    bounds = layout.bounds(3)
+    sent = np.empty_like(want)
+    for k, p in enumerate(ids):
+        lo, hi = bounds[k]
+        pieces, base = [], lo
+        for _, a, b in layout.pieces(lo, hi):
+            pieces.append(want[base : base + b - a])
+            base += b - a
+        result = compress.host_pack(pieces, "int2", **opts)
+        sent[lo:hi] = np.concatenate(compress.decode(compress.packed_to_bytes(result)))
+        parts = sum(len(b"".join(map(bytes, part_chunks(packed[p], layout, *bounds[j])))) for j in range(3) if j != k)
+        assert recs[k].bytes_sent == parts + 2 * message_nbytes(result), (p, recs[k].bytes_sent, parts)
+    off = np.linalg.norm(means[0] - sent) / np.linalg.norm(want)
+    assert off < 1e-3, f"the swarm's mean is {off:.2e} (relative) from the owners' int2 encode of the mean"
+    # and it is int2's (4 levels a block), not sign's (2): finer than a sign encode of the mean
+    one_bit = compress.decode(compress.packed_to_bytes(compress.host_pack({"m": want}, "sign", **opts)))["m"]
+    assert np.linalg.norm(means[0] - want) < 0.8 * np.linalg.norm(one_bit - want)
+
+
+def test_a_mean_codec_is_checked_and_in_the_round_manifest():
+    """A mean codec must pair with the codec (block codecs of one block size) and the butterfly;
+    peers with another mean codec have another round manifest (they refuse each other)."""
+    url = "http://127.0.0.1:1"
+    kw = {"run_id": "r", "token": "t", "listen": None}
+    for bad, match in [
+        ({"codec": "fp32", "mean_codec": "int2"}, "block codecs"),
+        ({"codec": "sign", "mean_codec": "topk"}, "block codecs"),
+        ({"codec": "sign", "mean_codec": "nope"}, "unknown mean codec"),
+        ({"codec": "sign", "mean_codec": "int2", "algorithm": "ring"}, "butterfly"),
+        ({"codec": "int8", "mean_codec": "int2", "codec_options": {"block_size": 6}}, "block_size"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            Swarm(url, **kw, **bad)
+    plain = Swarm(url, **kw, codec="sign")
+    same = Swarm(url, **kw, codec="sign", mean_codec="sign")
+    split = Swarm(url, **kw, codec="sign", mean_codec="int2")
+    assert plain._algorithm.wire() == same._algorithm.wire() == "sign/butterfly/clipped_mean:2.0"
+    assert split._algorithm.wire() == "sign>int2/butterfly/clipped_mean:2.0"
+    assert split.mean_codec == "int2" and plain.mean_codec == "sign"
