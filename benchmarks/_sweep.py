@@ -95,6 +95,21 @@ def _codec(cell: Cell):
         return None
     from ravnest_jax.compress import simulated
 
+    if "/" in cell.codec:  # "UP[:BLOCK]/DOWN[:BLOCK][:mef]": the mean in its own codec (rj.Swarm(mean_codec=))
+        up_spec, down_spec = cell.codec.split("/")
+        name, options, _, _ = parse_codec(up_spec)
+        mean_name, mean_options, exact, mean_ef = parse_codec(down_spec)
+        if exact or mean_options.get("block_size", options.get("block_size")) != options.get("block_size"):
+            raise ValueError(f"codec {cell.codec!r}: one block size on both sides, and no 'exact'")
+        return simulated(
+            name,
+            error_feedback=True,
+            error_feedback_decay=cell.ef_decay,
+            mean_error_feedback=mean_ef,
+            mean_codec=mean_name,
+            **options,
+        )
+
     name, options, exact, mean_ef = parse_codec(cell.codec)
     codec = simulated(
         name, error_feedback=True, error_feedback_decay=cell.ef_decay, mean_error_feedback=mean_ef, **options
@@ -186,6 +201,18 @@ def run_cell(cell: Cell, seeds: list[int], *, eval_every: int = 100, eval_batche
     else:
         raise ValueError(f"unknown algo {cell.algo!r}")
 
+    def flushed_of(p, s):  # the global params had the last round sent its residuals losslessly
+        cs = getattr(s, "codec_state", None)
+        if cell.algo != "diloco" or not hasattr(cs, "residual"):
+            return None
+        res = jax.tree.map(lambda x: x.mean(axis=1), cs.residual) if cs.residual is not None else None
+        if cs.mean_residual is not None:
+            mres = jax.tree.map(lambda x: x[:, 0], cs.mean_residual)
+            res = mres if res is None else jax.tree.map(jnp.add, res, mres)
+        if res is None:
+            return None
+        return jax.tree.map(lambda g, r: g - cell.outer_lr * r, global_of(p, s), res)
+
     curve = [{"step": 0, "eval_loss": [float(x) for x in evaluate(params0)]}]
     losses = None
     first = cell.dp_warm_steps + 1 if cell.algo == "diloco" else 1
@@ -196,7 +223,11 @@ def run_cell(cell: Cell, seeds: list[int], *, eval_every: int = 100, eval_batche
             ev = [float(x) for x in evaluate(g)]
             if not all(np.isfinite(ev)):
                 raise FloatingPointError(f"{cell.key()}: eval loss not finite at step {t}: {ev}")
-            curve.append({"step": t, "eval_loss": ev})
+            point = {"step": t, "eval_loss": ev}
+            flushed = flushed_of(params, state)
+            if flushed is not None:
+                point["eval_loss_flushed"] = [float(x) for x in evaluate(flushed)]
+            curve.append(point)
     tr = np.asarray(losses)
     return {
         "key": cell.key(),
@@ -235,6 +266,8 @@ def bits_per_round(codec: str, n: int) -> float:
     the byte ratio against data-parallel; exact from the wire format."""
     from ravnest_jax.compress import _formats as F
 
+    if "/" in codec:  # the contributions in one codec, the mean in another
+        return sum(bits_per_round(side, n) / 2 for side in codec.split("/"))
     name, options, _, _ = parse_codec(codec)
     cfg = F.resolve(name, **options)
     k = F.topk_count(n, cfg.fraction) if name == "topk" else 0

@@ -32,16 +32,92 @@ import char_lm  # noqa: E402
 import ravnest_jax as rj  # noqa: E402
 
 
+def round_device_memory(tx, params, state, codec: str) -> dict:
+    """Device memory of one host-driven round with ``codec``, as :class:`ravnest_jax.sync.OuterSync`
+    runs it: the jitted ``start`` (snapshot, pseudo-gradient, device encode with error feedback),
+    the message fetched to the host, the float32 mean put back on the device (here: the
+    pseudo-gradient itself, standing in for the swarm's mean), and the jitted ``merge`` (outer
+    step, digest), on fresh copies of ``params``/``state``.
+
+    Returns a dict of bytes: ``param_bytes`` (float32 params), ``residual_bytes`` (the error-feedback
+    residual a lossy codec keeps on the device between rounds), ``extra_bytes`` (peak during the
+    round minus in use before it, residual excluded) and ``extra_over_params``; ``extra_bytes`` is
+    ``None`` on a backend without memory statistics (the CPU)."""
+    import numpy as np
+
+    from ravnest_jax.sync._layout import put_like
+    from ravnest_jax.sync._round_fns import RoundFunctions
+
+    dev = jax.devices()[0]
+    leaves = jax.tree.leaves(params)
+    param_bytes = int(sum(x.size * x.dtype.itemsize for x in leaves))
+    fns = RoundFunctions(tx, codec, {}, keep_local_progress=True)
+    start, merge = fns.start(0, None), fns.merge(0, None)
+    p, s = jax.tree.map(lambda x: x.copy(), (params, state))
+    residual = None if codec == "fp32" else [jax.numpy.zeros_like(x) for x in leaves]
+    residual_bytes = 0 if residual is None else param_bytes
+    jax.block_until_ready((p, s, residual))
+    stats = dev.memory_stats()
+    before = stats["bytes_in_use"] if stats else None
+    snap, packed, residual = start(p, s, residual, jax.random.key(0))
+    host = jax.device_get(packed)
+    del packed
+    mean_host = [np.asarray(x, np.float32) for x in jax.device_get(jax.tree.leaves(snap.pseudo_gradient))]
+    mean = put_like(mean_host, leaves)
+    p, s, digest = merge(p, s, mean, snap, 0.0)
+    jax.block_until_ready((p, s, digest))
+    out = {"codec": codec, "param_bytes": param_bytes, "residual_bytes": residual_bytes}
+    out["message_bytes"] = int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(host.parts)))
+    if not stats:
+        return {**out, "extra_bytes": None, "note": f"no memory statistics on {dev.platform}"}
+    peak = dev.memory_stats()["peak_bytes_in_use"]
+    return {
+        **out,
+        "before_bytes": int(before),
+        "peak_bytes": int(peak),
+        "extra_bytes": int(peak - before),
+        "extra_over_params": (peak - before) / param_bytes,
+    }
+
+
+def round_memory_in_child(codec: str) -> dict:
+    """:func:`round_device_memory` in a fresh process with this run's arguments (the peak statistic
+    of a device never goes down within a process, so each codec gets its own)."""
+    import subprocess
+
+    argv = [a for a in sys.argv[1:]]
+    if "--round-codecs" in argv:  # drop "--round-codecs A B ..." (up to the next option)
+        i = argv.index("--round-codecs")
+        j = i + 1
+        while j < len(argv) and not argv[j].startswith("--"):
+            j += 1
+        del argv[i:j]
+    cmd = [sys.executable, __file__, *argv, "--round-codecs", "--round-memory-of", codec]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise SystemExit(f"round memory of {codec}: the child failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=41)
     ap.add_argument("--block", type=int, default=10, help="steps per timed block")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--sync-every", type=int, default=50)
+    ap.add_argument("--d-model", type=int, default=None, help="model width (default: the example's)")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--heads", type=int, default=None)
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument(
+        "--round-codecs", nargs="*", default=["fp32", "int4"], help="codecs whose round's device memory is measured"
+    )
+    ap.add_argument("--round-memory-of", default=None, help=argparse.SUPPRESS)  # child: one codec's round
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "step_overhead.json"))
     args = ap.parse_args()
 
-    cfg = char_lm.ModelConfig()
+    sizes = {"d_model": args.d_model, "num_layers": args.layers, "num_heads": args.heads, "seq_len": args.seq_len}
+    cfg = char_lm.ModelConfig(**{k: v for k, v in sizes.items() if v is not None})
     graphdef, params0 = char_lm.build_model(cfg)
     loss = char_lm.make_loss(graphdef)
     train, _ = char_lm.load_corpus(max_bytes=4 << 20)
@@ -64,6 +140,15 @@ def main() -> None:
     }
     runs["adamw"][2] = plain_tx.init(runs["adamw"][1])
     runs["diloco_adamw"][2] = dl_tx.init(runs["diloco_adamw"][1])
+
+    if args.round_memory_of:  # a child process: the device's peak statistic is per process
+        print(
+            json.dumps(
+                round_device_memory(dl_tx, runs["diloco_adamw"][1], runs["diloco_adamw"][2], args.round_memory_of)
+            )
+        )
+        return
+    round_memory = {c: round_memory_in_child(c) for c in args.round_codecs}
 
     def block(name, n):
         step, p, s = runs[name]
@@ -116,6 +201,7 @@ def main() -> None:
         "goal_ratio": 1.02,
         "goal_met": ratio <= 1.02,
         "outer_step_seconds": outer_med,
+        "round_device_memory": round_memory,
         "outer_step_over_inner_step": outer_med / med["adamw"],
         "outer_step_amortised_per_inner_step_at_H": {
             "H": args.sync_every,
@@ -130,6 +216,12 @@ def main() -> None:
         f"outer step   {outer_med * 1e3:8.3f} ms  = {outer_med / med['adamw']:.2f} inner steps; "
         f"{100 * result['outer_step_amortised_per_inner_step_at_H']['fraction']:.2f}% per step at H={args.sync_every}"
     )
+    for c, m in round_memory.items():
+        if m.get("extra_bytes") is not None:
+            print(
+                f"round {c:5s}   extra device memory {m['extra_bytes'] / 2**20:.1f} MiB = "
+                f"{m['extra_over_params']:.2f}x the float32 params ({m['param_bytes'] / 2**20:.1f} MiB)"
+            )
     print(f"wrote {args.out}")
 
 

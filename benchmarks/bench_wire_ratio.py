@@ -6,7 +6,9 @@ one run per configuration, side by side in one invocation.
     python benchmarks/bench_wire_ratio.py                      # 2000 steps, ~20 min on 2 cores
     python benchmarks/bench_wire_ratio.py --steps 600 --configs fp32 int2:256
 
-A configuration is ``CODEC[:BLOCK][:mef][:plain][:muon]``: the swarm's codec, its block size,
+A configuration is ``CODEC[/MEAN][:BLOCK][:mef][:plain][:muon]``: the swarm's codec (and the
+codec of the mean, ``rj.Swarm(mean_codec=)``, if another), its block size, ``olrX`` the outer
+learning rate X (after ``plain``),
 ``mef`` the part owners' error feedback on the mean (``rj.Swarm(mean_error_feedback=True)``),
 ``plain`` the outer SGD without momentum at learning rate 1 (plain averaging) instead of the
 default Nesterov 0.7 / 0.9, ``muon`` Muon as the inner optimizer (the example's ``--inner muon
@@ -40,9 +42,10 @@ DEFAULT_CONFIGS = ["fp32", "int4", "int2:256", "sign:mef:plain"]
 
 
 def config_flags(config: str) -> list[str]:
-    """``CODEC[:BLOCK][:mef][:plain][:muon]`` -> the example's flags."""
+    """``CODEC[/MEAN][:BLOCK][:mef][:plain][:muon]`` -> the example's flags."""
     codec, *rest = config.split(":")
-    flags = ["--codec", codec]
+    codec, _, mean = codec.partition("/")
+    flags = ["--codec", codec] + (["--mean-codec", mean] if mean else [])
     for r in rest:
         if r == "mef":
             flags += ["--mean-ef", "on"]
@@ -50,6 +53,8 @@ def config_flags(config: str) -> list[str]:
             flags += ["--outer-lr", "1", "--outer-momentum", "0"]
         elif r == "muon":
             flags += ["--inner", "muon", "--lr", "0.02"]
+        elif r.startswith("olr"):
+            flags += ["--outer-lr", r[3:]]
         elif r.isdigit():
             flags += ["--block-size", r]
         else:

@@ -3,6 +3,7 @@ or a file), split into train and eval, and random windows of it as int32 batches
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -13,8 +14,17 @@ VOCAB = 256
 
 # ----------------------------------------------------------------------------------------- data
 def stdlib_files() -> list[Path]:
-    """The ``.py`` files of this interpreter's standard library (site-packages excluded), sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    """The ``.py`` files of this interpreter's standard library (site-packages excluded), sorted;
+    of the folder ``$CHAR_LM_STDLIB`` instead when that is set (the same text under another
+    Python, for example another machine's interpreter).
+
+    Raises:
+      ValueError: ``$CHAR_LM_STDLIB`` is not a folder.
+    """
+    env = os.environ.get("CHAR_LM_STDLIB")
+    if env and not Path(env).is_dir():
+        raise ValueError(f"CHAR_LM_STDLIB: not a folder: {env}")
+    root = Path(env or sysconfig.get_paths()["stdlib"])
     files = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).parts
