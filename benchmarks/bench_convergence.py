@@ -269,7 +269,18 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1, help="--sweep: cells run at a time (worker processes)")
     ap.add_argument("--eval-every", type=int, default=100, help="--sweep: steps between evals of the curve")
     ap.add_argument("--sweep-report", nargs="+", default=None, help="merge sweep JSON files into --out (no training)")
+    ap.add_argument(
+        "--codec-report",
+        nargs="+",
+        default=None,
+        help="compressed against fp32 DiLoCo from sweep JSON files, with the bytes, into --out (no training)",
+    )
     args = ap.parse_args()
+    if args.codec_report:
+        import _codec_report
+
+        out = Path(args.out or HERE / "results" / "convergence_codecs_gpu.json")
+        return _codec_report.codec_report(args.codec_report, out, machine_info)
     if args.sweep_report:
         import _sweep
 
