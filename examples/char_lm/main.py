@@ -400,6 +400,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--mode eager needs --overlap-steps >= 1")
     if args.mode == "blocking" and args.overlap_steps == "auto":
         args.overlap_steps = 0
+    if args.rendezvous and not args.rendezvous.startswith(("http://", "https://")):
+        p.error(f"--rendezvous must be an http:// or https:// URL, got {args.rendezvous!r}")
     if args.rendezvous and not (args.token_file or os.environ.get("RAVNEST_TOKEN")):
         p.error("--rendezvous needs --token-file (or $RAVNEST_TOKEN)")
     if args.devices > 1 and not (args.local_peers or args.rendezvous):
@@ -521,7 +523,8 @@ def _main(args: argparse.Namespace) -> int:
                 print_peer_table([result], None)
         else:
             summary = run_simulation(args)
-    except (ValueError, SwarmError, RuntimeError) as e:  # bad input or a run that cannot go on: one line
+    except (ValueError, SwarmError, RuntimeError, TimeoutError) as e:  # bad input or a run that cannot go on: one line
+        # TimeoutError: e.g. fewer than --min-peers peers registered in time (rj.join_or_resume)
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # before training started (compiling, joining)

@@ -60,6 +60,7 @@ def test_text_file_corpus(tmp_path):
         ["--local-peers", "2", "--clip-multiple", "0.5"],
         ["--local-peers", "2", "--aggregator", "median"],
         ["--rendezvous", "http://127.0.0.1:1", "--no-inbound", "--advertise", "http://x:1"],
+        ["--rendezvous", "notaurl"],  # was: a 10 s wait, then "unreachable: notaurl/v1/runs/..."
     ],
 )
 def test_bad_flags_exit_with_usage_error(bad, capsys):
@@ -174,6 +175,22 @@ def test_peer_mesh_layouts_and_a_kept_layout(layout):
     layouts = (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, state))
     p2, s2 = jax.jit(step, out_shardings=layouts)(params, state, tokens)
     assert jax.tree.map(lambda x: x.sharding, (p2, s2)) == layouts
+
+
+def test_a_peer_timing_out_waiting_for_min_peers_is_one_line(monkeypatch, capsys):
+    """rj.join_or_resume raises TimeoutError when fewer than --min-peers peers register in time
+    (a peer restarted after the others finished): one error line and status 1, no traceback."""
+    import importlib
+
+    main_mod = importlib.import_module("char_lm.main")
+
+    def times_out(args):
+        raise TimeoutError("fewer than 2 peers after 300.0 s")
+
+    monkeypatch.setattr(main_mod, "run_peer", times_out)
+    monkeypatch.setenv("RAVNEST_TOKEN", "t")
+    assert main_mod.main(["--rendezvous", "http://127.0.0.1:1", "--min-peers", "2", "--no-progress"]) == 1
+    assert capsys.readouterr().err.strip() == "error: fewer than 2 peers after 300.0 s"
 
 
 @pytest.mark.integration
