@@ -485,7 +485,7 @@ class Checkpointer:
                 return self._restore_step(step, targets)
             except _Unreadable as e:
                 raise CheckpointError(
-                    f"checkpoint step {step} in {self._directory} cannot be read: {e.__cause__!r}"
+                    f"checkpoint step {step} in {self._directory} cannot be read: {_brief(e.__cause__)}"
                 ) from e.__cause__
         candidates = sorted(steps, reverse=True)
         errors = []
@@ -499,13 +499,12 @@ class Checkpointer:
                 fallback = f"trying step {candidates[i + 1]}" if i + 1 < len(candidates) else "no older step left"
                 warnings.warn(
                     f"checkpoint step {s} in {self._directory} is partial or corrupt and was skipped "
-                    f"({type(cause).__name__}: {cause}); moved to {moved}; {fallback}",
+                    f"({_brief(cause)}); moved to {moved}; {fallback}",
                     CorruptCheckpointWarning,
                     stacklevel=2,
                 )
         raise CheckpointError(
-            f"no readable checkpoint in {self._directory}: "
-            + "; ".join(f"step {s}: {type(c).__name__}: {c}" for s, c in errors)
+            f"no readable checkpoint in {self._directory}: " + "; ".join(f"step {s}: {_brief(c)}" for s, c in errors)
         ) from errors[0][1]
 
     def _quarantine(self, step: int) -> str:
@@ -563,6 +562,19 @@ class Checkpointer:
             extra=out.get("extra"),
             metadata=meta.get("metadata", {}),
         )
+
+
+def _brief(e: BaseException, limit: int = 500) -> str:
+    """``e`` as one short line: tensorstore appends its whole spec (JSON, or a multi-line repr
+    after "See full TensorStore details") to a read error; what failed comes before it."""
+    text = str(e)
+    for cut in (" [tensorstore_spec", "See full TensorStore details"):
+        text = text.split(cut, 1)[0]
+    lines = text.strip().splitlines()
+    text = lines[0].rstrip(" .") if lines else ""
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 class _Unreadable(Exception):
