@@ -112,6 +112,13 @@ def data_parallel_bytes(n: int, params: int, steps: int) -> float:
     return 2 * (n - 1) / n * 4 * params * steps
 
 
+def data_parallel_bytes_for(n: int, results: list[dict]) -> float:
+    """:func:`data_parallel_bytes` for the inner steps the peers took (fewer than --max-steps
+    when the run was interrupted): what data-parallel training at equal tokens would send."""
+    steps = max(int(r.get("steps") or 0) for r in results)
+    return data_parallel_bytes(n, results[0]["params"], steps)
+
+
 def run_local_swarm(args: argparse.Namespace) -> dict:
     """Starts a rendezvous and ``--local-peers`` peer processes on 127.0.0.1 and waits for them.
 
@@ -353,7 +360,7 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
             "round_digests_equal": equal,
             "failed_peers": failed,
         }
-    dp_bytes = data_parallel_bytes(n, done[0]["params"], args.max_steps) if done else 0.0
+    dp_bytes = data_parallel_bytes_for(n, done) if done else 0.0
     equal = print_peer_table(done, dp_bytes) if done else False
     return {
         "mode": "local_swarm",

@@ -177,6 +177,15 @@ def test_peer_mesh_layouts_and_a_kept_layout(layout):
     assert jax.tree.map(lambda x: x.sharding, (p2, s2)) == layouts
 
 
+def test_data_parallel_bytes_count_the_steps_taken_not_max_steps():
+    """An interrupted local swarm (395 of --max-steps 600 done) compares its bytes with what
+    data-parallel training would have sent for those 395 steps (it used --max-steps: 1.5x)."""
+    from char_lm.local import data_parallel_bytes, data_parallel_bytes_for
+
+    done = [{"params": 1000, "steps": 395}, {"params": 1000, "steps": 395}]
+    assert data_parallel_bytes_for(2, done) == data_parallel_bytes(2, 1000, 395) == 2 * 1 / 2 * 4 * 1000 * 395
+
+
 def test_a_peer_timing_out_waiting_for_min_peers_is_one_line(monkeypatch, capsys):
     """rj.join_or_resume raises TimeoutError when fewer than --min-peers peers register in time
     (a peer restarted after the others finished): one error line and status 1, no traceback."""
