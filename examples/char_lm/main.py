@@ -402,8 +402,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.overlap_steps = 0
     if args.rendezvous and not args.rendezvous.startswith(("http://", "https://")):
         p.error(f"--rendezvous must be an http:// or https:// URL, got {args.rendezvous!r}")
-    if args.rendezvous and not (args.token_file or os.environ.get("RAVNEST_TOKEN")):
-        p.error("--rendezvous needs --token-file (or $RAVNEST_TOKEN)")
+    if args.rendezvous and not (
+        args.token_file or os.environ.get("RAVNEST_TOKEN") or os.environ.get("RAVNEST_TOKEN_FILE")
+    ):
+        p.error("--rendezvous needs --token-file (or $RAVNEST_TOKEN, $RAVNEST_TOKEN_FILE)")
     if args.devices > 1 and not (args.local_peers or args.rendezvous):
         p.error("--devices applies to swarm peers (--local-peers / --rendezvous)")
     if args.batch_size % args.devices:

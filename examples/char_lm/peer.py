@@ -265,6 +265,10 @@ def run_peer(args: argparse.Namespace) -> dict:
         listen = "none (client-only)" if swarm.client_only else f"{args.listen.rpartition(':')[0]}:{swarm.port}"
         # join a running swarm (its state), resume this peer's checkpoint, or restart a whole
         # swarm from the checkpoint step every peer has; the driver serves our state to joiners
+        if args.min_peers > 1:
+            print(
+                f"waiting until {args.min_peers} peers have registered (--min-peers, up to 300 s)...", file=sys.stderr
+            )
         got = rj.sync.join_or_resume(swarm, sync, params, state, checkpointer=ckpt, min_peers=args.min_peers)
         params, state = got.params, got.state
         joined, resumed_from = got.how == "joined", got.resumed_from

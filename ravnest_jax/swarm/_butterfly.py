@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any
 
@@ -50,6 +51,7 @@ from ._http import stream_body
 from ._transport import Transport, body_digest
 from ._types import Timeouts
 
+F32_MAX = float(np.finfo(np.float32).max)
 log = logging.getLogger("ravnest_jax.swarm")
 
 PARTS = "/rounds/{round}/{attempt}/parts/{part}"
@@ -133,11 +135,12 @@ class Butterfly:
         sender, claimed = self.transport.verify(request, extra=f"{weight_s}|{manifest}")
         r, a, k = route_ints(request, "round", "attempt", "part")
         try:
-            w = np.float32(float(weight_s))
+            wf = float(weight_s)
         except ValueError:
             raise web.HTTPBadRequest(text="bad weight") from None
-        if not (np.isfinite(w) and w > 0):
-            raise web.HTTPBadRequest(text="weight must be finite and > 0")
+        if not (math.isfinite(wf) and 0 < wf <= F32_MAX):  # checked before the cast (no overflow warning)
+            raise web.HTTPBadRequest(text="weight must be finite, > 0 and within float32")
+        w = np.float32(wf)
         st = await self.rounds.wait_entered(r, a)
         if k != st.me or self.peer_id in st.pullers:
             raise web.HTTPBadRequest(text=f"this peer owns part {st.me}, not {k}")

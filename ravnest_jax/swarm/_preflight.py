@@ -25,7 +25,8 @@ TOKEN_ENV = "RAVNEST_TOKEN"
 
 
 def read_token(token_file: str | None = None, *, env: str = TOKEN_ENV) -> str:
-    """The run token from ``token_file``, else from the environment variable ``env``.
+    """The run token from ``token_file``, else from the environment variable ``env``, else from
+    the file named by ``$RAVNEST_TOKEN_FILE`` (as :class:`~ravnest_jax.swarm.Swarm` reads it).
 
     Warns (a logged warning) when the file can be read by other users than its owner: the token
     is the only secret of a run (``chmod 600 FILE``).
@@ -40,6 +41,8 @@ def read_token(token_file: str | None = None, *, env: str = TOKEN_ENV) -> str:
     Raises:
       ValueError: the file is missing, unreadable or empty, or no token is set (one line).
     """
+    if not token_file and not os.environ.get(env, "").strip():
+        token_file = os.environ.get("RAVNEST_TOKEN_FILE") or None
     if token_file:
         try:
             with open(token_file, encoding="utf-8") as f:
@@ -59,7 +62,7 @@ def read_token(token_file: str | None = None, *, env: str = TOKEN_ENV) -> str:
         return token
     token = os.environ.get(env, "").strip()
     if not token:
-        raise ValueError(f"no token: pass --token-file FILE or set ${env}")
+        raise ValueError(f"no token: pass --token-file FILE or set ${env} (or $RAVNEST_TOKEN_FILE)")
     return token
 
 

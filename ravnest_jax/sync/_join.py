@@ -137,6 +137,7 @@ def join_or_resume(
             log.info("resumed from %s at step %d", checkpointer.directory, restored.step)
         swarm.set_info({**swarm.info, "checkpoint_steps": checkpointer.saved_steps()})
     if min_peers > 1:
+        log.info("waiting up to %.0f s until %d peers have registered", timeout, min_peers)
         swarm.wait_for_peers(min_peers, timeout=timeout)
     if running_peers(swarm, wait_seconds=2 * swarm.timeouts.heartbeat + 1.0):
         try:

@@ -201,6 +201,28 @@ def test_an_open_token_file_is_warned_about(tmp_path, caplog):
     assert caplog.text == ""
 
 
+def test_the_token_comes_from_the_file_in_the_environment_too(tmp_path, monkeypatch):
+    """``read_token`` (``ravnest-jax status``, the example's peers): ``--token-file``, else
+    ``$RAVNEST_TOKEN``, else the file ``$RAVNEST_TOKEN_FILE`` names, as the launcher's docs say."""
+    from ravnest_jax.swarm import read_token
+
+    f = tmp_path / "token"
+    f.write_text("from-file\n")
+    f.chmod(0o600)
+    monkeypatch.delenv("RAVNEST_TOKEN", raising=False)
+    monkeypatch.setenv("RAVNEST_TOKEN_FILE", str(f))
+    assert read_token() == "from-file"
+    monkeypatch.setenv("RAVNEST_TOKEN", "from-env")
+    assert read_token() == "from-env"
+    monkeypatch.delenv("RAVNEST_TOKEN")
+    monkeypatch.setenv("RAVNEST_TOKEN_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="missing"):
+        read_token()
+    monkeypatch.delenv("RAVNEST_TOKEN_FILE")
+    with pytest.raises(ValueError, match="no token"):
+        read_token()
+
+
 @pytest.mark.integration
 def test_simulation_and_launcher_check_the_text_first(tmp_path):
     for mode in (["--local-peers", "2"], ["--simulate"]):

@@ -80,6 +80,7 @@ async def _impostor(url: str) -> dict[str, int]:
             claimed: bytes | None = None,
             p: str = path,
             length: int | None = None,
+            weight: str = "1.0",
         ) -> int:
             h = {}
             if sign:
@@ -91,9 +92,9 @@ async def _impostor(url: str) -> dict[str, int]:
                     peer=me,
                     round_=r,
                     body_digest=_auth.body_digest(claimed if claimed is not None else body),
-                    extra=f"1.0|{manifest}",
+                    extra=f"{weight}|{manifest}",
                 )
-            h.update({"X-RJ-Weight": "1.0", "X-RJ-Manifest": manifest})
+            h.update({"X-RJ-Weight": weight, "X-RJ-Manifest": manifest})
             if length is not None:
                 h["Content-Length"] = str(length)
 
@@ -133,6 +134,7 @@ async def _impostor(url: str) -> dict[str, int]:
         out["corrupt"] = await put(bytes(corrupt), manifest=manifest)
         wrong_shape = encode_part(f"part{k}", np.ones(hi - lo + 1, np.float32), "fp32")
         out["wrong_shape"] = await put(wrong_shape, manifest=manifest)
+        out["weight_beyond_float32"] = await put(good, manifest=manifest, weight="1e40")
         # leave without voting (after b surely saw three peers): a and b retry without us
         await asyncio.sleep(2.0)
         await signed_json(
@@ -172,6 +174,7 @@ def test_bad_requests_are_refused_without_effect(cluster):
         "wrong_part": 400,
         "corrupt": 400,
         "wrong_shape": 400,
+        "weight_beyond_float32": 400,
     }
     for p in procs.values():
         try:
