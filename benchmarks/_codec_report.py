@@ -5,10 +5,13 @@ Every DiLoCo cell with a codec is paired with the fp32 cell of the same length, 
 and learning rate and seeds, twice: the fp32 cell with the same outer step (``same_outer``: only
 the codec differs) and the best fp32 cell of those (``best_fp32``: each side at its best outer
 learning rate and momentum). Gaps are per seed (``100 (loss / fp32 loss - 1)``), then mean and
-standard deviation. The bytes: bits per parameter per direction from the wire format
-(``_sweep.bits_per_round``, scales included, headers not) and the ratio against data-parallel's
-ring all-reduce of float32 gradients at every step: ``64 H / (b_up + b_down)``. The swarm's own
-count (headers included) is ``bench_wire_ratio.py``'s.
+standard deviation. The bytes: bits per parameter per direction of the codecs' payload
+(``_sweep.bits_per_round``, scales included), and the exact bytes a peer sends a round in a swarm
+of 4 (:func:`round_bytes`: its parts of its own message and its result part to each other member,
+message headers and the per-leaf padding of block codecs included: what the swarm counts), the
+most any peer sends, against data-parallel's ring all-reduce of float32 gradients at every step,
+``2 (N - 1) / N * 4 * params * H`` bytes a round. ``bench_wire_ratio.py`` measures the same on the
+wire.
 """
 
 from __future__ import annotations
@@ -20,6 +23,34 @@ from typing import Any
 
 import numpy as np
 from _sweep import Cell, bits_per_round
+
+
+def round_bytes(codec: str, peers: int = 4) -> tuple[int, int]:
+    """``(bytes, params)``: the most bytes one peer of ``peers`` sends in a butterfly round of the
+    char-LM (the example's model) with the sweep codec spec ``codec`` (``"fp32"``, ``"sign:mef"``,
+    ``"sign:512/int2:512:mef"``), from the wire format (``ravnest_jax.compress``)."""
+    import jax
+    from _sweep import parse_codec
+
+    import char_lm
+    from ravnest_jax import compress as C
+    from ravnest_jax.compress._wire import message_nbytes
+    from ravnest_jax.swarm._codec import PartLayout, part_chunks
+
+    up_spec, _, down_spec = codec.partition("/")
+    up, opts, _, _ = parse_codec(up_spec)
+    down = parse_codec(down_spec)[0] if down_spec else up
+    leaves = jax.tree.leaves(char_lm.build_model(char_lm.ModelConfig())[1])
+    tree = {f"{i:03d}": np.ones(x.shape, np.float32) for i, x in enumerate(leaves)}
+    own = C.host_pack(tree, up, **opts)
+    layout = PartLayout.of(own)
+    bounds = layout.bounds(peers)
+    most = 0
+    for k, (lo, hi) in enumerate(bounds):
+        parts = sum(len(b"".join(map(bytes, part_chunks(own, layout, *bounds[j])))) for j in range(peers) if j != k)
+        pieces = [np.ones(b - a, np.float32) for _, a, b in layout.pieces(lo, hi)]
+        most = max(most, parts + (peers - 1) * message_nbytes(C.host_pack(pieces, down, **opts)))
+    return most, int(sum(x.size for x in leaves))
 
 
 def _gaps(c: dict, ref: dict) -> list[float]:
@@ -47,7 +78,7 @@ def codec_rows(cells: list[dict]) -> list[dict[str, Any]]:
         outer = ("outer_lr", "outer_momentum", "nesterov")
         same = [f for f in refs if all(f["cell"][o] == k[o] for o in outer)]
         best = min(refs, key=lambda f: f["eval_loss_mean"])
-        n = 278400  # the char-LM's parameters (bits per parameter barely depend on it)
+        sent, n = round_bytes(k["codec"])
         bits = bits_per_round(k["codec"], n)  # up + down
         row = {
             "key": c["key"],
@@ -60,7 +91,8 @@ def codec_rows(cells: list[dict]) -> list[dict[str, Any]]:
             "eval_loss": c["eval_loss"],
             "eval_loss_mean": c["eval_loss_mean"],
             "bits_up_plus_down": bits,
-            "ratio_vs_data_parallel": 64 * k["sync_every"] / bits,
+            "bytes_per_round_4_peers": sent,
+            "ratio_vs_data_parallel": 2 * 3 / 4 * 4 * n * k["sync_every"] / sent,
         }
         for name, ref in (("same_outer", same[0] if same else None), ("best_fp32", best)):
             if ref is None:
@@ -148,7 +180,7 @@ def plot_codecs(rows: list[dict], path: Path) -> None:
     ax.axvline(1000, color="k", ls=":", lw=1, label="1000x fewer bytes than data-parallel")
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xscale("log")
-    ax.set_xlabel("bytes of data-parallel / bytes of DiLoCo (wire format, per run)")
+    ax.set_xlabel("bytes of data-parallel / bytes of DiLoCo (a peer of 4, wire format with headers)")
     ax.set_ylabel("eval loss vs the best fp32 DiLoCo, same length (%)")
     ax.set_title("compressed DiLoCo rounds: quality against bytes (mean of seeds, ± per-seed std)")
     ax.grid(alpha=0.3)
