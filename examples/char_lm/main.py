@@ -464,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("ravnest_jax").setLevel(args.log_level)
     in_main = threading.current_thread() is threading.main_thread()
     _LOOP["stop"] = False
+    _LOOP["hard_exit"] = False
     _STOPPED_BY.clear()
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)} if in_main else {}
     try:
@@ -530,6 +531,7 @@ def _main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # before training started (compiling, joining)
+        _LOOP["hard_exit"] = True  # see the end of this file
         print("\ninterrupted" + (" (SIGTERM)" if _STOPPED_BY and _STOPPED_BY[-1] == 15 else ""), file=sys.stderr)
         _write_summary(
             args,
@@ -552,4 +554,14 @@ def _main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if _LOOP.get("hard_exit"):
+        # interrupted before training started, possibly inside an XLA compile: the interpreter's
+        # teardown can then crash (SIGSEGV, exit 139) while XLA's compile threads still run.
+        # Nothing of this process is left to clean (a swarm it joined was left by its with-block,
+        # the summary is written), so end it without the teardown, with Ctrl+C's status
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)
