@@ -239,15 +239,7 @@ def run_peer(args: argparse.Namespace) -> dict:
         samples_per_step=args.batch_size,
         on_round=on_round,
     )
-    tokens0 = put_batch(sample_batch(train, np.random.default_rng([data_seed, 0]), args.batch_size, cfg.seq_len))
-    train_step.lower(params, state, tokens0).compile()
-    sync.warmup(params, state)
-    eval_start = evaluate(state.global_params)
-    if args.join_when_exists:
-        _emit(args, event="ready")
-        while not Path(args.join_when_exists).exists():
-            time.sleep(0.05)
-    ckpt = None
+    ckpt = None  # opened before compiling: a directory in use is refused at once
     save_every = args.checkpoint_every or args.sync_every
     if args.checkpoint_dir:
         # saves happen between rounds (no exchange in flight), at most every `save_every` steps;
@@ -258,6 +250,14 @@ def run_peer(args: argparse.Namespace) -> dict:
             save_interval_steps=1,
             metadata={"run_id": args.run_id, "peer": peer_id, "example": "char_lm"},
         )
+    tokens0 = put_batch(sample_batch(train, np.random.default_rng([data_seed, 0]), args.batch_size, cfg.seq_len))
+    train_step.lower(params, state, tokens0).compile()
+    sync.warmup(params, state)
+    eval_start = evaluate(state.global_params)
+    if args.join_when_exists:
+        _emit(args, event="ready")
+        while not Path(args.join_when_exists).exists():
+            time.sleep(0.05)
     wall = 0.0
     interrupted = False
     start_step = int(state.count)

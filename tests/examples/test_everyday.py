@@ -181,7 +181,16 @@ def test_peer_errors_are_one_line_and_come_before_compiling(tmp_path, rendezvous
         _run(["--rendezvous", f"http://127.0.0.1:{dead}", "--run-id", "e", "--token-file", str(token), *TINY]),
         "unreachable",
     )
-    # all six before any model was built or compiled: seconds each, not the minute of compiling
+    import ravnest_jax as rj
+
+    held = rj.Checkpointer(tmp_path / "ckpt")  # this process holds the directory
+    try:
+        _one_line_error(
+            _run([*peer, "--token-file", str(token), "--checkpoint-dir", str(tmp_path / "ckpt")]), "in use by another"
+        )
+    finally:
+        held.close()
+    # all seven before compiling (the last once its model is built): seconds each, not minutes
     assert time.monotonic() - t0 < 90, time.monotonic() - t0
 
 
