@@ -37,6 +37,7 @@ def json_safe(value):
     return value
 
 
+_SIMULATION_ONLY = ("replicas", "sync_every_list", "steps")
 _INTERNAL = (
     "json_events",
     "join_when_exists",
@@ -56,5 +57,12 @@ _INTERNAL = (
 
 def run_config(args: argparse.Namespace, **actual) -> dict:
     """The settings of a run as the user would state them: no launcher internals, and the
-    values that were actually used (``actual``: the run id, the peers' addresses...)."""
-    return {**{k: v for k, v in vars(args).items() if k not in _INTERNAL}, **actual}
+    values that were actually used (``actual``: the run id, the peers' addresses...); a swarm
+    run without the simulation's own settings, with the aggregator it used."""
+    out = {k: v for k, v in vars(args).items() if k not in _INTERNAL}
+    if getattr(args, "local_peers", None) or getattr(args, "rendezvous", None):
+        for k in _SIMULATION_ONLY:
+            out.pop(k, None)
+        if out.get("aggregator") is None:
+            out["aggregator"] = "clipped_mean"  # rj.Swarm's default with the butterfly
+    return {**out, **actual}

@@ -277,3 +277,15 @@ def test_a_wrong_token_is_one_line_not_a_traceback(tmp_path):
     finally:
         rv.kill()
         rv.wait(10)
+
+
+def test_the_config_of_a_swarm_run_is_what_it_used():
+    """A swarm run's summary config has no simulation-only settings and names the aggregator
+    it used (the default is None on the command line); the simulation keeps its own."""
+    from char_lm.report import run_config
+
+    swarm = run_config(char_lm.parse_args(["--local-peers", "2"]))
+    assert "replicas" not in swarm and "steps" not in swarm and swarm["aggregator"] == "clipped_mean", swarm
+    assert run_config(char_lm.parse_args(["--local-peers", "2", "--aggregator", "mean"]))["aggregator"] == "mean"
+    sim = run_config(char_lm.parse_args(["--steps", "7"]))
+    assert sim["steps"] == 7 and sim["replicas"] == 4, sim
