@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Protocol
+import logging
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 from aiohttp import web
+
+log = logging.getLogger("ravnest_jax.swarm")
 
 
 class Attempt:
@@ -206,6 +209,28 @@ def route_ints(request: web.Request, *names: str) -> tuple[int, ...]:
         return tuple(int(request.match_info[n]) for n in names)
     except ValueError:
         raise web.HTTPBadRequest(text=f"{', '.join(names)} must be integers") from None
+
+
+def refuse_other_manifest(warned: set[str], peer_id: str, sender: str, wire: str) -> NoReturn:
+    """Refuse (400) a part whose round manifest is not this peer's, and say so once per sender
+    (a WARNING): a member whose leaf names, shapes or wire settings (codec, mean codec,
+    algorithm, aggregator) differ fails every round it is in, which the round's vote alone
+    reports only as parts that never arrived.
+
+    Raises:
+      web.HTTPBadRequest: always.
+    """
+    if sender not in warned:
+        warned.add(sender)
+        log.warning(
+            "%s: peer %s sends parts of another round manifest: its leaf names, shapes or wire settings "
+            "(codec, mean codec, algorithm, aggregator) differ from this peer's (%s); every peer of a run "
+            "must use the same, and rounds with both fail",
+            peer_id,
+            sender,
+            wire,
+        )
+    raise web.HTTPBadRequest(text="part does not match the round manifest (leaf names, shapes or codec differ)")
 
 
 def decided(decision: dict[str, Any], ok: str) -> Retry | None:

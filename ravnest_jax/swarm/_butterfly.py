@@ -43,7 +43,17 @@ from ._allreduce import (
     clip_scales,
     contributors_tag,
 )
-from ._attempt import Attempt, AttemptInput, Reduced, Retry, RoundFail, Voter, decided, route_ints
+from ._attempt import (
+    Attempt,
+    AttemptInput,
+    Reduced,
+    Retry,
+    RoundFail,
+    Voter,
+    decided,
+    refuse_other_manifest,
+    route_ints,
+)
 from ._codec import PartLayout, RangeDecoder, WireFormatError
 from ._fold import Fold
 from ._gather import H_MANIFEST, H_WEIGHT, AllGather, part_limit, send
@@ -94,6 +104,7 @@ class Butterfly:
         self.transport, self.rounds = transport, rounds
         self.codec, self.codec_options, self.timeouts = codec, codec_options, timeouts
         self.peer_id = transport.peer_id
+        self._other_manifest: set[str] = set()  # senders of another manifest, warned about once
         transport.route("PUT", PARTS, self._h_put_part)
         transport.route("GET", CONTRIB, self._h_get_contrib)
         self.gather = AllGather(
@@ -147,7 +158,7 @@ class Butterfly:
         if sender not in st.group or sender == self.peer_id:
             raise web.HTTPForbidden(text="sender is not in this round's group")
         if manifest != st.manifest:
-            raise web.HTTPBadRequest(text="part does not match the round manifest (leaf names, shapes or codec differ)")
+            refuse_other_manifest(self._other_manifest, self.peer_id, sender, self.wire())
         if st.closed:
             raise web.HTTPConflict(text="too late: the reduce-scatter of this attempt is over")
         if sender in st.received or sender in st.receiving:

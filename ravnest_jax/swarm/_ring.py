@@ -21,7 +21,17 @@ from aiohttp import web
 
 from . import _auth
 from ._allreduce import max_message_bytes, part_bounds, ring_segments
-from ._attempt import Attempt, AttemptInput, Reduced, Retry, RoundFail, Voter, decided, route_ints
+from ._attempt import (
+    Attempt,
+    AttemptInput,
+    Reduced,
+    Retry,
+    RoundFail,
+    Voter,
+    decided,
+    refuse_other_manifest,
+    route_ints,
+)
 from ._butterfly import H_MANIFEST, H_WEIGHT
 from ._codec import PartDecoder, decode_part, encode_part
 from ._http import HTTPStatusError
@@ -58,6 +68,7 @@ class Ring:
         self.codec, self.codec_options, self.timeouts = codec, codec_options, timeouts
         self.segment_bytes = segment_bytes
         self.peer_id = transport.peer_id
+        self._other_manifest: set[str] = set()  # senders of another manifest, warned about once
         self._slots = asyncio.Semaphore(RING_INFLIGHT)
         transport.route("PUT", RING, self._h_put_ring)
 
@@ -86,8 +97,10 @@ class Ring:
             raise web.HTTPBadRequest(text="bad phase or weight")
         st = await self.rounds.wait_entered(r, a)
         n = len(st.group)
-        if st.algorithm != self.name or manifest != st.manifest:
+        if st.algorithm != self.name:
             raise web.HTTPBadRequest(text="part does not match the round manifest")
+        if manifest != st.manifest:
+            refuse_other_manifest(self._other_manifest, self.peer_id, sender, self.wire())
         if sender != st.group[(st.me - 1) % n]:
             raise web.HTTPForbidden(text="only the left neighbour sends ring messages")
         if not 0 <= step < n - 1 or not 0 <= j < len(st.segments[0]):

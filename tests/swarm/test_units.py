@@ -282,3 +282,23 @@ def test_a_diverged_peer_is_left_out_of_the_contributors_and_named():
     }
     rv._decide(run, rnd2, att2, "gather")
     assert att2.decisions["gather"] == {"decision": "ok", "contributors": ["a", "b", "c"], "diverged": ["c"]}
+
+
+def test_a_part_of_another_manifest_is_refused_and_warned_about_once_per_sender(caplog):
+    """Peers of one run with another codec, mean codec or aggregator refuse each other's parts;
+    the vote reports those only as parts that never arrived, so the owner names the sender and
+    its own wire settings in one WARNING (once per sender, not once per round)."""
+    from aiohttp import web
+
+    from ravnest_jax.swarm._attempt import refuse_other_manifest
+
+    warned: set[str] = set()
+    caplog.set_level("WARNING", logger="ravnest_jax.swarm")
+    for sender in ["b", "b", "c", "b"]:
+        with pytest.raises(web.HTTPBadRequest) as refused:
+            refuse_other_manifest(warned, "a", sender, "sign>int2/butterfly/clipped_mean:2.0")
+        assert "round manifest" in refused.value.text
+    lines = [r.getMessage() for r in caplog.records if r.name == "ravnest_jax.swarm"]
+    assert len(lines) == 2 and warned == {"b", "c"}
+    assert "peer b sends parts of another round manifest" in lines[0] and "sign>int2/butterfly" in lines[0]
+    assert "peer c " in lines[1]
