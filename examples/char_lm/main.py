@@ -349,10 +349,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.block_size is not None:
         from ravnest_jax.compress._formats import BLOCK_CODECS, resolve
 
-        if args.codec not in BLOCK_CODECS:
-            p.error(f"--block-size needs a block codec ({', '.join(BLOCK_CODECS)}), got --codec {args.codec}")
+        # the codec the run will use: a swarm's default (int4) is set at the end
+        codec = args.codec if args.codec is not None or not (args.local_peers or args.rendezvous) else "int4"
+        if codec not in BLOCK_CODECS:
+            p.error(f"--block-size needs a block codec ({', '.join(BLOCK_CODECS)}), got --codec {codec}")
         try:
-            resolve(args.codec, block_size=args.block_size)
+            resolve(codec, block_size=args.block_size)
         except ValueError as e:
             p.error(f"--block-size: {e}")
     if args.mean_codec is not None:
@@ -443,6 +445,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ("--devices", args.devices > 1),
             ("--adversary", args.adversary),
             ("--fragments", args.fragments > 1),
+            # the stage groups' rounds take --codec only: these would be ignored silently
+            ("--mean-codec", args.mean_codec not in (None, args.codec)),
+            ("--mean-ef on", args.mean_ef == "on"),
+            ("--block-size", args.block_size is not None),
+            ("--topk-fraction", args.topk_fraction is not None),
+            ("--ef-decay", args.ef_decay != 1.0),
+            ("--aggregator", args.aggregator not in (None, "clipped_mean")),
+            ("--clip-multiple", args.clip_multiple != 2.0),
+            ("--trim", args.trim != 1),
         ):
             if bad:
                 p.error(f"{flag} is not supported with --stages yet (docs/pipeline.md, limits)")

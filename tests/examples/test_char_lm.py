@@ -71,6 +71,19 @@ def test_bad_flags_exit_with_usage_error(bad, capsys):
     assert "error" in err and bad[-2] in err, err
 
 
+def test_block_size_applies_to_a_swarms_default_codec(capsys):
+    """In a swarm --codec defaults to int4, a block codec: --block-size alone is taken (it was
+    refused as "got --codec None"); the simulation, whose default is no codec, refuses it."""
+    args = char_lm.parse_args(["--local-peers", "2", "--block-size", "512"])
+    assert (args.codec, args.block_size) == ("int4", 512)
+    with pytest.raises(SystemExit):
+        char_lm.parse_args(["--local-peers", "2", "--block-size", "63"])
+    assert "--block-size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        char_lm.parse_args(["--block-size", "512"])
+    assert "needs a block codec" in capsys.readouterr().err
+
+
 @pytest.mark.integration
 def test_simulation_end_to_end_writes_summary(tmp_path):
     out = tmp_path / "summary.json"

@@ -46,6 +46,12 @@ TINY = [
         (["--local-peers", "4", "--stages", "2", "--micro-batches", "4", "--in-flight", "6"], "= [2, 5]"),
         (["--local-peers", "2", "--stages", "2", "--checkpoint-dir", "{file}"], "is a file, not a directory"),
         (["--local-peers", "2", "--checkpoint-dir", "{file}"], "is a file, not a directory"),
+        # the stage groups' rounds take --codec only: the other round flags are refused, not ignored
+        (["--local-peers", "4", "--stages", "2", "--codec", "sign", "--mean-codec", "int2"], "--mean-codec is not"),
+        (["--local-peers", "4", "--stages", "2", "--codec", "sign", "--mean-ef", "on"], "--mean-ef on is not"),
+        (["--local-peers", "4", "--stages", "2", "--block-size", "512"], "--block-size is not"),
+        (["--local-peers", "4", "--stages", "2", "--aggregator", "mean"], "--aggregator is not"),
+        (["--local-peers", "4", "--stages", "2", "--ef-decay", "0.9"], "--ef-decay is not"),
     ],
 )
 def test_bad_stage_flags_are_one_line(bad, needle, capsys):
