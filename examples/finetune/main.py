@@ -17,6 +17,7 @@ peer's summary. Every other option goes to ``train.py`` (``train.py --help`` lis
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -40,9 +41,20 @@ def main(argv: list[str] | None = None) -> int:
     import subprocess
 
     from finetune.tiny import text_documents
+    from finetune.train import parse_args as train_args
     from ravnest_jax.launch import run_local
     from ravnest_jax.models import TransformerConfig
 
+    # train.py's options, checked here once before the tiny checkpoint is made (not after it, by every peer)
+    world = os.environ.get("RAVNEST_WORLD_SIZE")
+    os.environ["RAVNEST_WORLD_SIZE"] = str(args.local_peers)
+    try:
+        train_args(["--checkpoint", args.checkpoint or "tiny-llama", *rest])
+    finally:
+        if world is None:
+            del os.environ["RAVNEST_WORLD_SIZE"]
+        else:
+            os.environ["RAVNEST_WORLD_SIZE"] = world
     try:
         text_documents(args.text)  # checked before anything starts
         if args.checkpoint:

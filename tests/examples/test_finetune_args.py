@@ -20,3 +20,29 @@ def test_devices_must_divide_the_batch_and_be_positive(capsys):
         with pytest.raises(SystemExit):
             parse_args([*CKPT, *bad])
         assert "--devices" in capsys.readouterr().err
+
+
+def test_main_checks_train_options_before_making_the_tiny_checkpoint(capsys, monkeypatch):
+    """A mistyped train.py option is one usage error of main.py, before the tiny checkpoint is
+    made (it was each peer's usage dump, after the ~20 s pretraining); --stages is checked
+    against --local-peers."""
+    import subprocess
+
+    from finetune import main as ft_main
+
+    def no_child(*a, **k):
+        raise AssertionError(f"started {a}")
+
+    monkeypatch.setattr(subprocess, "run", no_child)
+    monkeypatch.delenv("RAVNEST_WORLD_SIZE", raising=False)
+    for bad, needle in [
+        (["--local-peers", "2", "--lora-rnak", "8"], "unrecognized arguments: --lora-rnak 8"),
+        (["--local-peers", "3", "--stages", "2"], "launcher's peers (3) must be a multiple"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            ft_main.main(bad)
+        assert e.value.code == 2
+        assert needle in capsys.readouterr().err
+    import os
+
+    assert "RAVNEST_WORLD_SIZE" not in os.environ
