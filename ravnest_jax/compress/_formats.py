@@ -175,7 +175,7 @@ def mean_codec_options(codec: str, mean_codec: str, options: dict[str, Any] | No
     if mean_codec == codec:
         return dict(options or {})
     if not isinstance(mean_codec, str) or mean_codec not in CODECS:
-        raise ValueError(f"unknown mean codec {mean_codec!r}; available: {', '.join(CODECS)}")
+        raise ValueError(f"unknown mean codec {mean_codec!r}; a mean codec is one of {', '.join(BLOCK_CODECS)}")
     if codec not in BLOCK_CODECS or mean_codec not in BLOCK_CODECS:
         raise ValueError(
             f"mean codec {mean_codec!r} with codec {codec!r}: a mean codec of its own needs block codecs on both "
