@@ -239,17 +239,17 @@ def run_peer(args: argparse.Namespace) -> dict:
         samples_per_step=args.batch_size,
         on_round=on_round,
     )
-    ckpt = None  # opened before compiling: a directory in use is refused at once
     save_every = args.checkpoint_every or args.sync_every
-    if args.checkpoint_dir:
+
+    def open_checkpointer():
         # saves happen between rounds (no exchange in flight), at most every `save_every` steps;
         # with overlapped rounds that is once the round merged (tau steps after its boundary)
-        ckpt = rj.Checkpointer(
-            args.checkpoint_dir,
-            max_to_keep=3,
-            save_interval_steps=1,
-            metadata={"run_id": args.run_id, "peer": peer_id, "example": "char_lm"},
-        )
+        meta = {"run_id": args.run_id, "peer": peer_id, "example": "char_lm"}
+        return rj.Checkpointer(args.checkpoint_dir, max_to_keep=3, save_interval_steps=1, metadata=meta)
+
+    # opened before compiling, so that a directory in use is refused at once; but a peer compiled
+    # ahead of its cue (--join-when-exists) takes over a directory whose owner may still run
+    ckpt = open_checkpointer() if args.checkpoint_dir and not args.join_when_exists else None
     tokens0 = put_batch(sample_batch(train, np.random.default_rng([data_seed, 0]), args.batch_size, cfg.seq_len))
     train_step.lower(params, state, tokens0).compile()
     sync.warmup(params, state)
@@ -258,6 +258,8 @@ def run_peer(args: argparse.Namespace) -> dict:
         _emit(args, event="ready")
         while not Path(args.join_when_exists).exists():
             time.sleep(0.05)
+    if args.checkpoint_dir and ckpt is None:
+        ckpt = open_checkpointer()
     wall = 0.0
     interrupted = False
     start_step = int(state.count)
