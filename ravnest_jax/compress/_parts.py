@@ -269,6 +269,10 @@ class RangeDecoder:
       sink: ``sink(j, values)``: grid chunk ``j`` of :meth:`PartLayout.chunk_grid` as a new float32
         array of its length (the sink owns it), called in order ``j = 0, 1, ...``.
       max_header_bytes: the most prefix + header bytes accepted.
+      into: for ``fp32`` only, ``into(j)``: where grid chunk ``j``'s values go (a contiguous
+        float32 array of its length, e.g. a view of the caller's output): the payload bytes are
+        collected straight into it (no second copy) and ``sink(j, that array)`` follows. On an
+        error the array holds garbage. Other codecs ignore it.
 
     ``feed(chunk)`` raises :class:`WireFormatError` as soon as what arrived cannot be this part
     (another codec, other pieces, a bad scale, a non-finite value, bytes past the end);
@@ -283,8 +287,10 @@ class RangeDecoder:
         sink: Callable[[int, np.ndarray], None],
         *,
         max_header_bytes: int = 1 << 20,
+        into: Callable[[int], np.ndarray] | None = None,
     ):
         self.layout, self.lo, self.hi, self.sink = layout, lo, hi, sink
+        self.into = into if layout.codec == "fp32" else None
         self.codec = layout.codec
         self.pieces = layout.pieces(lo, hi)
         self.grid = layout.chunk_grid(lo, hi)
@@ -392,7 +398,12 @@ class RangeDecoder:
             return
         if self._step < len(self._plan):
             n = self._plan[self._step][-1]
-            if self._buf.size != n:
+            if self.into is not None:  # fp32: every region is the next grid chunk's values
+                dst = self.into(self._chunk)
+                if dst.dtype != np.float32 or dst.nbytes != n or not dst.flags.c_contiguous:
+                    raise ValueError(f"into({self._chunk}) is not a contiguous float32 array of {n // 4} values")
+                self._buf = dst.view(np.uint8)
+            elif self._buf.size != n:
                 self._buf = np.empty(n, np.uint8)
             self._fill = 0
 

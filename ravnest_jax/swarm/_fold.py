@@ -85,10 +85,7 @@ class Fold:
         self.arrived[member] += 1
         if self.norms:
             self.sqnorms[member] += squared_norm(values)
-        np.multiply(values, self.weights[member], out=values)
-        s = self.scales.get(member)
-        if s is not None:
-            np.multiply(values, s, out=values)
+        self._scale(member, values, values)
         self.queued[member].append(values)
         self._drain()
 
@@ -123,6 +120,18 @@ class Fold:
         n = len(self.grid)
         return not self.dirty and all(v == n for v in self.folded.values())
 
+    def _scale(self, member: str, values: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``out = values * w_c (* s_c)`` in float32 (a weight of 1 and no factor: a copy, the
+        same bits); returns ``out``."""
+        w, s = self.weights[member], self.scales.get(member)
+        if w != 1 or s is not None:
+            np.multiply(values, w, out=out)
+            if s is not None:
+                np.multiply(out, s, out=out)
+        elif out is not values:
+            np.copyto(out, values)
+        return out
+
     def _fold_one(self, member: str, pos: int, values: np.ndarray) -> None:
         j = self.folded[member]
         a, b = self.grid[j]
@@ -146,11 +155,11 @@ class Fold:
                     j = self.folded[c]
                     a, b = self.grid[j]
                     own = self.own_chunk(a, b)
-                    values = np.multiply(own, self.weights[c])
-                    s = self.scales.get(c)
-                    if s is not None:
-                        np.multiply(values, s, out=values)
-                    self._fold_one(c, pos, values)
+                    if pos == 0:  # the first in the order: scaled straight into the sum
+                        self._scale(c, own, self.acc[a:b])
+                        self.folded[c] = j + 1
+                    else:
+                        self._fold_one(c, pos, self._scale(c, own, np.empty_like(own)))
             else:
                 q = self.queued[c]
                 while q and self.folded[c] < limit:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -169,7 +170,7 @@ class AllGather:
         dst = st.out[lo:hi] if in_out else np.empty(hi - lo, np.float32)
         layout = self.layout(st)
         grid = layout.chunk_grid(lo, hi)
-        dec = RangeDecoder(layout, lo, hi, lambda j, v: dst.__setitem__(slice(*grid[j]), v))
+        dec = RangeDecoder(layout, lo, hi, _writer(dst, grid), into=lambda j: dst[grid[j][0] : grid[j][1]])
         st.results_receiving.add((k, tag))
         try:
             sha = await self.transport.read_stream(
@@ -299,8 +300,9 @@ class AllGather:
         grid = layout.chunk_grid(lo, hi)
         out = st.out
         assert out is not None
+        dst = out[lo:hi]
         while time.monotonic() < t_end:
-            dec = RangeDecoder(layout, lo, hi, lambda j, v: out.__setitem__(slice(lo + grid[j][0], lo + grid[j][1]), v))
+            dec = RangeDecoder(layout, lo, hi, _writer(dst, grid), into=lambda j: dst[grid[j][0] : grid[j][1]])
             try:
                 sha, total = await self.transport.get_stream(
                     address, rest, t_end - time.monotonic(), part_limit(self.mean_codec, hi - lo), H_TOTAL, dec.feed
@@ -413,3 +415,15 @@ class AllGather:
                 if k != st.me and g in membership and g not in st.pullers
             ],
         )
+
+
+def _writer(dst: np.ndarray, grid: list[tuple[int, int]]) -> Callable[[int, np.ndarray], None]:
+    """A :class:`RangeDecoder` sink that writes grid chunk ``j`` into ``dst`` (a part's region of
+    the output), unless the decoder collected it there already (``into``, fp32)."""
+
+    def write(j: int, values: np.ndarray) -> None:
+        a, b = grid[j]
+        if not np.may_share_memory(values, dst[a:b]):
+            dst[a:b] = values
+
+    return write

@@ -133,7 +133,7 @@ class Transport:
         except OSError as e:
             raise SwarmError(f"cannot listen on {self._listen[0]}:{self._listen[1]}: {e.strerror or e}") from None
         server = site._server
-        assert isinstance(server, asyncio.base_events.Server)
+        assert server is not None and server.sockets  # asyncio's or uvloop's Server
         self.port = server.sockets[0].getsockname()[1]
         self.address = self._advertise or self._guess_address()
 
