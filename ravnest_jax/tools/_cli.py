@@ -81,7 +81,7 @@ def params_of_config(config: str, lora_rank: int | None = None) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ._round_plan import CODECS, codec_seconds_per_param, plan_rounds
+    from ._round_plan import PLAN_CODECS, codec_seconds_per_param, plan_rounds
 
     try:
         if args.lora_rank is not None and not args.config:
@@ -94,10 +94,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
             params = int(args.params)
         else:
             raise ValueError("give --params N or --config config.json")
-        codec_s = None if args.no_measure else {c: codec_seconds_per_param(c) for c in CODECS}
+        if args.mean_codec not in (None, args.codec):  # a pair the swarm refuses: before measuring
+            from ravnest_jax.compress._formats import mean_codec_options
+
+            mean_codec_options(args.codec, args.mean_codec, {})
+        codec_s = None if args.no_measure else {c: codec_seconds_per_param(c) for c in PLAN_CODECS}
         plan = plan_rounds(
             params,
             codec=args.codec,
+            mean_codec=args.mean_codec,
             peers=args.peers,
             mbit_up=args.mbit,
             mbit_down=args.mbit_down,
@@ -113,12 +118,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     i = plan.inputs
     down = "" if args.mbit_down is None else f" / {args.mbit_down:g} down"
     count = f"{params / 1e6:,.1f}M" if params >= 100_000 else f"{params:,}"
+    pair = args.codec if args.mean_codec in (None, args.codec) else f"{args.codec} up, {args.mean_codec} down"
     print(
-        f"{count} parameters exchanged, codec {args.codec}, {args.peers} peers, "
+        f"{count} parameters exchanged, codec {pair}, {args.peers} peers, "
         f"{args.mbit:g} Mbit/s up{down}, RTT {args.rtt_ms:g} ms, {args.step_s:g} s a step "
         f"(codec {'measured here' if codec_s else 'speed of the calibration host'})"
     )
     print(plan.table())
+    if {args.codec, args.mean_codec} & {"int2", "sign"}:
+        print(
+            "note: 2-bit and 1-bit codes stay close to fp32 DiLoCo only with error feedback (the default) "
+            "and enough rounds; measured in docs/algorithm.md (sign up, int2 down: +0.45% at 80 rounds)"
+        )
     dp = plan.data_parallel
     print(
         f"data-parallel (fp32 all-reduce every step, {dp['bytes_per_step'] / 1e6:,.1f} MB a step): "
@@ -161,6 +172,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: Any) -> None:
+    from ._round_plan import PLAN_CODECS
+
     pl = sub.add_parser(
         "plan",
         help="predict rounds on a link; recommend H, codec, overlap and fragments",
@@ -173,7 +186,14 @@ def add_parsers(sub: Any) -> None:
     what.add_argument("--params", type=_positive_float, help="parameters exchanged, e.g. 1e9")
     what.add_argument("--config", help="a Hugging Face config.json (or its directory, or a preset name)")
     pl.add_argument("--lora-rank", type=int, default=None, help="with --config: exchange rank-R LoRA adapters only")
-    pl.add_argument("--codec", default="int4", choices=["fp32", "bf16", "int8", "int4"], help="(default int4)")
+    pl.add_argument(
+        "--codec", default="int4", choices=list(PLAN_CODECS), help="codec of the contributions (default int4)"
+    )
+    pl.add_argument(
+        "--mean-codec",
+        choices=list(PLAN_CODECS),
+        help="codec of the mean the part owners send back (default: --codec), as rj.Swarm(mean_codec=...)",
+    )
     pl.add_argument("--peers", type=int, default=2, help="peers in a round (default 2)")
     pl.add_argument("--mbit", type=_positive_float, required=True, help="link rate up, Mbit/s")
     pl.add_argument("--mbit-down", type=_positive_float, default=None, help="link rate down, Mbit/s (default: --mbit)")

@@ -53,6 +53,11 @@ __all__ = [
 ]
 
 CODECS = ("fp32", "bf16", "int8", "int4")
+"""The codecs a plan recommends among (most precise first)."""
+PLAN_CODECS = (*CODECS, "int2", "sign")
+"""The codecs a plan predicts for (``codec=`` and ``mean_codec=``). The coarse two (2 bits, 1 bit
+a value) are never recommended: they need error feedback and enough rounds to stay close to fp32
+(docs/algorithm.md), a choice the link alone cannot make."""
 DEFAULT_H = (10, 25, 50, 100, 200, 500, 1000)
 
 
@@ -85,7 +90,16 @@ CALIBRATION = Calibration(
     k_rtt=2.312,
     c_dp=0.0244,
     overhead={"blocking": 0.219, "delayed": 0.1265, "eager": 0.1266, "fragments": 0.0627},
-    codec_s_per_param={"fp32": 4.0e-9, "bf16": 8.5e-9, "int8": 11.4e-9, "int4": 15.0e-9},
+    # int2 and sign: int4's constant times their ratio to int4 measured on this project's
+    # 2-core VM on 2026-12-04 (codec_seconds_per_param: 5.8, 5.1 and 3.85 ns: 1.51, 1.34)
+    codec_s_per_param={
+        "fp32": 4.0e-9,
+        "bf16": 8.5e-9,
+        "int8": 11.4e-9,
+        "int4": 15.0e-9,
+        "int2": 22.7e-9,
+        "sign": 20.1e-9,
+    },
     source="benchmarks/results/utilization.json",
 )
 
@@ -129,12 +143,31 @@ def _transfer_s(nbytes: float, peers: int, mbit: float) -> float:
     return 2 * (peers - 1) / peers * nbytes * 8 / (mbit * 1e6)
 
 
+def pair_bytes(params: int, codec: str, mean_codec: str | None = None) -> float:
+    """The bytes of "one message of the whole vector" when the contributions go in ``codec`` and
+    the mean comes back in ``mean_codec`` (default: ``codec``): the average of the two messages,
+    since a peer sends half its traffic as parts and half as results."""
+    down = codec if mean_codec is None else mean_codec
+    return (message_bytes(params, codec) + message_bytes(params, down)) / 2
+
+
 def round_seconds(
-    params: int, codec: str, peers: int, mbit: float, rtt_s: float, cal: Calibration, codec_s: float | None = None
+    params: int,
+    codec: str,
+    peers: int,
+    mbit: float,
+    rtt_s: float,
+    cal: Calibration,
+    codec_s: float | None = None,
+    mean_codec: str | None = None,
 ) -> float:
-    """Predicted seconds of one round's exchange (see the module docstring)."""
-    e = cal.codec_s_per_param.get(codec, 0.0) if codec_s is None else codec_s
-    return cal.c_round + cal.k_rtt * rtt_s + _transfer_s(message_bytes(params, codec), peers, mbit) + params * e
+    """Predicted seconds of one round's exchange (see the module docstring). ``codec_s``:
+    encode + decode seconds per parameter (default: the calibration's, the mean of the pair's)."""
+    down = codec if mean_codec is None else mean_codec
+    if codec_s is None:
+        codec_s = (cal.codec_s_per_param.get(codec, 0.0) + cal.codec_s_per_param.get(down, 0.0)) / 2
+    wire = _transfer_s(pair_bytes(params, codec, mean_codec), peers, mbit)
+    return cal.c_round + cal.k_rtt * rtt_s + wire + params * codec_s
 
 
 def dp_step_seconds(params: int, peers: int, mbit: float, rtt_s: float, cal: Calibration) -> float:
@@ -157,6 +190,7 @@ def predict_utilisation(
     max_tau: int | None = None,
     cal: Calibration = CALIBRATION,
     codec_s: float | None = None,
+    mean_codec: str | None = None,
 ) -> tuple[float, float, int]:
     """``(utilisation, round seconds, tau)`` of one configuration.
 
@@ -166,6 +200,7 @@ def predict_utilisation(
         ``max_tau``, default the cap of the default staleness budget, as
         ``OuterSync(overlap_steps="auto")``: ``ravnest_jax._staleness.overlap_cap``).
       fragments: rounds per window, each of ``1/fragments`` of the vector.
+      mean_codec: the codec of the mean (default: ``codec``; see :func:`pair_bytes`).
     """
     if mode == "data_parallel":
         s = dp_step_seconds(params, peers, mbit, rtt_s, cal)
@@ -173,7 +208,7 @@ def predict_utilisation(
     if mode not in ("blocking", "delayed", "eager"):
         raise ValueError(f"unknown mode {mode!r}")
     f = max(1, int(fragments))
-    t_round = round_seconds(math.ceil(params / f), codec, peers, mbit, rtt_s, cal, codec_s)
+    t_round = round_seconds(math.ceil(params / f), codec, peers, mbit, rtt_s, cal, codec_s, mean_codec)
     cap = default_cap(sync_every) if max_tau is None else max_tau
     cap = max(1, min(cap, sync_every // f - 1))  # tau < the steps between round starts
     if mode == "blocking":
@@ -240,6 +275,7 @@ def plan_rounds(
     params: int,
     *,
     codec: str = "int4",
+    mean_codec: str | None = None,
     peers: int = 2,
     mbit_up: float,
     mbit_down: float | None = None,
@@ -254,7 +290,11 @@ def plan_rounds(
 
     Args:
       params: parameters exchanged (the trained ones: adapters only with LoRA), int > 0.
-      codec: the codec of the rows (``fp32``, ``bf16``, ``int8``, ``int4``).
+      codec: the codec of the rows' contributions (:data:`PLAN_CODECS`: ``fp32``, ``bf16``,
+        ``int8``, ``int4``, ``int2``, ``sign``).
+      mean_codec: the codec of the rows' mean (default ``codec``); another one must pair with
+        ``codec`` as ``rj.Swarm(mean_codec=...)`` requires (both block codecs, e.g. ``sign`` up
+        and ``int2`` down, the 1000x mode of docs/algorithm.md).
       peers: peers in a round (int >= 2).
       mbit_up, mbit_down: the link's rates, Mbit/s (down defaults to up).
       rtt_ms: round-trip time between peers (and to the rendezvous), milliseconds.
@@ -286,14 +326,22 @@ def plan_rounds(
         raise ValueError(f"rtt_ms must be a number >= 0, got {rtt_ms!r}")
     if not (isinstance(target, (int, float)) and 0 < target <= 1):
         raise ValueError(f"target must be a utilisation in (0, 1], got {target!r}")
-    if codec not in CODECS:
-        raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {codec!r}")
+    for name, c in (("codec", codec), ("mean_codec", codec if mean_codec is None else mean_codec)):
+        if c not in PLAN_CODECS:
+            raise ValueError(f"{name} must be one of {', '.join(PLAN_CODECS)}, got {c!r}")
+    if mean_codec is not None and mean_codec != codec:
+        from ravnest_jax.compress._formats import mean_codec_options
+
+        mean_codec_options(codec, mean_codec, {})  # ValueError: a pair the swarm refuses
     if not sync_every or any(not isinstance(h, int) or h < 1 for h in sync_every):
         raise ValueError(f"sync_every must be ints >= 1, got {sync_every!r}")
     mbit, rtt = min(mbit_up, mbit_down), rtt_ms / 1e3
     cs = dict(cal.codec_s_per_param, **(codec_s or {}))
 
-    def util(h: int, c: str, f: int = 1, mode: str = "delayed", tau: int | str = "auto") -> tuple[float, float, int]:
+    def util(
+        h: int, c: str, f: int = 1, mode: str = "delayed", tau: int | str = "auto", mean: str | None = None
+    ) -> tuple[float, float, int]:
+        down = c if mean is None else mean
         return predict_utilisation(
             mode,
             params=params,
@@ -306,25 +354,26 @@ def plan_rounds(
             tau=tau,
             fragments=f,
             cal=cal,
-            codec_s=cs[c],
+            codec_s=(cs[c] + cs[down]) / 2,
+            mean_codec=mean,
         )
 
-    nbytes = lambda c, f=1: int(2 * (peers - 1) / peers * message_bytes(params, c))  # noqa: E731
+    sent = int(2 * (peers - 1) / peers * pair_bytes(params, codec, mean_codec))  # bytes a peer sends a round
     rows = []
     for h in sorted(sync_every):
-        ub, t_round, _ = util(h, codec, mode="blocking")
-        uo, _, tau = util(h, codec)
+        ub, t_round, _ = util(h, codec, mode="blocking", mean=mean_codec)
+        uo, _, tau = util(h, codec, mean=mean_codec)
         needed = math.ceil(1.25 * t_round / step_s)
         rows.append(
             PlanRow(
                 sync_every=h,
-                bytes_per_round=nbytes(codec),
+                bytes_per_round=sent,
                 round_s=t_round,
                 tau=needed,
                 tau_within_cap=needed <= default_cap(h),
                 utilisation_blocking=ub,
                 utilisation=uo,
-                mbytes_per_hour=nbytes(codec) / 1e6 * 3600 * uo / (h * step_s),  # per hour of wall time
+                mbytes_per_hour=sent / 1e6 * 3600 * uo / (h * step_s),  # per hour of wall time
             )
         )
     best: dict[str, Any] | None = None
@@ -360,6 +409,7 @@ def plan_rounds(
     inputs = {
         "params": params,
         "codec": codec,
+        "mean_codec": codec if mean_codec is None else mean_codec,
         "peers": peers,
         "mbit_up": mbit_up,
         "mbit_down": mbit_down,

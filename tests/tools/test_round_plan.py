@@ -22,7 +22,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 LLAMA = ROOT / "tests" / "fixtures" / "llm" / "finetune"
 
 
-@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4", "int2", "sign"])
 @pytest.mark.parametrize("n", [1000, 65_536, 100_003])
 def test_message_bytes_are_the_wire_formats(codec, n):
     real = len(encode_part("p", np.ones(n, np.float32), codec))
@@ -54,6 +54,22 @@ def test_validation_on_the_measured_cells():
     again = validate(json.loads((RESULTS / "utilization_remeasured.json").read_text()))
     assert again == saved["remeasured_cells"], "plan_validation.json is stale"
     assert len(again) == 36 and all(abs(r["error_points"]) <= 3 for r in again), again
+
+
+def test_a_pair_of_codecs_is_planned_with_the_swarms_bytes():
+    """Sign up, int2 down (rj.Swarm(codec="sign", mean_codec="int2")): a peer of 4 sends 3/4 of
+    a sign message as parts and 3/4 of an int2 message as results, as the wire format counts."""
+    n = 10_000_000
+    plan = plan_rounds(n, codec="sign", mean_codec="int2", peers=4, mbit_up=100, rtt_ms=100, step_s=0.5)
+    want = 0.75 * (message_bytes(n, "sign") + message_bytes(n, "int2"))
+    assert all(r.bytes_per_round == int(want) for r in plan.rows), (plan.rows[0], want)
+    assert plan.inputs["codec"] == "sign" and plan.inputs["mean_codec"] == "int2", plan.inputs
+    int2 = plan_rounds(n, codec="int2", peers=4, mbit_up=100, rtt_ms=100, step_s=0.5)
+    sign = plan_rounds(n, codec="sign", peers=4, mbit_up=100, rtt_ms=100, step_s=0.5)
+    assert sign.rows[0].round_s < plan.rows[0].round_s < int2.rows[0].round_s, (sign.rows[0], plan.rows[0])
+    assert plan.recommendation["codec"] in ("fp32", "bf16", "int8", "int4"), plan.recommendation  # never the coarse
+    with pytest.raises(ValueError, match="block codecs"):  # a pair the swarm refuses
+        plan_rounds(n, codec="fp32", mean_codec="int2", mbit_up=100, step_s=0.5)
 
 
 def test_plan_rounds_is_consistent():
@@ -118,6 +134,20 @@ def test_the_plan_command(tmp_path):
     assert any(ln.startswith("recommended: H=") for ln in lines) and "rj.diloco(inner, sync_every=" in r.stdout
     d = json.loads(out.read_text())
     assert d["recommendation"]["utilisation"] >= 0.95 and len(d["rows"]) == 7, d
+
+
+def test_the_plan_command_plans_sign_up_int2_down():
+    r = _cli(
+        "plan", "--params", "1e9", "--codec", "sign", "--mean-codec", "int2", "--mbit", "100", "--rtt-ms", "100",
+        "--step-s", "3.4", "--no-measure",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("1,000.0M parameters exchanged, codec sign up, int2 down, 2 peers"), lines[0]
+    mb = 0.5 * (message_bytes(int(1e9), "sign") + message_bytes(int(1e9), "int2")) / 1e6
+    assert f"{mb:.2f}" in lines[2] and "error feedback" in r.stdout, (mb, r.stdout)
+    bad = _cli("plan", "--params", "1e9", "--codec", "fp32", "--mean-codec", "int2", "--mbit", "10", "--step-s", "1")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "block codecs" in bad.stderr, bad.stderr
 
 
 def test_the_plan_command_names_bad_input(capsys):
