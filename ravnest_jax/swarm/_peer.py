@@ -304,10 +304,10 @@ class Swarm:
         """Like :meth:`all_reduce` but returns at once with a ``concurrent.futures.Future``.
 
         Its result is ``(mean_tree, record)``; it raises :class:`RoundFailed`. Rounds run in call order.
-
-        ``round``: the round this contribution belongs to (``rj.OuterSync`` keeps its own
-        schedule); if the swarm is past it, the future fails at once with :class:`RoundFailed`
-        rather than mix it into a later round. ``None``: the next round.
+        ``round``: the round this contribution belongs to (``rj.OuterSync`` keeps its own schedule);
+        if the swarm is past it, the future fails with :class:`RoundFailed` rather than mix it into
+        a later round, unless all rounds since failed for everybody: then it runs in the current
+        one (``record.round``). ``None``: the next round.
 
         ``state``: ``(round, digest)``, the digest (1-128 chars) of this peer's global state
         after it merged that earlier round (``RoundMetrics.state_digest``). A peer whose digest

@@ -54,6 +54,7 @@ from ._votes import (
     _Round,
     _Run,
     decide,
+    failed_between,
 )
 
 log = logging.getLogger("ravnest_jax.swarm.rendezvous")
@@ -88,10 +89,8 @@ class Rendezvous:
         self.token = token.encode() if isinstance(token, str) else bytes(token)
         if not self.token:
             raise ValueError("the token must not be empty")
-        self.heartbeat_s = heartbeat_s
-        self.eviction_s = eviction_s
-        self.epoch = secrets.token_hex(8)
-        self.boot = time.monotonic()
+        self.heartbeat_s, self.eviction_s = heartbeat_s, eviction_s
+        self.epoch, self.boot = secrets.token_hex(8), time.monotonic()
         self.runs: dict[str, _Run] = {}
         self.nonces = _auth.NonceCache()
         self._evictor: asyncio.Task[None] | None = None
@@ -373,8 +372,7 @@ class Rendezvous:
 
     async def _begin(self, request: web.Request) -> web.Response:
         run, peer, p = await self._auth(request)
-        # every field is checked before the request has any effect (a malformed begin of an
-        # unknown sender must not register it)
+        # every field is checked before it has any effect (a malformed begin must not register its sender)
         after = p.get("after", -1)
         if not isinstance(after, int) or isinstance(after, bool):
             raise web.HTTPBadRequest(text="after must be an int")
@@ -405,7 +403,7 @@ class Rendezvous:
                 and me.joined <= rnd.created
             )
             if rnd is not None and rnd.outcome == "running" and member and after < rnd.number:
-                return self._reply(request, run, self._handout(run, rnd, arrived=True))
+                return self._reply(request, run, self._handout(run, rnd, arrived=True, after=after))
             if (
                 rnd is not None
                 and rnd.outcome == "running"
@@ -460,9 +458,10 @@ class Rendezvous:
         group = set(rnd.attempts[max(rnd.attempts)].group) - {asker}
         return any(e.peer_id in group and e.joined <= rnd.created for e in self._live(run))
 
-    def _handout(self, run: _Run, rnd: _Round, *, arrived: bool) -> dict[str, Any]:
+    def _handout(self, run: _Run, rnd: _Round, *, arrived: bool, after: int | None = None) -> dict[str, Any]:
         """The begin answer for a member of ``rnd``: its attempt 0 group, addresses and the part
-        time left. ``arrived``: the member is here, so the part clock starts if it has not."""
+        time left. ``arrived``: the member is here, so the part clock starts if it has not.
+        ``after``: the asker's last round (adds ``rounds_failed``, :func:`failed_between`)."""
         att = rnd.attempts[max(rnd.attempts)]
         if arrived:
             att.arrive()
@@ -476,6 +475,7 @@ class Rendezvous:
             "group": list(att.group),
             "addresses": {g: run.peers[g].address for g in att.group if g in run.peers},
             "part_left": max(part_left, 0.0),
+            **({} if after is None else {"rounds_failed": failed_between(run, after, rnd.number)}),
         }
 
     def _arrival(self, run: _Run, me: _Peer, number: int) -> dict[str, Any]:

@@ -280,7 +280,8 @@ class Rounds:
                     time.monotonic() - t0,
                     " (handed with the last commit)" if begin is nxt else "",
                 )
-                missed = expected is not None and r != expected
+                # not missed when every round since the expected one failed for everybody
+                missed = expected is not None and r != expected and not (r > expected and begin.get("rounds_failed"))
                 if missed:
                     # Too late for `expected`; this peer is in round r's group, so it takes part
                     # as an abstainer (zeros, a weight that vanishes next to any real one in

@@ -77,6 +77,16 @@ class _Run:
         self.reports: dict[int, dict[str, dict[str, float]]] = {}  # round -> peer -> losses
 
 
+def failed_between(run: _Run, after: int, number: int) -> bool:
+    """Whether every round numbered ``after + 1 .. number - 1`` is known here and failed for
+    everybody (none, when ``after + 1 == number``: False). A peer whose schedule expected round
+    ``after + 1`` missed nothing then: no peer applied a round since (a lone peer restarted
+    after its previous process began a round and died). Unknown numbers (from before a
+    rendezvous restart, or pruned) count as not failed."""
+    between = range(after + 1, number)
+    return len(between) > 0 and all(n in run.rounds and run.rounds[n].outcome == "failed" for n in between)
+
+
 def decide(run: _Run, rnd: _Round, att: _Attempt, phase: str, ahead: Callable[[], dict[str, Any] | None]) -> dict:
     """The rendezvous' decision of ``phase`` (``"gather"`` or ``"commit"``) of attempt ``att``
     from the votes it has (all of the group's, or those in by the deadline).

@@ -23,7 +23,7 @@ def exchange(
     weight: float,
     expected: int | None,
     state: tuple[int, str] | None,
-    learn_round: Callable[[int], None],
+    learn_round: Callable[[int, bool], None],
 ) -> tuple[np.ndarray, Any, int, int, float]:
     """Background thread: device -> host, the all-reduce, the mean.
 
@@ -85,16 +85,16 @@ def _decoded(host: Any) -> np.ndarray:
 
 
 def _result(
-    fut: Any, learn_round: Callable[[int], None], nbytes: int, n: int, t0: float
+    fut: Any, learn_round: Callable[[int, bool], None], nbytes: int, n: int, t0: float
 ) -> tuple[np.ndarray, Any, int, int, float]:
     try:
         mean, record = fut.result()
     except Exception as e:
         r = getattr(getattr(e, "record", None), "round", -1)
         if r is not None:
-            learn_round(int(r))
+            learn_round(int(r), False)
         raise
-    learn_round(int(getattr(record, "round", -1)))
+    learn_round(int(getattr(record, "round", -1)), True)
     if isinstance(mean, dict):
         mean = mean["pg"]
     return np.asarray(mean, np.float32).reshape(-1), record, nbytes, 4 * n, time.perf_counter() - t0

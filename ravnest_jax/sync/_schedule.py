@@ -21,14 +21,15 @@ class Plan(NamedTuple):
       tau: inner steps until its merge.
       weight: samples since the fragment's last round (its weight in the mean).
       expected: the swarm round it belongs to, once the mapping is known, else ``None``.
-      learn_round: called (from the exchange worker) with the swarm round it ran as.
+      learn_round: called (from the exchange worker) with the swarm round it ran as, and
+        ``True`` when it ran with this peer's contribution.
     """
 
     seq: int
     tau: int
     weight: float
     expected: int | None
-    learn_round: Callable[[int], None]
+    learn_round: Callable[[int, bool], None]
 
 
 class Schedule:
@@ -95,8 +96,11 @@ class Schedule:
         base = self.swarm_base
         tau = int(self.overlap_steps) if self.overlap_steps != "auto" else self.tau.choose(step, stall_seconds)
 
-        def learn(r: int) -> None:
-            if self.swarm_base is None and r >= 0:
+        def learn(r: int, ran: bool = False) -> None:
+            # learned from the first round; learned anew from a round that ran with this
+            # peer's contribution as another number than expected (the rounds between failed
+            # for everybody, see Swarm.all_reduce's round=)
+            if r >= 0 and (self.swarm_base is None or (ran and expected is not None and r != expected)):
                 self.swarm_base = (r, seq)
 
         expected = None if base is None else base[0] + (seq - base[1])

@@ -211,3 +211,23 @@ def test_a_joining_process_costs_the_running_swarm_no_deadline(cluster):
         fs = [s.all_reduce_async(x) for s in (a, b, c)]
         recs = [f.result(20)[1] for f in fs]
         assert all(r.ok and r.group == ("a", "b", "c") and r.attempts == 1 for r in recs), recs
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_lone_process_runs_in_the_round_after_one_that_failed_for_everybody(cluster):
+    """A lone peer's process stops after the rendezvous created its next round (handed out with
+    the last commit); that round fails for everybody. The restarted process (same id) expects
+    it: it missed nothing, so its contribution runs in the next round, instead of abstaining
+    and reporting a failed round. Had a round since committed, it is still told it missed it."""
+    url = cluster.rendezvous()
+    x = {"x": np.full(64, 2.0, np.float32)}
+    with _swarm(url, "lone", aggregator="mean") as a:
+        assert [a.all_reduce(x)[1].round for _ in range(2)] == [0, 1]
+    with _swarm(url, "lone", aggregator="mean") as b:
+        outcomes = {r["round"]: r["outcome"] for r in b.status()["rounds"]}
+        assert outcomes.get(2) == "failed", outcomes  # created ahead for the first process
+        out, rec = b.all_reduce_async(x, round=2).result(20)
+        assert rec.ok and rec.round == 3 and rec.contributors == ("lone",), rec
+        np.testing.assert_array_equal(out["x"], x["x"])
+        with pytest.raises(RoundFailed, match="missed round 3"):  # round 3 committed: a real miss
+            b.all_reduce_async(x, round=3).result(20)
