@@ -68,9 +68,13 @@ def main(argv: list[str] | None = None) -> int:
             ckpt = str(Path(tmp) / "tiny-llama")
             # in a child: this process forks the peers and must not have started jax's threads
             make = [sys.executable, str(HERE / "tiny.py"), ckpt, "--vocab-size", str(args.vocab_size)]
-            if subprocess.run(make).returncode != 0:
+            if subprocess.run(make, stdout=subprocess.DEVNULL).returncode != 0:  # errors still on stderr
                 return 1
-            print(f"made a tiny Llama-style checkpoint (random weights, BPE tokenizer) in {ckpt}", file=sys.stderr)
+            print(
+                f"made a tiny Llama-style checkpoint (pretrained briefly on Python code, BPE tokenizer) in {ckpt} "
+                "(removed at the end)",
+                file=sys.stderr,
+            )
         cmd = [str(HERE / "train.py"), "--checkpoint", ckpt, *text, *rest]
         return run_local(cmd, peers=args.local_peers, codec=args.codec, summary_json=args.summary_json)
 
