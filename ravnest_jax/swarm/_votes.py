@@ -184,6 +184,10 @@ def decide(run: _Run, rnd: _Round, att: _Attempt, phase: str, ahead: Callable[[]
         decision["norms"] = summed(votes, "sqnorms", decision["contributors"], root=True)
     if phase == "commit" and decision["decision"] == "commit" and any("trimmed" in v for v in votes.values()):
         decision["trimmed"] = summed(votes, "trimmed", list(att.decisions["gather"]["contributors"]))
+    if decision["decision"] == "fail" and not att.started and att.left >= set(att.group):
+        # created ahead at the last commit, and every member left before it began (the end of
+        # a run, or a lone peer's process that died): nothing was lost in it
+        decision["reason"] = "abandoned: every member left before it began (it was created ahead at the last commit)"
     return decision
 
 

@@ -249,6 +249,37 @@ def test_commit_hands_out_the_next_round_whose_clock_starts_at_arrival():
     asyncio.run(go())
 
 
+def test_a_round_created_ahead_that_every_member_left_is_abandoned():
+    """The end of a run (or a lone peer's process that died): the round created ahead at the
+    last commit fails, and says it was abandoned, not that votes were missing; the rounds
+    between a peer's last round and a later one count as failed for everybody."""
+    from ravnest_jax.swarm import Rendezvous
+    from ravnest_jax.swarm._votes import failed_between
+
+    async def go():
+        rv = Rendezvous("tok")
+        run, rnd = _two_peer_round(rv)
+        att = rnd.attempts[0]
+        att.votes["gather"] = {p: {"received": ["a", "b"]} for p in "ab"}
+        rv._decide(run, rnd, att, "gather")
+        att.votes["commit"] = {p: {"ok": True, "digest": "d"} for p in "ab"}
+        rv._decide(run, rnd, att, "commit")
+        nxt = run.rounds[rnd.number + 1]
+        assert not nxt.attempts[0].started
+        assert not failed_between(run, rnd.number - 1, rnd.number + 2)  # rnd committed
+        for p in "ab":
+            run.peers.pop(p)
+            rv._forget(run, p)
+        d = nxt.attempts[0].decisions["gather"]
+        assert nxt.outcome == "failed" and d["reason"].startswith("abandoned: every member left"), d
+        assert failed_between(run, rnd.number, rnd.number + 2) and not failed_between(run, rnd.number, rnd.number + 1)
+        assert not failed_between(run, rnd.number, rnd.number + 3)  # an unknown round: not known to have failed
+
+    import asyncio
+
+    asyncio.run(go())
+
+
 def test_diverged_peers_is_the_minority_of_the_latest_common_round():
     from ravnest_jax.swarm._votes import diverged_peers
 
