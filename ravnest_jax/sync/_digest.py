@@ -11,24 +11,15 @@ import numpy as np
 _MULS = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
 
 
-def _leaf_hash(x: jax.Array, salt: int) -> jax.Array:
-    """Four uint32 lanes of a position-dependent hash of a leaf's bits (wrap-around sums)."""
-    x = jnp.asarray(x)
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    flat = x.reshape(-1)
-    itemsize = flat.dtype.itemsize
-    if itemsize == 8:
-        bits = jax.lax.bitcast_convert_type(flat, jnp.uint32).reshape(-1)
-    elif itemsize == 4:
-        bits = jax.lax.bitcast_convert_type(flat, jnp.uint32)
-    elif itemsize == 2:
-        bits = jax.lax.bitcast_convert_type(flat, jnp.uint16).astype(jnp.uint32)
-    else:
-        bits = jax.lax.bitcast_convert_type(flat, jnp.uint8).astype(jnp.uint32)
-    idx = jnp.arange(bits.shape[0], dtype=jnp.uint32) + jnp.uint32((salt * 0x632BE5AB) % (1 << 32))
+CHUNK = 1 << 22
+"""Elements hashed per step: a leaf's lanes are summed chunk by chunk, so that a digest needs
+a few chunk-sized temporaries, not four leaf-sized ones (it did: 8x the params of a merge's
+``(global_params, outer_state)`` on XLA's CPU plan). The sums wrap around, so the chunking does
+not change the value."""
+
+
+def _lanes(bits: jax.Array, idx: jax.Array) -> jax.Array:
+    """The four uint32 lane sums of ``bits`` (uint32) at positions ``idx`` (uint32)."""
     lanes = []
     for i, m in enumerate(_MULS):
         v = (bits ^ (idx * jnp.uint32(m) + jnp.uint32(i))) * jnp.uint32(m | 1)
@@ -36,6 +27,49 @@ def _leaf_hash(x: jax.Array, salt: int) -> jax.Array:
         v = v * jnp.uint32(_MULS[(i + 1) % 4] | 1)
         lanes.append(jnp.sum(v, dtype=jnp.uint32))
     return jnp.stack(lanes)
+
+
+def _bits(flat: jax.Array) -> jax.Array:
+    """A 1-D array's bits as uint32 values (two per element of 8 bytes, one per smaller one)."""
+    itemsize = flat.dtype.itemsize
+    if itemsize == 8:
+        return jax.lax.bitcast_convert_type(flat, jnp.uint32).reshape(-1)
+    if itemsize == 4:
+        return jax.lax.bitcast_convert_type(flat, jnp.uint32)
+    if itemsize == 2:
+        return jax.lax.bitcast_convert_type(flat, jnp.uint16).astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(flat, jnp.uint8).astype(jnp.uint32)
+
+
+def _leaf_hash(x: jax.Array, salt: int, chunk: int = CHUNK) -> jax.Array:
+    """Four uint32 lanes of a position-dependent hash of a leaf's bits (wrap-around sums),
+    about ``chunk`` values at a time (the leaf is sliced, then converted: no leaf-sized copy)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    flat = x.reshape(-1)
+    per = 2 if flat.dtype.itemsize == 8 else 1  # uint32 values per element
+    step = max(1, chunk // per)  # elements per chunk
+    base = (salt * 0x632BE5AB) % (1 << 32)
+    n = flat.shape[0]
+    full = n // step if n > step else 0
+    acc = jnp.zeros(4, jnp.uint32)
+    if full:
+
+        def body(c: jax.Array, acc: jax.Array) -> jax.Array:
+            start = c * step
+            bits = _bits(jax.lax.dynamic_slice_in_dim(flat, start, step))
+            idx = jnp.arange(step * per, dtype=jnp.uint32) + (start.astype(jnp.uint32) * per + jnp.uint32(base))
+            return acc + _lanes(bits, idx)
+
+        acc = jax.lax.fori_loop(0, full, body, acc)
+    if n - full * step or not full:
+        bits = _bits(flat[full * step :])
+        idx = jnp.arange(bits.shape[0], dtype=jnp.uint32) + jnp.uint32((full * step * per + base) % (1 << 32))
+        acc = acc + _lanes(bits, idx)
+    return acc
 
 
 @jax.jit

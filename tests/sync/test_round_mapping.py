@@ -26,3 +26,29 @@ def test_the_mapping_follows_a_round_that_ran_as_a_later_number():
     p.learn_round(9, True)  # ran with this peer's contribution as round 9: rounds 7 and 8 failed
     p = s.plan(0, 50, 0.0)
     assert p.expected == 10 and s.swarm_base == (9, 3), (p, s.swarm_base)
+
+
+def test_the_state_digest_is_the_same_in_chunks_and_needs_no_leaf_sized_temporary():
+    """The digest hashes a leaf chunk by chunk (wrap-around sums: the same value) so that its
+    temporaries stay chunk-sized: XLA's plan of the whole-leaf version needed 4 uint32 lanes of
+    the leaf's size (8x the params of (global_params, outer_state))."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ravnest_jax.sync._digest import CHUNK, _leaf_hash, device_digest
+
+    rng = np.random.default_rng(0)
+    for x in (
+        jnp.asarray(rng.standard_normal(10_007), jnp.float32),
+        jnp.asarray(rng.standard_normal(3001), jnp.bfloat16),
+        jnp.asarray(rng.integers(0, 255, 5003), jnp.uint8),
+        jnp.asarray(rng.standard_normal((37, 41)), jnp.float32),
+    ):
+        whole = _leaf_hash(x, 3, chunk=1 << 30)
+        for chunk in (7, 1000, x.size - 1):
+            np.testing.assert_array_equal(_leaf_hash(x, 3, chunk=chunk), whole, err_msg=f"{x.dtype} chunk {chunk}")
+    big = (jnp.zeros(8 << 20, jnp.float32), jnp.zeros(8 << 20, jnp.float32))  # 16M values, 64 MB
+    plan = jax.jit(device_digest).lower(big).compile().memory_analysis()
+    # the lanes of one chunk (4 x CHUNK uint32, 64 MB) at most; the whole-leaf version: 8x, 512 MB
+    assert plan.temp_size_in_bytes <= 17 * CHUNK, plan.temp_size_in_bytes
