@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -43,7 +44,8 @@ def _bits(flat: jax.Array) -> jax.Array:
 
 def _leaf_hash(x: jax.Array, salt: int, chunk: int = CHUNK) -> jax.Array:
     """Four uint32 lanes of a position-dependent hash of a leaf's bits (wrap-around sums),
-    about ``chunk`` values at a time (the leaf is sliced, then converted: no leaf-sized copy)."""
+    about ``chunk`` values at a time (the leaf is sliced, then converted: no leaf-sized copy;
+    ``chunk <= 0``: the whole leaf at once)."""
     x = jnp.asarray(x)
     if x.dtype == jnp.bool_:
         x = x.astype(jnp.uint8)
@@ -51,9 +53,9 @@ def _leaf_hash(x: jax.Array, salt: int, chunk: int = CHUNK) -> jax.Array:
         x = jax.random.key_data(x)
     flat = x.reshape(-1)
     per = 2 if flat.dtype.itemsize == 8 else 1  # uint32 values per element
-    step = max(1, chunk // per)  # elements per chunk
-    base = (salt * 0x632BE5AB) % (1 << 32)
     n = flat.shape[0]
+    step = max(1, chunk // per) if chunk > 0 else n  # elements per chunk
+    base = (salt * 0x632BE5AB) % (1 << 32)
     full = n // step if n > step else 0
     acc = jnp.zeros(4, jnp.uint32)
     if full:
@@ -72,15 +74,17 @@ def _leaf_hash(x: jax.Array, salt: int, chunk: int = CHUNK) -> jax.Array:
     return acc
 
 
-@jax.jit
-def device_digest(tree: Any) -> jax.Array:
+@functools.partial(jax.jit, static_argnames="chunk")
+def device_digest(tree: Any, chunk: int = CHUNK) -> jax.Array:
     """uint32[4] digest of every leaf's bits, shapes and order (integer arithmetic only, so it is
     the same on every backend). Equal trees give equal digests; any changed bit changes it with
-    overwhelming probability."""
+    overwhelming probability. ``chunk``: values hashed per step (:data:`CHUNK`; the same digest
+    for any value); 0: each leaf at once, for leaves sharded over a mesh (a chunk's dynamic
+    slice of a sharded leaf would gather it on every device)."""
     leaves = jax.tree.leaves(tree)
     acc = jnp.zeros(4, jnp.uint32)
     for i, leaf in enumerate(leaves):
-        h = _leaf_hash(leaf, i + 1)
+        h = _leaf_hash(leaf, i + 1, chunk)
         acc = acc * jnp.uint32(0x01000193) + h + jnp.uint32(np.prod(np.shape(leaf), dtype=np.int64) % (1 << 32))
     return acc
 

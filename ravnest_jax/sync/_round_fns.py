@@ -12,7 +12,7 @@ import jax
 from ravnest_jax import compress
 from ravnest_jax.optim import DiLoCo
 
-from ._digest import device_digest
+from ._digest import CHUNK, device_digest
 from ._layout import encode_on_mesh
 
 
@@ -93,7 +93,9 @@ class RoundFunctions:
                 params, state = tx.round_merge(
                     params, state, mean, snap, fragment=frag, alpha=alpha, keep_local_progress=keep
                 )
-                return params, state, device_digest((state.global_params, state.outer_state))
+                # on a mesh each leaf at once: a chunk's slice of a sharded leaf would gather it
+                chunk = CHUNK if layout is None else 0
+                return params, state, device_digest((state.global_params, state.outer_state), chunk=chunk)
 
             if layout is None:
                 return jax.jit(merge)
