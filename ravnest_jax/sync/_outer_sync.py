@@ -125,6 +125,9 @@ class OuterSync:
       resync: ``f() -> bytes | None`` that downloads the current state from a live peer, used
         after a failed round; default: the swarm's ``fetch_state`` when it has one.
       seed: PRNG seed of stochastic rounding.
+      donate: the merge reuses the buffers of the params and state passed to that ``sync`` call
+        (XLA buffer donation): a round's device memory drops by their size (about 5x the params
+        with Adam inside), and those arrays are deleted: keep only what ``sync`` returns.
       codec: the swarm's codec. Needed only on the processes of a peer that spans several
         processes (``jax.distributed``) other than process 0: they pass ``swarm=None`` and
         encode with process 0 (docs/multi-device.md); elsewhere it must equal ``swarm.codec``.
@@ -162,6 +165,7 @@ class OuterSync:
         resync: Callable[[], bytes | None] | None = None,
         seed: int = 0,
         codec: str | None = None,
+        donate: bool = False,
     ):
         error_feedback_decay = check_error_feedback_decay(error_feedback_decay)
         self._processes = jax.process_count()
@@ -189,7 +193,7 @@ class OuterSync:
         self.on_round = on_round
         self._resync_fn = resync if resync is not None else getattr(swarm, "fetch_state", None)
         self._fns = RoundFunctions(
-            tx, self.codec, self.codec_options, mode != "blocking", error_feedback_decay=error_feedback_decay
+            tx, self.codec, self.codec_options, mode != "blocking", error_feedback_decay, bool(donate)
         )
         self._rounds = RoundPipeline(
             tx, swarm, self._fns, alpha=self.alpha, error_feedback=self.error_feedback, eager=mode == "eager", seed=seed

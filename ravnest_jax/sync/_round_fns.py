@@ -29,14 +29,23 @@ class RoundFunctions:
       keep_local_progress: the merge keeps the local progress since the boundary (every mode
         but ``"blocking"``).
       error_feedback_decay: beta: the residual carried into a round is ``beta * residual``.
+      donate: the merge donates the params and the state it is given (their buffers hold the
+        merged ones; the arrays passed in are deleted).
     """
 
     def __init__(
-        self, tx: DiLoCo, codec: str, codec_options: dict, keep_local_progress: bool, error_feedback_decay: float = 1.0
+        self,
+        tx: DiLoCo,
+        codec: str,
+        codec_options: dict,
+        keep_local_progress: bool,
+        error_feedback_decay: float = 1.0,
+        donate: bool = False,
     ):
         self.tx, self.codec, self.codec_options = tx, codec, dict(codec_options)
         self.keep_local_progress = keep_local_progress
         self.error_feedback_decay = float(error_feedback_decay)
+        self.donate = bool(donate)
         self.cache: dict[tuple, Callable] = {}  # (kind, fragment, layout) -> jitted function
 
     def _frag(self, fragment: int) -> int | None:
@@ -86,6 +95,7 @@ class RoundFunctions:
         pseudo-gradient) and the device digest of ``(global_params, outer_state)`` after it."""
         tx, frag, keep = self.tx, self._frag(fragment), self.keep_local_progress
         params_sh, state_sh = self._shardings(layout)
+        donate = (0, 1) if self.donate else ()
 
         def build() -> Callable:
             def merge(params, state, mean_leaves, snap, alpha):
@@ -98,8 +108,8 @@ class RoundFunctions:
                 return params, state, device_digest((state.global_params, state.outer_state), chunk=chunk)
 
             if layout is None:
-                return jax.jit(merge)
-            return jax.jit(merge, out_shardings=(params_sh, state_sh, None))
+                return jax.jit(merge, donate_argnums=donate)
+            return jax.jit(merge, out_shardings=(params_sh, state_sh, None), donate_argnums=donate)
 
         return self._cached("merge", fragment, layout, build)
 

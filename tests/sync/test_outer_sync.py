@@ -503,3 +503,45 @@ def test_sparse_rounds_with_decayed_error_feedback_stay_consistent():
     ]
     assert max(moved) > 0, moved
     assert all(r["summary"]["failed_rounds"] == 0 for r in results)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode,tau", [("delayed", 1), ("eager", 2)])
+def test_a_donating_merge_gives_the_same_rounds_bit_for_bit(mode, tau):
+    """OuterSync(donate=True): the merge reuses the buffers of the params and state it is given;
+    the rounds, the global state and the params are exactly those of the merge that does not."""
+    common = dict(steps=12, tx_kwargs=dict(sync_every=4))
+    plain = _run_swarm(3, sync_kwargs=dict(mode=mode, overlap_steps=tau), **common)
+    donated = _run_swarm(3, sync_kwargs=dict(mode=mode, overlap_steps=tau, donate=True), **common)
+    _assert_digests_agree(donated, 3)
+    for a, b in zip(plain, donated):
+        assert [m.state_digest for m in a["metrics"]] == [m.state_digest for m in b["metrics"]]
+        for x, y in zip(jax.tree.leaves((a["params"], a["state"])), jax.tree.leaves((b["params"], b["state"]))):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_the_donating_merge_reuses_the_buffers_of_params_and_state():
+    """XLA's plan of the merge: with donate=True its params and state outputs alias the inputs
+    (no new buffers of their size), and the arrays passed in are deleted."""
+    from ravnest_jax.sync._round_fns import RoundFunctions
+
+    tx = rj.diloco(optax.adam(1e-3), sync_every=4)
+    params = {"w": jnp.ones((256, 64), jnp.float32), "b": jnp.zeros(64, jnp.float32)}
+    state = tx.init(params)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves((params, state)) if x.dtype == jnp.float32)
+    outs = {}
+    for donate in (False, True):
+        fns = RoundFunctions(tx, "fp32", {}, True, donate=donate)
+        p, s = jax.tree.map(jnp.copy, (params, state))
+        snap, packed, _ = fns.start(0, None)(p, s, None, jax.random.key(0))
+        mean = list(jax.tree.leaves(snap.pseudo_gradient))
+        merge = fns.merge(0, None)
+        plan = merge.lower(p, s, mean, snap, 0.0).compile().memory_analysis()
+        outs[donate] = merge(p, s, mean, snap, 0.0)
+        if donate:
+            assert plan.alias_size_in_bytes >= nbytes, (plan.alias_size_in_bytes, nbytes)
+            assert all(x.is_deleted() for x in jax.tree.leaves(p)), "the donated params are still alive"
+        else:
+            assert plan.alias_size_in_bytes == 0 and not any(x.is_deleted() for x in jax.tree.leaves(p))
+    for x, y in zip(jax.tree.leaves(outs[False]), jax.tree.leaves(outs[True])):
+        np.testing.assert_array_equal(x, y)
