@@ -281,6 +281,12 @@ def run_peer(args: argparse.Namespace) -> dict:
                 file=sys.stderr,
             )
         start_step = int(state.count)
+        if joined:
+            print(
+                f"joined the running swarm at step {start_step} (its state, from a live peer"
+                + (f"; not this peer's checkpoint of step {resumed_from})" if resumed_from is not None else ")"),
+                file=sys.stderr,
+            )
         if joined or resumed_from is not None:  # the loss where this process takes over
             eval_start = evaluate(state.global_params)
         _emit(

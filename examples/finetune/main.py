@@ -28,7 +28,12 @@ if __package__ in (None, ""):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawTextHelpFormatter,
+        epilog="Every other option goes to each peer's train.py (--lora-rank, --quantize, --dtype, --devices,\n"
+        "--export, --max-steps, ...): see python examples/finetune/train.py --help",
+    )
     p.add_argument("--local-peers", type=int, default=4, help="peer processes (default 4)")
     p.add_argument("--checkpoint", default=None, help="a Hugging Face checkpoint directory (default: make a tiny one)")
     p.add_argument("--text", nargs="+", default=None, help="UTF-8 text files (default: the stdlib's docs topics)")

@@ -28,7 +28,12 @@ def after_failure(sync: Any, p: Pending, exc: BaseException | None, params: Any,
         # (two peers restarted from stale checkpoints did so forever). Learn the round
         # mapping anew instead; if the states differ, the state digests of the next round
         # name the minority, which then resyncs from the majority.
-        log.warning("round %d: every member missed it; the round mapping is learned anew", p.seq)
+        log.warning(
+            "round %d: every member of the round the swarm ran missed its own (this peer resumed from a "
+            "state older than the swarm's last round, and no live peer holds a newer one): continuing from "
+            "the local state; the round mapping is learned anew",
+            p.seq,
+        )
         sync._schedule.swarm_base = None
         sync._last_state = None
     elif sync._resync_fn is not None and sync._processes == 1 and needs_resync(sync.swarm, exc):

@@ -95,9 +95,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         else:
             raise ValueError("give --params N or --config config.json")
         if args.mean_codec not in (None, args.codec):  # a pair the swarm refuses: before measuring
-            from ravnest_jax.compress._formats import mean_codec_options
-
-            mean_codec_options(args.codec, args.mean_codec, {})
+            blocks = [c for c in PLAN_CODECS if c in ("int8", "int4", "int2", "sign")]
+            if args.codec not in blocks or args.mean_codec not in blocks:
+                raise ValueError(
+                    f"--mean-codec {args.mean_codec} with --codec {args.codec}: a mean codec of its own pairs "
+                    f"block codecs only ({', '.join(blocks)})"
+                )
+        if args.json and not Path(args.json).resolve().parent.is_dir():
+            raise ValueError(f"--json {args.json}: no such directory {Path(args.json).resolve().parent}")
         codec_s = None if args.no_measure else {c: codec_seconds_per_param(c) for c in PLAN_CODECS}
         plan = plan_rounds(
             params,
@@ -113,6 +118,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             codec_s=codec_s,
         )
     except ValueError as e:
+        e = ValueError(_flag_names(str(e)))
         print(f"error: {e}", file=sys.stderr)
         return 2
     i = plan.inputs
@@ -125,11 +131,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"(codec {'measured here' if codec_s else 'speed of the calibration host'})"
     )
     print(plan.table())
-    if {args.codec, args.mean_codec} & {"int2", "sign"}:
-        print(
-            "note: 2-bit and 1-bit codes stay close to fp32 DiLoCo only with error feedback (the default) "
-            "and enough rounds; measured in docs/algorithm.md (sign up, int2 down: +0.45% at 80 rounds)"
-        )
+    coarse = (
+        "2-bit and 1-bit codes stay close to fp32 DiLoCo only with error feedback (the default) and enough "
+        "rounds; measured in docs/algorithm.md (sign up, int2 down, block 512: +0.45% at 80 rounds)"
+        if {args.codec, args.mean_codec} & {"int2", "sign"}
+        else ""
+    )
+    if coarse:
+        print(f"note: {coarse}")
     dp = plan.data_parallel
     print(
         f"data-parallel (fp32 all-reduce every step, {dp['bytes_per_step'] / 1e6:,.1f} MB a step): "
@@ -147,6 +156,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     if args.json:
         out = {"inputs": i, "rows": [vars(x) for x in plan.rows], "data_parallel": dp, "recommendation": r}
+        if coarse:
+            out["note"] = coarse
         try:
             Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         except OSError as e:
@@ -216,3 +227,23 @@ def add_parsers(sub: Any) -> None:
     rp.add_argument("summary", help="the summary JSON")
     rp.add_argument("--out-dir", default=None, help="where to write the PNGs (default: next to the summary)")
     rp.set_defaults(func=cmd_report)
+
+
+_FLAGS = {
+    "params": "--params",
+    "peers": "--peers",
+    "mbit_up": "--mbit",
+    "mbit_down": "--mbit-down",
+    "rtt_ms": "--rtt-ms",
+    "step_s": "--step-s",
+    "target": "--target",
+    "sync_every": "--sync-every",
+    "codec": "--codec",
+    "mean_codec": "--mean-codec",
+}
+
+
+def _flag_names(msg: str) -> str:
+    """A :func:`plan_rounds` error with its parameter named as the command's flag."""
+    head, sep, rest = msg.partition(" ")
+    return f"{_FLAGS[head]}{sep}{rest}" if head in _FLAGS else msg

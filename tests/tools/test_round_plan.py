@@ -160,3 +160,18 @@ def test_the_plan_command_names_bad_input(capsys):
     assert main(["plan", "--config", "/nonexistent/nope.json", "--mbit", "10", "--step-s", "0.5"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nope.json" in err, err
+
+
+def test_the_plan_command_names_its_flags_and_checks_the_json_path_first(capsys, tmp_path):
+    from ravnest_jax.cli import main
+
+    base = ["plan", "--params", "1e9", "--mbit", "10", "--step-s", "0.5", "--no-measure"]
+    assert main([*base, "--peers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --peers must be") and err.count("\n") == 1, err
+    assert main([*base, "--json", str(tmp_path / "nope" / "plan.json")]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "--json" in out.err and "no such directory" in out.err, out
+    assert main([*base, "--codec", "sign", "--mean-codec", "int2", "--json", str(tmp_path / "p.json")]) == 0
+    d = json.loads((tmp_path / "p.json").read_text())
+    assert "error feedback" in d["note"] and d["inputs"]["mean_codec"] == "int2", d
