@@ -35,7 +35,7 @@ def test_a_scaling_adversary_moves_the_plain_mean(codec):
         a.wait_for_peers(2, timeout=20)
         packed = compress.device_encode([jnp.asarray(honest)], codec)[0]  # as OuterSync: a list of leaves
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            futs = [pool.submit(exchange, s, packed, 1.0, None, None, lambda r: None) for s in (a, b)]
+            futs = [pool.submit(exchange, s, packed, 1.0, None, None, lambda r, ran: None) for s in (a, b)]
             (mean_a, rec_a, *_), (mean_b, rec_b, *_) = (f.result(timeout=60) for f in futs)
     assert rec_a.digest == rec_b.digest and sorted(rec_a.contributors) == ["p0", "p1"], (rec_a, rec_b)
     # (1 + 1000) / 2: the adversary's contribution is its pseudo-gradient times 1000
