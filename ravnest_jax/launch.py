@@ -126,17 +126,27 @@ def _fmt_exit(code: int | None) -> str:
     return str(code)
 
 
+def _fmt_loss(x: Any) -> str:
+    return f"{x:.4f}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
+
+
 def print_summaries(summaries: dict[str, dict], codes: dict[str, int | None], write: Callable[[str], None]) -> bool:
     """A table of the peers' summaries and a line on their global state: compared among the peers
     that exited 0 (a peer that died reported the digest of its last round). Returns whether
     those digests are equal."""
-    write(f"{'peer':<10} {'exit':>7} {'rounds':>6} {'failed':>6} {'resyncs':>7} {'sent':>10} {'stall s':>8}  digest")
+    # the eval loss columns when a peer's summary has them (eval_loss_start / eval_loss_end)
+    evals = any(isinstance(s.get("eval_loss_end"), (int, float)) for s in summaries.values())
+    head = f" {'eval start':>10} {'eval end':>8}" if evals else ""
+    write(
+        f"{'peer':<10} {'exit':>7}{head} {'rounds':>6} {'failed':>6} {'resyncs':>7} {'sent':>10} {'stall s':>8}  digest"
+    )
     for name in sorted(codes, key=lambda s: (len(s), s)):
         s = summaries.get(name, {})
         d = s.get("last_state_digest") or "-"
         stall = s.get("stall_seconds")
+        ev = f" {_fmt_loss(s.get('eval_loss_start')):>10} {_fmt_loss(s.get('eval_loss_end')):>8}" if evals else ""
         write(
-            f"{name:<10} {_fmt_exit(codes[name]):>7} {s.get('rounds', '-')!s:>6} {s.get('failed_rounds', '-')!s:>6} "
+            f"{name:<10} {_fmt_exit(codes[name]):>7}{ev} {s.get('rounds', '-')!s:>6} {s.get('failed_rounds', '-')!s:>6} "
             f"{s.get('resyncs', '-')!s:>7} {_fmt_bytes(s.get('bytes_sent')):>10} "
             f"{'-' if stall is None else f'{stall:.1f}':>8}  {d[:16]}"
         )
