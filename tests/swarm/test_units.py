@@ -198,6 +198,18 @@ def _two_peer_round(rv, peers=("a", "b")):
     return run, rv._create_round(run, -1, {"part_s": 5.0, "grace_s": 1.0}, peers[0])
 
 
+def _committed_two_peer_round(rv):
+    """A two-peer round whose gather and commit votes all say yes (on a running loop: the
+    commit creates the next round ahead)."""
+    run, rnd = _two_peer_round(rv)
+    att = rnd.attempts[0]
+    att.votes["gather"] = {p: {"received": ["a", "b"]} for p in "ab"}
+    rv._decide(run, rnd, att, "gather")
+    att.votes["commit"] = {p: {"ok": True, "digest": "d"} for p in "ab"}
+    rv._decide(run, rnd, att, "commit")
+    return run, rnd, att
+
+
 def test_late_owner_gets_one_retry_instead_of_a_one_contributor_round():
     """b reached the round late: its window was too short to receive a's part, while a got b's.
     The intersection would keep only b (the late one); the rendezvous retries once with both,
@@ -224,13 +236,8 @@ def test_commit_hands_out_the_next_round_whose_clock_starts_at_arrival():
 
     async def go():
         rv = Rendezvous("tok")
-        run, rnd = _two_peer_round(rv)
-        att = rnd.attempts[0]
-        att.votes["gather"] = {p: {"received": ["a", "b"]} for p in "ab"}
-        rv._decide(run, rnd, att, "gather")
+        run, rnd, att = _committed_two_peer_round(rv)
         assert att.decisions["gather"] == {"decision": "ok", "contributors": ["a", "b"]}
-        att.votes["commit"] = {p: {"ok": True, "digest": "d"} for p in "ab"}
-        rv._decide(run, rnd, att, "commit")
         d = att.decisions["commit"]
         assert d["decision"] == "commit" and d["next"]["round"] == rnd.number + 1
         assert d["next"]["group"] == ["a", "b"] and d["next"]["epoch"] == rv.epoch
@@ -258,12 +265,7 @@ def test_a_round_created_ahead_that_every_member_left_is_abandoned():
 
     async def go():
         rv = Rendezvous("tok")
-        run, rnd = _two_peer_round(rv)
-        att = rnd.attempts[0]
-        att.votes["gather"] = {p: {"received": ["a", "b"]} for p in "ab"}
-        rv._decide(run, rnd, att, "gather")
-        att.votes["commit"] = {p: {"ok": True, "digest": "d"} for p in "ab"}
-        rv._decide(run, rnd, att, "commit")
+        run, rnd, _ = _committed_two_peer_round(rv)
         nxt = run.rounds[rnd.number + 1]
         assert not nxt.attempts[0].started
         assert not failed_between(run, rnd.number - 1, rnd.number + 2)  # rnd committed
