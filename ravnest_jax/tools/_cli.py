@@ -108,6 +108,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             params,
             codec=args.codec,
             mean_codec=args.mean_codec,
+            block_size=args.block_size,
             peers=args.peers,
             mbit_up=args.mbit,
             mbit_down=args.mbit_down,
@@ -125,6 +126,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     down = "" if args.mbit_down is None else f" / {args.mbit_down:g} down"
     count = f"{params / 1e6:,.1f}M" if params >= 100_000 else f"{params:,}"
     pair = args.codec if args.mean_codec in (None, args.codec) else f"{args.codec} up, {args.mean_codec} down"
+    if args.block_size is not None:
+        pair += f", block {args.block_size}"
     print(
         f"{count} parameters exchanged, codec {pair}, {args.peers} peers, "
         f"{args.mbit:g} Mbit/s up{down}, RTT {args.rtt_ms:g} ms, {args.step_s:g} s a step "
@@ -205,6 +208,11 @@ def add_parsers(sub: Any) -> None:
         choices=list(PLAN_CODECS),
         help="codec of the mean the part owners send back (default: --codec), as rj.Swarm(mean_codec=...)",
     )
+    pl.add_argument(
+        "--block-size",
+        type=int,
+        help="values per scale of a block codec (int8, int4, int2, sign; default 64), as rj.Swarm(codec_options={'block_size': ...})",
+    )
     pl.add_argument("--peers", type=int, default=2, help="peers in a round (default 2)")
     pl.add_argument("--mbit", type=_positive_float, required=True, help="link rate up, Mbit/s")
     pl.add_argument("--mbit-down", type=_positive_float, default=None, help="link rate down, Mbit/s (default: --mbit)")
@@ -240,10 +248,12 @@ _FLAGS = {
     "sync_every": "--sync-every",
     "codec": "--codec",
     "mean_codec": "--mean-codec",
+    "block_size": "--block-size",
 }
 
 
 def _flag_names(msg: str) -> str:
     """A :func:`plan_rounds` error with its parameter named as the command's flag."""
+    msg = msg.replace("option 'block_size'", "--block-size")
     head, sep, rest = msg.partition(" ")
     return f"{_FLAGS[head]}{sep}{rest}" if head in _FLAGS else msg

@@ -112,9 +112,10 @@ def default_cap(sync_every: int) -> int:
     return overlap_cap(sync_every, sync_every, 0.01)
 
 
-def message_bytes(params: int, codec: str) -> int:
+def message_bytes(params: int, codec: str, block_size: int | None = None) -> int:
     """Bytes of the codec's message of a float32 vector of ``params`` elements (payload; the
-    header's few hundred bytes left out).
+    header's few hundred bytes left out). ``block_size``: of a block codec (values per bf16
+    scale; default the codec's, 64 for int8/int4/int2/sign); ignored by the others.
 
     Raises:
       ValueError: an unknown codec.
@@ -122,7 +123,8 @@ def message_bytes(params: int, codec: str) -> int:
     if codec not in WIRE_CODECS:
         raise ValueError(f"unknown codec {codec!r}")
     k = max(1, math.ceil(params * DEFAULT_TOPK_FRACTION))
-    return payload_nbytes(codec, int(params), DEFAULT_BLOCK_SIZE.get(codec, 0), k)
+    default = DEFAULT_BLOCK_SIZE.get(codec, 0)
+    return payload_nbytes(codec, int(params), default if block_size is None or not default else block_size, k)
 
 
 def codec_seconds_per_param(codec: str, size: int = 1 << 21, repeats: int = 3) -> float:
@@ -143,12 +145,12 @@ def _transfer_s(nbytes: float, peers: int, mbit: float) -> float:
     return 2 * (peers - 1) / peers * nbytes * 8 / (mbit * 1e6)
 
 
-def pair_bytes(params: int, codec: str, mean_codec: str | None = None) -> float:
+def pair_bytes(params: int, codec: str, mean_codec: str | None = None, block_size: int | None = None) -> float:
     """The bytes of "one message of the whole vector" when the contributions go in ``codec`` and
     the mean comes back in ``mean_codec`` (default: ``codec``): the average of the two messages,
     since a peer sends half its traffic as parts and half as results."""
     down = codec if mean_codec is None else mean_codec
-    return (message_bytes(params, codec) + message_bytes(params, down)) / 2
+    return (message_bytes(params, codec, block_size) + message_bytes(params, down, block_size)) / 2
 
 
 def round_seconds(
@@ -160,13 +162,15 @@ def round_seconds(
     cal: Calibration,
     codec_s: float | None = None,
     mean_codec: str | None = None,
+    block_size: int | None = None,
 ) -> float:
     """Predicted seconds of one round's exchange (see the module docstring). ``codec_s``:
-    encode + decode seconds per parameter (default: the calibration's, the mean of the pair's)."""
+    encode + decode seconds per parameter (default: the calibration's, the mean of the pair's);
+    ``block_size``: of the block codecs (default: each codec's)."""
     down = codec if mean_codec is None else mean_codec
     if codec_s is None:
         codec_s = (cal.codec_s_per_param.get(codec, 0.0) + cal.codec_s_per_param.get(down, 0.0)) / 2
-    wire = _transfer_s(pair_bytes(params, codec, mean_codec), peers, mbit)
+    wire = _transfer_s(pair_bytes(params, codec, mean_codec, block_size), peers, mbit)
     return cal.c_round + cal.k_rtt * rtt_s + wire + params * codec_s
 
 
@@ -191,6 +195,7 @@ def predict_utilisation(
     cal: Calibration = CALIBRATION,
     codec_s: float | None = None,
     mean_codec: str | None = None,
+    block_size: int | None = None,
 ) -> tuple[float, float, int]:
     """``(utilisation, round seconds, tau)`` of one configuration.
 
@@ -201,6 +206,7 @@ def predict_utilisation(
         ``OuterSync(overlap_steps="auto")``: ``ravnest_jax._staleness.overlap_cap``).
       fragments: rounds per window, each of ``1/fragments`` of the vector.
       mean_codec: the codec of the mean (default: ``codec``; see :func:`pair_bytes`).
+      block_size: of the block codecs (default: each codec's).
     """
     if mode == "data_parallel":
         s = dp_step_seconds(params, peers, mbit, rtt_s, cal)
@@ -208,7 +214,7 @@ def predict_utilisation(
     if mode not in ("blocking", "delayed", "eager"):
         raise ValueError(f"unknown mode {mode!r}")
     f = max(1, int(fragments))
-    t_round = round_seconds(math.ceil(params / f), codec, peers, mbit, rtt_s, cal, codec_s, mean_codec)
+    t_round = round_seconds(math.ceil(params / f), codec, peers, mbit, rtt_s, cal, codec_s, mean_codec, block_size)
     cap = default_cap(sync_every) if max_tau is None else max_tau
     cap = max(1, min(cap, sync_every // f - 1))  # tau < the steps between round starts
     if mode == "blocking":
@@ -276,6 +282,7 @@ def plan_rounds(
     *,
     codec: str = "int4",
     mean_codec: str | None = None,
+    block_size: int | None = None,
     peers: int = 2,
     mbit_up: float,
     mbit_down: float | None = None,
@@ -295,6 +302,8 @@ def plan_rounds(
       mean_codec: the codec of the rows' mean (default ``codec``); another one must pair with
         ``codec`` as ``rj.Swarm(mean_codec=...)`` requires (both block codecs, e.g. ``sign`` up
         and ``int2`` down, the 1000x mode of docs/algorithm.md).
+      block_size: values per scale of the rows' block codecs (default: each codec's, 64; the
+        1000x mode uses 512). The recommendation keeps each codec's default.
       peers: peers in a round (int >= 2).
       mbit_up, mbit_down: the link's rates, Mbit/s (down defaults to up).
       rtt_ms: round-trip time between peers (and to the rendezvous), milliseconds.
@@ -333,13 +342,30 @@ def plan_rounds(
         from ravnest_jax.compress._formats import mean_codec_options
 
         mean_codec_options(codec, mean_codec, {})  # ValueError: a pair the swarm refuses
+    if block_size is not None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        from ravnest_jax.swarm._codec import check_codec
+
+        if codec not in DEFAULT_BLOCK_SIZE:
+            blocks = ", ".join(c for c in DEFAULT_BLOCK_SIZE if c in PLAN_CODECS)
+            raise ValueError(f"block_size applies to block codecs ({blocks}), not {codec!r}")
+        for c in {codec, codec if mean_codec is None else mean_codec}:
+            if c in DEFAULT_BLOCK_SIZE:
+                check_codec(c, {"block_size": block_size})  # ValueError: one the codec cannot take
     if not sync_every or any(not isinstance(h, int) or h < 1 for h in sync_every):
         raise ValueError(f"sync_every must be ints >= 1, got {sync_every!r}")
     mbit, rtt = min(mbit_up, mbit_down), rtt_ms / 1e3
     cs = dict(cal.codec_s_per_param, **(codec_s or {}))
 
     def util(
-        h: int, c: str, f: int = 1, mode: str = "delayed", tau: int | str = "auto", mean: str | None = None
+        h: int,
+        c: str,
+        f: int = 1,
+        mode: str = "delayed",
+        tau: int | str = "auto",
+        mean: str | None = None,
+        block: int | None = None,
     ) -> tuple[float, float, int]:
         down = c if mean is None else mean
         return predict_utilisation(
@@ -356,13 +382,14 @@ def plan_rounds(
             cal=cal,
             codec_s=(cs[c] + cs[down]) / 2,
             mean_codec=mean,
+            block_size=block,
         )
 
-    sent = int(2 * (peers - 1) / peers * pair_bytes(params, codec, mean_codec))  # bytes a peer sends a round
+    sent = int(2 * (peers - 1) / peers * pair_bytes(params, codec, mean_codec, block_size))  # a peer, a round
     rows = []
     for h in sorted(sync_every):
-        ub, t_round, _ = util(h, codec, mode="blocking", mean=mean_codec)
-        uo, _, tau = util(h, codec, mean=mean_codec)
+        ub, t_round, _ = util(h, codec, mode="blocking", mean=mean_codec, block=block_size)
+        uo, _, tau = util(h, codec, mean=mean_codec, block=block_size)
         needed = math.ceil(1.25 * t_round / step_s)
         rows.append(
             PlanRow(
@@ -410,6 +437,7 @@ def plan_rounds(
         "params": params,
         "codec": codec,
         "mean_codec": codec if mean_codec is None else mean_codec,
+        "block_size": block_size,
         "peers": peers,
         "mbit_up": mbit_up,
         "mbit_down": mbit_down,

@@ -175,3 +175,25 @@ def test_the_plan_command_names_its_flags_and_checks_the_json_path_first(capsys,
     assert main([*base, "--codec", "sign", "--mean-codec", "int2", "--json", str(tmp_path / "p.json")]) == 0
     d = json.loads((tmp_path / "p.json").read_text())
     assert "error feedback" in d["note"] and d["inputs"]["mean_codec"] == "int2", d
+
+
+def test_a_block_size_is_planned_with_the_wire_formats_bytes():
+    """--block-size 512 (the 1000x mode of docs/algorithm.md): a sign and an int2 message of
+    that block size, as the encoder writes them; refused for a codec without blocks."""
+    n = 100_003
+    for codec in ("sign", "int2", "int4"):
+        real = len(encode_part("p", np.ones(n, np.float32), codec, block_size=512))
+        assert 0 <= real - message_bytes(n, codec, 512) < 600, (codec, real, message_bytes(n, codec, 512))
+    plan = plan_rounds(n, codec="sign", mean_codec="int2", block_size=512, peers=4, mbit_up=100, step_s=0.5)
+    want = 0.75 * (message_bytes(n, "sign", 512) + message_bytes(n, "int2", 512))
+    assert plan.rows[0].bytes_per_round == int(want) and plan.inputs["block_size"] == 512, plan.rows[0]
+    default = plan_rounds(n, codec="sign", mean_codec="int2", peers=4, mbit_up=100, step_s=0.5)
+    assert plan.rows[0].bytes_per_round < default.rows[0].bytes_per_round, (plan.rows[0], default.rows[0])
+    for bad, msg in ((dict(codec="fp32", block_size=512), "block codecs"), (dict(codec="int4", block_size=7), "even")):
+        with pytest.raises(ValueError, match=msg):
+            plan_rounds(n, mbit_up=100, step_s=0.5, **bad)
+    r = _cli("plan", "--params", "1e9", "--codec", "sign", "--mean-codec", "int2", "--block-size", "512",
+             "--mbit", "100", "--step-s", "3.4", "--no-measure")  # fmt: skip
+    assert r.returncode == 0 and "sign up, int2 down, block 512" in r.stdout.splitlines()[0], r.stdout + r.stderr
+    bad = _cli("plan", "--params", "1e9", "--block-size", "7", "--mbit", "100", "--step-s", "3.4", "--no-measure")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --block-size"), bad.stderr
