@@ -197,3 +197,11 @@ def test_a_block_size_is_planned_with_the_wire_formats_bytes():
     assert r.returncode == 0 and "sign up, int2 down, block 512" in r.stdout.splitlines()[0], r.stdout + r.stderr
     bad = _cli("plan", "--params", "1e9", "--block-size", "7", "--mbit", "100", "--step-s", "3.4", "--no-measure")
     assert bad.returncode == 2 and bad.stderr.startswith("error: --block-size"), bad.stderr
+
+
+def test_a_closed_pipe_ends_the_command_quietly():
+    """``ravnest-jax plan ... | head``: the reader gone before the table is written is no
+    traceback (``true`` exits at once, long before the command has imported anything)."""
+    cmd = f"{sys.executable} -m ravnest_jax.cli plan --params 1e9 --mbit 100 --step-s 1 --no-measure | true"
+    r = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=120, check=False)
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
