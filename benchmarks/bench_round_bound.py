@@ -17,8 +17,8 @@ round) nothing of that overlaps, so
 assuming our socket and add work costs no less than gloo's (it is Python asyncio and numpy, gloo
 is C++). Written to ``benchmarks/results/round_bound.json`` with the machine and the command.
 
-    python benchmarks/bench_round_bound.py                       # 16, 64 and 1024 MB, ~3 min
-    python benchmarks/bench_round_bound.py --payloads-mb 16,64   # needs torch for gloo
+    python benchmarks/bench_round_bound.py                       # 16, 64 and 1024 MB, ~1 min here
+    python benchmarks/bench_round_bound.py --payloads-mb 16,64   # gloo needs torch: pip install -e ".[bench]"
 """
 
 from __future__ import annotations
