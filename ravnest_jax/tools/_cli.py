@@ -81,7 +81,7 @@ def params_of_config(config: str, lora_rank: int | None = None) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ._round_plan import PLAN_CODECS, codec_seconds_per_param, plan_rounds
+    from ._round_plan import PLAN_CODECS, check_codecs, codec_seconds_per_param, plan_rounds
 
     try:
         if args.lora_rank is not None and not args.config:
@@ -94,13 +94,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             params = int(args.params)
         else:
             raise ValueError("give --params N or --config config.json")
-        if args.mean_codec not in (None, args.codec):  # a pair the swarm refuses: before measuring
-            blocks = [c for c in PLAN_CODECS if c in ("int8", "int4", "int2", "sign")]
-            if args.codec not in blocks or args.mean_codec not in blocks:
-                raise ValueError(
-                    f"--mean-codec {args.mean_codec} with --codec {args.codec}: a mean codec of its own pairs "
-                    f"block codecs only ({', '.join(blocks)})"
-                )
+        check_codecs(args.codec, args.mean_codec, args.block_size)  # before measuring the codecs
         if args.json and not Path(args.json).resolve().parent.is_dir():
             raise ValueError(f"--json {args.json}: no such directory {Path(args.json).resolve().parent}")
         codec_s = None if args.no_measure else {c: codec_seconds_per_param(c) for c in PLAN_CODECS}
@@ -254,6 +248,6 @@ _FLAGS = {
 
 def _flag_names(msg: str) -> str:
     """A :func:`plan_rounds` error with its parameter named as the command's flag."""
-    msg = msg.replace("option 'block_size'", "--block-size")
+    msg = msg.replace("option 'block_size'", "--block-size").replace(" with codec ", " with --codec ")
     head, sep, rest = msg.partition(" ")
     return f"{_FLAGS[head]}{sep}{rest}" if head in _FLAGS else msg

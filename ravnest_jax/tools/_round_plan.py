@@ -277,6 +277,38 @@ class RoundPlan:
         return "\n".join(lines)
 
 
+PLAN_BLOCK_CODECS = tuple(c for c in PLAN_CODECS if c in DEFAULT_BLOCK_SIZE)
+"""The planned codecs with blocks (a bf16 scale per ``block_size`` values): int8, int4, int2, sign."""
+
+
+def check_codecs(codec: str, mean_codec: str | None = None, block_size: int | None = None) -> None:
+    """The codecs and block size of a plan checked as ``rj.Swarm`` would check them.
+
+    Raises:
+      ValueError: a codec that is not in :data:`PLAN_CODECS`, a mean codec of its own that does
+        not pair with ``codec`` (both must be in :data:`PLAN_BLOCK_CODECS`), a block size with a
+        codec without blocks or one the codec cannot take.
+    """
+    for name, c in (("codec", codec), ("mean_codec", codec if mean_codec is None else mean_codec)):
+        if c not in PLAN_CODECS:
+            raise ValueError(f"{name} must be one of {', '.join(PLAN_CODECS)}, got {c!r}")
+    blocks = ", ".join(PLAN_BLOCK_CODECS)
+    if mean_codec is not None and mean_codec != codec:
+        if codec not in PLAN_BLOCK_CODECS or mean_codec not in PLAN_BLOCK_CODECS:
+            raise ValueError(
+                f"mean_codec {mean_codec} with codec {codec}: a mean codec of its own pairs block codecs only ({blocks})"
+            )
+    if block_size is not None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if codec not in PLAN_BLOCK_CODECS:
+            raise ValueError(f"block_size applies to block codecs ({blocks}), not {codec!r}")
+        from ravnest_jax.swarm._codec import check_codec
+
+        for c in {codec, codec if mean_codec is None else mean_codec}:
+            check_codec(c, {"block_size": block_size})  # ValueError: one the codec cannot take
+
+
 def plan_rounds(
     params: int,
     *,
@@ -335,24 +367,7 @@ def plan_rounds(
         raise ValueError(f"rtt_ms must be a number >= 0, got {rtt_ms!r}")
     if not (isinstance(target, (int, float)) and 0 < target <= 1):
         raise ValueError(f"target must be a utilisation in (0, 1], got {target!r}")
-    for name, c in (("codec", codec), ("mean_codec", codec if mean_codec is None else mean_codec)):
-        if c not in PLAN_CODECS:
-            raise ValueError(f"{name} must be one of {', '.join(PLAN_CODECS)}, got {c!r}")
-    if mean_codec is not None and mean_codec != codec:
-        from ravnest_jax.compress._formats import mean_codec_options
-
-        mean_codec_options(codec, mean_codec, {})  # ValueError: a pair the swarm refuses
-    if block_size is not None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        from ravnest_jax.swarm._codec import check_codec
-
-        if codec not in DEFAULT_BLOCK_SIZE:
-            blocks = ", ".join(c for c in DEFAULT_BLOCK_SIZE if c in PLAN_CODECS)
-            raise ValueError(f"block_size applies to block codecs ({blocks}), not {codec!r}")
-        for c in {codec, codec if mean_codec is None else mean_codec}:
-            if c in DEFAULT_BLOCK_SIZE:
-                check_codec(c, {"block_size": block_size})  # ValueError: one the codec cannot take
+    check_codecs(codec, mean_codec, block_size)
     if not sync_every or any(not isinstance(h, int) or h < 1 for h in sync_every):
         raise ValueError(f"sync_every must be ints >= 1, got {sync_every!r}")
     mbit, rtt = min(mbit_up, mbit_down), rtt_ms / 1e3
