@@ -333,6 +333,16 @@ def step_api() -> tuple[Any, Any, str]:
     return make_train_step, TokenBatch, "ravnest_jax.models.make_train_step"
 
 
+def _init_opt_state(lm, tx, adapters=None):
+    """The optimizer state laid out as the step keeps it (the library's ``init_opt_state``
+    where it has one; on one device that is ``tx.init``'s own)."""
+    try:
+        from ravnest_jax.models import init_opt_state
+    except ImportError:
+        return tx.init(lm.adapters if adapters is None else adapters)
+    return init_opt_state(lm, tx, adapters)
+
+
 def _ours_model(ckpt: str, quantize: str | None, make_train_step, sync_every: int):
     """Loads the checkpoint and builds the library's step; returns (lm, tx, opt_state, step)."""
     import jax.numpy as jnp
@@ -347,11 +357,7 @@ def _ours_model(ckpt: str, quantize: str | None, make_train_step, sync_every: in
         )
     )
     tx = rj.diloco(optax.adamw(LR, weight_decay=0.0), sync_every=sync_every)
-    try:  # the state laid out as the step keeps it (on one device: tx.init's own)
-        from ravnest_jax.models import init_opt_state
-    except ImportError:
-        init_opt_state = lambda lm, tx: tx.init(lm.adapters)  # noqa: E731
-    opt_state = init_opt_state(lm, tx)
+    opt_state = _init_opt_state(lm, tx)
     step = make_train_step(lm, tx, micro_batches=1, loss_chunk=1024)
     return lm, tx, opt_state, step
 
@@ -893,7 +899,7 @@ def overlap_peer(spec: dict[str, Any]) -> dict[str, Any]:
     for name, tau in OVERLAP_MODES:
         net = spec["net"][name]
         adapters = jax.tree.map(jnp.copy, adapters0)
-        state = tx.init(adapters)
+        state = _init_opt_state(lm, tx, adapters)
         swarm = Swarm(
             spec["rendezvous"],
             run_id=f"lora-overlap-{name}",

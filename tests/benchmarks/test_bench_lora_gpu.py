@@ -141,3 +141,11 @@ def test_dry_run_overlap(tmp_path):
             assert m["rounds"] >= doc["config"]["rounds"] and m["failed_rounds"] == 0, (p["peer"], name)
             assert 0 < m["compute_utilisation"] <= 1 and m["stall_seconds"] >= 0
         assert p["modes"]["blocking"]["mean_overlap_steps"] == 0
+
+
+def test_a_failing_child_is_one_error_line():
+    """A child that raises comes back as ``error: <the exception's line>``, not a traceback."""
+    status, result, tail = bench.run_child("no-such-kind", {}, 60, bench.child_env(dry_run=True))
+    assert result is None
+    assert status.startswith("error: ") and "KeyError" in status and "\n" not in status
+    assert "Traceback" in tail
