@@ -44,7 +44,7 @@ if want lora; then
     timeout 480 python3 benchmarks/bench_lora_gpu.py --out "$OUT" 2>&1 | grep -v "^WARNING" | tail -30
 fi
 if want overlap; then
-    timeout 300 python3 benchmarks/bench_lora_gpu.py --overlap --out "$OUT" 2>&1 | grep -v "^WARNING" | tail -20
+    timeout 330 python3 benchmarks/bench_lora_gpu.py --overlap --out "$OUT" 2>&1 | grep -v "^WARNING" | tail -20
 fi
 want overhead || want convergence || exit 0
 
