@@ -197,6 +197,8 @@ def _cmd_plan_memory(args: argparse.Namespace) -> int:
         lora = LoraConfig(
             rank=args.lora_rank, alpha=2.0 * args.lora_rank, targets=tuple(args.lora_targets), train_a=not args.frozen_a
         )
+        if args.stages is not None:
+            return _plan_stages(args, cfg, lora)
         plan = plan_memory(
             cfg,
             lora=lora,
@@ -222,9 +224,17 @@ def _cmd_plan_memory(args: argparse.Namespace) -> int:
     )
     print(plan.table())
     if args.device_gib:
-        verdict = "fits" if plan.fits(int(args.device_gib * 1024**3)) else "does not fit"
+        from ravnest_jax.models import allocator_pool_bytes
+        from ravnest_jax.models._plan import POOL_RESERVE
+
+        card = int(args.device_gib * 1024**3)
+        pool = allocator_pool_bytes(card)
+        verdict = "fits" if plan.fits(card) else "does not fit"
         each = "" if args.devices == 1 else " on each device"
-        print(f"{verdict} in {args.device_gib:g} GiB{each} (with 10% headroom)")
+        print(
+            f"{verdict} in the {pool / 1024**3:.2f} GiB pool JAX's allocator takes of {args.device_gib:g} GiB{each} "
+            f"(leaving {POOL_RESERVE:.0%} of it; XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 raises the pool)"
+        )
     if args.json:
         Path(args.json).write_text(
             plan_json(
@@ -238,6 +248,62 @@ def _cmd_plan_memory(args: argparse.Namespace) -> int:
             )
             + "\n"
         )
+    return 0
+
+
+def _plan_stages(args: argparse.Namespace, cfg, lora) -> int:
+    """``plan-memory --stages S``: each pipeline stage's bytes against a card's allocator pool."""
+    import dataclasses
+    import json
+
+    from ravnest_jax.models import allocator_pool_bytes
+    from ravnest_jax.pipeline._stage_memory import plan_stage_memory, pool_message
+
+    if args.devices != 1:
+        print("error: --stages plans one device per stage: drop --devices", file=sys.stderr)
+        return 2
+    try:
+        plan = plan_stage_memory(
+            cfg,
+            stages=args.stages,
+            lora=lora,
+            quantize=args.quantize,
+            micro_batch=args.batch,
+            seq_len=args.seq_len,
+            dtype=args.dtype,
+            in_flight=args.in_flight,
+            remat=not args.no_remat,
+        )
+        card = int(args.device_gib * 1024**3)
+        pool = allocator_pool_bytes(card)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    fraction = os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or "0.75"
+    widths = ", ".join(f"{k} {v} bits" for k, v in plan.widths.items())
+    print(
+        f"{args.config}: {args.stages} stages, LoRA rank {args.lora_rank}, base {args.quantize or args.dtype}, "
+        f"micro-batch {args.batch} x {args.seq_len} tokens, {args.dtype}, {'no remat' if args.no_remat else 'remat'}"
+    )
+    print(f"device widths measured here: {widths}; GiB below; pool: {args.device_gib:g} GiB x {fraction}")
+    print(plan.table(pool))
+    bad = [s for s in plan.stages if not s.fits(pool)]
+    worst = min(s.headroom(pool) for s in plan.stages)
+    if bad:
+        s = max(bad, key=lambda s: s.total)
+        print(
+            f"does not fit {args.stages} x {args.device_gib:g} GiB: stage {s.stage} needs {s.total / 1024**3:.2f} GiB, "
+            f"the pool is {pool / 1024**3:.2f} GiB; {pool_message()}"
+        )
+    else:
+        print(
+            f"fits {args.stages} x {args.device_gib:g} GiB with {worst:.1%} headroom in the pool (the least of the stages)"
+        )
+    if args.json:
+        rows = [{**dataclasses.asdict(s), "total": s.total, "headroom": s.headroom(pool)} for s in plan.stages]
+        out = dict(config=str(args.config), quantize=args.quantize, micro_batch=args.batch, seq_len=args.seq_len)
+        out.update(dtype=args.dtype, device_bytes=card, pool_bytes=pool, widths=plan.widths, stages=rows)
+        Path(args.json).write_text(json.dumps(out) + "\n")
     return 0
 
 
@@ -355,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     pm.add_argument("--lora-rank", type=int, default=16, help="adapter rank (default 16)")
     pm.add_argument("--lora-targets", nargs="+", default=["q", "k", "v", "o", "gate", "up", "down"], help="projections")
     pm.add_argument("--frozen-a", action="store_true", help="A frozen, only B trains (default: both train)")
-    pm.add_argument("--quantize", choices=["int8", "int4"], default=None, help="the frozen base's storage")
+    pm.add_argument("--quantize", choices=["int8", "int4", "nf4"], default=None, help="the frozen base's storage")
     pm.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     pm.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     pm.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
@@ -367,7 +433,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="the peer's devices: bytes of one when the model lies FSDP-style over all of them "
         "(load_pretrained(mesh=)) and the batch is split (default 1)",
     )
-    pm.add_argument("--device-gib", type=float, default=24.0, help="say whether it fits this much (default 24)")
+    pm.add_argument(
+        "--stages",
+        type=int,
+        default=None,
+        help="pipeline stages: one row per stage (base, adapters + optimizer + outer, activations of the "
+        "micro-batches in flight, one block's working set) against the pool of a --device-gib card; "
+        "--batch is the micro-batch",
+    )
+    pm.add_argument("--in-flight", type=int, default=None, help="with --stages: the schedule's depth (default S)")
+    pm.add_argument(
+        "--device-gib",
+        type=float,
+        default=24.0,
+        help="say whether it fits in the pool JAX's allocator takes of a card of this much (default 24; "
+        "the pool is XLA_PYTHON_CLIENT_MEM_FRACTION of it, 0.75 unless set)",
+    )
     pm.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON here")
     pm.set_defaults(func=_cmd_plan_memory)
     from ravnest_jax.tools._cli import add_parsers
