@@ -126,7 +126,8 @@ def unit_memory(
       micro_batch, seq_len: the micro-batch's shape; None: ``kept`` and ``working`` are 0 (the
         static bytes only).
       tx: the inner optimizer (default ``optax.adamw``).
-      outer: count DiLoCo's anchor and outer momentum.
+      outer: count DiLoCo's anchor and outer momentum (two copies of the adapters), unless
+        ``tx`` is ``rj.diloco(...)`` already (its state holds them: counted in ``optimizer``).
       work_split: the split to compile for the working set (default ``split``; e.g. the same
         model in float32, see the module docstring), its temporary bytes times ``work_scale``.
     """
@@ -137,7 +138,9 @@ def unit_memory(
     st = split.stage(unit, unit + 1, check=False, load=False)
     tx = optax.adamw(1e-4) if tx is None else tx
     adapters = nbytes(st.params)
-    optimizer = nbytes(jax.eval_shape(tx.init, st.params))
+    state = jax.eval_shape(tx.init, st.params)
+    optimizer = nbytes(state)
+    outer = outer and not hasattr(state, "global_params")  # an rj.diloco state counts its own
     base = nbytes(st.frozen)
     kept = working = 0
     if micro_batch is not None and seq_len is not None:

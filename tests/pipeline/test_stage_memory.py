@@ -101,3 +101,17 @@ def test_70b_int4_four_stages_fit_24_gib_cards_at_0_9(tmp_path):
     assert d["pool_bytes"] == int(0.9 * 24 * GIB) and d["widths"]["int4"] == 4
     assert [s["in_flight"] for s in d["stages"]] == [4, 3, 2, 1]
     assert min(s["headroom"] for s in d["stages"]) >= 0.10, d["stages"]
+
+
+def test_a_diloco_optimizer_counts_its_anchor_once():
+    import optax
+
+    import ravnest_jax as rj
+    from ravnest_jax.pipeline._stage_memory import unit_memory
+
+    cfg = dataclasses.replace(TransformerConfig.from_hf(LLAMA), num_hidden_layers=1)
+    split = _abstract_split(cfg, LoraConfig(rank=4), None)
+    plain = unit_memory(split, 1, tx=optax.adamw(1e-3))
+    wrapped = unit_memory(split, 1, tx=rj.diloco(optax.adamw(1e-3), sync_every=10))
+    assert plain.outer == 2 * plain.adapters > 0 and wrapped.outer == 0
+    assert wrapped.optimizer + wrapped.outer >= plain.optimizer + plain.outer
