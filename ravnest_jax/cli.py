@@ -251,13 +251,17 @@ def _cmd_plan_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(b: float) -> str:
+    return f"{b / 1024**3:.2f} GiB" if b >= 1024**3 / 10 else f"{b / 1024**2:.2f} MiB"
+
+
 def _plan_stages(args: argparse.Namespace, cfg, lora) -> int:
     """``plan-memory --stages S``: each pipeline stage's bytes against a card's allocator pool."""
     import dataclasses
     import json
 
     from ravnest_jax.models import allocator_pool_bytes
-    from ravnest_jax.pipeline._stage_memory import plan_stage_memory, pool_message
+    from ravnest_jax.pipeline._stage_memory import POOL_RESERVE, plan_stage_memory, pool_message
 
     if args.devices != 1:
         print("error: --stages plans one device per stage: drop --devices", file=sys.stderr)
@@ -285,15 +289,15 @@ def _plan_stages(args: argparse.Namespace, cfg, lora) -> int:
         f"{args.config}: {args.stages} stages, LoRA rank {args.lora_rank}, base {args.quantize or args.dtype}, "
         f"micro-batch {args.batch} x {args.seq_len} tokens, {args.dtype}, {'no remat' if args.no_remat else 'remat'}"
     )
-    print(f"device widths measured here: {widths}; GiB below; pool: {args.device_gib:g} GiB x {fraction}")
+    print(f"device widths measured here: {widths}; pool: {args.device_gib:g} GiB x {fraction} (JAX's allocator)")
     print(plan.table(pool))
     bad = [s for s in plan.stages if not s.fits(pool)]
     worst = min(s.headroom(pool) for s in plan.stages)
     if bad:
         s = max(bad, key=lambda s: s.total)
         print(
-            f"does not fit {args.stages} x {args.device_gib:g} GiB: stage {s.stage} needs {s.total / 1024**3:.2f} GiB, "
-            f"the pool is {pool / 1024**3:.2f} GiB; {pool_message()}"
+            f"does not fit {args.stages} x {args.device_gib:g} GiB: stage {s.stage} needs {_size(s.total)} "
+            f"(with {POOL_RESERVE:.0%} of the pool free), the pool is {_size(pool)}; {pool_message()}"
         )
     else:
         print(

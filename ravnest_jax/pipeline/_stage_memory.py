@@ -236,17 +236,20 @@ class StagePlanMemory:
     widths: dict[str, int]
 
     def table(self, pool_bytes: int) -> str:
-        """A per-stage table in GiB, with the headroom in a pool of ``pool_bytes``."""
+        """A per-stage table (GiB, or MiB for models under 0.1 GiB a stage), with the headroom in
+        a pool of ``pool_bytes``."""
+        big = max(s.total for s in self.stages) >= GIB / 10
+        unit, scale = ("GiB", GIB) if big else ("MiB", 1024**2)
         head = (
             f"{'stage':<6}{'units':>9}{'in flight':>10}{'base':>8}{'adapt+opt':>10}{'acts':>8}"
-            f"{'working':>9}{'total':>8}{'pool':>8}{'headroom':>10}"
+            f"{'working':>9}{'total':>8}{'pool':>10}{'headroom':>10}   ({unit})"
         )
         rows = [head]
         for s in self.stages:
             rows.append(
-                f"{s.stage:<6}{f'{s.lo}..{s.hi - 1}':>9}{s.in_flight:>10}{s.base / GIB:>8.2f}"
-                f"{s.trainable / GIB:>10.2f}{s.activations / GIB:>8.2f}{s.working_set / GIB:>9.2f}"
-                f"{s.total / GIB:>8.2f}{pool_bytes / GIB:>8.2f}{s.headroom(pool_bytes):>10.1%}"
+                f"{s.stage:<6}{f'{s.lo}..{s.hi - 1}':>9}{s.in_flight:>10}{s.base / scale:>8.2f}"
+                f"{s.trainable / scale:>10.2f}{s.activations / scale:>8.2f}{s.working_set / scale:>9.2f}"
+                f"{s.total / scale:>8.2f}{pool_bytes / scale:>10.2f}{s.headroom(pool_bytes):>10.1%}"
             )
         return "\n".join(rows)
 
@@ -346,4 +349,4 @@ def pool_message(env: Mapping[str, str] = os.environ) -> str:
     if env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
         return "the pool is the whole card already (XLA_PYTHON_CLIENT_ALLOCATOR=platform)"
     f = allocator_pool_bytes(GIB, env) / GIB
-    return f"the pool is {f:.2f} of the card (JAX's allocator): raise it with XLA_PYTHON_CLIENT_MEM_FRACTION=0.9"
+    return f"JAX's allocator takes {f:.2f} of the card: raise it with XLA_PYTHON_CLIENT_MEM_FRACTION=0.9"

@@ -115,3 +115,20 @@ def test_a_diloco_optimizer_counts_its_anchor_once():
     wrapped = unit_memory(split, 1, tx=rj.diloco(optax.adamw(1e-3), sync_every=10))
     assert plain.outer == 2 * plain.adapters > 0 and wrapped.outer == 0
     assert wrapped.optimizer + wrapped.outer >= plain.optimizer + plain.outer
+
+
+@pytest.mark.integration  # a CLI process
+def test_plan_memory_stages_says_what_a_stage_needs_and_how_to_raise_the_pool(tmp_path):
+    args = ["--config", str(LLAMA), "--stages", "2", "--quantize", "nf4", "--batch", "2", "--seq-len", "64"]
+    env = {k: v for k, v in __import__("os").environ.items() if "MEM_FRACTION" not in k}
+    p = subprocess.run(
+        [sys.executable, "-m", "ravnest_jax.cli", "plan-memory", *args, "--device-gib", "0.0005"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert p.returncode == 0, p.stderr
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("does not fit 2 x 0.0005 GiB: stage "), p.stdout
+    assert "MiB" in last and "takes 0.75 of the card" in last and "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9" in last
