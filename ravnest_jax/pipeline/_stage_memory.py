@@ -290,6 +290,7 @@ def plan_stage_memory(
     from flax import nnx
 
     from ravnest_jax.models import LoraConfig, Transformer, apply_lora, device_bits, split_lora
+    from ravnest_jax.models._lora import check_quantize
     from ravnest_jax.models._plan import load_config  # the presets' one reader
 
     from ._model import transformer_split
@@ -305,6 +306,9 @@ def plan_stage_memory(
     units_total = cfg.num_hidden_layers + 2
     if stages > units_total:
         raise ValueError(f"stages={stages}: the model has {units_total} units (embedding, blocks, head)")
+    if cfg.tie_word_embeddings and stages > 1:
+        raise ValueError("the model ties its input embedding to its head: one stage only (untie the embeddings)")
+    check_quantize(quantize)
     depth = check_depth(in_flight, stages, max(stages, in_flight or stages))
     one = dataclasses.replace(cfg, num_hidden_layers=1)
 
@@ -325,8 +329,6 @@ def plan_stage_memory(
         for u in range(3)
     )
     units = (prologue, *([block] * cfg.num_hidden_layers), epilogue)
-    if cfg.tie_word_embeddings and stages > 1:
-        raise ValueError("the model ties its input embedding to its head: one stage only (untie the embeddings)")
     bounds = balance([u.params for u in units], stages)
     names = {jnp.dtype(x.dtype).name for x in jax.tree.leaves(split.stage(0, 3, check=False, load=False).frozen)}
     widths = {n: device_bits(n) for n in sorted(names | {"int4", "int8", jnp.dtype(jdtype).name})}
