@@ -126,7 +126,7 @@ def _positive_int(value: str) -> int:
 
 
 def _cmd_local(args: argparse.Namespace) -> int:
-    from ravnest_jax.launch import check_command, run_local  # no jax import
+    from ravnest_jax.launch import assign_devices, check_command, run_local, visible_gpus  # no jax import
 
     if args.eviction <= args.heartbeat:
         raise SystemExit(f"error: --eviction ({args.eviction}) must be longer than --heartbeat ({args.heartbeat})")
@@ -137,6 +137,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: --codec must be one of {', '.join(available_codecs())}, got {args.codec!r}")
     try:
         check_command(args.command)
+        assign_devices(args.peers, visible_gpus(), args.devices_per_peer)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     return run_local(
@@ -148,6 +149,8 @@ def _cmd_local(args: argparse.Namespace) -> int:
         eviction=args.eviction,
         progress=not args.no_progress,
         summary_json=args.summary_json,
+        devices_per_peer=args.devices_per_peer,
+        compile_cache=False if args.no_compile_cache else (args.compile_cache_dir or True),
     )
 
 
@@ -385,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
         "RAVNEST_LISTEN, RAVNEST_RANK and RAVNEST_WORLD_SIZE (and RAVNEST_CODEC with --codec); "
         "rj.Swarm() reads them when its arguments are left out. The peers' output is shown "
         "prefixed with their names; at the end every peer's OuterSync summary is printed. "
-        "Ctrl+C stops every peer (a second Ctrl+C kills them).",
+        "Ctrl+C stops every peer (a second Ctrl+C kills them). On a machine with GPUs each peer "
+        "gets its own (CUDA_VISIBLE_DEVICES, LOCAL_RANK); JAX's persistent compilation cache is on.",
     )
     lo.add_argument("--peers", type=_positive_int, required=True, metavar="N", help="peer processes to start")
     lo.add_argument(
@@ -411,6 +415,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lo.add_argument(
         "--summary-json", default=None, metavar="PATH", help="write the peers' exit codes and summaries here"
+    )
+    lo.add_argument(
+        "--devices-per-peer",
+        type=_positive_int,
+        default=None,
+        metavar="K",
+        help="GPUs per peer: peer i gets GPUs [i*K, (i+1)*K) of the visible ones (default: split them "
+        "evenly; more peers than GPUs share them round-robin, each with its share of the memory)",
+    )
+    lo.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="JAX's persistent compilation cache for the peers (default: $JAX_COMPILATION_CACHE_DIR, "
+        "else $XDG_CACHE_HOME/ravnest_jax/xla or ~/.cache/ravnest_jax/xla)",
+    )
+    lo.add_argument(
+        "--no-compile-cache", action="store_true", help="no persistent compilation cache: every peer compiles"
     )
     lo.add_argument("command", nargs=argparse.REMAINDER, help="-- then the peer command, e.g. python train.py")
     lo.set_defaults(func=_cmd_local)

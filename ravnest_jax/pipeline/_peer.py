@@ -432,8 +432,9 @@ class StagePeer:
         self._cluster_addresses = [p.address for p, _ in ready.values() if p.peer_id != self.peer_id]
         shape = self.worker.hidden.shape
         self.link.set_epoch(self._epoch)
-        self.link.expect("act", self.neighbours["prev"][0] if prev else None, shape, self.codec)
-        self.link.expect("grad", self.neighbours["next"][0] if nxt else None, shape, self.codec)
+        # received undecoded: the stage's jitted step decodes them on its device
+        self.link.expect("act", self.neighbours["prev"][0] if prev else None, shape, self.codec, encoded=True)
+        self.link.expect("grad", self.neighbours["next"][0] if nxt else None, shape, self.codec, encoded=True)
 
     # ------------------------------------------------------------------ training
     def run(
