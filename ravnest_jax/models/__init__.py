@@ -1,6 +1,8 @@
 """Pretrained decoder-only LLMs in flax nnx: the Llama 3 / Mistral / Qwen 2.5 / Qwen 3 layout,
 Hugging Face checkpoints (``load_pretrained``, ``save_pretrained``), LoRA / QLoRA adapters with
-qwix (``LoraConfig``, ``apply_lora``, ``split_lora``) and the memory planner (``plan_memory``).
+qwix (``LoraConfig``, ``apply_lora``, ``split_lora``; base in int8, int4 or nf4), device widths
+and the allocator's pool (``device_bits``, ``nbytes``, ``allocator_pool_bytes``) and the memory
+planner (``plan_memory``).
 Needs the ``llm`` extra (``safetensors``, ``tokenizers``, ``qwix``)."""
 
 from ._config import ARCHITECTURES as ARCHITECTURES
@@ -17,6 +19,9 @@ from ._lora import LoraModel as LoraModel
 from ._lora import apply_lora as apply_lora
 from ._lora import merge_adapters as merge_adapters
 from ._lora import split_lora as split_lora
+from ._memory import allocator_pool_bytes as allocator_pool_bytes
+from ._memory import device_bits as device_bits
+from ._memory import nbytes as nbytes
 from ._transformer import Transformer as Transformer
 
 __all__ = [
@@ -28,11 +33,14 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "adapter_sharding",
+    "allocator_pool_bytes",
     "apply_lora",
     "base_sharding",
+    "device_bits",
     "hf_config",
     "load_pretrained",
     "merge_adapters",
+    "nbytes",
     "save_pretrained",
     "split_lora",
 ]
