@@ -1,8 +1,11 @@
 """Pretrained decoder-only LLMs in flax nnx: the Llama 3 / Mistral / Qwen 2.5 / Qwen 3 layout,
 Hugging Face checkpoints (``load_pretrained``, ``save_pretrained``), LoRA / QLoRA adapters with
-qwix (``LoraConfig``, ``apply_lora``, ``split_lora``) and the memory planner (``plan_memory``).
+qwix (``LoraConfig``, ``apply_lora``, ``split_lora``), memory-efficient attention with segment ids
+(``attention``) and the memory planner (``plan_memory``).
 Needs the ``llm`` extra (``safetensors``, ``tokenizers``, ``qwix``)."""
 
+from ._attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from ._attention import attention as attention
 from ._config import ARCHITECTURES as ARCHITECTURES
 from ._config import TransformerConfig as TransformerConfig
 from ._hf import adapter_sharding as adapter_sharding
@@ -21,6 +24,7 @@ from ._transformer import Transformer as Transformer
 
 __all__ = [
     "ARCHITECTURES",
+    "ATTENTION_IMPLEMENTATIONS",
     "PROJECTIONS",
     "QUANTIZE",
     "LoraConfig",
@@ -29,6 +33,7 @@ __all__ = [
     "TransformerConfig",
     "adapter_sharding",
     "apply_lora",
+    "attention",
     "base_sharding",
     "hf_config",
     "load_pretrained",
