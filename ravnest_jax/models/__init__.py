@@ -1,10 +1,12 @@
 """Pretrained decoder-only LLMs in flax nnx: the Llama 3 / Mistral / Qwen 2.5 / Qwen 3 layout,
 Hugging Face checkpoints (``load_pretrained``, ``save_pretrained``), LoRA / QLoRA adapters with
-qwix (``LoraConfig``, ``apply_lora``, ``split_lora``; base in int8, int4 or nf4), device widths
-and the allocator's pool (``device_bits``, ``nbytes``, ``allocator_pool_bytes``) and the memory
-planner (``plan_memory``).
+qwix (``LoraConfig``, ``apply_lora``, ``split_lora``; base in int8, int4 or nf4), memory-efficient
+attention with segment ids (``attention``), device widths and the allocator's pool
+(``device_bits``, ``nbytes``, ``allocator_pool_bytes``) and the memory planner (``plan_memory``).
 Needs the ``llm`` extra (``safetensors``, ``tokenizers``, ``qwix``)."""
 
+from ._attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from ._attention import attention as attention
 from ._config import ARCHITECTURES as ARCHITECTURES
 from ._config import TransformerConfig as TransformerConfig
 from ._hf import adapter_sharding as adapter_sharding
@@ -26,6 +28,7 @@ from ._transformer import Transformer as Transformer
 
 __all__ = [
     "ARCHITECTURES",
+    "ATTENTION_IMPLEMENTATIONS",
     "PROJECTIONS",
     "QUANTIZE",
     "LoraConfig",
@@ -35,6 +38,7 @@ __all__ = [
     "adapter_sharding",
     "allocator_pool_bytes",
     "apply_lora",
+    "attention",
     "base_sharding",
     "device_bits",
     "hf_config",

@@ -312,6 +312,7 @@ def split_lora(model: Transformer) -> LoraModel:
                 Transformer(cfg, nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype), lora, quantize, dropout=False
             )
             m.remat, m.batch_sharding = model.remat, model.batch_sharding
+            m.attention, m.attention_chunk = model.attention, model.attention_chunk
             return m
 
         graphdef = nnx.split(nnx.eval_shape(build), keep, ...)[0]
