@@ -55,6 +55,7 @@ def encode_chat(
     train_on_prompt: bool = False,
     turn_end: str | None = None,
     where: str = "",
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> Example:
     """A conversation through ``template``, tokenised as transformers' ``apply_chat_template``
     does (``add_special_tokens=False``: the template renders the BOS), with the loss on the
@@ -64,15 +65,17 @@ def encode_chat(
     rendered with ``add_generation_prompt=True`` and the conversation through it must both be
     prefixes of the whole rendering; the tokens whose characters fall between the two are its
     own, cut after the last ``turn_end`` token among them (the template's newline after
-    ``<|im_end|>`` is not learned; the turn end is).
+    ``<|im_end|>`` is not learned; the turn end is). ``template_kwargs`` reach the template
+    (e.g. ``{"enable_thinking": False}``).
 
     Raises:
       ValueError: ``"<where>: ..."``: the template failed, or renders a prefix of the
         conversation differently from the whole (it rewrites earlier turns), or the
         conversation has no assistant message to learn.
     """
+    kw = dict(template_kwargs or {})
     try:
-        full = template.render(messages)
+        full = template.render(messages, **kw)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     enc = tokenizer.encode(full, add_special_tokens=False)
@@ -87,15 +90,16 @@ def encode_chat(
         if i < learn_from or m.get("role") != "assistant":
             continue
         try:
-            before = template.render(messages[:i], add_generation_prompt=True) if i else ""
-            through = template.render(messages[: i + 1])
+            before = template.render(messages[:i], add_generation_prompt=True, **kw) if i else ""
+            through = template.render(messages[: i + 1], **kw)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
         for name, text in (("before", before), ("through", through)):
             if not full.startswith(text):
                 raise ValueError(
                     f"{where}: the chat template renders the conversation {name} message {i} differently from the "
-                    "whole conversation (it rewrites earlier turns): the assistant tokens cannot be located"
+                    "whole conversation (it rewrites earlier turns): the assistant tokens cannot be located; "
+                    "give one record per assistant turn, or a template that keeps earlier turns (template=)"
                 )
         lo, hi = len(before), len(through)
         span = np.flatnonzero((ends > lo) & (starts < hi))
@@ -115,6 +119,7 @@ def encode_record(
     template: ChatTemplate | None = None,
     train_on_prompt: bool = False,
     eos_id: int | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> Example:
     """One record as an :class:`Example`.
 
@@ -149,6 +154,7 @@ def encode_record(
                 train_on_prompt=train_on_prompt,
                 turn_end=config.eos_token,
                 where=record.where,
+                template_kwargs=template_kwargs,
             )
         return encode_chat(
             [*d["prompt"], *d["completion"]],
@@ -158,6 +164,7 @@ def encode_record(
             train_on_prompt=train_on_prompt,
             turn_end=config.eos_token,
             where=record.where,
+            template_kwargs=template_kwargs,
         )
     if record.format == "text":
         ids = _ids(tokenizer, d["text"], special=True)
@@ -180,6 +187,7 @@ def encode_records(
     template: str | None = None,
     train_on_prompt: bool = False,
     eos_id: int | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[Example]:
     """:func:`encode_record` over ``records``; chat ones through ``config``'s template named
     ``template`` (default: its default one).
@@ -189,7 +197,15 @@ def encode_records(
     """
     chat = config.chat_template(template) if any(r.conversational for r in records) else None
     return [
-        encode_record(r, tokenizer, config, template=chat, train_on_prompt=train_on_prompt, eos_id=eos_id)
+        encode_record(
+            r,
+            tokenizer,
+            config,
+            template=chat,
+            train_on_prompt=train_on_prompt,
+            eos_id=eos_id,
+            template_kwargs=template_kwargs,
+        )
         for r in records
     ]
 
@@ -201,6 +217,7 @@ def load_examples(
     format: str = "auto",
     template: str | None = None,
     train_on_prompt: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[Example]:
     """Reads ``paths`` (:func:`read_records`) and tokenises them with the checkpoint directory's
     ``tokenizer.json``, ``tokenizer_config.json`` (chat template, BOS/EOS) and ``config.json``
@@ -220,6 +237,7 @@ def load_examples(
         template=template,
         train_on_prompt=train_on_prompt,
         eos_id=eos_token_id(checkpoint),
+        template_kwargs=template_kwargs,
     )
 
 

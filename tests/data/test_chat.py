@@ -173,3 +173,11 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_clearly(tok):
     t = ChatTemplate("{{ messages | length }}{% for m in messages %}{{ m.content }}{% endfor %}")
     with pytest.raises(ValueError, match="^x.jsonl:3: the chat template renders the conversation before message 1"):
         encode_chat(MSG, tok, t, where="x.jsonl:3")
+
+
+def test_template_kwargs_reach_the_template(tok):
+    t = ChatTemplate("{% for m in messages %}{{ m.role }}: {{ m.content }}{{ sep }}{% endfor %}")
+    ex = encode_chat(MSG, tok, t, turn_end="<|im_end|>", template_kwargs={"sep": "<|im_end|>"})
+    assert _decode(tok, ex.tokens) == "user: a<b>&'<|im_end|>assistant: c<|im_end|>"
+    # no generation prompt in this template: the learned span starts at the role name
+    assert _decode(tok, ex.tokens[ex.mask]) == "assistant: c<|im_end|>"

@@ -193,3 +193,16 @@ def test_chat_fixture_batches_learn_exactly_the_assistant_turns():
     # documents are packed longest first: compare the learned text as a multiset of turns
     assert sorted(learned.split("<|im_end|>")[:-1]) == sorted(t[: -len("<|im_end|>")] for t in turns.elements())
     assert int(b["segment_ids"].max()) == 3
+
+
+def test_split_examples_holds_out_a_seeded_fraction():
+    from ravnest_jax.data import split_examples
+
+    ex = _examples(40)
+    train, held = split_examples(ex, 0.1, seed=3)
+    assert len(held) == 4 and len(train) == 36
+    assert {e.where for e in train} | {e.where for e in held} == {e.where for e in ex}
+    assert [e.where for e in split_examples(ex, 0.1, seed=3)[1]] == [e.where for e in held]
+    assert [e.where for e in split_examples(ex, 0.1, seed=4)[1]] != [e.where for e in held]
+    with pytest.raises(ValueError, match="fraction must be in"):
+        split_examples(ex, 1.0)
