@@ -14,6 +14,7 @@ from ._pack import encode_chat as encode_chat
 from ._pack import encode_record as encode_record
 from ._pack import encode_records as encode_records
 from ._pack import load_examples as load_examples
+from ._pack import packed_dataset as packed_dataset
 from ._pack import split_examples as split_examples
 from ._records import FORMATS as FORMATS
 from ._records import Record as Record
@@ -47,6 +48,7 @@ __all__ = [
     "load_examples",
     "load_tokenizer",
     "load_tokenizer_config",
+    "packed_dataset",
     "read_records",
     "resolve_files",
     "scan",

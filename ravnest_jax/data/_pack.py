@@ -460,3 +460,50 @@ class PackedExamples:
             if k in state and int(state[k]) != getattr(self, k):
                 raise ValueError(f"data state has {k}={int(state[k])}, this loader {getattr(self, k)}")
         self.position = int(state["position"])
+
+
+def packed_dataset(
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    checkpoint: str | os.PathLike[str],
+    *,
+    seq_len: int,
+    batch: int,
+    format: str = "auto",
+    template: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+    train_on_prompt: bool = False,
+    packing: bool = True,
+    overlong: str = "split",
+    shard: int = 0,
+    num_shards: int = 1,
+    seed: int = 0,
+) -> PackedExamples:
+    """The whole path in one call: :func:`load_examples` then :class:`PackedExamples`, padding
+    with the tokenizer config's ``pad_token`` (else id 0; padding never reaches the loss).
+
+    Raises:
+      ValueError: as :func:`load_examples` and :class:`PackedExamples`.
+    """
+    from ._tokens import load_tokenizer
+
+    examples = load_examples(
+        paths,
+        checkpoint,
+        format=format,
+        template=template,
+        train_on_prompt=train_on_prompt,
+        template_kwargs=template_kwargs,
+    )
+    pad = load_tokenizer_config(checkpoint).pad_token
+    pad_id = load_tokenizer(checkpoint).token_to_id(pad) if pad is not None else None
+    return PackedExamples(
+        examples,
+        seq_len=seq_len,
+        batch=batch,
+        packing=packing,
+        overlong=overlong,
+        shard=shard,
+        num_shards=num_shards,
+        seed=seed,
+        pad_id=0 if pad_id is None else pad_id,
+    )

@@ -180,11 +180,14 @@ def test_a_state_of_other_data_is_refused():
 
 def test_chat_fixture_batches_learn_exactly_the_assistant_turns():
     pytest.importorskip("jinja2")
-    from ravnest_jax.data import load_examples, load_tokenizer, read_records
+    from ravnest_jax.data import load_examples, load_tokenizer, packed_dataset, read_records
 
     tok = load_tokenizer(CHAT / "chatml")
     examples = load_examples(CHAT / "messages.jsonl", CHAT / "chatml")
     p = PackedExamples(examples, seq_len=256, batch=1, pad_id=tok.token_to_id("<pad>"))
+    q = packed_dataset(CHAT / "messages.jsonl", CHAT / "chatml", seq_len=256, batch=1)
+    assert q.fingerprint == p.fingerprint and all((q.row(0)[k] == p.row(0)[k]).all() for k in FIELDS)
+    assert (p.row(0)["tokens"][p.row(0)["segment_ids"] == 0] == tok.token_to_id("<pad>")).all()
     assert p.stats["rows"] == 1 and p.stats["split"] == 0
     b = p.next()
     learned = tok.decode(b["targets"][b["loss_mask"] > 0].tolist(), skip_special_tokens=False)
