@@ -34,7 +34,8 @@ class Record:
     """One checked example.
 
     Attributes:
-      where: ``"file:line"`` (1-based line of a jsonl file, 1-based row of a parquet file).
+      where: ``"file:line"`` (1-based line of a jsonl file, 1-based row of a parquet file), or
+        ``"file[index]"`` (0-based, a .json file holding one array of records).
       format: ``"text"``, ``"prompt_completion"``, ``"messages"`` or ``"alpaca"``.
       data: the record's fields (a ``prompt``/``completion`` pair is either two strings or two
         lists of messages, see :attr:`conversational`).
@@ -142,7 +143,8 @@ def check_record(where: str, record: Any, format: str) -> Record:
 
 def resolve_files(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
     """The data files of ``paths``: each a file, a glob, or a directory (its ``*.jsonl``, ``*.json``
-    and ``*.parquet`` files, recursively), sorted within each entry, duplicates removed.
+    and ``*.parquet`` files, recursively), sorted within each entry, duplicates removed. A
+    ``.json`` file holds one record a line, or one JSON array of records.
 
     Raises:
       ValueError: an entry matches no file, or a file is not .jsonl/.json/.parquet.
@@ -163,7 +165,7 @@ def resolve_files(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str
             raise ValueError(f"no data files match {str(e)!r}")
         for f in found:
             if f.suffix not in _SUFFIXES:
-                raise ValueError(f"{f}: a data file must be .jsonl, .json (one record a line) or .parquet")
+                raise ValueError(f"{f}: a data file must be .jsonl, .json or .parquet")
             if f not in out:
                 out.append(f)
     return out
@@ -178,6 +180,17 @@ def _raw_records(path: Path) -> Iterator[tuple[str, Any]]:
         for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
             yield f"{path}:{i}", row
         return
+    if path.suffix == ".json":
+        with open(path, encoding="utf-8") as fh:
+            head = fh.read(4096).lstrip()
+        if head.startswith("["):  # one JSON array of records; "where" is the record's index
+            try:
+                rows = json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise _fail(f"{path}:{e.lineno}", f"not JSON ({e.msg} at column {e.colno})") from None
+            for i, row in enumerate(rows):
+                yield f"{path}[{i}]", row
+            return
     with open(path, encoding="utf-8") as fh:
         try:
             for i, line in enumerate(fh, start=1):

@@ -155,7 +155,7 @@ def test_missing_files_are_errors(paths, message):
 
 def test_a_wrong_extension_and_an_unknown_format(tmp_path):
     (tmp_path / "a.csv").write_text("x")
-    with pytest.raises(ValueError, match="must be .jsonl, .json"):
+    with pytest.raises(ValueError, match="must be .jsonl, .json or .parquet"):
         resolve_files(tmp_path / "a.csv")
     with pytest.raises(ValueError, match="format must be one of"):
         read_records(CHAT / "text.jsonl", format="sharegpt")
@@ -174,3 +174,14 @@ def test_parquet_when_pyarrow_imports(tmp_path):
 
     pq.write_table(pa.Table.from_pylist([{"text": "a b"}, {"text": "c"}]), tmp_path / "t.parquet")
     assert [r.data["text"] for r in read_records(tmp_path / "t.parquet")] == ["a b", "c"]
+
+
+def test_a_json_array_file(tmp_path):
+    p = tmp_path / "train.json"
+    p.write_text(json.dumps([GOOD, GOOD, {"messages": [{"role": "user", "content": "x"}, {"content": "y"}]}], indent=1))
+    with pytest.raises(ValueError, match=rf'^{p}\[2\]: "messages"\[1\] has no "role"$'):
+        read_records(p)
+    p.write_text(json.dumps([GOOD, GOOD]))
+    assert [r.where for r in read_records(p)] == [f"{p}[0]", f"{p}[1]"]
+    p.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD) + "\n")  # .json with one record a line
+    assert [r.where for r in read_records(p)] == [f"{p}:1", f"{p}:2"]
