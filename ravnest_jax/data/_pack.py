@@ -65,7 +65,9 @@ def encode_chat(
     rendered with ``add_generation_prompt=True`` and the conversation through it must both be
     prefixes of the whole rendering; the tokens whose characters fall between the two are its
     own, cut after the last ``turn_end`` token among them (the template's newline after
-    ``<|im_end|>`` is not learned; the turn end is). ``template_kwargs`` reach the template
+    ``<|im_end|>`` is not learned; the turn end is); without one among them, after the last
+    special token when only whitespace follows it (Gemma's ``<end_of_turn>``, whose EOS is
+    ``<eos>``). ``template_kwargs`` reach the template
     (e.g. ``{"enable_thinking": False}``).
 
     Raises:
@@ -86,6 +88,7 @@ def encode_chat(
     starts = np.asarray([o[0] for o in enc.offsets], np.int64)
     ends = np.asarray([o[1] for o in enc.offsets], np.int64)
     end_id = _token_id(tokenizer, turn_end)
+    specials = None
     for i, m in enumerate(messages):
         if i < learn_from or m.get("role") != "assistant":
             continue
@@ -103,10 +106,15 @@ def encode_chat(
                 )
         lo, hi = len(before), len(through)
         span = np.flatnonzero((ends > lo) & (starts < hi))
-        if end_id is not None and span.size:
-            hits = span[tokens[span] == end_id]
-            if hits.size:
-                span = span[span <= hits[-1]]
+        hits = span[tokens[span] == end_id] if end_id is not None else span[:0]
+        if not hits.size and span.size:  # the turn end is not the EOS (Gemma's <end_of_turn>): the last special token
+            if specials is None:
+                specials = np.asarray([k for k, t in tokenizer.get_added_tokens_decoder().items() if t.special])
+            hits = span[np.isin(tokens[span], specials)]
+            if hits.size and tokenizer.decode(tokens[span[span > hits[-1]]].tolist()).strip():
+                hits = hits[:0]  # text follows it: not a turn end
+        if hits.size:
+            span = span[span <= hits[-1]]
         mask[span] = True
     return Example(tokens, mask, where)
 

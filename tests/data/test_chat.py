@@ -181,3 +181,24 @@ def test_template_kwargs_reach_the_template(tok):
     assert _decode(tok, ex.tokens) == "user: a<b>&'<|im_end|>assistant: c<|im_end|>"
     # no generation prompt in this template: the learned span starts at the role name
     assert _decode(tok, ex.tokens[ex.mask]) == "assistant: c<|im_end|>"
+
+
+@pytest.mark.parametrize(
+    "turn_end, learned",
+    [
+        ("<|eot_id|>", "c<|eot_id|>"),  # the EOS is the turn end
+        ("<|end_of_text|>", "c<|eot_id|>"),  # it is not (Gemma): the last special token, whitespace after it cut
+        (None, "c<|eot_id|>"),
+    ],
+)
+def test_the_turn_end_is_learned_and_the_newline_after_it_is_not(tok, turn_end, learned):
+    t = ChatTemplate(
+        "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>{{ m.content }}<|eot_id|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}"
+    )
+    ex = encode_chat(MSG, tok, t, turn_end=turn_end)
+    assert _decode(tok, ex.tokens[ex.mask]) == learned
+    # text after the last special token: it belongs to the turn, nothing is cut
+    text_after = ChatTemplate(t.source.replace("<|eot_id|>\n", "<|eot_id|> ok"))
+    ex = encode_chat(MSG, tok, text_after, turn_end=None)
+    assert _decode(tok, ex.tokens[ex.mask]) == "c<|eot_id|> ok"
