@@ -46,6 +46,22 @@ def _ids(tokenizer: Any, text: str, *, special: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=special).ids)
 
 
+_SENTINEL = "\u27e6ravnest-content\u27e7"
+
+
+def _opening(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], kw: Mapping[str, Any], full: str) -> str:
+    """What a template renders before the content of a first message from the assistant (BOS, a
+    default system prompt, the assistant header): the conversation rendered with that content
+    replaced by a sentinel, up to the sentinel; "" where that is not the start of ``full``."""
+    first = {**messages[0], "content": _SENTINEL}
+    try:
+        text = template.render([first, *messages[1:]], **kw)
+    except ValueError:
+        return ""
+    cut = text.find(_SENTINEL)
+    return text[:cut] if cut >= 0 and full.startswith(text[:cut]) else ""
+
+
 def encode_chat(
     messages: Sequence[Mapping[str, Any]],
     tokenizer: Any,
@@ -72,8 +88,9 @@ def encode_chat(
 
     Raises:
       ValueError: ``"<where>: ..."``: the template failed, or renders a prefix of the
-        conversation differently from the whole (it rewrites earlier turns), or the
-        conversation has no assistant message to learn.
+        conversation differently from the whole (it rewrites earlier turns). A conversation with
+        no assistant message to learn gives an all-False mask (:class:`PackedExamples` leaves it
+        out and counts it).
     """
     kw = dict(template_kwargs or {})
     try:
@@ -93,7 +110,11 @@ def encode_chat(
         if i < learn_from or m.get("role") != "assistant":
             continue
         try:
-            before = template.render(messages[:i], add_generation_prompt=True, **kw) if i else ""
+            before = (
+                template.render(messages[:i], add_generation_prompt=True, **kw)
+                if i
+                else _opening(template, messages, kw, full)
+            )
             through = template.render(messages[: i + 1], **kw)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None

@@ -202,3 +202,11 @@ def test_the_turn_end_is_learned_and_the_newline_after_it_is_not(tok, turn_end, 
     text_after = ChatTemplate(t.source.replace("<|eot_id|>\n", "<|eot_id|> ok"))
     ex = encode_chat(MSG, tok, text_after, turn_end=None)
     assert _decode(tok, ex.tokens[ex.mask]) == "c<|eot_id|> ok"
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_a_conversation_opened_by_the_assistant(tok, name):
+    config = load_tokenizer_config(CHAT / name)
+    chat = [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Hi."}]
+    ex = encode_chat(chat, tok, config.chat_template(), turn_end=config.eos_token)
+    assert _decode(tok, ex.tokens[ex.mask]) == "Hello." + TURN_END[name]  # not the BOS, system prompt or header
