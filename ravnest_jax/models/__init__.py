@@ -17,6 +17,7 @@ from ._lora import LoraModel as LoraModel
 from ._lora import apply_lora as apply_lora
 from ._lora import merge_adapters as merge_adapters
 from ._lora import split_lora as split_lora
+from ._loss import chunked_cross_entropy as chunked_cross_entropy
 from ._transformer import Transformer as Transformer
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "adapter_sharding",
     "apply_lora",
     "base_sharding",
+    "chunked_cross_entropy",
     "hf_config",
     "load_pretrained",
     "merge_adapters",

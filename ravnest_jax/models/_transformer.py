@@ -200,7 +200,10 @@ class Transformer(nnx.Module):
     logits are constrained to it when the batch divides by its device count.
 
     Call with ``tokens`` int32 ``(batch, seq)`` (and optionally ``positions`` int32 ``(batch,
-    seq)``, default ``0..seq-1``); returns float32 logits ``(batch, seq, vocab_size)``.
+    seq)``, default ``0..seq-1``, and ``segment_ids`` int32 ``(batch, seq)``); returns float32
+    logits ``(batch, seq, vocab_size)``, or with ``head=False`` the final hidden state ``(batch,
+    seq, hidden_size)`` in the compute dtype, before the final norm (for
+    :func:`~ravnest_jax.models.chunked_cross_entropy`).
 
     A pipeline stage holds a slice of the model (:func:`ravnest_jax.pipeline.transformer_split`):
     ``stage_ends = (first, last)`` says whether it starts with the embedding (else it is called
@@ -234,7 +237,15 @@ class Transformer(nnx.Module):
         )
         self._inv_freq = tuple(rope_frequencies(cfg))  # static floats: a constant of the jitted program
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        *,
+        head: bool = True,
+    ) -> jax.Array:
+        del segment_ids  # one segment: packed documents see each other (segment masks come with model.attention)
         first, last = self.stage_ends
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape[:2])
@@ -251,7 +262,7 @@ class Transformer(nnx.Module):
             else:
                 x = layer(x, positions, inv_freq)
             x = self._by_batch(x)
-        if not last:
+        if not last or not head:
             return x
         x = self.norm(x)
         if self.lm_head is None:
