@@ -1,6 +1,8 @@
 """Pretrained decoder-only LLMs in flax nnx: the Llama 3 / Mistral / Qwen 2.5 / Qwen 3 layout,
 Hugging Face checkpoints (``load_pretrained``, ``save_pretrained``), LoRA / QLoRA adapters with
-qwix (``LoraConfig``, ``apply_lora``, ``split_lora``) and the memory planner (``plan_memory``).
+qwix (``LoraConfig``, ``apply_lora``, ``split_lora``), the training step (``TokenBatch``,
+``make_train_step``, ``make_eval_loss``, ``chunked_cross_entropy``) and the memory planner
+(``plan_memory``).
 Needs the ``llm`` extra (``safetensors``, ``tokenizers``, ``qwix``)."""
 
 from ._config import ARCHITECTURES as ARCHITECTURES
@@ -18,6 +20,10 @@ from ._lora import apply_lora as apply_lora
 from ._lora import merge_adapters as merge_adapters
 from ._lora import split_lora as split_lora
 from ._loss import chunked_cross_entropy as chunked_cross_entropy
+from ._step import TokenBatch as TokenBatch
+from ._step import init_opt_state as init_opt_state
+from ._step import make_eval_loss as make_eval_loss
+from ._step import make_train_step as make_train_step
 from ._transformer import Transformer as Transformer
 
 __all__ = [
@@ -26,6 +32,7 @@ __all__ = [
     "QUANTIZE",
     "LoraConfig",
     "LoraModel",
+    "TokenBatch",
     "Transformer",
     "TransformerConfig",
     "adapter_sharding",
@@ -33,7 +40,10 @@ __all__ = [
     "base_sharding",
     "chunked_cross_entropy",
     "hf_config",
+    "init_opt_state",
     "load_pretrained",
+    "make_eval_loss",
+    "make_train_step",
     "merge_adapters",
     "save_pretrained",
     "split_lora",
