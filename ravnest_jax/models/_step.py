@@ -32,6 +32,7 @@ from flax import nnx
 from ._loss import chunked_cross_entropy
 
 REMAT = ("none", "full", "dots", "offload")
+ATTENTION = ("auto", "cudnn", "chunked", "xla")
 
 
 class TokenBatch(NamedTuple):
@@ -89,6 +90,13 @@ def check_remat(remat: Any) -> Any:
     if remat not in REMAT:
         raise ValueError(f"remat={remat!r}: choose one of {', '.join(REMAT)} (or True / False)")
     return {"none": False, "full": True}.get(remat, remat)
+
+
+def check_attention(attention: str | None) -> str | None:
+    """Raises ValueError unless ``attention`` is None or one of :data:`ATTENTION`."""
+    if attention is not None and attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r}: choose one of {', '.join(ATTENTION)}")
+    return attention
 
 
 def _configured(model: Any, remat: Any, attention: str | None) -> Any:
@@ -207,7 +215,8 @@ def make_train_step(
         adapter of their shape, step counters replicated).
       tx: the optimizer over the adapters, typically ``rj.diloco(optax.adamw(...))``.
       micro_batches: gradient-accumulation slices per step.
-      loss_chunk: positions per chunk of :func:`chunked_cross_entropy`.
+      loss_chunk: tokens per chunk of :func:`chunked_cross_entropy` (of a micro-batch: its
+        peak is about ``loss_chunk x vocab`` float32 logits and their gradient).
       donate: donate the adapters and optimizer state (``donate_argnums=(0, 1)``).
       remat: set ``model.remat`` (``"none"``/False, ``"full"``/True, ``"dots"``,
         ``"offload"``); None keeps the model's (``load_pretrained(remat=)``).
@@ -221,14 +230,15 @@ def make_train_step(
       the jitted step (a ``jax.jit`` function: ``.lower(...)`` works).
 
     Raises:
-      ValueError: ``micro_batches`` or ``loss_chunk`` < 1, an unknown ``remat``; at the first
+      ValueError: ``micro_batches`` or ``loss_chunk`` < 1, an unknown ``remat`` or
+        ``attention``; at the first
         call, a batch that does not divide by ``micro_batches``.
     """
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
     if not isinstance(loss_chunk, int) or loss_chunk < 1:
         raise ValueError(f"loss_chunk must be an int >= 1, got {loss_chunk!r}")
-    remat = check_remat(remat)
+    remat, attention = check_remat(remat), check_attention(attention)
     dtype = jnp.dtype(dtype) if dtype is not None else compute_dtype(lm)
     dropout = lm.lora.dropout > 0 and lm.train_graphdef is not None
     base_key = jax.random.key(seed)
@@ -290,7 +300,7 @@ def make_eval_loss(
     """
     if not isinstance(loss_chunk, int) or loss_chunk < 1:
         raise ValueError(f"loss_chunk must be an int >= 1, got {loss_chunk!r}")
-    remat = check_remat(remat)
+    remat, attention = check_remat(remat), check_attention(attention)
     dtype = jnp.dtype(dtype) if dtype is not None else compute_dtype(lm)
 
     @jax.jit
