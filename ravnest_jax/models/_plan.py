@@ -4,13 +4,13 @@ Parameters and optimizer state come from ``jax.eval_shape`` of the real objects 
 model, ``rj.diloco(optax.adamw)``'s state), counted at their storage width (int4: half a byte).
 Activations come from XLA itself: the library's training step (:func:`make_train_step`, the step
 the example runs: bf16 compute, chunked cross-entropy, remat, micro-batches, donation, with the
-same knobs) is compiled (not run) for ``jax.ShapeDtypeStruct`` inputs of the model cut to two
-and to three layers at the real width, batch and sequence length, and the temporary bytes XLA
+same knobs) is compiled (not run) for ``jax.ShapeDtypeStruct`` inputs of the model cut to three
+and to four layers at the real width, batch and sequence length, and the temporary bytes XLA
 plans for it (``compiled.memory_analysis()``) are taken. Every layer of the model is
 the same, so every figure is linear in depth: the parameter and optimizer bytes are
 ``f(1) + (layers - 1) * (f(2) - f(1))`` from one and two layers, exact (tested against
-``eval_shape`` of the whole model); the activations ``f(2) + (layers - 2) * (f(3) - f(2))``
-(XLA's plan grows by the same bytes with every layer from the second on; tested within 5% of
+``eval_shape`` of the whole model); the activations ``f(3) + (layers - 3) * (f(4) - f(3))``
+(XLA's plan grows by the same bytes with every layer from the third on; tested within 5% of
 the compiled full-depth step, and ``benchmarks/validate_memory_plan.py`` checks it on the
 real shapes). Tracing the whole qwix model costs time quadratic in depth (over
 10 minutes for 80 layers); a few layers take seconds.
@@ -397,8 +397,10 @@ def plan_memory(
         mesh = jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,), devices=cpus[:devices])
     jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     static = by_layers(lambda c: _static_bytes(c, lora, quantize, jdtype, devices), cfg)
-    # XLA's plan grows by the same bytes with every layer from the second on (measured: the
-    # first layer's share differs), so the activations are extrapolated from 2 and 3 layers
+    # XLA's plan grows by the same bytes with every layer from the third on (measured on Llama
+    # 3.1 8B at 4 x 2048: +0.127 GiB from 2 to 3 layers, then +0.065 GiB a layer from 3 to 4, 4
+    # to 6 and on to 32, one block's input), so the activations are extrapolated from 3 and 4
+    # layers: within 0.1% of the compiled 32-layer step (benchmarks/validate_memory_plan.py)
     act = by_layers(
         lambda c: {
             "activations": _step_temp_bytes(
@@ -416,7 +418,7 @@ def plan_memory(
             )
         },
         cfg,
-        first=2,
+        first=3,
     )
     return MemoryPlan(**static, activations=act["activations"], devices=devices)
 
