@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "join_or_resume": "ravnest_jax.sync",
     "checkpoint_extra": "ravnest_jax.sync",
     "persistent_peer_id": "ravnest_jax.checkpoint",
+    "enable_compilation_cache": "ravnest_jax._compile_cache",
 }
 _SUBMODULES = {"optim", "compress", "swarm", "sync", "checkpoint", "models", "data", "pipeline"}
 
@@ -47,6 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from . import checkpoint as checkpoint
     from . import optim as optim
     from . import pipeline as pipeline
+    from ._compile_cache import enable_compilation_cache as enable_compilation_cache
     from .checkpoint import Checkpointer as Checkpointer
     from .checkpoint import CheckpointError as CheckpointError
     from .checkpoint import CorruptCheckpointWarning as CorruptCheckpointWarning

@@ -126,7 +126,7 @@ def _positive_int(value: str) -> int:
 
 
 def _cmd_local(args: argparse.Namespace) -> int:
-    from ravnest_jax.launch import check_command, run_local  # no jax import
+    from ravnest_jax.launch import assign_devices, check_command, run_local, visible_gpus  # no jax import
 
     if args.eviction <= args.heartbeat:
         raise SystemExit(f"error: --eviction ({args.eviction}) must be longer than --heartbeat ({args.heartbeat})")
@@ -137,6 +137,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: --codec must be one of {', '.join(available_codecs())}, got {args.codec!r}")
     try:
         check_command(args.command)
+        assign_devices(args.peers, visible_gpus(), args.devices_per_peer)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     return run_local(
@@ -148,6 +149,8 @@ def _cmd_local(args: argparse.Namespace) -> int:
         eviction=args.eviction,
         progress=not args.no_progress,
         summary_json=args.summary_json,
+        devices_per_peer=args.devices_per_peer,
+        compile_cache=False if args.no_compile_cache else (args.compile_cache_dir or True),
     )
 
 
@@ -197,6 +200,8 @@ def _cmd_plan_memory(args: argparse.Namespace) -> int:
         lora = LoraConfig(
             rank=args.lora_rank, alpha=2.0 * args.lora_rank, targets=tuple(args.lora_targets), train_a=not args.frozen_a
         )
+        if args.stages is not None:
+            return _plan_stages(args, cfg, lora)
         plan = plan_memory(
             cfg,
             lora=lora,
@@ -226,9 +231,17 @@ def _cmd_plan_memory(args: argparse.Namespace) -> int:
     )
     print(plan.table())
     if args.device_gib:
-        verdict = "fits" if plan.fits(int(args.device_gib * 1024**3)) else "does not fit"
+        from ravnest_jax.models import allocator_pool_bytes
+        from ravnest_jax.models._plan import POOL_RESERVE
+
+        card = int(args.device_gib * 1024**3)
+        pool = allocator_pool_bytes(card)
+        verdict = "fits" if plan.fits(card) else "does not fit"
         each = "" if args.devices == 1 else " on each device"
-        print(f"{verdict} in {args.device_gib:g} GiB{each} (with 10% headroom)")
+        print(
+            f"{verdict} in the {pool / 1024**3:.2f} GiB pool JAX's allocator takes of {args.device_gib:g} GiB{each} "
+            f"(leaving {POOL_RESERVE:.0%} of it; XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 raises the pool)"
+        )
     if args.json:
         Path(args.json).write_text(
             plan_json(
@@ -245,6 +258,66 @@ def _cmd_plan_memory(args: argparse.Namespace) -> int:
             )
             + "\n"
         )
+    return 0
+
+
+def _size(b: float) -> str:
+    return f"{b / 1024**3:.2f} GiB" if b >= 1024**3 / 10 else f"{b / 1024**2:.2f} MiB"
+
+
+def _plan_stages(args: argparse.Namespace, cfg, lora) -> int:
+    """``plan-memory --stages S``: each pipeline stage's bytes against a card's allocator pool."""
+    import dataclasses
+    import json
+
+    from ravnest_jax.models import allocator_pool_bytes
+    from ravnest_jax.pipeline._stage_memory import POOL_RESERVE, plan_stage_memory, pool_message
+
+    if args.devices != 1:
+        print("error: --stages plans one device per stage: drop --devices", file=sys.stderr)
+        return 2
+    try:
+        plan = plan_stage_memory(
+            cfg,
+            stages=args.stages,
+            lora=lora,
+            quantize=args.quantize,
+            micro_batch=args.batch,
+            seq_len=args.seq_len,
+            dtype=args.dtype,
+            in_flight=args.in_flight,
+            remat=not args.no_remat,
+        )
+        card = int(args.device_gib * 1024**3)
+        pool = allocator_pool_bytes(card)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    fraction = os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or "0.75"
+    widths = ", ".join(f"{k} {v} bits" for k, v in plan.widths.items())
+    print(
+        f"{args.config}: {args.stages} stages, LoRA rank {args.lora_rank}, base {args.quantize or args.dtype}, "
+        f"micro-batch {args.batch} x {args.seq_len} tokens, {args.dtype}, {'no remat' if args.no_remat else 'remat'}"
+    )
+    print(f"device widths measured here: {widths}; pool: {args.device_gib:g} GiB x {fraction} (JAX's allocator)")
+    print(plan.table(pool))
+    bad = [s for s in plan.stages if not s.fits(pool)]
+    worst = min(s.headroom(pool) for s in plan.stages)
+    if bad:
+        s = max(bad, key=lambda s: s.total)
+        print(
+            f"does not fit {args.stages} x {args.device_gib:g} GiB: stage {s.stage} needs {_size(s.total)} "
+            f"(with {POOL_RESERVE:.0%} of the pool free), the pool is {_size(pool)}; {pool_message()}"
+        )
+    else:
+        print(
+            f"fits {args.stages} x {args.device_gib:g} GiB with {worst:.1%} headroom in the pool (the least of the stages)"
+        )
+    if args.json:
+        rows = [{**dataclasses.asdict(s), "total": s.total, "headroom": s.headroom(pool)} for s in plan.stages]
+        out = dict(config=str(args.config), quantize=args.quantize, micro_batch=args.batch, seq_len=args.seq_len)
+        out.update(dtype=args.dtype, device_bytes=card, pool_bytes=pool, widths=plan.widths, stages=rows)
+        Path(args.json).write_text(json.dumps(out) + "\n")
     return 0
 
 
@@ -322,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
         "RAVNEST_LISTEN, RAVNEST_RANK and RAVNEST_WORLD_SIZE (and RAVNEST_CODEC with --codec); "
         "rj.Swarm() reads them when its arguments are left out. The peers' output is shown "
         "prefixed with their names; at the end every peer's OuterSync summary is printed. "
-        "Ctrl+C stops every peer (a second Ctrl+C kills them).",
+        "Ctrl+C stops every peer (a second Ctrl+C kills them). On a machine with GPUs each peer "
+        "gets its own (CUDA_VISIBLE_DEVICES, LOCAL_RANK); JAX's persistent compilation cache is on.",
     )
     lo.add_argument("--peers", type=_positive_int, required=True, metavar="N", help="peer processes to start")
     lo.add_argument(
@@ -349,6 +423,24 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument(
         "--summary-json", default=None, metavar="PATH", help="write the peers' exit codes and summaries here"
     )
+    lo.add_argument(
+        "--devices-per-peer",
+        type=_positive_int,
+        default=None,
+        metavar="K",
+        help="GPUs per peer: peer i gets GPUs [i*K, (i+1)*K) of the visible ones (default: split them "
+        "evenly; more peers than GPUs share them round-robin, each with its share of the memory)",
+    )
+    lo.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="JAX's persistent compilation cache for the peers (default: $JAX_COMPILATION_CACHE_DIR, "
+        "else $XDG_CACHE_HOME/ravnest_jax/xla or ~/.cache/ravnest_jax/xla)",
+    )
+    lo.add_argument(
+        "--no-compile-cache", action="store_true", help="no persistent compilation cache: every peer compiles"
+    )
     lo.add_argument("command", nargs=argparse.REMAINDER, help="-- then the peer command, e.g. python train.py")
     lo.set_defaults(func=_cmd_local)
     pm = sub.add_parser(
@@ -362,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     pm.add_argument("--lora-rank", type=int, default=16, help="adapter rank (default 16)")
     pm.add_argument("--lora-targets", nargs="+", default=["q", "k", "v", "o", "gate", "up", "down"], help="projections")
     pm.add_argument("--frozen-a", action="store_true", help="A frozen, only B trains (default: both train)")
-    pm.add_argument("--quantize", choices=["int8", "int4"], default=None, help="the frozen base's storage")
+    pm.add_argument("--quantize", choices=["int8", "int4", "nf4"], default=None, help="the frozen base's storage")
     pm.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     pm.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     pm.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
@@ -390,7 +482,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="the peer's devices: bytes of one when the model lies FSDP-style over all of them "
         "(load_pretrained(mesh=)) and the batch is split (default 1)",
     )
-    pm.add_argument("--device-gib", type=float, default=24.0, help="say whether it fits this much (default 24)")
+    pm.add_argument(
+        "--stages",
+        type=int,
+        default=None,
+        help="pipeline stages: one row per stage (base, adapters + optimizer + outer, activations of the "
+        "micro-batches in flight, one block's working set) against the pool of a --device-gib card; "
+        "--batch is the micro-batch",
+    )
+    pm.add_argument("--in-flight", type=int, default=None, help="with --stages: the schedule's depth (default S)")
+    pm.add_argument(
+        "--device-gib",
+        type=float,
+        default=24.0,
+        help="say whether it fits in the pool JAX's allocator takes of a card of this much (default 24; "
+        "the pool is XLA_PYTHON_CLIENT_MEM_FRACTION of it, 0.75 unless set)",
+    )
     pm.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON here")
     pm.set_defaults(func=_cmd_plan_memory)
     from ravnest_jax.tools._cli import add_parsers

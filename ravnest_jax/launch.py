@@ -29,7 +29,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PEER_ENV", "run_local", "stop_processes"]
+from ._compile_cache import OFF_ENV as _CACHE_OFF_ENV
+from ._launch_env import assign_devices, compile_cache_env, describe_devices, visible_gpus
+
+__all__ = ["PEER_ENV", "assign_devices", "run_local", "stop_processes", "visible_gpus"]
 
 #: environment variables each peer process gets (``RAVNEST_*`` read by ``rj.Swarm()``)
 PEER_ENV = (
@@ -197,6 +200,8 @@ def run_local(
     progress: bool = True,
     summary_json: str | None = None,
     stop_seconds: float = 30.0,
+    devices_per_peer: int | None = None,
+    compile_cache: bool | str = True,
 ) -> int:
     """Runs ``command`` as ``peers`` peer processes of one run, with a rendezvous on 127.0.0.1.
 
@@ -212,17 +217,27 @@ def run_local(
       summary_json: also write ``{"run_id", "command", "peers": {name: {"exit", "summary"}}}``
         there.
       stop_seconds: after Ctrl+C, how long the peers get to stop before they are killed.
+      devices_per_peer: GPUs per peer (see :func:`assign_devices`: ``None`` splits the visible
+        GPUs evenly, or shares them round-robin when there are more peers than GPUs); without
+        a GPU it changes nothing (one line says so).
+      compile_cache: ``True``: JAX's persistent compilation cache in the default directory (or
+        ``JAX_COMPILATION_CACHE_DIR``); a path: there; ``False``: off (``RAVNEST_COMPILE_CACHE=0``,
+        so ``rj.enable_compilation_cache()`` in the script does nothing either).
 
     Returns:
       The exit status: 0 when every peer exited 0, 130 after Ctrl+C, else 1.
 
     Raises:
-      ValueError: a bad command (see :func:`check_command`) or ``peers`` < 1, before anything
-        starts.
+      ValueError: a bad command (see :func:`check_command`), ``peers`` < 1, or more devices
+        asked for than there are, before anything starts.
     """
     cmd = check_command(command)
-    if not isinstance(peers, int) or peers < 1:
-        raise ValueError(f"--peers must be an integer >= 1, got {peers!r}")
+    gpus = visible_gpus()
+    device_envs = assign_devices(peers, gpus, devices_per_peer)
+    if compile_cache:
+        cache_env = compile_cache_env(path=compile_cache if isinstance(compile_cache, str) else None)
+    else:
+        cache_env = {_CACHE_OFF_ENV: "0"}
     from tqdm.auto import tqdm
 
     progress = progress and sys.stderr.isatty()  # a log file gets plain lines, no redraws
@@ -234,6 +249,8 @@ def run_local(
     run_id = run_id or f"local-{secrets.token_hex(3)}"
     token = secrets.token_hex(16)
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAVNEST_TOKEN": token, "RAVNEST_RUN_ID": run_id}
+    if not compile_cache:  # nor one the user's environment names
+        base_env.pop("JAX_COMPILATION_CACHE_DIR", None)
     bar = tqdm(total=None, bar_format="{desc}", disable=not progress, dynamic_ncols=True, file=sys.stderr)
     lock = threading.Lock()
 
@@ -321,6 +338,8 @@ def run_local(
             f"rendezvous {url}, run {run_id}, codec {codec or 'as the script sets it'}: starting {peers} "
             f"peer{'s' if peers > 1 else ''} of: {' '.join(cmd)}"
         )
+        if gpus or devices_per_peer is not None:
+            write(describe_devices(device_envs, gpus, devices_per_peer))
         for i, name in enumerate(peer_names):
             r, w = os.pipe()
             env = {
@@ -331,6 +350,8 @@ def run_local(
                 "RAVNEST_RANK": str(i),
                 "RAVNEST_WORLD_SIZE": str(peers),
                 "RAVNEST_SUMMARY_FD": str(w),
+                **device_envs[i],
+                **cache_env,
             }
             env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")  # N peers share the cores
             if codec:

@@ -565,6 +565,9 @@ def _main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    import ravnest_jax as rj
+
+    rj.enable_compilation_cache()  # a restarted peer loads its compiled steps (RAVNEST_COMPILE_CACHE=0: off)
     code = main()
     if _LOOP.get("hard_exit"):
         # interrupted before training started, possibly inside an XLA compile: the interpreter's

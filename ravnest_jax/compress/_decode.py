@@ -240,6 +240,47 @@ def _decode_leaf(codec: str, leaf: LeafInfo, buf: memoryview, owned: bool = Fals
     return _decode_blocks(codec, leaf, s, codes)[:n].reshape(leaf.shape)
 
 
+def leaf_parts(codec: str, leaf: LeafInfo, buf: memoryview) -> tuple[np.ndarray, ...]:
+    """The wire parts of one leaf, checked as :func:`_decode_leaf` checks them but not decoded
+    (views into ``buf``; ``_formats.part_dtypes`` / ``part_lengths``): for a decode elsewhere,
+    on an accelerator with ``_formats.dequantize(jax.numpy, ...)``, which then gives the same
+    float32 values as the host decode, and finite ones.
+
+    Checks: fp32 and topk values finite; fp16 and bf16 bits not Inf or NaN (exponent all ones);
+    int8 / int4 / int2 / sign scales in ``[0, max]``; fp4 scale codes at most 252; topk indices
+    strictly increasing below the size.
+
+    Raises:
+      WireFormatError: a check failed.
+    """
+    n = leaf.size
+    parts = []
+    off = leaf.offset
+    for length, dt in zip(F.part_lengths(codec, n, leaf.block_size, leaf.k), F.part_dtypes(codec)):
+        parts.append(np.frombuffer(buf, dt, length, off))
+        off += length * dt.itemsize
+    if codec == "fp32":
+        _check_finite(leaf.name, parts[0].view(np.float32))
+    elif codec in ("fp16", "bf16"):
+        exp = 0x7C00 if codec == "fp16" else 0x7F80
+        if parts[0].size and bool(np.any((parts[0] & exp) == exp)):
+            raise WireFormatError(f"leaf {leaf.name!r} decodes to non-finite values")
+    elif codec == "topk":
+        idx, vals = parts
+        if leaf.k:
+            if int(idx[-1]) >= n or (leaf.k > 1 and not bool(np.all(idx[1:] > idx[:-1]))):
+                raise WireFormatError(f"leaf {leaf.name!r}: topk indices not strictly increasing below {n}")
+            _check_finite(leaf.name, vals)
+    elif n and codec == "fp4":
+        if int(parts[0].max()) > _MAX_E8M0:
+            raise WireFormatError(f"leaf {leaf.name!r}: E8M0 scale code above {_MAX_E8M0}")
+    elif n:
+        s = F.bf16_bits_to_f32(np, parts[0])
+        if not (bool(np.all(s >= 0)) and float(s.max()) <= _MAX_INT_SCALE[codec]):
+            raise WireFormatError(f"leaf {leaf.name!r}: block scales negative, non-finite or too large")
+    return tuple(parts)
+
+
 def decode_payload(manifest: Manifest, payload: memoryview, *, owned: bool = False) -> Any:
     """Decodes a payload (already length- and checksum-checked) described by ``manifest``.
 
@@ -343,6 +384,37 @@ class StreamDecoder:
             self._filled = end
             return
 
+    def _complete(self) -> np.ndarray:
+        """The whole, checksum-checked payload, handed over (a second call raises)."""
+        if self._manifest is None or self._payload is None:
+            raise WireFormatError(f"truncated message: {len(self._head)} bytes received, the header is incomplete")
+        if self._filled < len(self._payload):
+            raise WireFormatError(
+                f"truncated message: {self.nbytes_received} of {self._manifest.total_nbytes} bytes received"
+            )
+        if self._crc != self._manifest.payload_crc32:
+            raise WireFormatError("payload checksum mismatch (corrupted message)")
+        self._finished = True
+        payload, self._payload = self._payload, None
+        return payload
+
+    def finish_parts(self) -> list[tuple[np.ndarray, ...]]:
+        """Checks that the whole message arrived intact and returns each leaf's wire parts,
+        checked but not decoded (:func:`leaf_parts`; views into the decoder's payload buffer),
+        in the header's leaf order. Call it instead of :meth:`finish`, once.
+
+        Raises:
+          WireFormatError: truncated message, checksum mismatch, bad payload contents.
+        """
+        if self._error is not None:
+            raise self._error
+        try:
+            payload = memoryview(self._complete())
+            return [leaf_parts(self._manifest.codec, leaf, payload) for leaf in self._manifest.leaves]
+        except WireFormatError as e:
+            self._error = e
+            raise
+
     def finish(self) -> Any:
         """Checks that the whole message arrived intact and decodes it.
 
@@ -360,16 +432,7 @@ class StreamDecoder:
         if self._result is not None:
             return self._result[0]
         try:
-            if self._manifest is None or self._payload is None:
-                raise WireFormatError(f"truncated message: {len(self._head)} bytes received, the header is incomplete")
-            if self._filled < len(self._payload):
-                raise WireFormatError(
-                    f"truncated message: {self.nbytes_received} of {self._manifest.total_nbytes} bytes received"
-                )
-            if self._crc != self._manifest.payload_crc32:
-                raise WireFormatError("payload checksum mismatch (corrupted message)")
-            self._finished = True
-            payload, self._payload = self._payload, None  # handed over: fp32 leaves view it
+            payload = self._complete()  # handed over: fp32 leaves view it
             self._result = (decode_payload(self._manifest, memoryview(payload), owned=True),)
             return self._result[0]
         except WireFormatError as e:

@@ -1,11 +1,15 @@
 """LoRA and QLoRA on the :class:`Transformer`, with qwix: low-rank adapters on chosen projections,
-the frozen base optionally quantised to int8 or int4.
+the frozen base optionally quantised to int8, int4 or nf4.
 
 Why qwix (Google's JAX quantisation library) and not ``flax.nnx.LoRA``: qwix's ``LoraProvider``
 adds adapters to the model's existing ``nnx.Linear`` layers by intercepting their
 ``dot_general`` (no module surgery), has the LoRA scale ``alpha / rank`` and dropout, and
-quantises the frozen base in the same pass (its PTQ path: int8 or int4 weights with per-tile
-scales, dequantised inside the matmul), which is QLoRA. ``nnx.LoRA`` has neither a scale, dropout
+quantises the frozen base in the same pass (its PTQ path: int8, int4 or nf4 weights with
+per-channel or per-tile scales, dequantised inside the matmul), which is QLoRA. ``nf4`` is
+QLoRA's NormalFloat4: 16 levels at the quantiles of a normal distribution, one absmax scale per
+block of 64 weights along the contraction axis (qwix stores the level index as uint4); int4 is
+uniform with one scale per tile; int8 one scale per output channel. Scales are float32 (QLoRA's
+double quantisation of the scales is not done: 0.5 extra bits per weight at blocks of 64). ``nnx.LoRA`` has neither a scale, dropout
 nor a quantised base. Adapters are ``nnx.LoRAParam`` variables named ``<kernel>_lora_a``
 ``(in, rank)`` and ``<kernel>_lora_b`` ``(rank, out)``, so optax, ``rj.diloco`` and the
 checkpointer see them as one ordinary pytree (:func:`split_lora`).
@@ -45,8 +49,9 @@ PROJECTIONS = {
     "up": "up_proj",
     "down": "down_proj",
 }
-#: the quantised base formats: bits per weight, stored in qwix's QArray (values and scales)
-QUANTIZE = ("int8", "int4")
+#: the quantised base formats, stored in qwix's QArray (values and scales): int8 (per channel),
+#: int4 (per tile), nf4 (NormalFloat4 per block of 64, QLoRA arXiv 2305.14314)
+QUANTIZE = ("int8", "int4", "nf4")
 _SAMPLE = (1, 8)  # the token shape qwix traces the model with to find the projections
 
 
@@ -103,17 +108,20 @@ class LoraConfig:
 
 
 def check_quantize(quantize: str | None) -> None:
+    """Raises ``ValueError`` (one line) unless ``quantize`` is None or one of :data:`QUANTIZE`."""
     if quantize is not None and quantize not in QUANTIZE:
-        raise ValueError(f"quantize={quantize!r}: choose None, {' or '.join(map(repr, QUANTIZE))}")
+        raise ValueError(f"quantize={quantize!r}: choose None, {', '.join(map(repr, QUANTIZE))}")
 
 
 def _tile_size(cfg: TransformerConfig, quantize: str | None) -> int | None:
-    """int4 keeps one scale per tile of the contraction axis (QLoRA's blocks of 64): the largest
-    of 128, 64, 32, 16 that divides every projection's input width; int8 one per channel."""
-    if quantize != "int4":
+    """The block of the contraction axis that shares one scale: for int4 the largest of 128,
+    64, 32, 16 that divides every projection's input width; for nf4 QLoRA's 64 (arXiv
+    2305.14314), or 32 / 16 where 64 does not divide a width (tiny test models); int8 one scale
+    per output channel (None)."""
+    if quantize not in ("int4", "nf4"):
         return None
     widths = math.gcd(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim)
-    for t in (128, 64, 32, 16):
+    for t in (128, 64, 32, 16) if quantize == "int4" else (64, 32, 16):
         if widths % t == 0:
             return t
     return None
@@ -213,7 +221,7 @@ def apply_lora(
     Args:
       model: a :class:`Transformer` (its weights are read, not changed).
       lora: the adapters (None: quantise only, an inference base).
-      quantize: None, ``"int8"`` or ``"int4"``: the frozen projections' storage.
+      quantize: None, ``"int8"``, ``"int4"`` or ``"nf4"``: the frozen projections' storage.
       adapter_dtype: the adapters' dtype (float32 default; the update is cast to the compute
         dtype).
 
@@ -304,6 +312,7 @@ def split_lora(model: Transformer) -> LoraModel:
                 Transformer(cfg, nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype), lora, quantize, dropout=False
             )
             m.remat, m.batch_sharding = model.remat, model.batch_sharding
+            m.attention, m.attention_chunk = model.attention, model.attention_chunk
             return m
 
         graphdef = nnx.split(nnx.eval_shape(build), keep, ...)[0]

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +42,13 @@ import numpy as np
 from ._config import TransformerConfig
 from ._hf import adapter_sharding, base_sharding, batch_sharding, split_axis
 from ._lora import LoraConfig, _trainable, _wrap, check_quantize
+from ._memory import allocator_pool_bytes, nbytes
 from ._step import check_attention, check_remat
 from ._transformer import Transformer
 
 GIB = 1024**3
+#: the share of the allocator's pool a plan leaves free (fragmentation) in :meth:`MemoryPlan.fits`
+POOL_RESERVE = 0.05
 
 #: shapes of well-known checkpoints (their config.json values that matter here)
 PRESETS: dict[str, dict[str, Any]] = {
@@ -96,10 +101,14 @@ class MemoryPlan:
     def total(self) -> int:
         return self.base + self.adapters + self.optimizer + self.outer + self.activations
 
-    def fits(self, device_bytes: int, *, headroom: float = 0.9) -> bool:
-        """Whether the total stays under ``headroom`` of ``device_bytes`` (the rest is for the
-        runtime, the CUDA context and fragmentation)."""
-        return self.total <= headroom * device_bytes
+    def fits(self, device_bytes: int, *, env: Mapping[str, str] = os.environ, reserve: float = POOL_RESERVE) -> bool:
+        """Whether the total stays within ``1 - reserve`` of the pool JAX's allocator may use on
+        a card of ``device_bytes`` (:func:`~ravnest_jax.models._memory.allocator_pool_bytes`
+        under ``env``: 0.75 of the card by default, ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.9`` raises
+        it). ``reserve`` (default 5%) is left for the allocator's fragmentation; the CUDA
+        context lives outside the pool (in the card's rest) unless the platform allocator
+        takes the whole card."""
+        return self.total <= (1 - reserve) * allocator_pool_bytes(device_bytes, env)
 
     def table(self) -> str:
         rows = [
@@ -127,7 +136,9 @@ class MemoryPlan:
 
 
 def _bytes(tree: Any) -> int:
-    return int(sum(int(np.prod(x.shape)) * jax.dtypes.itemsize_bits(x.dtype) // 8 for x in jax.tree.leaves(tree)))
+    """Device bytes of ``tree`` at the widths measured on this process's backend
+    (:func:`~ravnest_jax.models._memory.nbytes`; int4 as the device stores it)."""
+    return nbytes(tree)
 
 
 def _count(tree: Any) -> int:

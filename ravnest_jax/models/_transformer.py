@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ._attention import DEFAULT_CHUNK, attention, check_implementation
 from ._config import TransformerConfig, rope_frequencies
 
 
@@ -123,11 +124,15 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE and a causal mask."""
+    """Grouped-query self-attention with RoPE, a causal mask and optional segment ids (packed
+    documents), computed by :func:`ravnest_jax.models.attention` with ``implementation`` and
+    ``chunk_size`` (plain attributes, static in ``nnx.split``; the :class:`Transformer` sets them
+    on every block from ``model.attention`` and ``model.attention_chunk``)."""
 
     def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, dtype, param_dtype):
         d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
+        self.implementation, self.chunk_size = "auto", DEFAULT_CHUNK
         self.dtype = dtype  # a LoRA delta in float32 (adapters) is cast back to the compute dtype
         self.q_proj = _linear(d, h * hd, cfg.attention_bias, rngs, dtype, param_dtype)
         self.k_proj = _linear(d, kv * hd, cfg.attention_bias, rngs, dtype, param_dtype)
@@ -140,7 +145,9 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
         b, t, _ = x.shape
         q = self.q_proj(x).astype(self.dtype).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).astype(self.dtype).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -148,7 +155,9 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # GQA: kv heads shared
+        out = attention(
+            q, k, v, segment_ids=segment_ids, implementation=self.implementation, chunk_size=self.chunk_size
+        )
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)).astype(self.dtype)
 
 
@@ -176,8 +185,10 @@ class Block(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.mlp = MLP(cfg, rngs, dtype, param_dtype)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-        x = x + self.self_attn(self.input_layernorm(x), positions, inv_freq)
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x), positions, inv_freq, segment_ids)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -194,16 +205,26 @@ class Transformer(nnx.Module):
         XLA undoes on CPU): activation memory of one block plus each block's input, for about a
         third more compute and the same gradients. What fits a long sequence on a 24 GB card.
         Read at call time: it can be switched on a built model.
+      attention: how each block computes attention (:func:`ravnest_jax.models.attention`):
+        ``"auto"`` (cuDNN's flash attention on NVIDIA GPUs in bfloat16 / float16, else the
+        chunked kernel, or XLA's for sequences of one chunk), ``"cudnn"``, ``"chunked"`` or
+        ``"xla"``. An attribute: ``model.attention = "xla"`` on a built model switches every
+        block (a plain string, static: kept by ``nnx.split`` / ``nnx.merge``).
+
+    ``attention_chunk`` (attribute, default 256): tokens per query / key chunk of the chunked
+    attention (and the ``"auto"`` threshold below which XLA's attention is used).
 
     ``batch_sharding`` (attribute, default None; ``load_pretrained(..., mesh=)`` sets it): a
     ``NamedSharding`` that splits the batch axis; the embeddings, every block's output and the
     logits are constrained to it when the batch divides by its device count.
 
-    Call with ``tokens`` int32 ``(batch, seq)`` (and optionally ``positions`` int32 ``(batch,
-    seq)``, default ``0..seq-1``, and ``segment_ids`` int32 ``(batch, seq)``); returns float32
-    logits ``(batch, seq, vocab_size)``, or with ``head=False`` the final hidden state ``(batch,
-    seq, hidden_size)`` in the compute dtype, before the final norm (for
-    :func:`~ravnest_jax.models.chunked_cross_entropy`).
+    Call with ``tokens`` int32 ``(batch, seq)``, optionally ``positions`` int32 ``(batch, seq)``
+    (default ``0..seq-1``; for packed documents, restarting at 0 with each document) and
+    ``segment_ids`` int32 ``(batch, seq)`` (a token attends only to earlier tokens of its own
+    segment; None: one segment per row); returns float32 logits ``(batch, seq, vocab_size)``,
+    or with ``head=False`` the final hidden state ``(batch, seq, hidden_size)`` in the compute
+    dtype before the final norm (for a chunked cross-entropy that applies the norm and head
+    itself).
 
     A pipeline stage holds a slice of the model (:func:`ravnest_jax.pipeline.transformer_split`):
     ``stage_ends = (first, last)`` says whether it starts with the embedding (else it is called
@@ -215,8 +236,16 @@ class Transformer(nnx.Module):
     stage_ends: tuple[bool, bool] = (True, True)  # a class default: a whole model
 
     def __init__(
-        self, cfg: TransformerConfig, rngs: nnx.Rngs, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False
+        self,
+        cfg: TransformerConfig,
+        rngs: nnx.Rngs,
+        *,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        remat: bool = False,
+        attention: str = "auto",
     ):
+        check_implementation(attention)
         self.config = cfg
         self.remat = bool(remat)
         self.batch_sharding = None  # set by load_pretrained(..., mesh=): activations split by batch
@@ -236,6 +265,35 @@ class Transformer(nnx.Module):
             else _linear(cfg.hidden_size, cfg.vocab_size, False, rngs, dtype, param_dtype)
         )
         self._inv_freq = tuple(rope_frequencies(cfg))  # static floats: a constant of the jitted program
+        self.attention, self.attention_chunk = attention, DEFAULT_CHUNK
+
+    @property
+    def attention(self) -> str:
+        """The attention implementation of every block: ``"auto"``, ``"cudnn"``, ``"chunked"``
+        or ``"xla"`` (setting it validates it and sets it on every block)."""
+        return self._attention
+
+    @attention.setter
+    def attention(self, value: str) -> None:
+        check_implementation(value)
+        self._attention = value
+        for _, module in nnx.iter_modules(self):
+            if isinstance(module, Attention):
+                module.implementation = value
+
+    @property
+    def attention_chunk(self) -> int:
+        """Tokens per chunk of the chunked attention, >= 1 (set on every block)."""
+        return self._attention_chunk
+
+    @attention_chunk.setter
+    def attention_chunk(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+            raise ValueError(f"attention_chunk={value!r}: want an int >= 1")
+        self._attention_chunk = int(value)
+        for _, module in nnx.iter_modules(self):
+            if isinstance(module, Attention):
+                module.chunk_size = int(value)
 
     def __call__(
         self,
@@ -245,7 +303,6 @@ class Transformer(nnx.Module):
         *,
         head: bool = True,
     ) -> jax.Array:
-        del segment_ids  # one segment: packed documents see each other (segment masks come with model.attention)
         first, last = self.stage_ends
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape[:2])
@@ -257,10 +314,14 @@ class Transformer(nnx.Module):
             if self.remat:  # a pure function of the block's state: nothing is written back
                 graphdef, state = nnx.split(layer)
                 x = recompute_in_backward(
-                    lambda st, h, pos, g=graphdef: nnx.merge(g, st)(h, pos, inv_freq), state, x, positions
+                    lambda st, h, pos, seg, g=graphdef: nnx.merge(g, st)(h, pos, inv_freq, seg),
+                    state,
+                    x,
+                    positions,
+                    segment_ids,
                 )
             else:
-                x = layer(x, positions, inv_freq)
+                x = layer(x, positions, inv_freq, segment_ids)
             x = self._by_batch(x)
         if not last or not head:
             return x

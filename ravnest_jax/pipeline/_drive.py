@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ravnest_jax.compress import packed_to_bytes
+from ravnest_jax.swarm._activations import encoded_activation
 from ravnest_jax.swarm._codec import decode_activation
 
 from ._schedule import stage_ops
@@ -139,6 +140,7 @@ def simulate(
     on_step: Callable[[int, list[StageWorker]], None] | None = None,
     workers: list[StageWorker] | None = None,
     start: int = 0,
+    decode_on_device: bool = True,
 ) -> SimResult:
     """Runs the pipeline of ``plan`` over ``split`` with every stage in this process: the same
     schedule, compute and encoded messages as stage peers, without the network.
@@ -154,6 +156,9 @@ def simulate(
       on_step: called with ``(step, workers)`` once every stage applied step ``step``'s update
         (sync mode: between steps; asynchronous modes: when the last stage did).
       workers: continue with these workers (from an earlier result) at step ``start``.
+      decode_on_device: hand each received message to its stage undecoded, as stage peers do
+        (its jitted step decodes it); ``False``: decoded to float32 on the host first. The
+        results are the same bit for bit.
 
     Returns:
       a :class:`SimResult`.
@@ -203,7 +208,7 @@ def simulate(
         )
         for s, w in enumerate(workers)
     ]
-    mailbox: dict[tuple[str, int, int], np.ndarray] = {}
+    mailbox: dict[tuple[str, int, int], Any] = {}
     sent = [0] * S
     pending: list[Any] = [None] * S
     done = [False] * S
@@ -220,7 +225,8 @@ def simulate(
                     data = encode_message(packed)
                     sent[s] += len(data)
                     dest = s + 1 if kind == "act" else s - 1
-                    mailbox[(kind, dest, g)] = decode_activation(data, name="x", shape=hidden.shape, codec=codec)
+                    dec = encoded_activation if decode_on_device else decode_activation
+                    mailbox[(kind, dest, g)] = dec(data, name="x", shape=hidden.shape, codec=workers[0].codec)
                     val = None
                 elif req[0] == "recv":
                     key = (req[1], s, req[2])

@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -65,7 +64,9 @@ class StageModel:
 
 
 def _nbytes(tree: Any) -> int:
-    return int(sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape)) for x in jax.tree.leaves(tree)))
+    from ravnest_jax.models import nbytes  # at the measured device width (int4: 4 bits, not 8)
+
+    return nbytes(tree)
 
 
 class LayerSplit:

@@ -33,6 +33,7 @@ from ._drive import Batches, run_stage
 from ._placement import Placement, device_memory, place
 from ._schedule import check_depth, stage_ops
 from ._stage_io import StageMetrics, _Sender, pad_to
+from ._stage_memory import stage_need_bytes
 from ._stage_state import cluster_step, join_group, open_checkpoints, rollback, save
 from ._stage_state import evaluate as evaluate_cluster
 from ._standby import wait_for_a_free_slot
@@ -87,7 +88,9 @@ class StagePeer:
         form this many clusters and standbys (see :func:`place`).
       memory, mbit: this peer's report for placement (default: the device's memory, bandwidth
         unknown).
-      need_bytes: device bytes each stage needs (default: 4 x its parameter bytes).
+      need_bytes: device bytes each stage needs (default: its base at the measured width,
+        trainable leaves, optimizer and outer state: ``stage_need_bytes``; pass
+        ``[s.total for s in plan_stage_memory(...).stages]`` to count activations too).
       advertise_to: ``{"prev": url, "next": url}``: the base URL the previous (next) stage uses
         to reach this peer when it differs from ``advertise`` (e.g. a different network per
         neighbour; the benchmark's emulated links).
@@ -316,7 +319,7 @@ class StagePeer:
             time.sleep(0.1)
         reports = [{"peer": p.peer_id, "memory": i.get("memory"), "mbit": i.get("mbit")} for p, i in members]
         reports = sorted(reports, key=lambda r: r["peer"])[: self.expected_peers]
-        need = self.need_bytes or [4 * sum(self.split.unit_nbytes()[lo:hi]) for lo, hi in self.plan.bounds]
+        need = self.need_bytes or stage_need_bytes(self.split, self.plan.bounds, tx=self.tx)
         self.placement = place(reports, need, clusters=self.clusters, standbys=self.standbys)
         role, cluster, stage = self.placement.of(self.peer_id)
         if role == "none":
@@ -429,8 +432,9 @@ class StagePeer:
         self._cluster_addresses = [p.address for p, _ in ready.values() if p.peer_id != self.peer_id]
         shape = self.worker.hidden.shape
         self.link.set_epoch(self._epoch)
-        self.link.expect("act", self.neighbours["prev"][0] if prev else None, shape, self.codec)
-        self.link.expect("grad", self.neighbours["next"][0] if nxt else None, shape, self.codec)
+        # received undecoded: the stage's jitted step decodes them on its device
+        self.link.expect("act", self.neighbours["prev"][0] if prev else None, shape, self.codec, encoded=True)
+        self.link.expect("grad", self.neighbours["next"][0] if nxt else None, shape, self.codec, encoded=True)
 
     # ------------------------------------------------------------------ training
     def run(

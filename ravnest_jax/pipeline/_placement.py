@@ -13,6 +13,8 @@ from typing import Any
 
 __all__ = ["Placement", "device_memory", "place"]
 
+GIB = 1024**3
+
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
@@ -49,9 +51,13 @@ def place(
     """Assigns stages to peers.
 
     Args:
-      reports: one dict per peer: ``{"peer": id, "memory": bytes the stage may use (None:
-        unknown, taken as enough), "mbit": link bandwidth in Mbit/s (None: unknown)}``.
-      need_bytes: device bytes each stage needs (params, optimizer state, activations).
+      reports: one dict per peer: ``{"peer": id, "memory": bytes the stage may use: its
+        allocator's pool (:func:`device_memory`; None: unknown, taken as enough), "mbit": link
+        bandwidth in Mbit/s (None: unknown)}``.
+      need_bytes: device bytes each stage needs: base at its measured width, adapters,
+        optimizer and outer state, activations in flight and a block's working set
+        (``plan_stage_memory``; a ``StagePeer`` without them counts the static part,
+        ``stage_need_bytes``).
       clusters: clusters to form (default: as many as the peers allow, keeping ``standbys``).
       standbys: peers to keep as standbys (default: every peer no cluster needs).
 
@@ -82,7 +88,12 @@ def place(
 
     for s, need in enumerate(need_bytes):
         if not any(mem(r) >= need for r in peers):
-            raise ValueError(f"no peer has memory for stage {s} ({need / 1e9:.2f} GB)")
+            most = max((mem(r) for r in peers), default=0.0)
+            raise ValueError(
+                f"no peer has memory for stage {s}: it needs {need / GIB:.2f} GiB, the largest pool a peer "
+                f"reports is {most / GIB:.2f} GiB (JAX's allocator takes 0.75 of a card unless "
+                "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 raises it)"
+            )
     max_clusters = len(peers) // S
     if clusters is None:
         clusters = (len(peers) - (standbys or 0)) // S
@@ -98,7 +109,10 @@ def place(
             middle = 0 < s < S - 1
             fits = [r for r in free if mem(r) >= need_bytes[s]]
             if not fits:
-                raise ValueError(f"no free peer has memory for stage {s} of cluster {c} ({need_bytes[s] / 1e9:.2f} GB)")
+                raise ValueError(
+                    f"no free peer has memory for stage {s} of cluster {c}: it needs {need_bytes[s] / GIB:.2f} GiB "
+                    "(a peer's pool: XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 raises it)"
+                )
             if middle:
                 fits.sort(key=lambda r: (-bw(r), mem(r), str(r["peer"])))
             else:
@@ -119,8 +133,10 @@ def place(
 
 
 def device_memory() -> int | None:
-    """Bytes of memory of this process's first accelerator (``bytes_limit`` of its memory
-    stats), or of the host when the backend reports none (CPU); ``None`` when unknown."""
+    """Bytes this process's first accelerator may allocate: ``bytes_limit`` of its memory stats
+    (on a GPU the allocator's pool: ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the card, 0.75 by
+    default), or the host's memory when the backend reports none (CPU); ``None`` when
+    unknown."""
     try:
         import jax
 

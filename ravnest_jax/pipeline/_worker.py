@@ -7,6 +7,12 @@ device; residuals that are the stage's own parameters, its frozen base or its in
 copied out but put back at the backward (the parameters of the version the forward used: weight
 stashing costs no copy). The last stage runs forward, loss and backward in one call.
 
+A received activation (or activation-gradient) comes in as it crossed the wire, an
+``EncodedActivation`` (int8 codes and bf16 scales, bf16 bits, ...): its parts go to the device
+as they are and the jitted step decodes them (``_formats.dequantize`` with ``jax.numpy``, the
+host decoder's math, behind an optimization barrier so that the float32 values are the host
+decoder's bit for bit); a float32 array (decoded on the host) is taken as well.
+
 Weights each micro-batch sees (``mode``):
 
 - ``"sync"``: the schedule flushes every step; forward and backward of every micro-batch of
@@ -36,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ravnest_jax.compress import _formats as F
 from ravnest_jax.compress import device_encode
 from ravnest_jax.compress._formats import resolve
 
@@ -99,7 +106,7 @@ class StageWorker:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES} or 'async', got {mode!r}")
         codec_options = activation_codec_options(codec, codec_options, hidden.shape[-1])
-        resolve(codec, **codec_options)  # ValueError naming a bad codec or option
+        self._cfg = resolve(codec, **codec_options)  # ValueError naming a bad codec or option
         if mode == "2bw" and micro_batches < num_stages - 1:
             raise ValueError(
                 f"mode '2bw' needs micro_batches >= num_stages - 1, got {micro_batches} < {num_stages - 1}"
@@ -135,8 +142,43 @@ class StageWorker:
         packed, _ = device_encode({"x": y}, self.codec, **self.codec_options)
         return packed
 
-    def _input(self, x: jax.Array) -> jax.Array:
-        return x if self.first else x.astype(self.hidden.dtype)
+    def _decoded(self, x: Any) -> jax.Array:
+        """float32 ``hidden.shape``: ``x`` itself, or decoded from its wire parts (a tuple)."""
+        if not isinstance(x, tuple):
+            return x
+        n = int(np.prod(self.hidden.shape))
+        y = F.dequantize(jnp, self._cfg, x, n).reshape(self.hidden.shape)
+        # materialised as the host decoder's float32 (no product fused into what follows)
+        return jax.lax.optimization_barrier(y)
+
+    def _input(self, x: Any) -> jax.Array:
+        return x if self.first else self._decoded(x).astype(self.hidden.dtype)
+
+    def wire_parts(self, x: Any) -> Any:
+        """What the jitted steps take for a received activation or activation-gradient: an
+        ``EncodedActivation``'s parts put on the device as they are (a tuple of arrays, e.g.
+        uint16 bf16 scale bits and uint8 int8 codes), or a float32 array on the device.
+
+        Raises:
+          ValueError: an encoded activation of another codec, block size or shape.
+        """
+        if not hasattr(x, "parts"):
+            return jnp.asarray(x)
+        cfg = self._cfg
+        if (x.codec, int(x.block_size), tuple(x.shape)) != (cfg.codec, cfg.block_size, tuple(self.hidden.shape)):
+            raise ValueError(
+                f"activation in {x.codec} (block {x.block_size}) of shape {tuple(x.shape)}, this stage expects "
+                f"{cfg.codec} (block {cfg.block_size}) of shape {tuple(self.hidden.shape)}"
+            )
+        return tuple(jax.device_put(np.asarray(p)) for p in x.parts)
+
+    def _wire_spec(self, encoded: bool) -> Any:
+        if not encoded:
+            return jax.ShapeDtypeStruct(self.hidden.shape, jnp.float32)
+        cfg, n = self._cfg, int(np.prod(self.hidden.shape))
+        k = F.topk_count(n, cfg.fraction) if cfg.codec == "topk" else 0
+        lens = F.part_lengths(cfg.codec, n, cfg.block_size, k)
+        return tuple(jax.ShapeDtypeStruct((m,), dt.newbyteorder("=")) for m, dt in zip(lens, F.part_dtypes(cfg.codec)))
 
     def _vjp(self, params: Any, frozen: Any, x_in: jax.Array) -> tuple[jax.Array, Any]:
         apply = self.stage.apply
@@ -186,7 +228,7 @@ class StageWorker:
                 _, vjp = self._vjp(params, frozen, x_in)
             else:
                 vjp = rebuild(params, frozen, x_in, kept)
-            cts = vjp(g.astype(self.hidden.dtype))
+            cts = vjp(self._decoded(g).astype(self.hidden.dtype))
             acc = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), acc, cts[0])
             if first:
                 return acc, None
@@ -221,12 +263,13 @@ class StageWorker:
         self._last = jax.jit(last, donate_argnums=(4,))
         self._update = jax.jit(update, donate_argnums=(0, 1, 2) if donate_params else (1, 2))
 
-    def compile(self, batch_rows: int, seq_len: int) -> None:
+    def compile(self, batch_rows: int, seq_len: int, *, encoded: bool = True) -> None:
         """Compiles this stage's programs for micro-batches of ``batch_rows`` sequences of
         ``seq_len`` tokens (before the pipeline starts, so no stage waits for another's
-        compiler). Runs nothing."""
+        compiler), for received activations as wire parts (``encoded``, what a stage peer
+        feeds) or float32 arrays. Runs nothing."""
         tokens = jax.ShapeDtypeStruct((batch_rows, seq_len), jnp.int32)
-        x = tokens if self.first else jax.ShapeDtypeStruct(self.hidden.shape, jnp.float32)
+        x = tokens if self.first else self._wire_spec(encoded)
         acc = self._acc
         if self.last:
             self._last.lower(self.params, self.frozen, x, tokens, acc).compile()
@@ -234,7 +277,7 @@ class StageWorker:
             lowered = self._fwd.lower(self.params, self.frozen, x)
             lowered.compile()
             _, kept = jax.eval_shape(self._fwd, self.params, self.frozen, x)
-            g = jax.ShapeDtypeStruct(self.hidden.shape, jnp.float32)
+            g = self._wire_spec(encoded)
             self._bwd.lower(self.params, self.frozen, x, kept, g, acc).compile()
             self.residual_bytes = int(sum(np.dtype(k.dtype).itemsize * int(np.prod(k.shape)) for k in kept))
         self._update.lower(self.params, self.opt_state, acc).compile()
@@ -260,7 +303,8 @@ class StageWorker:
         """Forward of micro-batch ``g`` (the last stage: forward, loss and backward).
 
         Args:
-          x: int32 tokens ``(rows, seq)`` on the first stage, else the float32 activation.
+          x: int32 tokens ``(rows, seq)`` on the first stage, else the activation: an
+            ``EncodedActivation`` (decoded on the device) or a float32 array.
           targets: int32 ``(rows, seq)``, on the last stage only.
 
         Returns:
@@ -269,22 +313,24 @@ class StageWorker:
           micro-batch's loss (a device scalar; ``None`` except on the last stage).
         """
         params = self._weights_for_forward(g)
+        x = x if self.first else self.wire_parts(x)
         if self.last:
             loss, self._acc, gx = self._last(params, self.frozen, x, targets, self._acc)
             return gx, loss
-        x = jnp.asarray(x)
+        x = jnp.asarray(x) if self.first else x
         packed, kept = self._fwd(params, self.frozen, x)
         self._stash[g] = _Stashed(params, x, kept)
         return packed, None
 
     def backward(self, g: int, grad: Any) -> Any:
-        """Backward of micro-batch ``g`` from the activation-gradient ``grad`` (float32, the
-        activation's shape); returns the encoded gradient for the previous stage (``None`` on
-        the first). The last stage's backward ran in its forward: returns ``None``."""
+        """Backward of micro-batch ``g`` from the activation-gradient ``grad`` (an
+        ``EncodedActivation`` or float32, the activation's shape); returns the encoded gradient
+        for the previous stage (``None`` on the first). The last stage's backward ran in its
+        forward: returns ``None``."""
         if self.last:
             return None
         st = self._stash.pop(g)
-        self._acc, gx = self._bwd(st.params, self.frozen, st.x, st.kept, grad, self._acc)
+        self._acc, gx = self._bwd(st.params, self.frozen, st.x, st.kept, self.wire_parts(grad), self._acc)
         return gx
 
     def update(self) -> None:
@@ -308,9 +354,10 @@ class StageWorker:
                 return stage.loss(stage.apply(params, frozen, self._input(x)), targets)
 
             self._eval = (jax.jit(mid), jax.jit(last))
+        x = jnp.asarray(x) if self.first else self.wire_parts(x)
         if self.last:
             return None, self._eval[1](self.params, self.frozen, x, targets)
-        return self._eval[0](self.params, self.frozen, jnp.asarray(x)), None
+        return self._eval[0](self.params, self.frozen, x), None
 
     def set_state(self, params: Any, opt_state: Any) -> None:
         """Replaces params and optimizer state (after an outer DiLoCo round or a download);

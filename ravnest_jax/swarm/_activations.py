@@ -14,7 +14,11 @@ micro-batch's index in the run (``step * micro_batches + m``). The receiver chec
 allocates anything, that the sender is the neighbour it expects for that kind (409 otherwise:
 the sender retries until its deadline, the receiver may not know it yet) and that the header
 names the expected shape and codec (400 otherwise); it decodes the body as it streams in and
-keeps it in an inbox that the training thread reads with :meth:`ActivationLink.take`.
+keeps it in an inbox that the training thread reads with :meth:`ActivationLink.take`: the
+float32 array, or, for a kind expected ``encoded=True``, the checked but undecoded wire parts
+(:class:`EncodedActivation`: int8 codes and bf16 scales, bf16 bits, ...), which the stage's
+jitted step decodes on its accelerator: a quarter of the host bytes with int8, and no float32
+copy on the host at all.
 
 Sends run on the swarm's event loop (:meth:`ActivationLink.send` returns at once); nothing here
 imports jax.
@@ -28,7 +32,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import numpy as np
@@ -75,11 +79,56 @@ class LinkStats:
     retries: int = 0
 
 
+class EncodedActivation(NamedTuple):
+    """A received activation (or activation-gradient) as it crossed the wire: checked (the
+    header, the checksum, finite values, scales in range) but not decoded.
+
+    Attributes:
+      codec: the codec (``"int8"``, ``"bf16"``, ...).
+      shape: the decoded activation's shape.
+      block_size: elements per scale block (block codecs), else 0.
+      k: elements sent (topk), else 0.
+      parts: the leaf's wire parts, little-endian numpy arrays (``_formats.part_dtypes``):
+        int8 ``(uint16 bf16 scale bits (blocks,), uint8 codes (blocks * block_size,))``, bf16 /
+        fp16 ``(uint16 bits (n,),)``, fp32 ``(float32 (n,),)``.
+    """
+
+    codec: str
+    shape: tuple[int, ...]
+    block_size: int
+    k: int
+    parts: tuple[np.ndarray, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the parts hold (what goes to the device)."""
+        return sum(int(p.nbytes) for p in self.parts)
+
+
+class _EncodedDecoder(ActivationDecoder):
+    """:class:`ActivationDecoder` whose ``finish`` returns the :class:`EncodedActivation`."""
+
+    def finish(self) -> EncodedActivation:  # type: ignore[override]
+        (parts,) = self._dec.finish_parts()  # WireFormatError as the host decode raises it
+        self._check_header()
+        (leaf,) = self._dec.header.leaves
+        return EncodedActivation(self.codec, self.shape, int(leaf.block_size), int(leaf.k), parts)
+
+
+def encoded_activation(data: bytes | memoryview, *, name: str, shape: tuple[int, ...], codec: str) -> EncodedActivation:
+    """A whole activation message, checked as :class:`ActivationLink` checks what it receives
+    and returned undecoded (:class:`EncodedActivation`); raises like ``ActivationDecoder``."""
+    dec = _EncodedDecoder(name=name, shape=shape, codec=codec, max_bytes=len(data))
+    dec.feed(data)
+    return dec.finish()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Expect:
     sender: str
     shape: tuple[int, ...]
     codec: str
+    encoded: bool = False
 
 
 class ActivationLink:
@@ -103,7 +152,7 @@ class ActivationLink:
         self.max_pending = int(max_pending)
         self.stats = LinkStats()
         self._cond = threading.Condition()
-        self._inbox: dict[tuple[str, int, int], np.ndarray] = {}
+        self._inbox: dict[tuple[str, int, int], np.ndarray | EncodedActivation] = {}
         self._seen: dict[tuple[str, int, int], str] = {}  # body digests of this epoch's messages
         self._expect: dict[str, _Expect] = {}
         self._epoch = 0
@@ -128,16 +177,19 @@ class ActivationLink:
             self._failure = None
             self._cond.notify_all()
 
-    def expect(self, kind: str, sender: str | None, shape: tuple[int, ...], codec: str) -> None:
+    def expect(
+        self, kind: str, sender: str | None, shape: tuple[int, ...], codec: str, *, encoded: bool = False
+    ) -> None:
         """Accept ``kind`` messages from peer ``sender`` only (``None``: from nobody), each one
-        leaf of ``shape`` (float32 once decoded) in ``codec``."""
+        leaf of ``shape`` (float32 once decoded) in ``codec``. ``encoded``: :meth:`take` returns
+        them as :class:`EncodedActivation` (not decoded here), else as float32 arrays."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         with self._cond:
             if sender is None:
                 self._expect.pop(kind, None)
             else:
-                self._expect[kind] = _Expect(sender, tuple(int(s) for s in shape), codec)
+                self._expect[kind] = _Expect(sender, tuple(int(s) for s in shape), codec, bool(encoded))
 
     # ------------------------------------------------------------------ receiving
     async def _h_put(self, request: web.Request) -> web.Response:
@@ -168,7 +220,9 @@ class ActivationLink:
         limit = 4 * n + (1 << 20)
         if (request.content_length or 0) > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length or 0)
-        dec = ActivationDecoder(name=LEAF, shape=exp.shape, codec=exp.codec, max_bytes=limit)
+        dec = (_EncodedDecoder if exp.encoded else ActivationDecoder)(
+            name=LEAF, shape=exp.shape, codec=exp.codec, max_bytes=limit
+        )
         arr, _ = await t.read_body(request, dec, claimed, limit, lambda: False, what=kind)
         with self._cond:
             if epoch < self._epoch:  # a takeover happened while it streamed in
@@ -229,9 +283,10 @@ class ActivationLink:
 
         return asyncio.run_coroutine_threadsafe(go(), self._loop())
 
-    def take(self, kind: str, micro: int, timeout: float) -> np.ndarray:
+    def take(self, kind: str, micro: int, timeout: float) -> np.ndarray | EncodedActivation:
         """Blocks until the ``kind`` message of micro-batch ``micro`` (this epoch) is in, and
-        returns it (float32, the expected shape).
+        returns it (float32, the expected shape; an :class:`EncodedActivation` when expected
+        ``encoded``).
 
         Raises:
           PipelineBroken: nothing came within ``timeout`` seconds (names the expected sender),

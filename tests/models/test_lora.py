@@ -201,5 +201,5 @@ def test_errors_are_one_line():
         load_pretrained(LLAMA, quantize="int3")
     with pytest.raises(ValueError, match="no LoRA adapters"):
         split_lora(load_pretrained(LLAMA))
-    with pytest.raises(ValueError, match="quantize='nf4'"):
-        apply_lora(load_pretrained(LLAMA), LoraConfig(), quantize="nf4")
+    with pytest.raises(ValueError, match="quantize='fp4'"):
+        apply_lora(load_pretrained(LLAMA), LoraConfig(), quantize="fp4")

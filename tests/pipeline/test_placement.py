@@ -33,3 +33,11 @@ def test_memory_and_bandwidth_decide_who_holds_what():
         place(reports, [30e9, 1, 1])
     with pytest.raises(ValueError, match="cannot form"):
         place(reports, [1, 1, 1], clusters=2)
+
+
+def test_a_refusal_names_the_stage_its_bytes_and_the_pool():
+    gib = 1024**3
+    reports = [_r("a", 18 * gib), _r("b", 18 * gib)]  # 24 GiB cards at JAX's default 0.75
+    with pytest.raises(ValueError, match=r"stage 1: it needs 20\.00 GiB, the largest pool .* 18\.00 GiB") as e:
+        place(reports, [gib, 20 * gib])
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9" in str(e.value) and "\n" not in str(e.value)
