@@ -464,6 +464,9 @@ def jax_leaves(tree):
 
 if __name__ == "__main__":
     set_memory_fraction()  # before anything imports jax
+    import ravnest_jax as rj
+
+    rj.enable_compilation_cache()  # a restarted peer loads its compiled steps (RAVNEST_COMPILE_CACHE=0: off)
     try:
         main()
     except ValueError as e:  # bad input: one line, before anything long started
