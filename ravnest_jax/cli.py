@@ -209,8 +209,11 @@ def _cmd_plan_memory(args: argparse.Namespace) -> int:
             batch=args.batch,
             seq_len=args.seq_len,
             dtype=args.dtype,
-            remat=not args.no_remat,
+            remat=args.remat,
             devices=args.devices,
+            attention=args.attention,
+            loss_chunk=args.loss_chunk,
+            micro_batches=args.micro_batches,
         )
     except ImportError as e:
         print(f"error: plan-memory needs the llm extra (pip install 'ravnest-jax[llm]'): {e}", file=sys.stderr)
@@ -219,7 +222,8 @@ def _cmd_plan_memory(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     q = args.quantize or args.dtype
-    remat = "no remat" if args.no_remat else "remat"
+    remat = "no remat" if args.remat == "none" else f"remat {args.remat}"
+    remat += f", attention {args.attention}, loss chunk {args.loss_chunk}, micro-batches {args.micro_batches}"
     where = "" if args.devices == 1 else f", FSDP over {args.devices} devices (bytes of one)"
     print(
         f"{args.config}: LoRA rank {args.lora_rank}, base {q}, batch {args.batch} x {args.seq_len} tokens, "
@@ -247,7 +251,10 @@ def _cmd_plan_memory(args: argparse.Namespace) -> int:
                 batch=args.batch,
                 seq_len=args.seq_len,
                 dtype=args.dtype,
-                remat=not args.no_remat,
+                remat=args.remat,
+                attention=args.attention,
+                loss_chunk=args.loss_chunk,
+                micro_batches=args.micro_batches,
             )
             + "\n"
         )
@@ -451,7 +458,23 @@ def build_parser() -> argparse.ArgumentParser:
     pm.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     pm.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     pm.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
-    pm.add_argument("--no-remat", action="store_true", help="keep every block's activations (default: recompute)")
+    pm.add_argument(
+        "--remat",
+        choices=["full", "dots", "offload", "none"],
+        default="full",
+        help="gradient checkpointing of the step (default full: recompute each block)",
+    )
+    pm.add_argument("--no-remat", dest="remat", action="store_const", const="none", help="the same as --remat none")
+    pm.add_argument(
+        "--attention",
+        choices=["auto", "cudnn", "chunked", "xla"],
+        default="auto",
+        help="the model's attention implementation (default auto; XLA's CPU plan: cudnn is a GPU's)",
+    )
+    pm.add_argument("--loss-chunk", type=int, default=1024, help="tokens per cross-entropy chunk (default 1024)")
+    pm.add_argument(
+        "--micro-batches", type=int, default=1, help="gradient-accumulation slices of the batch (default 1)"
+    )
     pm.add_argument(
         "--devices",
         type=int,

@@ -24,21 +24,22 @@ class Setup:
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
     train_a: bool = True
     quantize: str | None = None
-    dtype: str = "float32"
+    dtype: str = "float32"  # train.py's --dtype auto on CPU
     eval_batches: int = 4
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
 
 def load(setup: Setup):
-    """``(lm, shards, eval_set, loss_fn)`` exactly as ``train.py`` builds them."""
+    """``(lm, shards, eval_set, loss_fn)`` exactly as ``train.py`` builds them; ``loss_fn(adapters,
+    frozen, windows)`` is the mean loss per token of ``windows`` int32 ``(batch, seq + 1)``, with
+    the library's chunked cross-entropy (``rj.models.chunked_cross_entropy``), as the step."""
     import jax.numpy as jnp
     import numpy as np
-    import optax
 
     from finetune.tiny import text_documents
     from ravnest_jax.data import PackedTokens, eos_token_id, load_tokenizer, split_held_out, tokenize
-    from ravnest_jax.models import LoraConfig, load_pretrained, split_lora
+    from ravnest_jax.models import LoraConfig, TokenBatch, chunked_cross_entropy, load_pretrained, split_lora
 
     lora = LoraConfig(
         rank=setup.lora_rank,
@@ -67,9 +68,12 @@ def load(setup: Setup):
     dtype = jnp.bfloat16 if setup.dtype == "bfloat16" else jnp.float32
     lm = split_lora(load_pretrained(setup.checkpoint, dtype=dtype, quantize=setup.quantize, lora=lora))
 
-    def loss_fn(adapters, frozen, batch):
-        logits = lm.model(adapters, frozen)(batch[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    def loss_fn(adapters, frozen, windows):
+        b = TokenBatch.from_windows(windows)
+        model = lm.model(adapters, frozen)
+        hidden = model(b.tokens, b.positions, b.segment_ids, head=False)
+        nll, count = chunked_cross_entropy(model, hidden, b.targets, b.loss_mask)
+        return nll / count
 
     return lm, shards, eval_set, loss_fn
 
@@ -80,30 +84,25 @@ def train_data_parallel(setup: Setup) -> dict:
     Returns:
       ``{"eval_loss_start", "eval_loss_end", "tokens"}`` (nats per token; tokens seen).
     """
-    import jax
+    import jax.numpy as jnp
     import numpy as np
     import optax
 
-    lm, shards, eval_set, loss_fn = load(setup)
+    from ravnest_jax.models import TokenBatch, make_eval_loss, make_train_step
+
+    lm, shards, eval_set, _ = load(setup)
     tx = optax.adamw(setup.lr, weight_decay=0.0)
     adapters, opt = lm.adapters, tx.init(lm.adapters)
+    step = make_train_step(lm, tx)  # train.py's step, on the union of the peers' batches
+    eval_loss = make_eval_loss(lm)
+    evals = TokenBatch(*(np.stack(x) for x in zip(*(TokenBatch.from_windows(w) for w in eval_set))))
 
-    @jax.jit
-    def step(adapters, opt, frozen, batch):
-        grads = jax.grad(loss_fn)(adapters, frozen, batch)
-        updates, opt = tx.update(grads, opt, adapters)
-        return optax.apply_updates(adapters, updates), opt
-
-    @jax.jit
-    def eval_loss(adapters, frozen, batches):
-        return jax.lax.map(lambda b: loss_fn(adapters, frozen, b), batches).mean()
-
-    start = float(eval_loss(adapters, lm.frozen, eval_set))
-    for _ in range(setup.max_steps):
-        batch = np.concatenate([s.next() for s in shards])
-        adapters, opt = step(adapters, opt, lm.frozen, batch)
+    start = float(eval_loss(adapters, lm.frozen, evals))
+    for i in range(setup.max_steps):
+        batch = TokenBatch.from_windows(np.concatenate([s.next() for s in shards]))
+        adapters, opt, _ = step(adapters, opt, lm.frozen, batch, jnp.int32(i))
     return {
         "eval_loss_start": start,
-        "eval_loss_end": float(eval_loss(adapters, lm.frozen, eval_set)),
+        "eval_loss_end": float(eval_loss(adapters, lm.frozen, evals)),
         "tokens": setup.max_steps * setup.peers * setup.batch_size * setup.seq_len,
     }

@@ -11,7 +11,10 @@ trains the adapters only with AdamW, and averages them every H steps over the sw
 data position (``rj.Checkpointer``) and resumes exactly; ``--export DIR`` writes the merged model
 (adapters folded in) as a Hugging Face checkpoint; ``--devices N`` lays the base and the adapters
 FSDP-style over N local devices (``load_pretrained(..., mesh=)``) and splits the batch over them.
-Started by the launcher:
+The step is the library's (``rj.models.make_train_step``): bf16 compute on accelerators with
+float32 adapter masters, gradient checkpointing, chunked cross-entropy, donated state, optional
+gradient accumulation (``--micro-batches``); the defaults are those of a real card (see
+``--help``). Started by the launcher:
 
     ravnest-jax local --peers 4 -- python examples/finetune/train.py --checkpoint CKPT
     python examples/finetune/main.py --local-peers 4        # makes a tiny checkpoint first
@@ -32,10 +35,28 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: the finetune package is next to this file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
+REMAT = ("full", "dots", "offload", "none")
+ATTENTION = ("auto", "cudnn", "chunked", "xla")
+MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+DEFAULT_MEM_FRACTION = 0.9
+
+
+def set_memory_fraction(argv: list[str] | None = None) -> str:
+    """Sets ``XLA_PYTHON_CLIENT_MEM_FRACTION`` from ``--mem-fraction`` (else the environment's
+    value, else 0.9) before jax is imported (JAX's allocator reads it when the backend starts;
+    its own default, 0.75, leaves a quarter of a GPU unused). Returns the value in effect."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--mem-fraction", type=float, default=None)
+    known, _ = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if known.mem_fraction is not None:
+        os.environ[MEM_FRACTION] = str(known.mem_fraction)
+    return os.environ.setdefault(MEM_FRACTION, str(DEFAULT_MEM_FRACTION))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from ravnest_jax.models import QUANTIZE  # imports jax, does not start a backend
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "--checkpoint", required=True, help="Hugging Face checkpoint directory (config, safetensors, tokenizer)"
@@ -61,8 +82,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--frozen-a", action="store_true", help="freeze A, train B only (FFA-LoRA: exact averages, half the bytes)"
     )
-    p.add_argument("--quantize", choices=["int8", "int4"], default=None, help="store the frozen base in 8 or 4 bits")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute and base dtype (default float32)")
+    p.add_argument(
+        "--quantize",
+        choices=QUANTIZE,
+        default=None,
+        help="store the frozen base quantised (QLoRA; default: unquantised, in --dtype)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="compute and base dtype; adapters stay float32 masters (default auto: bfloat16 on a GPU or TPU, "
+        "which multiply it natively at half the memory; float32 on CPU, where bfloat16 is slower)",
+    )
+    p.add_argument(
+        "--remat",
+        choices=REMAT,
+        default="full",
+        help="gradient checkpointing: full recomputes each block in the backward pass, dots keeps its matmul "
+        "outputs, offload moves block inputs to host memory, none keeps everything (default full: about a "
+        "third more compute for a fraction of the activation memory, as peft and unsloth default to)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION,
+        default="auto",
+        help="attention implementation: cudnn (flash attention on NVIDIA GPUs), chunked (memory-efficient, "
+        "any backend), xla (plain), auto (cudnn where it runs, else xla) (default auto)",
+    )
+    p.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=1024,
+        help="positions per chunk of the cross-entropy: the whole (batch, seq, vocab) float32 logits are never "
+        "held (default 1024)",
+    )
+    p.add_argument(
+        "--no-donate",
+        action="store_true",
+        help="do not donate the adapters and optimizer state to the step (default: donated, updated in place)",
+    )
+    p.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=None,
+        help=f"{MEM_FRACTION}: the share of an accelerator JAX's allocator takes (default: the environment "
+        f"variable, else {DEFAULT_MEM_FRACTION}; JAX's own 0.75 leaves a quarter of the card unused)",
+    )
     p.add_argument(
         "--devices",
         type=int,
@@ -81,7 +147,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cut the model into S pipeline stages, one peer each (the launcher's peers a multiple of S: "
         "peers / S clusters averaging each stage's adapters with DiLoCo; docs/pipeline.md)",
     )
-    p.add_argument("--micro-batches", type=int, default=4, help="with --stages: micro-batches per step (default 4)")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="slices of the batch per step: gradient accumulation, one slice's activations at a time, the "
+        "same step as the whole batch (default 1); with --stages the micro-batches in the pipeline (default 4)",
+    )
     p.add_argument(
         "--in-flight",
         type=int,
@@ -102,11 +174,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --stages: codec of activations and activation-gradients (default int8)",
     )
     args = p.parse_args(argv)
-    for name in ("max_steps", "sync_every", "batch_size", "seq_len", "lora_rank", "eval_batches", "devices"):
+    if args.micro_batches is None:
+        args.micro_batches = 4 if args.stages > 1 else 1
+    names = ("max_steps", "sync_every", "batch_size", "seq_len", "lora_rank", "eval_batches", "devices")
+    for name in (*names, "micro_batches", "loss_chunk"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.batch_size % args.devices:
         p.error(f"--batch-size ({args.batch_size}) must be a multiple of --devices ({args.devices})")
+    if args.mem_fraction is not None and not 0 < args.mem_fraction <= 1:
+        p.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
+    if args.stages == 1 and args.batch_size % (args.micro_batches * args.devices):
+        p.error(
+            f"--batch-size ({args.batch_size}) must be a multiple of --micro-batches x --devices "
+            f"({args.micro_batches} x {args.devices}): each micro-batch is split over the devices"
+        )
     if not 0 <= args.overlap_steps < args.sync_every:
         p.error("--overlap-steps must be in [0, --sync-every)")
     if args.export and Path(args.export).exists() and any(Path(args.export).iterdir()):
@@ -153,6 +235,7 @@ def peer_mesh(n: int):
 
 
 def main(argv: list[str] | None = None) -> dict:
+    set_memory_fraction(argv)  # before jax is imported
     args = parse_args(argv)
     import jax
 
@@ -168,7 +251,14 @@ def main(argv: list[str] | None = None) -> dict:
     import ravnest_jax as rj
     from finetune.tiny import text_documents
     from ravnest_jax.data import PackedTokens, eos_token_id, load_tokenizer, split_held_out, tokenize
-    from ravnest_jax.models import LoraConfig, TransformerConfig, load_pretrained, save_pretrained, split_lora
+    from ravnest_jax.models import (
+        LoraConfig,
+        TokenBatch,
+        TransformerConfig,
+        load_pretrained,
+        save_pretrained,
+        split_lora,
+    )
 
     # everything that can be wrong with the input is checked before anything compiles
     TransformerConfig.from_hf(args.checkpoint)  # ValueError naming the problem
@@ -190,6 +280,8 @@ def main(argv: list[str] | None = None) -> dict:
     evals = PackedTokens(held_out, seq_len=args.seq_len, batch=args.batch_size, seed=args.seed)
     eval_set = np.stack([evals.batch_at(i) for i in range(args.eval_batches)])
 
+    if args.dtype == "auto":
+        args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     mesh = peer_mesh(args.devices)
     if args.stages > 1:
@@ -197,43 +289,29 @@ def main(argv: list[str] | None = None) -> dict:
         split = rj.pipeline.pretrained_split(args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora, mesh=mesh)
         return train_stages(args, split, train_tokens, eval_set)
     # on a mesh: the frozen base and the adapters FSDP-style over the peer's devices
-    lm = split_lora(load_pretrained(args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora, mesh=mesh))
+    remat = {"full": True, "none": False}.get(args.remat, args.remat)
+    lm = split_lora(
+        load_pretrained(args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora, remat=remat, mesh=mesh)
+    )
     frozen = lm.frozen
-
-    def loss_fn(adapters, frozen, batch, key=None):
-        logits = lm.model(adapters, frozen, key)(batch[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-
     tx = rj.diloco(optax.adamw(args.lr, weight_decay=0.0), sync_every=args.sync_every)
-    state = tx.init(lm.adapters)  # moments, anchor, momentum: laid out like the adapters
-    dropout_key = jax.random.key(args.seed + 1)
-    put_batch, layouts = (lambda b: b), None
+    state = rj.models.init_opt_state(lm, tx)  # on a mesh laid out as the step keeps it
+    knobs = dict(loss_chunk=args.loss_chunk, remat=remat, attention=args.attention)
+    train_step = rj.models.make_train_step(
+        lm, tx, micro_batches=args.micro_batches, donate=not args.no_donate, seed=args.seed + 1, **knobs
+    )
+    eval_loss = rj.models.make_eval_loss(lm, **knobs)
+    put_batch = lambda b: b  # noqa: E731
     if mesh is not None:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        # tx.init leaves its step counters on one device: replicate them on the mesh, so that
-        # the layouts never change (nothing compiles twice); the batch is split over the devices
-        state = jax.tree.map(
-            lambda x: x if getattr(x.sharding, "mesh", None) == mesh else jax.device_put(x, NamedSharding(mesh, P())),
-            state,
-        )
         split = NamedSharding(mesh, P("data"))
         put_batch = lambda b: jax.device_put(b, split)  # noqa: E731
-        # the step keeps the layouts of adapters and state (with automatic axes XLA would choose)
-        layouts = (jax.tree.map(lambda x: x.sharding, lm.adapters), jax.tree.map(lambda x: x.sharding, state), None)
-
-    def step_fn(adapters, state, frozen, batch, step):
-        key = jax.random.fold_in(dropout_key, step) if lora.dropout > 0 else None
-        loss, grads = jax.value_and_grad(loss_fn)(adapters, frozen, batch, key)
-        updates, state = tx.update(grads, state, adapters)
-        return optax.apply_updates(adapters, updates), state, loss
-
-    train_step = jax.jit(step_fn, out_shardings=layouts)
-
-    @jax.jit
-    def eval_loss(adapters, frozen, batches):
-        return jax.lax.map(lambda b: loss_fn(adapters, frozen, b), batches).mean()
+    # the held-out batches stacked (n, batch, seq); on a mesh split along the batch axis
+    eval_set = TokenBatch(*(np.stack(x) for x in zip(*(TokenBatch.from_windows(w) for w in eval_set))))
+    if mesh is not None:
+        eval_set = jax.device_put(eval_set, NamedSharding(mesh, P(None, "data")))
 
     ckpt = None
     if args.checkpoint_dir:
@@ -252,7 +330,9 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             while int(sync.step or joined.step) < args.max_steps:
                 step = int(sync.step or joined.step)
-                adapters, state, loss = train_step(adapters, state, frozen, put_batch(data.next()), step)
+                batch = put_batch(TokenBatch.from_windows(data.next()))
+                adapters, state, metrics = train_step(adapters, state, frozen, batch, np.int32(step))
+                loss = metrics["loss"]  # read once at the end: no host round-trip per step
                 adapters, state = sync(adapters, state)  # counts; starts and merges rounds when due
                 if ckpt is not None and sync.step - last_saved >= args.sync_every and not sync.pending:
                     extra = rj.checkpoint_extra(sync, adapters, {"data": data.state()})
@@ -383,6 +463,10 @@ def jax_leaves(tree):
 
 
 if __name__ == "__main__":
+    set_memory_fraction()  # before anything imports jax
+    import ravnest_jax as rj
+
+    rj.enable_compilation_cache()  # a restarted peer loads its compiled steps (RAVNEST_COMPILE_CACHE=0: off)
     try:
         main()
     except ValueError as e:  # bad input: one line, before anything long started

@@ -1,7 +1,8 @@
 """Pretrained decoder-only LLMs in flax nnx: the Llama 3 / Mistral / Qwen 2.5 / Qwen 3 layout,
 Hugging Face checkpoints (``load_pretrained``, ``save_pretrained``), LoRA / QLoRA adapters with
 qwix (``LoraConfig``, ``apply_lora``, ``split_lora``; base in int8, int4 or nf4), memory-efficient
-attention with segment ids (``attention``), device widths and the allocator's pool
+attention with segment ids (``attention``), the training step (``TokenBatch``, ``make_train_step``,
+``make_eval_loss``, ``chunked_cross_entropy``), device widths and the allocator's pool
 (``device_bits``, ``nbytes``, ``allocator_pool_bytes``) and the memory planner (``plan_memory``).
 Needs the ``llm`` extra (``safetensors``, ``tokenizers``, ``qwix``)."""
 
@@ -21,9 +22,14 @@ from ._lora import LoraModel as LoraModel
 from ._lora import apply_lora as apply_lora
 from ._lora import merge_adapters as merge_adapters
 from ._lora import split_lora as split_lora
+from ._loss import chunked_cross_entropy as chunked_cross_entropy
 from ._memory import allocator_pool_bytes as allocator_pool_bytes
 from ._memory import device_bits as device_bits
 from ._memory import nbytes as nbytes
+from ._step import TokenBatch as TokenBatch
+from ._step import init_opt_state as init_opt_state
+from ._step import make_eval_loss as make_eval_loss
+from ._step import make_train_step as make_train_step
 from ._transformer import Transformer as Transformer
 
 __all__ = [
@@ -33,6 +39,7 @@ __all__ = [
     "QUANTIZE",
     "LoraConfig",
     "LoraModel",
+    "TokenBatch",
     "Transformer",
     "TransformerConfig",
     "adapter_sharding",
@@ -40,9 +47,13 @@ __all__ = [
     "apply_lora",
     "attention",
     "base_sharding",
+    "chunked_cross_entropy",
     "device_bits",
     "hf_config",
+    "init_opt_state",
     "load_pretrained",
+    "make_eval_loss",
+    "make_train_step",
     "merge_adapters",
     "nbytes",
     "save_pretrained",

@@ -2,20 +2,24 @@
 
 Parameters and optimizer state come from ``jax.eval_shape`` of the real objects (the qwix
 model, ``rj.diloco(optax.adamw)``'s state), counted at their storage width (int4: half a byte).
-Activations come from XLA itself: the jitted training step is compiled (not run) for the model
-cut to two and to three layers at the real width, batch and sequence length, and the temporary
-bytes XLA plans for it (``compiled.memory_analysis()``) are taken. Every layer of the model is
+Activations come from XLA itself: the library's training step (:func:`make_train_step`, the step
+the example runs: bf16 compute, chunked cross-entropy, remat, micro-batches, donation, with the
+same knobs) is compiled (not run) for ``jax.ShapeDtypeStruct`` inputs of the model cut to three
+and to four layers at the real width, batch and sequence length, and the temporary bytes XLA
+plans for it (``compiled.memory_analysis()``) are taken. Every layer of the model is
 the same, so every figure is linear in depth: the parameter and optimizer bytes are
 ``f(1) + (layers - 1) * (f(2) - f(1))`` from one and two layers, exact (tested against
-``eval_shape`` of the whole model); the activations ``f(2) + (layers - 2) * (f(3) - f(2))``
-(XLA's plan grows by the same bytes with every layer from the second on; tested within 10% of
-the compiled full-depth step). Tracing the whole qwix model costs time quadratic in depth (over
+``eval_shape`` of the whole model); the activations ``f(3) + (layers - 3) * (f(4) - f(3))``
+(XLA's plan grows by the same bytes with every layer from the third on; tested within 5% of
+the compiled full-depth step, and ``benchmarks/validate_memory_plan.py`` checks it on the
+real shapes). Tracing the whole qwix model costs time quadratic in depth (over
 10 minutes for 80 layers); a few layers take seconds.
 
 The plan is XLA's **CPU** plan. With ``remat=True`` (the default) each block is recomputed in
 the backward pass (:func:`~ravnest_jax.models._transformer.recompute_in_backward`), so it holds
-one block's working set (its float32 attention scores ``batch x heads x seq^2``, XLA's
-attention) plus every block's input and the logits. XLA on CPU computes bfloat16 matmuls in
+one block's working set (with XLA's attention its float32 scores ``batch x heads x seq^2``,
+several of them alive in the block's backward pass: the peak of a long sequence; chunked
+attention removes them) plus every block's input and one chunk of the cross-entropy's logits. XLA on CPU computes bfloat16 matmuls in
 float32 and makes float32 copies of the bfloat16 weights it multiplies (for Llama 3.1 8B the
 output head's, 1.96 GiB, and a block's kernels are among its largest temporaries): a GPU, which
 multiplies bfloat16 natively, makes none, so for a GPU the plan is an upper bound. See
@@ -39,6 +43,7 @@ from ._config import TransformerConfig
 from ._hf import adapter_sharding, base_sharding, batch_sharding, split_axis
 from ._lora import LoraConfig, _trainable, _wrap, check_quantize
 from ._memory import allocator_pool_bytes, nbytes
+from ._step import check_attention, check_remat
 from ._transformer import Transformer
 
 GIB = 1024**3
@@ -158,7 +163,7 @@ def load_config(config: str | Path | TransformerConfig) -> TransformerConfig:
 
 
 def _abstract(
-    cfg: TransformerConfig, lora: LoraConfig, quantize: str | None, dtype: Any, remat: bool = False, mesh: Any = None
+    cfg: TransformerConfig, lora: LoraConfig, quantize: str | None, dtype: Any, remat: Any = False, mesh: Any = None
 ):
     """The qwix model's graph, adapters and frozen rest as shapes (laid out on ``mesh`` the way
     ``load_pretrained(..., mesh=mesh)`` lays them out)."""
@@ -166,7 +171,7 @@ def _abstract(
 
     def build():
         model = _wrap(Transformer(cfg, nnx.Rngs(0), dtype=dtype, param_dtype=dtype), lora, quantize)
-        model.remat = remat  # after qwix's first call (it creates the adapters; not under remat)
+        model.remat = check_remat(remat)  # after qwix's first call (it creates the adapters; not under remat)
         model.batch_sharding = batch_sharding(mesh)
         return model
 
@@ -191,6 +196,66 @@ def _is_lora(path: tuple) -> bool:
     return str(path[-1]).endswith(("_lora_a", "_lora_b"))
 
 
+def abstract_step(
+    cfg: TransformerConfig,
+    lora: LoraConfig,
+    quantize: str | None,
+    dtype: Any,
+    batch: int,
+    seq_len: int,
+    remat: Any = True,
+    mesh: Any = None,
+    *,
+    attention: str | None = None,
+    loss_chunk: int = 1024,
+    micro_batches: int = 1,
+) -> Any:
+    """:func:`~ravnest_jax.models.make_train_step` of ``cfg``'s LoRA model with
+    ``rj.diloco(optax.adamw)``, lowered (not compiled) for ``jax.ShapeDtypeStruct`` inputs: the
+    adapters, their optimizer state, the frozen base and a :class:`TokenBatch` of ``(batch,
+    seq_len)`` (a device's, on ``mesh``: the FSDP layout of ``load_pretrained(..., mesh=)``, the
+    batch split). ``.compile().memory_analysis()`` is XLA's plan of the step that trains."""
+    import optax
+
+    from ..optim import diloco
+    from ._lora import LoraModel
+    from ._step import TokenBatch, make_train_step
+
+    graphdef, adapters, frozen = _abstract(cfg, lora, quantize, dtype, remat, mesh)
+    lm = LoraModel(graphdef, adapters, frozen, lora, graphdef if lora.dropout > 0 else None)
+    tx = diloco(optax.adamw(1e-4), sync_every=100)
+    step = make_train_step(
+        lm, tx, micro_batches=micro_batches, loss_chunk=loss_chunk, remat=remat, attention=attention, dtype=dtype
+    )
+    state = jax.eval_shape(tx.init, adapters)
+    row = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    if mesh is not None:
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        row = _on(row, NamedSharding(mesh, P(tuple(mesh.axis_names))))
+        # the optimizer state as init_opt_state lays it out: like the adapters, counters replicated
+        state = jax.tree.map(lambda x: _on(x, adapter_sharding(mesh, x.shape)), state)
+    mask = jax.ShapeDtypeStruct(row.shape, jnp.float32, sharding=row.sharding)
+    tokens = TokenBatch(row, row, mask, row, row)
+    return step.lower(adapters, state, frozen, tokens, jax.ShapeDtypeStruct((), jnp.int32))
+
+
+def step_memory(compiled: Any) -> dict[str, int]:
+    """XLA's memory analysis of a compiled step: ``temp`` (the activations of :class:`MemoryPlan`),
+    ``arguments``, ``outputs``, ``aliased`` (donated outputs written over their inputs) and
+    ``total = arguments + temp + outputs - aliased`` (bytes, a device's)."""
+    m = compiled.memory_analysis()
+    out = {
+        "temp": int(m.temp_size_in_bytes),
+        "arguments": int(m.argument_size_in_bytes),
+        "outputs": int(m.output_size_in_bytes),
+        "aliased": int(m.alias_size_in_bytes),
+    }
+    out["total"] = out["arguments"] + out["temp"] + out["outputs"] - out["aliased"]
+    return out
+
+
 def _step_temp_bytes(
     cfg: TransformerConfig,
     lora: LoraConfig,
@@ -198,46 +263,14 @@ def _step_temp_bytes(
     dtype: Any,
     batch: int,
     seq_len: int,
-    remat: bool,
+    remat: Any,
     mesh: Any = None,
+    **knobs: Any,
 ) -> int:
-    """XLA's temporary bytes for one compiled (not run) training step of ``cfg`` (a device's,
-    on ``mesh``: the FSDP layout of ``load_pretrained(..., mesh=)``, the batch split)."""
-    import optax
-    from flax import nnx
-
-    from ..optim import diloco
-
-    graphdef, adapters, frozen = _abstract(cfg, lora, quantize, dtype, remat, mesh)
-    tx = diloco(optax.adamw(1e-4), sync_every=100)
-    state = jax.eval_shape(tx.init, adapters)
-
-    def step(adapters, state, frozen, tokens):
-        def loss_fn(a):
-            logits = nnx.merge(graphdef, a, frozen)(tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        grads = jax.grad(loss_fn)(adapters)
-        updates, state = tx.update(grads, state, adapters)
-        return optax.apply_updates(adapters, updates), state
-
-    tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
-    out_shardings = None
-    if mesh is not None:
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-
-        tokens = _on(tokens, NamedSharding(mesh, P(tuple(mesh.axis_names))))
-        # the optimizer state laid out like the adapters (tx.init keeps their layouts), step
-        # counters replicated; the step keeps those layouts (as the example pins them)
-        state = jax.tree.map(lambda x: _on(x, adapter_sharding(mesh, x.shape)), state)
-        out_shardings = jax.tree.map(lambda x: x.sharding, (adapters, state))
-    compiled = (
-        jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
-        .lower(adapters, state, frozen, tokens)
-        .compile()
-    )
-    return int(compiled.memory_analysis().temp_size_in_bytes)
+    """XLA's temporary bytes for the compiled (not run) training step of ``cfg``
+    (:func:`abstract_step`)."""
+    compiled = abstract_step(cfg, lora, quantize, dtype, batch, seq_len, remat, mesh, **knobs).compile()
+    return step_memory(compiled)["temp"]
 
 
 def _static_bytes(
@@ -301,8 +334,11 @@ def plan_memory(
     batch: int = 1,
     seq_len: int = 2048,
     dtype: str = "bfloat16",
-    remat: bool = True,
+    remat: bool | str = True,
     devices: int = 1,
+    attention: str | None = None,
+    loss_chunk: int = 1024,
+    micro_batches: int = 1,
 ) -> MemoryPlan:
     """A peer's device bytes for LoRA (QLoRA with ``quantize``) fine-tuning with ``rj.diloco``
     over AdamW, computed without allocating (see the module docstring for how): a minute or two
@@ -317,20 +353,27 @@ def plan_memory(
       batch, seq_len: sequences per step and tokens per sequence.
       dtype: ``"bfloat16"`` or ``"float32"``: compute and unquantised parameter dtype.
       remat: recompute each block in the backward pass (``load_pretrained(..., remat=True)``),
-        the default: without it every block's activations (and a quantised base's
-        dequantised weights) are kept for the backward pass.
+        the default (True or ``"full"``; ``"dots"``, ``"offload"``: the model's policies;
+        False or ``"none"``: every block's activations, and a quantised base's dequantised
+        weights, are kept for the backward pass).
       devices: a peer's local devices: with more than one, the bytes of one device when the
         base and adapters lie FSDP-style over all of them (``load_pretrained(..., mesh=)``)
         and the batch is split over them; the step is compiled for that many CPU devices,
         which the process must have (``jax.config.update("jax_num_cpu_devices", n)`` before
         any jax use; the command does it).
+      attention: ``model.attention`` (``"auto"``, ``"cudnn"``, ``"chunked"``, ``"xla"``) where
+        the model has it; None: the model's default.
+      loss_chunk: positions per chunk of the chunked cross-entropy (``make_train_step``).
+      micro_batches: gradient-accumulation slices of the batch (``make_train_step``); the
+        batch must divide by ``micro_batches x devices``.
 
     Returns:
       a :class:`MemoryPlan` (bytes; a device's).
 
     Raises:
-      ValueError: a bad config path, ``quantize``, ``dtype``, ``batch``, ``seq_len`` or
-        ``devices`` (``batch`` must be a multiple of it), or fewer CPU devices than
+      ValueError: a bad config path, ``quantize``, ``dtype``, ``batch``, ``seq_len``,
+        ``remat``, ``attention``, ``loss_chunk``, ``micro_batches`` or ``devices`` (``batch``
+        must be a multiple of ``micro_batches x devices``), or fewer CPU devices than
         ``devices``.
     """
     cfg = load_config(config)
@@ -341,10 +384,17 @@ def plan_memory(
     for name, v in (("batch", batch), ("seq_len", seq_len)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    if not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"devices must be an int >= 1, got {devices!r}")
+    for name, v in (("devices", devices), ("loss_chunk", loss_chunk), ("micro_batches", micro_batches)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if batch % devices:
         raise ValueError(f"batch ({batch}) must be a multiple of devices ({devices}): the batch is split over them")
+    if batch % (micro_batches * devices):
+        raise ValueError(
+            f"batch ({batch}) must be a multiple of micro_batches x devices ({micro_batches} x {devices}): "
+            "each micro-batch is split over the devices"
+        )
+    remat, attention = check_remat(remat), check_attention(attention)
     mesh = None
     if devices > 1:
         from jax.sharding import AxisType
@@ -358,12 +408,28 @@ def plan_memory(
         mesh = jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,), devices=cpus[:devices])
     jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     static = by_layers(lambda c: _static_bytes(c, lora, quantize, jdtype, devices), cfg)
-    # XLA's plan grows by the same bytes with every layer from the second on (measured: the
-    # first layer's share differs), so the activations are extrapolated from 2 and 3 layers
+    # XLA's plan grows by the same bytes with every layer from the third on (measured on Llama
+    # 3.1 8B at 4 x 2048: +0.127 GiB from 2 to 3 layers, then +0.065 GiB a layer from 3 to 4, 4
+    # to 6 and on to 32, one block's input), so the activations are extrapolated from 3 and 4
+    # layers: within 0.1% of the compiled 32-layer step (benchmarks/validate_memory_plan.py)
     act = by_layers(
-        lambda c: {"activations": _step_temp_bytes(c, lora, quantize, jdtype, batch, seq_len, remat, mesh)},
+        lambda c: {
+            "activations": _step_temp_bytes(
+                c,
+                lora,
+                quantize,
+                jdtype,
+                batch,
+                seq_len,
+                remat,
+                mesh,
+                attention=attention,
+                loss_chunk=loss_chunk,
+                micro_batches=micro_batches,
+            )
+        },
         cfg,
-        first=2,
+        first=3,
     )
     return MemoryPlan(**static, activations=act["activations"], devices=devices)
 

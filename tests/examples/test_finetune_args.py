@@ -1,4 +1,4 @@
-"""examples/finetune/train.py's arguments: ``--devices`` is checked before anything starts."""
+"""examples/finetune/train.py's arguments: checked before anything starts; the defaults are a GPU's."""
 
 from __future__ import annotations
 
@@ -46,3 +46,44 @@ def test_main_checks_train_options_before_making_the_tiny_checkpoint(capsys, mon
     import os
 
     assert "RAVNEST_WORLD_SIZE" not in os.environ
+
+
+def test_gpu_defaults_and_their_checks(capsys):
+    a = parse_args(CKPT)
+    assert (a.dtype, a.remat, a.attention, a.micro_batches, a.loss_chunk, a.no_donate) == (
+        "auto",
+        "full",
+        "auto",
+        1,
+        1024,
+        False,
+    )
+    assert parse_args([*CKPT, "--stages", "1"]).micro_batches == 1
+    assert parse_args([*CKPT, "--batch-size", "8", "--micro-batches", "4", "--devices", "2"]).micro_batches == 4
+    for bad, needle in [
+        (["--batch-size", "8", "--micro-batches", "3"], "multiple of --micro-batches x --devices (3 x 1)"),
+        (["--remat", "some"], "invalid choice: 'some'"),
+        (["--quantize", "int3"], "invalid choice: 'int3'"),
+        (["--mem-fraction", "1.5"], "--mem-fraction must be in (0, 1]"),
+        (["--loss-chunk", "0"], "--loss-chunk must be >= 1"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_args([*CKPT, *bad])
+        assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, env, want",
+    [([], None, "0.9"), ([], "0.5", "0.5"), (["--mem-fraction", "0.8"], "0.5", "0.8")],
+)
+def test_memory_fraction_flag_then_environment_then_0_9(monkeypatch, argv, env, want):
+    from finetune.train import MEM_FRACTION, set_memory_fraction
+
+    if env is None:
+        monkeypatch.delenv(MEM_FRACTION, raising=False)
+    else:
+        monkeypatch.setenv(MEM_FRACTION, env)
+    assert set_memory_fraction([*CKPT, *argv]) == want
+    import os
+
+    assert os.environ[MEM_FRACTION] == want

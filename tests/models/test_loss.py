@@ -1,0 +1,131 @@
+"""Chunked cross-entropy: the loss and gradients of the plain full-logits path (untied and tied
+heads, LoRA and int4 bases, a sequence that does not divide by the chunk, a mask), and XLA's plan
+holds no (batch, seq, vocab) float32 buffer."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+pytest.importorskip("qwix")
+from flax import nnx  # noqa: E402
+
+from ravnest_jax.models import (  # noqa: E402
+    LoraConfig,
+    Transformer,
+    TransformerConfig,
+    apply_lora,
+    chunked_cross_entropy,  # noqa: E402
+    split_lora,
+)
+
+LLAMA = Path(__file__).resolve().parents[1] / "fixtures" / "llm" / "llama"
+
+
+def _random_adapters(adapters):
+    """B != 0, so that the adapters change the output and get gradients through every path."""
+    leaves, tree = jax.tree.flatten(adapters)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    return jax.tree.unflatten(tree, [0.05 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+
+
+@pytest.mark.parametrize(
+    "tied, quantize, chunk",
+    [
+        (False, None, 10),  # 5 positions of each of the 2 rows
+        (True, None, 14),
+        pytest.param(False, "int4", 128, marks=pytest.mark.integration),  # ~8 s of compiles each
+        pytest.param(True, "int4", 8, marks=pytest.mark.integration),
+    ],
+)
+def test_equals_the_full_logits_loss_and_gradients(tied, quantize, chunk):
+    cfg = dataclasses.replace(TransformerConfig.from_hf(LLAMA), tie_word_embeddings=tied)
+    lm = split_lora(apply_lora(Transformer(cfg, nnx.Rngs(0)), LoraConfig(rank=4), quantize=quantize))
+    adapters = _random_adapters(lm.adapters)
+    b, t = 2, 23  # 23 positions: no chunk size here divides it
+    k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
+    tokens = jax.random.randint(k1, (b, t), 0, cfg.vocab_size)
+    targets = jax.random.randint(k2, (b, t), 0, cfg.vocab_size)
+    mask = (jax.random.uniform(k3, (b, t)) < 0.7).astype(jnp.float32)
+
+    def plain(adapters):
+        model = lm.model(adapters, lm.frozen)
+        logits = model(tokens)
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        return jnp.sum(nll * mask)
+
+    def chunked(adapters):
+        model = lm.model(adapters, lm.frozen)
+        nll, count = chunked_cross_entropy(model, model(tokens, head=False), targets, mask, chunk_size=chunk)
+        return nll, count
+
+    (v0, g0) = jax.jit(jax.value_and_grad(plain))(adapters)
+    ((v1, count), g1) = jax.jit(jax.value_and_grad(chunked, has_aux=True))(adapters)
+    assert float(count) == float(mask.sum())
+    np.testing.assert_allclose(float(v1), float(v0), rtol=1e-5)
+    for (p, a), c in zip(jax.tree_util.tree_leaves_with_path(g0), jax.tree.leaves(g1)):
+        scale = float(jnp.abs(a).max())  # float32 sums in another order: 1e-5 of the gradient's scale
+        np.testing.assert_allclose(
+            np.asarray(c), np.asarray(a), rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(p)
+        )
+    assert max(float(jnp.abs(a).max()) for a in jax.tree.leaves(g0)) > 0
+
+    # w.r.t. the hidden state itself
+    model = lm.model(adapters, lm.frozen)
+    hidden = jax.jit(lambda a: lm.model(a, lm.frozen)(tokens, head=False))(adapters)
+
+    def head_plain(h):
+        x = model.norm(h)
+        logits = (model.embed_tokens.attend(x) if tied else model.lm_head(x)).astype(jnp.float32)
+        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * mask)
+
+    gh0 = jax.grad(head_plain)(hidden)
+    gh1 = jax.grad(lambda h: chunked_cross_entropy(model, h, targets, mask, chunk_size=chunk)[0])(hidden)
+    np.testing.assert_allclose(np.asarray(gh1), np.asarray(gh0), rtol=1e-5, atol=1e-5 * float(jnp.abs(gh0).max()))
+
+
+def test_no_mask_counts_every_position_and_bad_input_is_one_line():
+    cfg = TransformerConfig.from_hf(LLAMA)
+    model = Transformer(cfg, nnx.Rngs(0))
+    hidden = jnp.ones((2, 9, cfg.hidden_size))
+    targets = jnp.zeros((2, 9), jnp.int32)
+    nll, count = chunked_cross_entropy(model, hidden, targets, chunk_size=4)
+    assert float(count) == 18 and float(nll) > 0
+    for kwargs, needle in [
+        (dict(chunk_size=0), "chunk_size must be an int >= 1, got 0"),
+        (dict(loss_mask=jnp.ones((2, 8))), "loss_mask (2, 8) must have the targets' shape (2, 9)"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            chunked_cross_entropy(model, hidden, targets, **kwargs)
+        assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_compiled_gradient_holds_no_whole_float32_logits(tied):
+    """A 32k vocabulary at 2 x 512 positions: the whole float32 logits would be 128 MiB; XLA's
+    temporaries of the loss and its gradient stay under three chunks' logits (24 MiB) with
+    chunks of 64 tokens."""
+    cfg = dataclasses.replace(
+        TransformerConfig.from_hf(LLAMA), vocab_size=32768, num_hidden_layers=1, tie_word_embeddings=tied
+    )
+    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    graphdef, params = nnx.split(model)
+    b, t = 2, 512
+    hidden = jax.ShapeDtypeStruct((b, t, cfg.hidden_size), jnp.float32)
+    targets = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    mask = jax.ShapeDtypeStruct((b, t), jnp.float32)
+
+    def loss(params, h, tgt, m):
+        return chunked_cross_entropy(nnx.merge(graphdef, params), h, tgt, m, chunk_size=64)[0]
+
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, hidden, targets, mask).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    logits, chunk = b * t * cfg.vocab_size * 4, 64 * cfg.vocab_size * 4  # 64 tokens: 32 positions x 2 rows
+    # the backward pass of a chunk holds its logits and their softmax: about two chunks
+    assert temp < 3 * chunk < logits / 2, f"temp {temp:,} bytes; float32 logits: whole {logits:,}, a chunk {chunk:,}"
