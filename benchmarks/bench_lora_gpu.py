@@ -282,64 +282,18 @@ def _finish(case: dict[str, Any], step_s: float, cfg: dict[str, Any], device_nam
     }
 
 
-class _FallbackTokenBatch(NamedTuple):
-    """LOCAL FALLBACK, used only while ``ravnest_jax.models.TokenBatch`` does not exist: the
-    interface's fields, plain packed text."""
-
-    tokens: Any
-    targets: Any
-    loss_mask: Any
-    positions: Any
-    segment_ids: Any
-
-    @classmethod
-    def from_windows(cls, windows):
-        import jax.numpy as jnp
-
-        w = jnp.asarray(windows, jnp.int32)
-        b, s = w.shape[0], w.shape[1] - 1
-        pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        return cls(w[:, :-1], w[:, 1:], jnp.ones((b, s), jnp.float32), pos, jnp.zeros((b, s), jnp.int32))
-
-
-def _fallback_make_train_step(lm, tx, *, micro_batches: int = 1, loss_chunk: int = 1024, donate: bool = True):
-    """LOCAL FALLBACK, used only while ``ravnest_jax.models.make_train_step`` does not exist:
-    the interface's signature, whole float32 logits (no chunking, one micro-batch)."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    def loss_fn(adapters, frozen, batch):
-        logits = lm.model(adapters, frozen)(batch.tokens).astype(jnp.float32)
-        nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch.targets)
-        n = batch.loss_mask.sum()
-        return (nll * batch.loss_mask).sum() / n, n
-
-    def step(adapters, opt_state, frozen, batch, step):
-        (loss, n), grads = jax.value_and_grad(loss_fn, has_aux=True)(adapters, frozen, batch)
-        updates, opt_state = tx.update(grads, opt_state, adapters)
-        return optax.apply_updates(adapters, updates), opt_state, {"loss": loss, "tokens": n}
-
-    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
-
-
 def step_api() -> tuple[Any, Any, str]:
-    """``(make_train_step, TokenBatch, where)``: the library's, or the local fallback (named so
-    in every result) while the library has none."""
-    try:
-        from ravnest_jax.models import TokenBatch, make_train_step
-    except ImportError:
-        return _fallback_make_train_step, _FallbackTokenBatch, "LOCAL FALLBACK in bench_lora_gpu.py"
+    """``(make_train_step, TokenBatch, where)``: the library's training step, which every case of
+    ours runs (nothing of it re-implemented here)."""
+    from ravnest_jax.models import TokenBatch, make_train_step
+
     return make_train_step, TokenBatch, "ravnest_jax.models.make_train_step"
 
 
 def _init_opt_state(lm, tx, adapters=None):
-    """The optimizer state laid out as the step keeps it (the library's ``init_opt_state``
-    where it has one; on one device that is ``tx.init``'s own)."""
-    try:
-        from ravnest_jax.models import init_opt_state
-    except ImportError:
-        return tx.init(lm.adapters if adapters is None else adapters)
+    """The optimizer state laid out as the step keeps it (on one device: ``tx.init``'s own)."""
+    from ravnest_jax.models import init_opt_state
+
     return init_opt_state(lm, tx, adapters)
 
 
@@ -384,8 +338,6 @@ def run_ours(case: dict[str, Any]) -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     batch = TokenBatch.from_windows(jnp.asarray(random_windows(cfg["vocab_size"], case["batch"], case["seq"])))
     args = (adapters, opt_state, frozen, batch, jnp.int32(0))
-    if not hasattr(step, "trace"):  # a plain function around the jitted step: jit it whole
-        step = jax.jit(step, donate_argnums=(0, 1))
     t0 = time.perf_counter()
     traced = step.trace(*args)
     trace_s = time.perf_counter() - t0
@@ -895,8 +847,6 @@ def overlap_peer(spec: dict[str, Any]) -> dict[str, Any]:
     lm, tx, _, step = _ours_model(spec["ckpt"], None, make_train_step, sync_every=h)
     cfg = SHAPES[spec["shape"]]
     batch = TokenBatch.from_windows(jnp.asarray(random_windows(cfg["vocab_size"], spec["batch"], spec["seq"], seed=i)))
-    if not hasattr(step, "trace"):  # a plain function around the jitted step: jit it whole
-        step = jax.jit(step, donate_argnums=(0, 1))
     compiled = step.trace(lm.adapters, tx.init(lm.adapters), lm.frozen, batch, jnp.int32(0)).lower().compile()
     # every mode starts from the same adapters (the step donates its inputs: keep a copy)
     adapters0 = jax.tree.map(jnp.copy, lm.adapters)
