@@ -17,12 +17,16 @@ from ._lora import LoraModel as LoraModel
 from ._lora import apply_lora as apply_lora
 from ._lora import merge_adapters as merge_adapters
 from ._lora import split_lora as split_lora
+from ._scan import stack_layers as stack_layers
+from ._scan import unstack_layers as unstack_layers
+from ._transformer import REMAT as REMAT
 from ._transformer import Transformer as Transformer
 
 __all__ = [
     "ARCHITECTURES",
     "PROJECTIONS",
     "QUANTIZE",
+    "REMAT",
     "LoraConfig",
     "LoraModel",
     "Transformer",
@@ -35,4 +39,6 @@ __all__ = [
     "merge_adapters",
     "save_pretrained",
     "split_lora",
+    "stack_layers",
+    "unstack_layers",
 ]
