@@ -7,8 +7,9 @@ The step: ``jax.value_and_grad`` of the mean token cross-entropy over the adapte
 an ``optax.adamw`` update; tiny dims (hidden 256, 4 heads of 64, 2 kv heads, MLP 512, vocab
 1024), batch 2 x 128 tokens. The model is abstract (``nnx.eval_shape``): nothing is
 initialised or run, only ``jax.jit(step).trace(...)`` (Python tracing: ``trace_s``) and
-``.lower().compile()`` (lowering to StableHLO and XLA's compile: ``compile_s``) are timed. Each
-case runs in its own subprocess (no cache shared between cases).
+``.lower().compile()`` (lowering to StableHLO and XLA's compile: ``compile_s``) are timed, in
+wall seconds and in this process's CPU seconds (``*_cpu_s``: steadier on a shared machine).
+Each case runs in its own subprocess (no cache shared between cases).
 
 Memory: ``compile().memory_analysis().temp_size_in_bytes`` of the same step at 8 layers,
 batch 2 x 512 tokens, for each ``remat`` policy, scanned and unrolled.
@@ -89,11 +90,11 @@ def _step(layers: int, scan: bool, remat: str, batch: int, seq: int):
 def case(layers: int, scan: bool, remat: str) -> dict:
     """Times one case (in this process)."""
     step, args = _step(layers, scan, remat, 2, 128)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     traced = step.trace(*args)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     compiled = traced.lower().compile()
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     return {
         "layers": layers,
         "scan_layers": scan,
@@ -101,6 +102,9 @@ def case(layers: int, scan: bool, remat: str) -> dict:
         "trace_s": round(t1 - t0, 3),
         "compile_s": round(t2 - t1, 3),
         "total_s": round(t2 - t0, 3),
+        "trace_cpu_s": round(c1 - c0, 3),
+        "compile_cpu_s": round(c2 - c1, 3),
+        "total_cpu_s": round(c2 - c0, 3),
         "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
     }
 
@@ -152,7 +156,8 @@ def main() -> None:
         by = {c["layers"]: c for c in cases if c["scan_layers"] == scan and "error" not in c}
         if lo in by and hi in by:
             ratios["scanned" if scan else "unrolled"] = {
-                k: round(by[hi][k] / by[lo][k], 2) for k in ("trace_s", "compile_s", "total_s")
+                k: round(by[hi][k] / by[lo][k], 2)
+                for k in ("trace_s", "compile_s", "total_s", "trace_cpu_s", "compile_cpu_s", "total_cpu_s")
             }
     mem = []
     for scan in (True, False):

@@ -159,10 +159,15 @@ def _wrap(model: Transformer, lora: LoraConfig | None, quantize: str | None, *, 
         return stack_layers(_wrap(unstack_layers(nnx.clone(model)), lora, quantize, dropout=dropout))
     provider = _provider(model.config, lora, quantize, dropout=dropout)
     sample = jnp.zeros(_SAMPLE, jnp.int32)
+    # qwix's first call creates the adapters: never inside a recomputed block (they would be
+    # created on a copy and lost); the model's remat is restored after
+    remat, model = model.remat, nnx.clone(model)
+    model.remat = "none"
     if lora is None:
         out = qwix.quantize_model(model, provider, sample)
     else:
         out = qwix.apply_lora_to_model(model, provider, sample, rngs=nnx.Rngs(lora.seed))
+    out.remat = remat
     out.lora_setup = (lora, quantize)  # static: what split_lora needs to rebuild the graph
     return out
 
