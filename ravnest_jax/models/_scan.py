@@ -133,7 +133,10 @@ def stack_layers(model: Any) -> Any:
         if len(paths) != n:
             raise ValueError(f"layers differ: {'.'.join(map(str, rest))} is in {len(paths)} of {n} layers")
         variables = [flat.pop(p) for p in sorted(paths)]
-        out.append((rest, variables[0].replace(_stack([v.get_value() for v in variables]))))
+        if isinstance(variables[0], nnx.RngState):  # random streams are not stacked (scan_blocks)
+            out.append((rest, variables[0]))
+        else:
+            out.append((rest, variables[0].replace(_stack([v.get_value() for v in variables]))))
         del variables
     model.layers = nnx.merge(graphdef, nnx.from_flat_state(out))
     model.scan_layers = True
@@ -154,7 +157,8 @@ def unstack_layers(model: Any) -> Any:
     del state
     while flat:
         p, var = flat.pop(0)
-        for i, v in enumerate(_unstack(var.get_value(), n)):
+        values = [var.get_value()] * n if isinstance(var, nnx.RngState) else _unstack(var.get_value(), n)
+        for i, v in enumerate(values):
             per_layer[i].append((tuple(p), var.replace(v)))
         del var
     model.layers = nnx.List([nnx.merge(graphdef, nnx.from_flat_state(f)) for f in per_layer])

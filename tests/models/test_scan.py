@@ -210,3 +210,28 @@ def test_a_bad_remat_is_refused_in_one_line(bad):
     with pytest.raises(ValueError, match="remat="):
         model(jnp.zeros((1, 4), jnp.int32))
     assert set(REMAT) == {"none", "full", "dots", "offload"}
+
+
+def test_each_scanned_layer_draws_its_own_dropout_keys():
+    """Layer ``i`` of the scan draws the adapters' dropout from its module's key folded with
+    ``i``: the scanned model equals the per-layer model given those keys, and not the per-layer
+    model whose layers all share one key."""
+    lora = LoraConfig(rank=4, dropout=0.5)
+    lm = split_lora(apply_lora(Transformer(_cfg(2), nnx.Rngs(0), scan_layers=True), lora))
+    adapters = jax.tree.map(lambda x: x + 0.1, lm.adapters)  # B != 0: the dropout shows
+    tokens = jnp.asarray(np.load(LLAMA / "tokens.npy"))
+    key = jax.random.key(7)
+    got = np.asarray(lm.model(adapters, lm.frozen, key)(tokens))
+
+    def per_layer(fold: bool):
+        m = unstack_layers(nnx.clone(lm.model(adapters, lm.frozen, key)))
+        for i, block in enumerate(m.layers):
+            for _, module in nnx.iter_modules(block):
+                rngs = getattr(module, "qwix_rngs", None)
+                if rngs is not None:
+                    k = rngs.dropout.key.get_value()
+                    module.qwix_rngs = nnx.Rngs(dropout=jax.random.fold_in(k, i) if fold else k)
+        return np.asarray(m(tokens))
+
+    np.testing.assert_allclose(got, per_layer(True), rtol=0, atol=1e-5)
+    assert np.abs(got - per_layer(False)).max() > 1e-3
