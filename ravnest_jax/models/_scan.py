@@ -98,7 +98,8 @@ def _unstack(value: Any, n: int) -> list:
     sharding = getattr(value, "sharding", None)
     if isinstance(sharding, NamedSharding) and not isinstance(value, jax.core.Tracer):
         out = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
-        return [jax.jit(lambda v, i=i: v[i], out_shardings=out)(value) for i in range(n)]
+        take = jax.jit(lambda v, i: jax.lax.dynamic_index_in_dim(v, i, keepdims=False), out_shardings=out)
+        return [take(value, i) for i in range(n)]  # one program for every layer
     return [value[i] for i in range(n)]
 
 
