@@ -156,7 +156,13 @@ def _wrap(model: Transformer, lora: LoraConfig | None, quantize: str | None, *, 
         # one and adds no adapter; abstract builds wrap a per-layer Transformer and stack it
         from ._scan import stack_layers, unstack_layers
 
-        return stack_layers(_wrap(unstack_layers(nnx.clone(model)), lora, quantize, dropout=dropout))
+        out = _wrap(unstack_layers(nnx.clone(model)), lora, quantize, dropout=dropout)
+        if lora is not None and not jax.tree.leaves(nnx.state(out, nnx.LoRAParam)):
+            raise ValueError(
+                "qwix added no adapters to the scanned model (under tracing, e.g. nnx.eval_shape): "
+                "apply LoRA to the per-layer model (scan_layers=False), then stack_layers it"
+            )
+        return stack_layers(out)
     provider = _provider(model.config, lora, quantize, dropout=dropout)
     sample = jnp.zeros(_SAMPLE, jnp.int32)
     # qwix's first call creates the adapters: never inside a recomputed block (they would be
