@@ -356,7 +356,6 @@ class Transformer(nnx.Module):
 
             stack_layers(self)
 
-
     @property
     def attention(self) -> str:
         """The attention implementation of every block: ``"auto"``, ``"cudnn"``, ``"chunked"``
