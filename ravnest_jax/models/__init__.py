@@ -26,10 +26,13 @@ from ._loss import chunked_cross_entropy as chunked_cross_entropy
 from ._memory import allocator_pool_bytes as allocator_pool_bytes
 from ._memory import device_bits as device_bits
 from ._memory import nbytes as nbytes
+from ._scan import stack_layers as stack_layers
+from ._scan import unstack_layers as unstack_layers
 from ._step import TokenBatch as TokenBatch
 from ._step import init_opt_state as init_opt_state
 from ._step import make_eval_loss as make_eval_loss
 from ._step import make_train_step as make_train_step
+from ._transformer import REMAT as REMAT
 from ._transformer import Transformer as Transformer
 
 __all__ = [
@@ -37,6 +40,7 @@ __all__ = [
     "ATTENTION_IMPLEMENTATIONS",
     "PROJECTIONS",
     "QUANTIZE",
+    "REMAT",
     "LoraConfig",
     "LoraModel",
     "TokenBatch",
@@ -58,4 +62,6 @@ __all__ = [
     "nbytes",
     "save_pretrained",
     "split_lora",
+    "stack_layers",
+    "unstack_layers",
 ]

@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from ._config import TransformerConfig
 from ._lora import LoraConfig, _wrap, check_quantize, init_adapters
-from ._transformer import Transformer
+from ._scan import stack_layers, unstack_layers
+from ._transformer import Transformer, check_remat
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -71,8 +72,9 @@ def load_pretrained(
     quantize: str | None = None,
     lora: LoraConfig | None = None,
     adapter_dtype: Any = jnp.float32,
-    remat: bool = False,
+    remat: bool | str = True,
     mesh: Any = None,
+    scan_layers: bool = True,
 ) -> Transformer:
     """Loads a Hugging Face checkpoint directory into a :class:`Transformer`, optionally with
     LoRA adapters and a quantised frozen base (QLoRA).
@@ -90,7 +92,9 @@ def load_pretrained(
         tile of 16-128 inputs): the projections' storage, with qwix (arXiv 2305.14314).
       lora: adds adapters (:class:`LoraConfig`); split them out with :func:`split_lora`.
       adapter_dtype: the adapters' dtype (default float32).
-      remat: gradient checkpointing per block (see :class:`Transformer`).
+      remat: gradient checkpointing per block, a policy of :data:`REMAT` (default True,
+        ``"full"``: recompute each block in the backward pass; ``"dots"``, ``"offload"``,
+        False; see :class:`Transformer` and docs/memory-and-compile.md).
       mesh: None (the default device), or a ``jax.sharding.Mesh`` of this process's devices
         with automatic axes: the peer's devices. Every tensor is laid out FSDP-style over all
         the mesh's devices: a frozen one split along its last axis whose size divides by the
@@ -109,7 +113,11 @@ def load_pretrained(
         files, a tensor whose shape differs from the model's (each named; all checked before
         any tensor is read), an unknown ``quantize``, or a ``mesh`` that is not a mesh of this
         process's devices with automatic axes.
+      scan_layers: store the blocks stacked and run them under one ``jax.lax.scan`` (default;
+        compile time flat in depth, :func:`stack_layers`): loaded per layer, then stacked leaf
+        by leaf (peak: the model plus one leaf's stack). False: an ``nnx.List`` of blocks.
     """
+    check_remat(remat)
     ck = open_checkpoint(
         path,
         dtype=dtype,
@@ -121,7 +129,9 @@ def load_pretrained(
         mesh=mesh,
     )
     (state,) = ck.fill(ck.state)
-    return nnx.merge(ck.graphdef, state)
+    model = nnx.merge(ck.graphdef, state)
+    del state
+    return stack_layers(model) if scan_layers else model
 
 
 class OpenCheckpoint:
@@ -248,13 +258,14 @@ def open_checkpoint(
     quantize: str | None = None,
     lora: LoraConfig | None = None,
     adapter_dtype: Any = jnp.float32,
-    remat: bool = False,
+    remat: bool | str = True,
     mesh: Any = None,
     dropout: bool = True,
     require_files: bool = True,
 ) -> OpenCheckpoint:
     """Opens the checkpoint at ``path`` for :func:`load_pretrained` (same arguments) without
-    reading a tensor: builds the abstract model, maps each weight to its tensor and checks every
+    reading a tensor: builds the abstract model (per layer: ``load_pretrained`` stacks it after
+    :meth:`OpenCheckpoint.fill` when it scans), maps each weight to its tensor and checks every
     header against the model's shapes.
 
     Args:
@@ -270,6 +281,7 @@ def open_checkpoint(
     if not root.is_dir():
         raise ValueError(f"checkpoint directory {root} does not exist")
     check_quantize(quantize)
+    remat = check_remat(remat)
     check_mesh(mesh)
     cfg = TransformerConfig.from_hf(root)
     param_dtype = dtype if param_dtype is None else param_dtype
@@ -281,7 +293,7 @@ def open_checkpoint(
         model = Transformer(cfg, nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
         if lora is not None or quantize is not None:
             model = _wrap(model, lora, quantize, dropout=dropout)
-        model.remat = bool(remat)
+        model.remat = remat
         model.batch_sharding = batch_sharding(mesh)
         return model
 
@@ -423,7 +435,10 @@ def split_axis(shape: tuple, n: int, *, last_first: bool) -> int | None:
     return next((a for a in axes if shape[a] % n == 0), None)
 
 
-def _split(mesh: Any, shape: tuple, last_first: bool) -> Any:
+def _split(mesh: Any, shape: tuple, last_first: bool, stacked: bool = False) -> Any:
+    if stacked:  # a scanned model's leaf: the layer axis stays whole, the rest as one layer's
+        inner = _split(mesh, tuple(shape[1:]), last_first)
+        return NamedSharding(mesh, P(None, *inner.spec))
     axis = split_axis(shape, mesh.size, last_first=last_first)
     if axis is None:
         return NamedSharding(mesh, P())
@@ -438,28 +453,31 @@ def batch_sharding(mesh: Any) -> Any:
     return None if mesh is None else NamedSharding(mesh, P(tuple(mesh.axis_names)))
 
 
-def base_sharding(mesh: Any, shape: tuple) -> Any:
+def base_sharding(mesh: Any, shape: tuple, *, stacked: bool = False) -> Any:
     """Where a frozen tensor of ``shape`` lies on ``mesh`` (FSDP-style): split over all the
     mesh's devices along its last axis that divides by their number (a kernel ``(in, out)``:
-    the outputs), replicated when none does; ``None`` without a mesh."""
+    the outputs), replicated when none does; ``None`` without a mesh. ``stacked``: a scanned
+    model's leaf ``(layers, ...)``: the layer axis is never split, the rest as one layer's."""
     if mesh is None:
         return None
-    return _split(mesh, shape, last_first=True)
+    return _split(mesh, shape, last_first=True, stacked=stacked)
 
 
-def adapter_sharding(mesh: Any, shape: tuple) -> Any:
+def adapter_sharding(mesh: Any, shape: tuple, *, stacked: bool = False) -> Any:
     """Where an adapter (or anything shaped like one: its optimizer moments, anchor, outer
     momentum) of ``shape`` lies on ``mesh``: split along its first axis that divides by the
     number of devices (whole rows: the blocks of a round's codec stay on one device,
-    docs/multi-device.md), replicated when none does; ``None`` without a mesh."""
+    docs/multi-device.md), replicated when none does; ``None`` without a mesh. ``stacked``: a
+    scanned model's adapter ``(layers, ...)``: the layer axis is never split."""
     if mesh is None:
         return None
-    return _split(mesh, shape, last_first=False)
+    return _split(mesh, shape, last_first=False, stacked=stacked)
 
 
 def save_pretrained(model: Transformer, path: str | Path) -> Path:
     """Writes ``model`` as a Hugging Face checkpoint directory (``config.json`` and one
-    ``model.safetensors``) that ``transformers`` loads.
+    ``model.safetensors``) that ``transformers`` loads. A scanned model's stacked leaves are
+    written layer by layer (``model.layers.<i>...``); ``model`` is not changed.
 
     Returns:
       the directory. Raises ValueError if ``path`` exists and is not an empty directory.
@@ -471,6 +489,8 @@ def save_pretrained(model: Transformer, path: str | Path) -> Path:
         raise ValueError(f"{root} exists and is not an empty directory")
     root.mkdir(parents=True, exist_ok=True)
     cfg = model.config
+    if model.scan_layers:  # per-layer views of a copy of the graph: the model keeps its form
+        model = unstack_layers(nnx.clone(model))
     tensors = {}
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, transposed = hf_name(p)

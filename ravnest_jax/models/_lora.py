@@ -157,12 +157,31 @@ def _all_linear(cfg: TransformerConfig) -> str:
 def _wrap(model: Transformer, lora: LoraConfig | None, quantize: str | None, *, dropout: bool = True) -> Transformer:
     import qwix
 
+    if getattr(model, "scan_layers", False):
+        # qwix creates the adapters and quantises in a first call, which must see every layer's
+        # modules: wrap the per-layer form, then stack its state again. Concrete arrays only:
+        # under tracing (nnx.eval_shape) qwix does not find an int4 kernel sliced from a stacked
+        # one and adds no adapter; abstract builds wrap a per-layer Transformer and stack it
+        from ._scan import stack_layers, unstack_layers
+
+        out = _wrap(unstack_layers(nnx.clone(model)), lora, quantize, dropout=dropout)
+        if lora is not None and not jax.tree.leaves(nnx.state(out, nnx.LoRAParam)):
+            raise ValueError(
+                "qwix added no adapters to the scanned model (under tracing, e.g. nnx.eval_shape): "
+                "apply LoRA to the per-layer model (scan_layers=False), then stack_layers it"
+            )
+        return stack_layers(out)
     provider = _provider(model.config, lora, quantize, dropout=dropout)
     sample = jnp.zeros(_SAMPLE, jnp.int32)
+    # qwix's first call creates the adapters: never inside a recomputed block (they would be
+    # created on a copy and lost); the model's remat is restored after
+    remat, model = model.remat, nnx.clone(model)
+    model.remat = "none"
     if lora is None:
         out = qwix.quantize_model(model, provider, sample)
     else:
         out = qwix.apply_lora_to_model(model, provider, sample, rngs=nnx.Rngs(lora.seed))
+    out.remat = remat
     out.lora_setup = (lora, quantize)  # static: what split_lora needs to rebuild the graph
     return out
 
@@ -186,24 +205,42 @@ def init_adapters(state: nnx.State, seed: int, sharding: Any = None) -> None:
     ``(in, rank)``, ``B`` zeros ``(rank, out)``, from ``seed`` and the parameter's path only, so
     every peer starts from the same adapters. ``sharding(shape)``, if given, is where each
     adapter goes: each device computes its own shard (the same values as on one device:
-    ``jax_threefry_partitionable``)."""
+    ``jax_threefry_partitionable``).
+
+    A scanned model's adapter ``(layers, in, rank)`` (or ``(layers, rank, out)``) gets, layer by
+    layer, the value the per-layer model's adapter of that layer gets (keyed by its per-layer
+    path ``layers.<i>...``); its layer axis is never split."""
+    from ._scan import _stack, is_stacked, layer_path
+
     for path, var in nnx.to_flat_state(state):
         if not isinstance(var, nnx.LoRAParam):
             continue
         v = var.get_value()
-        shape, dtype = tuple(v.shape), v.dtype
-        name = ".".join(map(str, path))
-        key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(name.encode()) & 0x7FFFFFFF)
-        if name.endswith("_lora_b"):
-
-            def init(key, shape=shape, dtype=dtype):
-                return jnp.zeros(shape, dtype)
+        path = tuple(path)
+        if is_stacked(path):
+            values = [
+                _init_adapter(layer_path(path, i), v.shape[1:], v.dtype, seed, sharding) for i in range(v.shape[0])
+            ]
+            var.set_value(_stack(values))
         else:
+            var.set_value(_init_adapter(path, v.shape, v.dtype, seed, sharding))
 
-            def init(key, shape=shape, dtype=dtype):
-                return jax.nn.initializers.he_uniform()(key, shape, dtype)
 
-        var.set_value(init(key) if sharding is None else jax.jit(init, out_shardings=sharding(shape))(key))
+def _init_adapter(path: tuple, shape: tuple, dtype: Any, seed: int, sharding: Any) -> jax.Array:
+    """The initial value of the (per-layer) adapter at ``path``."""
+    shape = tuple(shape)
+    name = ".".join(map(str, path))
+    key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(name.encode()) & 0x7FFFFFFF)
+    if name.endswith("_lora_b"):
+
+        def init(key):
+            return jnp.zeros(shape, dtype)
+    else:
+
+        def init(key):
+            return jax.nn.initializers.he_uniform()(key, shape, dtype)
+
+    return init(key) if sharding is None else jax.jit(init, out_shardings=sharding(shape))(key)
 
 
 def apply_lora(
@@ -298,6 +335,8 @@ def split_lora(model: Transformer) -> LoraModel:
     lora, quantize = getattr(model, "lora_setup", (None, None))
     if lora is None:
         raise ValueError("the model has no LoRA adapters: make it with apply_lora or load_pretrained(lora=...)")
+    from ._scan import stack_layers
+
     keep = _trainable(lora)
     train_graphdef = None
     if lora.dropout > 0:
@@ -308,9 +347,13 @@ def split_lora(model: Transformer) -> LoraModel:
         dtype, param_dtype = model.embed_tokens.dtype, model.embed_tokens.embedding.get_value().dtype
 
         def build():
+            # qwix wraps the per-layer form (under tracing it does not find an int4 kernel sliced
+            # from a stacked one: no adapters), stacked after
             m = _wrap(
                 Transformer(cfg, nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype), lora, quantize, dropout=False
             )
+            if model.scan_layers:
+                stack_layers(m)
             m.remat, m.batch_sharding = model.remat, model.batch_sharding
             m.attention, m.attention_chunk = model.attention, model.attention_chunk
             return m
@@ -323,9 +366,15 @@ def split_lora(model: Transformer) -> LoraModel:
 
 def merge_adapters(model: Transformer, lora: LoraConfig) -> Transformer:
     """A plain :class:`Transformer` (no qwix) whose kernels are ``W + alpha / rank * A @ B``,
-    with quantised kernels dequantised; in the model's parameter dtype."""
+    with quantised kernels dequantised; in the model's parameter dtype; scanned (stacked
+    layers) when ``model`` is."""
     import qwix
 
+    from ._scan import stack_layers, unstack_layers
+
+    scanned = model.scan_layers
+    if scanned:  # per-layer copies of the stacked leaves (the model itself is not changed)
+        model = unstack_layers(nnx.clone(model))
     cfg = model.config
     first = model.embed_tokens.embedding.get_value()
     plain = nnx.eval_shape(
@@ -350,7 +399,8 @@ def merge_adapters(model: Transformer, lora: LoraConfig) -> Transformer:
         if a is not None and b is not None:
             w = w + lora.scale * (a.astype(jnp.float32) @ b.astype(jnp.float32))
         var.set_value(w.reshape(want.shape).astype(want.dtype))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    out = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return stack_layers(out) if scanned else out
 
 
 def _qarray_at(model: Any, path: tuple) -> Any:

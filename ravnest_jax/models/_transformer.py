@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from ._attention import DEFAULT_CHUNK, attention, check_implementation
 from ._config import TransformerConfig, rope_frequencies
@@ -192,6 +193,76 @@ class Block(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+#: the gradient checkpointing policies of ``Transformer.remat`` (False is "none", True "full")
+REMAT = ("none", "full", "dots", "offload")
+#: the name of a block's input in ``jax.checkpoint`` policies (``"offload"`` moves it to the host)
+BLOCK_INPUT = "block_input"
+
+
+def check_remat(remat: Any) -> str:
+    """``remat`` as one of :data:`REMAT`: False (or None) is ``"none"``, True is ``"full"``.
+
+    Raises:
+      ValueError: anything else, naming it.
+    """
+    if remat is None or remat is False:
+        return "none"
+    if remat is True:
+        return "full"
+    if isinstance(remat, str) and remat in REMAT:
+        return remat
+    raise ValueError(f"remat={remat!r}: choose False/'none', True/'full', 'dots' or 'offload'")
+
+
+def remat_policy(remat: str) -> Callable | None:
+    """The ``jax.checkpoint`` policy of a :data:`REMAT` name (``"none"`` has none: no
+    checkpoint): ``"full"`` saves nothing (the block's input is the checkpoint's own residual),
+    ``"dots"`` saves matmul outputs without batch dimensions (the projections, not attention's
+    scores), ``"offload"`` saves the block input (named :data:`BLOCK_INPUT`) in ``pinned_host``
+    memory."""
+    remat = check_remat(remat)
+    if remat == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    if remat == "dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    if remat == "offload":
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=[BLOCK_INPUT],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    return None
+
+
+def _block_fn(graphdef: Any) -> Callable:
+    """``fn(state, x, positions, inv_freq, segment_ids)``: the block of ``graphdef`` with
+    ``state`` on ``x``, a pure function (nothing is written back)."""
+
+    def fn(state, x, positions, inv_freq, segment_ids):
+        x = checkpoint_name(x, BLOCK_INPUT)
+        return nnx.merge(graphdef, state)(x, positions, inv_freq, segment_ids)
+
+    return fn
+
+
+def _run_block(
+    layer: nnx.Module, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, segment_ids: Any, remat: str
+) -> jax.Array:
+    """One block of the unrolled layer loop under the ``remat`` policy: ``"full"`` through
+    :func:`recompute_in_backward` (``jax.checkpoint``'s barrier is removed by XLA's CPU
+    pipeline), ``"dots"`` and ``"offload"`` through ``jax.checkpoint`` with their policy."""
+    if remat == "none":
+        return layer(x, positions, inv_freq, segment_ids)
+    graphdef, state = nnx.split(layer)
+    fn = _block_fn(graphdef)
+    if remat == "full":
+        return recompute_in_backward(
+            lambda st, h, pos, seg: fn(st, h, pos, inv_freq, seg), state, x, positions, segment_ids
+        )
+    return jax.checkpoint(fn, policy=remat_policy(remat))(state, x, positions, inv_freq, segment_ids)
+
+
 class Transformer(nnx.Module):
     """The causal language model: ``model(tokens) -> logits``.
 
@@ -200,11 +271,20 @@ class Transformer(nnx.Module):
       rngs: initialisation randomness (normal(0.02) weights, unit norms), e.g. ``nnx.Rngs(0)``.
       dtype: compute dtype (``jnp.float32`` or ``jnp.bfloat16``).
       param_dtype: parameter dtype.
-      remat: recompute each block's activations in the backward pass instead of keeping them
-        (gradient checkpointing, :func:`recompute_in_backward`; not ``jax.checkpoint``, which
-        XLA undoes on CPU): activation memory of one block plus each block's input, for about a
-        third more compute and the same gradients. What fits a long sequence on a 24 GB card.
-        Read at call time: it can be switched on a built model.
+      remat: gradient checkpointing (Chen et al., arXiv 1604.06174), one of :data:`REMAT`:
+        ``False``/``"none"`` keeps every block's activations for the backward pass;
+        ``True``/``"full"`` keeps each block's input only and recomputes the block in the
+        backward pass (about a third more compute, the same gradients: what fits a long sequence
+        on a 24 GB card); ``"dots"`` also keeps the outputs of the projections (matmuls without
+        batch dimensions, ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``) and
+        recomputes the rest (norms, rotary, attention, activations); ``"offload"`` keeps each
+        block's input in host memory (``pinned_host``) instead of the device's and recomputes the
+        block. Read at call time: it can be switched on a built model (docs/memory-and-compile.md).
+      scan_layers: store the blocks' parameters stacked (a leading layer axis, one ``Block`` in
+        ``self.layers``) and run them with one ``jax.lax.scan``: trace and compile time do not
+        grow with depth (MaxText's ``scan_layers``). False: ``self.layers`` is an ``nnx.List`` of
+        blocks, unrolled (what pipeline stages slice). :func:`stack_layers` /
+        :func:`unstack_layers` convert a built model.
       attention: how each block computes attention (:func:`ravnest_jax.models.attention`):
         ``"auto"`` (cuDNN's flash attention on NVIDIA GPUs in bfloat16 / float16, else the
         chunked kernel, or XLA's for sequences of one chunk), ``"cudnn"``, ``"chunked"`` or
@@ -231,6 +311,9 @@ class Transformer(nnx.Module):
     with the hidden state ``(batch, seq, hidden_size)`` in the compute dtype) and whether it ends
     with the norm and head (else it returns the hidden state); ``(True, True)``, the whole model,
     by default.
+
+    Raises:
+      ValueError: a ``remat`` not in :data:`REMAT` (or a bool).
     """
 
     stage_ends: tuple[bool, bool] = (True, True)  # a class default: a whole model
@@ -242,12 +325,14 @@ class Transformer(nnx.Module):
         *,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
-        remat: bool = False,
+        remat: bool | str = False,
         attention: str = "auto",
+        scan_layers: bool = False,
     ):
         check_implementation(attention)
         self.config = cfg
-        self.remat = bool(remat)
+        self.remat = check_remat(remat)
+        self.scan_layers = False
         self.batch_sharding = None  # set by load_pretrained(..., mesh=): activations split by batch
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size,
@@ -266,6 +351,10 @@ class Transformer(nnx.Module):
         )
         self._inv_freq = tuple(rope_frequencies(cfg))  # static floats: a constant of the jitted program
         self.attention, self.attention_chunk = attention, DEFAULT_CHUNK
+        if scan_layers:  # the same initial values as the per-layer model
+            from ._scan import stack_layers
+
+            stack_layers(self)
 
     @property
     def attention(self) -> str:
@@ -304,25 +393,20 @@ class Transformer(nnx.Module):
         head: bool = True,
     ) -> jax.Array:
         first, last = self.stage_ends
+        remat = check_remat(self.remat)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape[:2])
         inv_freq = jnp.asarray(np.asarray(self._inv_freq, np.float32))
         x = self._by_batch(self.embed_tokens(tokens)) if first else tokens
-        for layer in self.layers:
-            if layer is None:  # held by another pipeline stage
-                continue
-            if self.remat:  # a pure function of the block's state: nothing is written back
-                graphdef, state = nnx.split(layer)
-                x = recompute_in_backward(
-                    lambda st, h, pos, seg, g=graphdef: nnx.merge(g, st)(h, pos, inv_freq, seg),
-                    state,
-                    x,
-                    positions,
-                    segment_ids,
-                )
-            else:
-                x = layer(x, positions, inv_freq, segment_ids)
-            x = self._by_batch(x)
+        if self.scan_layers:
+            from ._scan import scan_blocks
+
+            x = scan_blocks(self.layers, x, positions, inv_freq, segment_ids, remat=remat, by_batch=self._by_batch)
+        else:
+            for layer in self.layers:
+                if layer is None:  # held by another pipeline stage
+                    continue
+                x = self._by_batch(_run_block(layer, x, positions, inv_freq, segment_ids, remat))
         if not last or not head:
             return x
         x = self.norm(x)

@@ -171,17 +171,31 @@ class LayerSplit:
 
 
 def transformer_split(
-    model: Any, loss: Callable[[jax.Array, jax.Array], jax.Array] = token_cross_entropy
+    model: Any,
+    loss: Callable[[jax.Array, jax.Array], jax.Array] = token_cross_entropy,
+    *,
+    remat: bool | str | None = True,
 ) -> LayerSplit:
     """The :class:`LayerSplit` of an ``rj.models.Transformer`` (units: the embedding, each
     decoder layer, the final norm with the head) or of a LoRA model from
     ``rj.models.split_lora`` (then only the adapters train; the base is frozen).
 
+    A scanned model (``scan_layers``, stacked blocks) is split into per-layer blocks (a copy of
+    the graph; ``model`` keeps its form): a stage's blocks run unrolled.
+
+    Args:
+      remat: the stages' gradient checkpointing policy (``rj.models.REMAT``; default True:
+        each block is recomputed in the backward pass, arXiv 1604.06174); None keeps the
+        model's own ``remat``.
+
     Raises:
       TypeError: not a Transformer or LoraModel.
+      ValueError: a ``remat`` not in ``rj.models.REMAT``.
     """
-    from ravnest_jax.models import LoraModel, Transformer
+    from ravnest_jax.models import REMAT, LoraModel, Transformer, unstack_layers
 
+    if remat is not None and not isinstance(remat, bool) and remat not in REMAT:
+        raise ValueError(f"remat={remat!r}: choose None, False/'none', True/'full', 'dots' or 'offload'")
     trainable: Any = nnx.Param
     if isinstance(model, LoraModel):
         lora = model
@@ -189,6 +203,10 @@ def transformer_split(
         trainable = adapter_filter(lora.lora)
     if not isinstance(model, Transformer):
         raise TypeError(f"expected an rj.models.Transformer or LoraModel, got {type(model).__name__}")
+    if model.scan_layers or remat is not None:
+        model = unstack_layers(nnx.clone(model))
+    if remat is not None:
+        model.remat = remat
     return _transformer_layers(model, loss, trainable)
 
 

@@ -26,7 +26,7 @@ def pretrained_split(
     quantize: str | None = None,
     lora: Any = None,
     adapter_dtype: Any = jnp.float32,
-    remat: bool = False,
+    remat: bool | str = True,
     mesh: Any = None,
 ) -> LayerSplit:
     """The :class:`LayerSplit` of the Hugging Face checkpoint at ``path`` whose stages each read
@@ -52,7 +52,9 @@ def pretrained_split(
       loss: ``loss(logits, targets) -> scalar`` of the last stage.
       dtype, param_dtype, quantize, lora, adapter_dtype, remat, mesh: as
         :func:`rj.models.load_pretrained` (``lora`` an ``rj.models.LoraConfig``; ``quantize``
-        None, ``"int8"`` or ``"int4"``, QLoRA arXiv 2305.14314).
+        None, ``"int8"`` or ``"int4"``, QLoRA arXiv 2305.14314; ``remat`` default True: each
+        stage recomputes its blocks in the backward pass). A stage's blocks are unrolled (not
+        scanned): its compile time grows with the number of blocks it holds.
 
     Returns:
       the split; its stages' ``params`` (the trainable leaves) and ``frozen`` are ``nnx.State``

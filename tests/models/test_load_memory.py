@@ -30,7 +30,8 @@ def status(key):
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 before = status("VmRSS")
-model = load_pretrained(sys.argv[1], quantize=sys.argv[2] if sys.argv[2] != "none" else None)
+# per layer: the streaming claim (a scanned load adds the stacking of each leaf after it)
+model = load_pretrained(sys.argv[1], quantize=sys.argv[2] if sys.argv[2] != "none" else None, scan_layers=False)
 leaves = jax.tree.leaves(__import__("flax").nnx.state(model))
 model_bytes = sum(x.size * jax.dtypes.itemsize_bits(x.dtype) // 8 for x in leaves)
 peak = status("VmHWM")

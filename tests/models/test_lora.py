@@ -142,7 +142,8 @@ def test_quantized_base_is_stored_in_low_bits_and_close(tokens, base_logits, qua
     lm = split_lora(load_pretrained(LLAMA, lora=LoraConfig(rank=4), quantize=quantize))
     kinds = {str(v.get_value().dtype) for p, v in nnx.to_flat_state(lm.frozen) if "qvalue" in map(str, p)}
     assert kinds == {quantize}, kinds
-    n_q = sum(1 for p, _ in nnx.to_flat_state(lm.frozen) if "qvalue" in map(str, p))
+    # stacked layers (scan_layers): one leaf per projection, its first axis the layer
+    n_q = sum(v.get_value().shape[0] for p, v in nnx.to_flat_state(lm.frozen) if "qvalue" in map(str, p))
     assert n_q == 7 * 2, n_q  # every projection of both layers; the embeddings and head stay float
     got = _forward(lm, lm.adapters, tokens)
     rel = float(np.abs(got - base_logits).max() / np.abs(base_logits).max())

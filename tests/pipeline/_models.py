@@ -31,7 +31,7 @@ def build(name: str, layers: int = 2):
     if name == "llama":
         from ravnest_jax.models import load_pretrained
 
-        model = load_pretrained(LLAMA)
+        model = load_pretrained(LLAMA, scan_layers=False)  # the whole model in the stages' per-layer paths
         gd, params = nnx.split(model, nnx.Param)
 
         def loss(p, tokens):
