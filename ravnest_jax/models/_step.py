@@ -138,8 +138,6 @@ def _mesh_layouts(lm: Any, tx: optax.GradientTransformation) -> tuple[Any, Any] 
     mesh of several devices (``load_pretrained(..., mesh=)``); None otherwise."""
     from jax.sharding import NamedSharding
 
-    from ._hf import adapter_sharding
-
     meshes = {
         s.mesh
         for s in (getattr(x, "sharding", None) for x in jax.tree.leaves(lm.adapters))
@@ -150,9 +148,28 @@ def _mesh_layouts(lm: Any, tx: optax.GradientTransformation) -> tuple[Any, Any] 
     (mesh,) = meshes
     if mesh.size == 1:
         return None
-    adapters = jax.tree.map(lambda x: adapter_sharding(mesh, tuple(x.shape)), lm.adapters)
-    state = jax.tree.map(lambda x: adapter_sharding(mesh, tuple(x.shape)), jax.eval_shape(tx.init, lm.adapters))
-    return adapters, state
+    return adapter_layouts(mesh, lm.adapters), adapter_layouts(mesh, jax.eval_shape(tx.init, lm.adapters))
+
+
+def _stacked_key_path(path: tuple) -> bool:
+    """A pytree key path that leads to a scanned model's stacked leaf: ``layers`` followed by a
+    name, not a layer index (:func:`~ravnest_jax.models._scan.is_stacked`), anywhere in the
+    path (an optimizer state's moments hold the adapters' tree)."""
+    keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path]
+    return any(a == "layers" and isinstance(b, str) for a, b in zip(keys, keys[1:], strict=False))
+
+
+def adapter_layouts(mesh: Any, tree: Any) -> Any:
+    """The layout on ``mesh`` of every leaf of ``tree`` (adapters, or a pytree holding trees
+    shaped like them: an optimizer state): like an adapter of its shape
+    (:func:`~ravnest_jax.models.adapter_sharding`), the layer axis of a scanned model's stacked
+    leaf never split (``stacked=True``), scalars replicated."""
+    from ._hf import adapter_sharding
+
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: adapter_sharding(mesh, tuple(x.shape), stacked=_stacked_key_path(p) and len(x.shape) > 0),
+        tree,
+    )
 
 
 def init_opt_state(lm: Any, tx: optax.GradientTransformation, adapters: Any = None) -> Any:
