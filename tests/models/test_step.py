@@ -130,7 +130,9 @@ def test_bfloat16_compute_keeps_float32_masters_and_bfloat16_lora_matmuls():
     assert np.isfinite(float(metrics["loss"]))
     # every matmul with a weight (kernels, LoRA A and B, the head; forward and backward) runs
     # in bfloat16 (XLA's attention multiplies its float32 probabilities by bfloat16 values)
-    jaxpr = jax.make_jaxpr(step)(lm.adapters, tx.init(lm.adapters), lm.frozen, batch, jnp.int32(0))
+    jaxpr = step.trace(
+        lm.adapters, tx.init(lm.adapters), lm.frozen, batch, jnp.int32(0)
+    ).jaxpr  # top level: its compiler options
     dots = []
 
     def walk(jx):
