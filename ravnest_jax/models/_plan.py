@@ -1,27 +1,34 @@
 """How much device memory one LoRA / QLoRA fine-tuning peer needs, without allocating any.
 
 Parameters and optimizer state come from ``jax.eval_shape`` of the real objects (the qwix
-model, ``rj.diloco(optax.adamw)``'s state), counted at their storage width (int4: half a byte).
-Activations come from XLA itself: the library's training step (:func:`make_train_step`, the step
-the example runs: bf16 compute, chunked cross-entropy, remat, micro-batches, donation, with the
-same knobs) is compiled (not run) for ``jax.ShapeDtypeStruct`` inputs of the model cut to three
-and to four layers at the real width, batch and sequence length, and the temporary bytes XLA
-plans for it (``compiled.memory_analysis()``) are taken. Every layer of the model is
-the same, so every figure is linear in depth: the parameter and optimizer bytes are
-``f(1) + (layers - 1) * (f(2) - f(1))`` from one and two layers, exact (tested against
-``eval_shape`` of the whole model); the activations ``f(3) + (layers - 3) * (f(4) - f(3))``
-(XLA's plan grows by the same bytes with every layer from the third on; tested within 5% of
-the compiled full-depth step, and ``benchmarks/validate_memory_plan.py`` checks it on the
-real shapes). Tracing the whole qwix model costs time quadratic in depth (over
-10 minutes for 80 layers); a few layers take seconds.
+model, ``rj.diloco(optax.adamw)``'s state), counted at their storage width (int4: half a byte):
+``f(1) + (layers - 1) * (f(2) - f(1))`` from one and two layers, exact (every layer is the
+same; tested against ``eval_shape`` of the whole model). Activations come from XLA itself: the
+library's training step (:func:`make_train_step`, the step the example runs: bf16 compute,
+chunked cross-entropy, remat, micro-batches, donation, the attention the model will run, with
+the same knobs) is compiled (not run) for ``jax.ShapeDtypeStruct`` inputs at the real width,
+depth, batch and sequence length, and the temporary bytes XLA plans for it
+(``compiled.memory_analysis()``) are taken.
+
+The model is the one ``load_pretrained`` builds by default: the blocks stacked under one
+``jax.lax.scan`` (``scan_layers=True``): one layer wrapped by qwix and stacked, its stacked
+leaves given the real depth (the same step as the model loaded, byte for byte: tested), so the
+whole depth is compiled in seconds and the plan is the step's own analysis
+(``benchmarks/validate_memory_plan.py`` compares it with a step built separately, qwix over
+every layer). With ``scan_layers=False`` (the unrolled model of a pipeline stage; tracing
+it costs time quadratic in depth) the activations are extrapolated linearly from 3 and 4
+layers: XLA's plan grows by the same bytes with every layer from the third on.
 
 The plan is XLA's **CPU** plan. With ``remat=True`` (the default) each block is recomputed in
-the backward pass (:func:`~ravnest_jax.models._transformer.recompute_in_backward`), so it holds
-one block's working set (with XLA's attention its float32 scores ``batch x heads x seq^2``,
-several of them alive in the block's backward pass: the peak of a long sequence; chunked
-attention removes them) plus every block's input and one chunk of the cross-entropy's logits. XLA on CPU computes bfloat16 matmuls in
-float32 and makes float32 copies of the bfloat16 weights it multiplies (for Llama 3.1 8B the
-output head's, 1.96 GiB, and a block's kernels are among its largest temporaries): a GPU, which
+the backward pass, so the step holds every block's input (the scan's saved carry, bfloat16),
+one block's working set (with ``attention="auto"``, the chunked kernel on CPU for sequences
+longer than a chunk: no ``seq x seq`` scores) and one chunk of the cross-entropy's float32
+logits and their gradient. On CPU the step compiles with XLA's loop-invariant code motion off
+(:func:`~ravnest_jax.models._step.loop_compiler_options`; with it, XLA converted the whole
+stacked int4 kernels to int8 and the saved block inputs to float32 outside the loops: 16.05
+instead of 6.17 GiB for Llama 3.1 8B int4 at 4 x 2048). XLA on CPU still computes bfloat16
+matmuls in float32 and makes float32 copies of the bfloat16 weights it multiplies (for Llama
+3.1 8B the output head's, 1.96 GiB, is the largest) and float32 matmul outputs: a GPU, which
 multiplies bfloat16 natively, makes none, so for a GPU the plan is an upper bound. See
 docs/finetuning.md for the figures.
 """
@@ -377,8 +384,8 @@ def plan_memory(
     scan_layers: bool = True,
 ) -> MemoryPlan:
     """A peer's device bytes for LoRA (QLoRA with ``quantize``) fine-tuning with ``rj.diloco``
-    over AdamW, computed without allocating (see the module docstring for how): a minute or two
-    on 2 CPU cores, whatever the depth.
+    over AdamW, computed without allocating (see the module docstring for how): under a minute
+    on 2 CPU cores for the scanned model, whatever the depth.
 
     Args:
       config: a ``config.json``, a checkpoint directory, a :data:`PRESETS` name or a
@@ -398,7 +405,9 @@ def plan_memory(
         which the process must have (``jax.config.update("jax_num_cpu_devices", n)`` before
         any jax use; the command does it).
       attention: ``model.attention`` (``"auto"``, ``"cudnn"``, ``"chunked"``, ``"xla"``) where
-        the model has it; None: the model's default.
+        the model has it; None: the model's default, ``"auto"``, which on this CPU plan is
+        the chunked kernel for sequences longer than one chunk (256 tokens), XLA's otherwise
+        (a GPU's ``"auto"`` runs cuDNN's flash attention: plan ``"chunked"`` as its bound).
       loss_chunk: positions per chunk of the chunked cross-entropy (``make_train_step``).
       micro_batches: gradient-accumulation slices of the batch (``make_train_step``); the
         batch must divide by ``micro_batches x devices``.
