@@ -216,12 +216,20 @@ def test_stacked_adapters_and_their_optimizer_state_keep_the_layer_axis_whole():
 
 @pytest.mark.integration  # loads on a 4-device mesh and compiles the FSDP step: ~20 s each
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
-def test_on_a_mesh_the_layouts_stay_and_nothing_compiles_twice(scan_layers):
+def test_on_a_mesh_the_layouts_stay_and_nothing_compiles_twice(scan_layers, tmp_path):
+    """4 layers: a stacked leaf's layer axis divides by the 4 devices, and stays whole."""
+    import dataclasses
+
+    from flax import nnx
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from ravnest_jax.models import TransformerConfig, save_pretrained
+
+    cfg = dataclasses.replace(TransformerConfig.from_hf(LLAMA), num_hidden_layers=4)
+    ckpt = save_pretrained(rj.models.Transformer(cfg, nnx.Rngs(0)), tmp_path / "four")
     mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
-    lm = split_lora(load_pretrained(LLAMA, lora=LoraConfig(rank=4), mesh=mesh, scan_layers=scan_layers))
+    lm = split_lora(load_pretrained(ckpt, lora=LoraConfig(rank=4), mesh=mesh, scan_layers=scan_layers))
     tx = rj.diloco(optax.adamw(1e-2), sync_every=2)
     adapters = lm.adapters
     state = init_opt_state(lm, tx)
