@@ -5,11 +5,13 @@
     python benchmarks/validate_memory_plan.py --config llama-3.2-1b --layers 8   # the model cut to 8 layers
 
 The planner compiles the library's training step (``rj.models.make_train_step``, the step the
-example runs) for the model cut to 2 and 3 layers and extrapolates the activations linearly in
-depth. Here the same step is compiled for the whole model (every layer; minutes for 8B on 2
-cores, nothing allocated) and XLA's memory analysis of it is compared with the plan: the
-activations with its temporary bytes, the plan's total with ``arguments + temporaries +
-outputs - aliased (donated)``. Appends one row per run to
+example runs) for the scanned model (``load_pretrained``'s default), built from one layer
+wrapped by qwix whose stacked leaves it gives the real depth; with ``--no-scan-layers`` the
+unrolled model cut to 3 and 4 layers, the activations extrapolated linearly in depth. Here the
+step is built separately, as ``load_pretrained`` builds the model (qwix over every layer of the
+per-layer model, then ``stack_layers``; minutes for 8B on 2 cores, nothing allocated), compiled,
+and XLA's memory analysis of it is compared with the plan: the activations with its temporary
+bytes, the plan's total with ``arguments + temporaries + outputs - aliased (donated)``. Appends one row per run to
 ``benchmarks/results/memory_plan_validation.json`` (machine, command, both figures, the errors)
 and exits 1 when either is more than ``--tolerance`` (default 5%) apart.
 """
@@ -31,6 +33,37 @@ from _common import machine_info  # noqa: E402
 GIB = 1024**3
 
 
+def full_step(cfg, lora, quantize, dtype, batch, seq_len, remat, scan_layers, knobs):
+    """The library's step of the whole model built as ``load_pretrained`` builds it (qwix
+    applied to every layer of the per-layer model, then stacked with ``stack_layers``), as
+    shapes, with ``rj.diloco(optax.adamw)``, lowered for a ``(batch, seq_len)`` batch."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import ravnest_jax as rj
+    from ravnest_jax.models import LoraModel, TokenBatch, Transformer, make_train_step
+    from ravnest_jax.models._lora import _trainable, _wrap
+    from ravnest_jax.models._scan import stack_layers
+
+    def build():
+        return _wrap(Transformer(cfg, nnx.Rngs(0), dtype=dtype, param_dtype=dtype), lora, quantize)
+
+    model = nnx.eval_shape(build)
+    if scan_layers:
+        stack_layers(model)
+    graphdef, adapters, frozen = nnx.split(model, _trainable(lora), ...)
+    adapters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), adapters)
+    lm = LoraModel(graphdef, adapters, frozen, lora, graphdef if lora.dropout > 0 else None)
+    tx = rj.diloco(optax.adamw(1e-4), sync_every=100)
+    step = make_train_step(lm, tx, remat=remat, dtype=dtype, **knobs)
+    row = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    tokens = TokenBatch(row, row, jax.ShapeDtypeStruct(row.shape, jnp.float32), row, row)
+    state = jax.eval_shape(tx.init, adapters)
+    return step.lower(adapters, state, frozen, tokens, jax.ShapeDtypeStruct((), jnp.int32))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="llama-3.1-8b", help="a preset, config.json or checkpoint directory")
@@ -44,6 +77,9 @@ def main() -> int:
     ap.add_argument("--attention", choices=["auto", "cudnn", "chunked", "xla"], default=None)
     ap.add_argument("--loss-chunk", type=int, default=1024)
     ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument(
+        "--no-scan-layers", dest="scan_layers", action="store_false", help="the unrolled model (default: scanned)"
+    )
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--out", default=str(HERE / "results" / "memory_plan_validation.json"))
     args = ap.parse_args()
@@ -51,7 +87,7 @@ def main() -> int:
     import jax.numpy as jnp
 
     from ravnest_jax.models import LoraConfig
-    from ravnest_jax.models._plan import abstract_step, load_config, plan_memory, step_memory
+    from ravnest_jax.models._plan import load_config, plan_memory, step_memory
 
     cfg = load_config(args.config)
     if args.layers:
@@ -67,11 +103,12 @@ def main() -> int:
         seq_len=args.seq_len,
         dtype=args.dtype,
         remat=args.remat,
+        scan_layers=args.scan_layers,
         **knobs,
     )
     t1 = time.perf_counter()
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    lowered = abstract_step(cfg, lora, args.quantize, dtype, args.batch, args.seq_len, args.remat, **knobs)
+    lowered = full_step(cfg, lora, args.quantize, dtype, args.batch, args.seq_len, args.remat, args.scan_layers, knobs)
     full = step_memory(lowered.compile())
     t2 = time.perf_counter()
     act_err = (plan.activations - full["temp"]) / full["temp"]
@@ -86,6 +123,7 @@ def main() -> int:
         "dtype": args.dtype,
         "remat": args.remat,
         **knobs,
+        "scan_layers": args.scan_layers,
         "plan": plan.as_dict(),
         "compiled_full_depth": full,
         "activations_error": round(act_err, 5),

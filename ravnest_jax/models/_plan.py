@@ -1,27 +1,34 @@
 """How much device memory one LoRA / QLoRA fine-tuning peer needs, without allocating any.
 
 Parameters and optimizer state come from ``jax.eval_shape`` of the real objects (the qwix
-model, ``rj.diloco(optax.adamw)``'s state), counted at their storage width (int4: half a byte).
-Activations come from XLA itself: the library's training step (:func:`make_train_step`, the step
-the example runs: bf16 compute, chunked cross-entropy, remat, micro-batches, donation, with the
-same knobs) is compiled (not run) for ``jax.ShapeDtypeStruct`` inputs of the model cut to three
-and to four layers at the real width, batch and sequence length, and the temporary bytes XLA
-plans for it (``compiled.memory_analysis()``) are taken. Every layer of the model is
-the same, so every figure is linear in depth: the parameter and optimizer bytes are
-``f(1) + (layers - 1) * (f(2) - f(1))`` from one and two layers, exact (tested against
-``eval_shape`` of the whole model); the activations ``f(3) + (layers - 3) * (f(4) - f(3))``
-(XLA's plan grows by the same bytes with every layer from the third on; tested within 5% of
-the compiled full-depth step, and ``benchmarks/validate_memory_plan.py`` checks it on the
-real shapes). Tracing the whole qwix model costs time quadratic in depth (over
-10 minutes for 80 layers); a few layers take seconds.
+model, ``rj.diloco(optax.adamw)``'s state), counted at their storage width (int4: half a byte):
+``f(1) + (layers - 1) * (f(2) - f(1))`` from one and two layers, exact (every layer is the
+same; tested against ``eval_shape`` of the whole model). Activations come from XLA itself: the
+library's training step (:func:`make_train_step`, the step the example runs: bf16 compute,
+chunked cross-entropy, remat, micro-batches, donation, the attention the model will run, with
+the same knobs) is compiled (not run) for ``jax.ShapeDtypeStruct`` inputs at the real width,
+depth, batch and sequence length, and the temporary bytes XLA plans for it
+(``compiled.memory_analysis()``) are taken.
+
+The model is the one ``load_pretrained`` builds by default: the blocks stacked under one
+``jax.lax.scan`` (``scan_layers=True``): one layer wrapped by qwix and stacked, its stacked
+leaves given the real depth (the same step as the model loaded, byte for byte: tested), so the
+whole depth is compiled in seconds and the plan is the step's own analysis
+(``benchmarks/validate_memory_plan.py`` compares it with a step built separately, qwix over
+every layer). With ``scan_layers=False`` (the unrolled model of a pipeline stage; tracing
+it costs time quadratic in depth) the activations are extrapolated linearly from 3 and 4
+layers: XLA's plan grows by the same bytes with every layer from the third on.
 
 The plan is XLA's **CPU** plan. With ``remat=True`` (the default) each block is recomputed in
-the backward pass (:func:`~ravnest_jax.models._transformer.recompute_in_backward`), so it holds
-one block's working set (with XLA's attention its float32 scores ``batch x heads x seq^2``,
-several of them alive in the block's backward pass: the peak of a long sequence; chunked
-attention removes them) plus every block's input and one chunk of the cross-entropy's logits. XLA on CPU computes bfloat16 matmuls in
-float32 and makes float32 copies of the bfloat16 weights it multiplies (for Llama 3.1 8B the
-output head's, 1.96 GiB, and a block's kernels are among its largest temporaries): a GPU, which
+the backward pass, so the step holds every block's input (the scan's saved carry, bfloat16),
+one block's working set (with ``attention="auto"``, the chunked kernel on CPU for sequences
+longer than a chunk: no ``seq x seq`` scores) and one chunk of the cross-entropy's float32
+logits and their gradient. On CPU the step compiles with XLA's loop-invariant code motion off
+(:func:`~ravnest_jax.models._step.loop_compiler_options`; with it, XLA converted the whole
+stacked int4 kernels to int8 and the saved block inputs to float32 outside the loops: 16.05
+instead of 6.17 GiB for Llama 3.1 8B int4 at 4 x 2048). XLA on CPU still computes bfloat16
+matmuls in float32 and makes float32 copies of the bfloat16 weights it multiplies (for Llama
+3.1 8B the output head's, 1.96 GiB, is the largest) and float32 matmul outputs: a GPU, which
 multiplies bfloat16 natively, makes none, so for a GPU the plan is an upper bound. See
 docs/finetuning.md for the figures.
 """
@@ -43,7 +50,7 @@ from ._config import TransformerConfig
 from ._hf import adapter_sharding, base_sharding, batch_sharding, split_axis
 from ._lora import LoraConfig, _trainable, _wrap, check_quantize
 from ._memory import allocator_pool_bytes, nbytes
-from ._step import check_attention, check_remat
+from ._step import adapter_layouts, check_attention, check_remat
 from ._transformer import Transformer
 
 GIB = 1024**3
@@ -163,11 +170,22 @@ def load_config(config: str | Path | TransformerConfig) -> TransformerConfig:
 
 
 def _abstract(
-    cfg: TransformerConfig, lora: LoraConfig, quantize: str | None, dtype: Any, remat: Any = False, mesh: Any = None
+    cfg: TransformerConfig,
+    lora: LoraConfig,
+    quantize: str | None,
+    dtype: Any,
+    remat: Any = False,
+    mesh: Any = None,
+    *,
+    scan_layers: bool = False,
 ):
-    """The qwix model's graph, adapters and frozen rest as shapes (laid out on ``mesh`` the way
-    ``load_pretrained(..., mesh=mesh)`` lays them out)."""
+    """The qwix model's graph, adapters and frozen rest as shapes, built the way
+    ``load_pretrained(..., mesh=mesh, scan_layers=scan_layers)`` builds them: qwix applied to the
+    per-layer model, then (``scan_layers``) its state stacked (:func:`stack_layers`), laid out on
+    ``mesh`` (stacked leaves with the layer axis whole)."""
     from flax import nnx
+
+    from ._scan import is_stacked, stack_layers
 
     def build():
         model = _wrap(Transformer(cfg, nnx.Rngs(0), dtype=dtype, param_dtype=dtype), lora, quantize)
@@ -175,15 +193,36 @@ def _abstract(
         model.batch_sharding = batch_sharding(mesh)
         return model
 
-    model = nnx.eval_shape(build)
+    if scan_layers:
+        # every layer is the same: one layer wrapped by qwix and stacked, its stacked leaves
+        # given the real depth (tracing qwix over every layer costs time quadratic in depth)
+        one = cfg
+        cfg = dataclasses.replace(cfg, num_hidden_layers=1)
+        model = stack_layers(nnx.eval_shape(build))
+        flat = nnx.to_flat_state(nnx.state(model.layers))
+        for _, var in flat:
+            v = var.get_value()
+            if isinstance(v, jax.ShapeDtypeStruct):
+                var.set_value(jax.ShapeDtypeStruct((one.num_hidden_layers, *v.shape[1:]), v.dtype))
+        nnx.update(model.layers, nnx.from_flat_state(flat))
+        model.config = cfg = one
+    else:
+        model = nnx.eval_shape(build)
     graphdef, adapters, frozen = nnx.split(model, _trainable(lora), ...)
-    adapters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), adapters)
+    adapters = nnx.from_flat_state(
+        [(p, v.replace(jax.ShapeDtypeStruct(v.get_value().shape, jnp.float32))) for p, v in nnx.to_flat_state(adapters)]
+    )
     if mesh is not None:
-        adapters = jax.tree.map(lambda x: _on(x, adapter_sharding(mesh, x.shape)), adapters)
+        flat = nnx.to_flat_state(adapters)
+        for p, var in flat:
+            v = var.get_value()
+            var.set_value(_on(v, adapter_sharding(mesh, v.shape, stacked=is_stacked(tuple(p)))))
+        adapters = nnx.from_flat_state(flat)
         flat = nnx.to_flat_state(frozen)
         for p, var in flat:
             v = var.get_value()
-            var.set_value(_on(v, (adapter_sharding if _is_lora(tuple(p)) else base_sharding)(mesh, v.shape)))
+            layout = adapter_sharding if _is_lora(tuple(p)) else base_sharding
+            var.set_value(_on(v, layout(mesh, v.shape, stacked=is_stacked(tuple(p)))))
         frozen = nnx.from_flat_state(flat)
     return graphdef, adapters, frozen
 
@@ -209,19 +248,22 @@ def abstract_step(
     attention: str | None = None,
     loss_chunk: int = 1024,
     micro_batches: int = 1,
+    scan_layers: bool = True,
 ) -> Any:
     """:func:`~ravnest_jax.models.make_train_step` of ``cfg``'s LoRA model with
     ``rj.diloco(optax.adamw)``, lowered (not compiled) for ``jax.ShapeDtypeStruct`` inputs: the
     adapters, their optimizer state, the frozen base and a :class:`TokenBatch` of ``(batch,
     seq_len)`` (a device's, on ``mesh``: the FSDP layout of ``load_pretrained(..., mesh=)``, the
-    batch split). ``.compile().memory_analysis()`` is XLA's plan of the step that trains."""
+    batch split), the blocks stacked under one scan as ``load_pretrained`` loads them
+    (``scan_layers``, default) or unrolled. ``.compile().memory_analysis()`` is XLA's plan of the
+    step that trains."""
     import optax
 
     from ..optim import diloco
     from ._lora import LoraModel
     from ._step import TokenBatch, make_train_step
 
-    graphdef, adapters, frozen = _abstract(cfg, lora, quantize, dtype, remat, mesh)
+    graphdef, adapters, frozen = _abstract(cfg, lora, quantize, dtype, remat, mesh, scan_layers=scan_layers)
     lm = LoraModel(graphdef, adapters, frozen, lora, graphdef if lora.dropout > 0 else None)
     tx = diloco(optax.adamw(1e-4), sync_every=100)
     step = make_train_step(
@@ -235,7 +277,7 @@ def abstract_step(
 
         row = _on(row, NamedSharding(mesh, P(tuple(mesh.axis_names))))
         # the optimizer state as init_opt_state lays it out: like the adapters, counters replicated
-        state = jax.tree.map(lambda x: _on(x, adapter_sharding(mesh, x.shape)), state)
+        state = jax.tree.map(_on, state, adapter_layouts(mesh, state))
     mask = jax.ShapeDtypeStruct(row.shape, jnp.float32, sharding=row.sharding)
     tokens = TokenBatch(row, row, mask, row, row)
     return step.lower(adapters, state, frozen, tokens, jax.ShapeDtypeStruct((), jnp.int32))
@@ -339,10 +381,11 @@ def plan_memory(
     attention: str | None = None,
     loss_chunk: int = 1024,
     micro_batches: int = 1,
+    scan_layers: bool = True,
 ) -> MemoryPlan:
     """A peer's device bytes for LoRA (QLoRA with ``quantize``) fine-tuning with ``rj.diloco``
-    over AdamW, computed without allocating (see the module docstring for how): a minute or two
-    on 2 CPU cores, whatever the depth.
+    over AdamW, computed without allocating (see the module docstring for how): under a minute
+    on 2 CPU cores for the scanned model, whatever the depth.
 
     Args:
       config: a ``config.json``, a checkpoint directory, a :data:`PRESETS` name or a
@@ -362,10 +405,16 @@ def plan_memory(
         which the process must have (``jax.config.update("jax_num_cpu_devices", n)`` before
         any jax use; the command does it).
       attention: ``model.attention`` (``"auto"``, ``"cudnn"``, ``"chunked"``, ``"xla"``) where
-        the model has it; None: the model's default.
+        the model has it; None: the model's default, ``"auto"``, which on this CPU plan is
+        the chunked kernel for sequences longer than one chunk (256 tokens), XLA's otherwise
+        (a GPU's ``"auto"`` runs cuDNN's flash attention: plan ``"chunked"`` as its bound).
       loss_chunk: positions per chunk of the chunked cross-entropy (``make_train_step``).
       micro_batches: gradient-accumulation slices of the batch (``make_train_step``); the
         batch must divide by ``micro_batches x devices``.
+      scan_layers: the blocks stacked under one ``jax.lax.scan`` (``load_pretrained``'s
+        default): the whole depth is compiled. False: the unrolled model
+        (``load_pretrained(..., scan_layers=False)``, a pipeline stage's), its activations
+        extrapolated from 3 and 4 layers.
 
     Returns:
       a :class:`MemoryPlan` (bytes; a device's).
@@ -408,29 +457,17 @@ def plan_memory(
         mesh = jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,), devices=cpus[:devices])
     jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     static = by_layers(lambda c: _static_bytes(c, lora, quantize, jdtype, devices), cfg)
-    # XLA's plan grows by the same bytes with every layer from the third on (measured on Llama
-    # 3.1 8B at 4 x 2048: +0.127 GiB from 2 to 3 layers, then +0.065 GiB a layer from 3 to 4, 4
-    # to 6 and on to 32, one block's input), so the activations are extrapolated from 3 and 4
-    # layers: within 0.1% of the compiled 32-layer step (benchmarks/validate_memory_plan.py)
-    act = by_layers(
-        lambda c: {
-            "activations": _step_temp_bytes(
-                c,
-                lora,
-                quantize,
-                jdtype,
-                batch,
-                seq_len,
-                remat,
-                mesh,
-                attention=attention,
-                loss_chunk=loss_chunk,
-                micro_batches=micro_batches,
-            )
-        },
-        cfg,
-        first=3,
-    )
+
+    def temp(c: TransformerConfig) -> dict[str, int]:
+        knobs = dict(attention=attention, loss_chunk=loss_chunk, micro_batches=micro_batches, scan_layers=scan_layers)
+        return {"activations": _step_temp_bytes(c, lora, quantize, jdtype, batch, seq_len, remat, mesh, **knobs)}
+
+    # scanned (the default, as load_pretrained loads): the whole depth is compiled, one loop
+    # body whatever the depth (seconds to a minute), so the plan is the step's own analysis.
+    # Unrolled: tracing costs time quadratic in depth, so the activations are extrapolated from
+    # 3 and 4 layers (XLA's plan grows by the same bytes with every layer from the third on:
+    # one block's input; within 0.1% of the compiled 32-layer step of Llama 3.1 8B at 4 x 2048)
+    act = temp(cfg) if scan_layers else by_layers(temp, cfg, first=3)
     return MemoryPlan(**static, activations=act["activations"], devices=devices)
 
 

@@ -138,8 +138,6 @@ def _mesh_layouts(lm: Any, tx: optax.GradientTransformation) -> tuple[Any, Any] 
     mesh of several devices (``load_pretrained(..., mesh=)``); None otherwise."""
     from jax.sharding import NamedSharding
 
-    from ._hf import adapter_sharding
-
     meshes = {
         s.mesh
         for s in (getattr(x, "sharding", None) for x in jax.tree.leaves(lm.adapters))
@@ -150,9 +148,28 @@ def _mesh_layouts(lm: Any, tx: optax.GradientTransformation) -> tuple[Any, Any] 
     (mesh,) = meshes
     if mesh.size == 1:
         return None
-    adapters = jax.tree.map(lambda x: adapter_sharding(mesh, tuple(x.shape)), lm.adapters)
-    state = jax.tree.map(lambda x: adapter_sharding(mesh, tuple(x.shape)), jax.eval_shape(tx.init, lm.adapters))
-    return adapters, state
+    return adapter_layouts(mesh, lm.adapters), adapter_layouts(mesh, jax.eval_shape(tx.init, lm.adapters))
+
+
+def _stacked_key_path(path: tuple) -> bool:
+    """A pytree key path that leads to a scanned model's stacked leaf: ``layers`` followed by a
+    name, not a layer index (:func:`~ravnest_jax.models._scan.is_stacked`), anywhere in the
+    path (an optimizer state's moments hold the adapters' tree)."""
+    keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path]
+    return any(a == "layers" and isinstance(b, str) for a, b in zip(keys, keys[1:], strict=False))
+
+
+def adapter_layouts(mesh: Any, tree: Any) -> Any:
+    """The layout on ``mesh`` of every leaf of ``tree`` (adapters, or a pytree holding trees
+    shaped like them: an optimizer state): like an adapter of its shape
+    (:func:`~ravnest_jax.models.adapter_sharding`), the layer axis of a scanned model's stacked
+    leaf never split (``stacked=True``), scalars replicated."""
+    from ._hf import adapter_sharding
+
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: adapter_sharding(mesh, tuple(x.shape), stacked=_stacked_key_path(p) and len(x.shape) > 0),
+        tree,
+    )
 
 
 def init_opt_state(lm: Any, tx: optax.GradientTransformation, adapters: Any = None) -> Any:
@@ -174,6 +191,25 @@ def _loss_sums(lm, adapters, frozen, batch: TokenBatch, key, dtype, remat, atten
     model = _configured(lm.model(adapters, frozen, key), remat, attention)
     hidden = model(batch.tokens, batch.positions, batch.segment_ids, head=False)
     return chunked_cross_entropy(model, hidden, batch.targets, batch.loss_mask, chunk_size=loss_chunk)
+
+
+#: XLA's CPU pipeline hoists a convert of a loop-invariant operand out of a while loop onto the
+#: whole operand (``WhileLoopInvariantCodeMotion`` with size-inflating ops): under the layer scan
+#: that is an int8 copy of every layer's int4 kernels before the loop and a float32 copy of the
+#: saved bfloat16 block inputs before the backward loop. Measured on Llama 3.1 8B int4 rank 16 at
+#: 4 x 2048 (remat full, chunked attention): 16.05 GiB of temporaries with the pass, 6.17 without
+#: (docs/finetuning.md). Only the CPU's step turns the pass off.
+CPU_DISABLED_PASSES = "while-loop-invariant-code-motion"
+
+
+def loop_compiler_options(backend: str | None = None) -> dict[str, Any]:
+    """``jax.jit`` keyword arguments of the library's steps on ``backend`` (default: JAX's
+    default backend): on CPU, XLA's loop-invariant code motion off (:data:`CPU_DISABLED_PASSES`),
+    so that a scanned model's stacked weights and saved block inputs are sliced and converted
+    one layer at a time instead of converted whole; nothing elsewhere."""
+    if (backend or jax.default_backend()) != "cpu":
+        return {}
+    return {"compiler_options": {"xla_disable_hlo_passes": CPU_DISABLED_PASSES}}
 
 
 def make_train_step(
@@ -205,7 +241,11 @@ def make_train_step(
     The gradient is that of ``sum of -log p over all masked tokens of the batch / their
     number``, accumulated over ``micro_batches`` equal slices of the batch's axis 0 in float32
     (a ``lax.scan``: one slice's activations at a time): equal to one step on the whole batch.
-    Compiles once per batch shape; no host round-trip inside.
+    Compiles once per batch shape; no host round-trip inside. On CPU it compiles with XLA's
+    loop-invariant code motion off (:func:`loop_compiler_options`: without it XLA's CPU plan of
+    a scanned model holds an int8 copy of every int4 kernel and float32 copies of the saved
+    block inputs); such options are taken by a top-level ``jax.jit`` only, so call the step
+    itself (``step(...)``, ``step.lower``, ``step.trace``), not from inside another ``jax.jit``.
 
     Args:
       lm: a :class:`~ravnest_jax.models.LoraModel` (:func:`split_lora`); its leaves may be
@@ -276,7 +316,7 @@ def make_train_step(
         return adapters, opt_state, {"loss": nll / denom, "tokens": tokens}
 
     layouts = _mesh_layouts(lm, tx)
-    kwargs: dict[str, Any] = {"donate_argnums": (0, 1) if donate else ()}
+    kwargs: dict[str, Any] = {"donate_argnums": (0, 1) if donate else (), **loop_compiler_options()}
     if layouts is not None:
         kwargs["out_shardings"] = (layouts[0], layouts[1], None)
     return jax.jit(step_fn, **kwargs)
@@ -303,7 +343,7 @@ def make_eval_loss(
     remat, attention = check_remat(remat), check_attention(attention)
     dtype = jnp.dtype(dtype) if dtype is not None else compute_dtype(lm)
 
-    @jax.jit
+    @jax.jit(**loop_compiler_options())
     def eval_loss(adapters, frozen, batches: TokenBatch):
         nll, tokens = jax.lax.map(
             lambda b: _loss_sums(lm, adapters, frozen, b, None, dtype, remat, attention, loss_chunk), batches

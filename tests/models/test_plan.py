@@ -1,6 +1,6 @@
 """The memory planner against live bytes on CPU: parameters and optimizer state of the real
 objects, and the temporary bytes XLA allocates for the real full-depth training step; and
-the ``ravnest-jax plan-memory`` command."""
+the ``ravnest-jax plan-memory`` command; the scanned plan equal to the real scanned step."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from ravnest_jax.models import (  # noqa: E402
     split_lora,
 )
 from ravnest_jax.models._plan import _static_bytes, by_layers, load_config, plan_memory  # noqa: E402
+from ravnest_jax.models._scan import stack_layers  # noqa: E402
 
 LLAMA = Path(__file__).resolve().parents[1] / "fixtures" / "llm" / "llama"
 
@@ -36,33 +37,64 @@ def _bytes(tree) -> int:
     return sum(x.size * jax.dtypes.itemsize_bits(x.dtype) // 8 for x in jax.tree.leaves(tree))
 
 
-@pytest.mark.integration
-@pytest.mark.slow
-@pytest.mark.parametrize("quantize", [None, "int4"])
-@pytest.mark.parametrize("remat", [False, True], ids=["no-remat", "remat"])
-def test_planner_within_5_percent_of_live_bytes(quantize, remat):
-    """The planner (3 and 4 layers compiled, extrapolated) against the real 6-layer model's
-    objects and the library's step (``make_train_step``) compiled for them, at 256 tokens
-    where activations are most of the bytes."""
-    cfg = dataclasses.replace(TransformerConfig.from_hf(LLAMA), num_hidden_layers=6)
-    lora = LoraConfig(rank=4)
-    batch, seq = 2, 256
-    plan = plan_memory(cfg, lora=lora, quantize=quantize, batch=batch, seq_len=seq, dtype="float32", remat=remat)
-
-    # live: the real model, adapters, optimizer and the library's step compiled at full depth
-    lm = split_lora(apply_lora(rj.models.Transformer(cfg, nnx.Rngs(0)), lora, quantize=quantize))
+def _live(cfg, lora, quantize, remat, batch, seq, scan_layers):
+    """The real model (``scan_layers``: stacked as ``load_pretrained`` stacks it), its
+    adapters and optimizer state, and the library's step compiled for them: bytes by part."""
+    model = apply_lora(rj.models.Transformer(cfg, nnx.Rngs(0)), lora, quantize=quantize)
+    if scan_layers:
+        model = stack_layers(model)
+    lm = split_lora(model)
     tx = rj.diloco(optax.adamw(1e-4), sync_every=100)
     state = tx.init(lm.adapters)
     step = make_train_step(lm, tx, remat=remat)
-    batch = TokenBatch.from_windows(jnp.zeros((batch, seq + 1), jnp.int32))
-    compiled = step.lower(lm.adapters, state, lm.frozen, batch, jnp.int32(0)).compile()
-    live = {
+    tokens = TokenBatch.from_windows(jnp.zeros((batch, seq + 1), jnp.int32))
+    compiled = step.lower(lm.adapters, state, lm.frozen, tokens, jnp.int32(0)).compile()
+    return lm, {
         "base": _bytes(lm.frozen),
         "adapters": _bytes(lm.adapters),
         "optimizer": _bytes(state.inner_state),
         "outer": _bytes(state.global_params) + _bytes(state.outer_state),
         "activations": compiled.memory_analysis().temp_size_in_bytes,
     }
+
+
+@pytest.mark.parametrize("quantize", [pytest.param(None, marks=pytest.mark.integration), "int4"])  # ~10 s each
+def test_scanned_plan_equals_the_real_scanned_step(quantize):
+    """The planner's scanned model (one layer wrapped by qwix, its stacked leaves given the
+    real depth) compiles to the same step as the real model stacked as ``load_pretrained``
+    stacks it: every byte figure equal (3 layers of the tiny Llama, 2 x 64 tokens)."""
+    cfg = dataclasses.replace(TransformerConfig.from_hf(LLAMA), num_hidden_layers=3)
+    lora = LoraConfig(rank=4)
+    plan = plan_memory(cfg, lora=lora, quantize=quantize, batch=2, seq_len=64, dtype="float32", remat=True)
+    lm, live = _live(cfg, lora, quantize, True, 2, 64, scan_layers=True)
+    assert {k: getattr(plan, k) for k in live} == live
+    assert plan.adapter_params == lm.num_adapter_params
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", [None, "int4"])
+@pytest.mark.parametrize("remat", [False, True], ids=["no-remat", "remat"])
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_planner_within_5_percent_of_live_bytes(quantize, remat, scan_layers):
+    """The planner (scanned: the whole depth compiled; unrolled: 3 and 4 layers compiled,
+    extrapolated) against the real 6-layer model's objects and the library's step
+    (``make_train_step``) compiled for them, at 256 tokens where activations are most of the
+    bytes."""
+    cfg = dataclasses.replace(TransformerConfig.from_hf(LLAMA), num_hidden_layers=6)
+    lora = LoraConfig(rank=4)
+    batch, seq = 2, 256
+    plan = plan_memory(
+        cfg,
+        lora=lora,
+        quantize=quantize,
+        batch=batch,
+        seq_len=seq,
+        dtype="float32",
+        remat=remat,
+        scan_layers=scan_layers,
+    )
+    lm, live = _live(cfg, lora, quantize, remat, batch, seq, scan_layers)
     planned = {k: getattr(plan, k) for k in live}
     for k in ("base", "adapters", "optimizer", "outer"):
         assert planned[k] == live[k], (k, planned, live)

@@ -130,7 +130,9 @@ def test_bfloat16_compute_keeps_float32_masters_and_bfloat16_lora_matmuls():
     assert np.isfinite(float(metrics["loss"]))
     # every matmul with a weight (kernels, LoRA A and B, the head; forward and backward) runs
     # in bfloat16 (XLA's attention multiplies its float32 probabilities by bfloat16 values)
-    jaxpr = jax.make_jaxpr(step)(lm.adapters, tx.init(lm.adapters), lm.frozen, batch, jnp.int32(0))
+    jaxpr = step.trace(
+        lm.adapters, tx.init(lm.adapters), lm.frozen, batch, jnp.int32(0)
+    ).jaxpr  # top level: its compiler options
     dots = []
 
     def walk(jx):
@@ -188,18 +190,53 @@ def test_bad_knobs_are_one_line_errors(lm, kwargs, needle):
     assert needle in str(e.value)
 
 
-@pytest.mark.integration  # loads on a 4-device mesh and compiles the FSDP step: ~20 s
-def test_on_a_mesh_the_layouts_stay_and_nothing_compiles_twice():
+def test_stacked_adapters_and_their_optimizer_state_keep_the_layer_axis_whole():
+    """A scanned model's adapters ``(layers, ...)`` and every tree shaped like them in an
+    optimizer state are laid out as ``load_pretrained(..., mesh=)`` lays them out: the layer
+    axis never split (``adapter_sharding(..., stacked=True)``), per-layer leaves as before."""
+    from flax import nnx
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    from ravnest_jax.models._step import adapter_layouts
+
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+    adapters = nnx.State(
+        {
+            "layers": {"q_proj": {"kernel_lora_a": nnx.LoRAParam(jnp.zeros((4, 8, 4)))}},
+            "unrolled": {"layers": {0: {"kernel_lora_a": nnx.LoRAParam(jnp.zeros((8, 4)))}}},
+        }
+    )
+    state = jax.eval_shape(rj.diloco(optax.adamw(1e-2), sync_every=2).init, adapters)
+    specs = [s.spec for s in jax.tree.leaves(adapter_layouts(mesh, state))]
+    assert P(None, "data", None) in specs and P("data", None) in specs and P() in specs, specs
+    stacked = adapter_layouts(mesh, adapters)["layers"]["q_proj"]["kernel_lora_a"].get_value()
+    assert stacked.spec == P(None, "data", None), stacked  # not P("data"): the layer axis (4) divides too
+
+
+@pytest.mark.integration  # loads on a 4-device mesh and compiles the FSDP step: ~20 s each
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_on_a_mesh_the_layouts_stay_and_nothing_compiles_twice(scan_layers, tmp_path):
+    """4 layers: a stacked leaf's layer axis divides by the 4 devices, and stays whole."""
+    import dataclasses
+
+    from flax import nnx
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from ravnest_jax.models import TransformerConfig, save_pretrained
+
+    cfg = dataclasses.replace(TransformerConfig.from_hf(LLAMA), num_hidden_layers=4)
+    ckpt = save_pretrained(rj.models.Transformer(cfg, nnx.Rngs(0)), tmp_path / "four")
     mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
-    lm = split_lora(load_pretrained(LLAMA, lora=LoraConfig(rank=4), mesh=mesh))
+    lm = split_lora(load_pretrained(ckpt, lora=LoraConfig(rank=4), mesh=mesh, scan_layers=scan_layers))
     tx = rj.diloco(optax.adamw(1e-2), sync_every=2)
     adapters = lm.adapters
     state = init_opt_state(lm, tx)
     assert all(x.sharding.mesh == mesh for x in jax.tree.leaves(state))
     layouts = jax.tree.map(lambda x: x.sharding, adapters)
+    # the optimizer's moments lie like the adapters they follow (stacked: layer axis whole)
+    assert jax.tree.map(lambda x: x.sharding, state.inner_state[0].mu) == layouts
     step = make_train_step(lm, tx, micro_batches=2, loss_chunk=8)
     split = NamedSharding(mesh, P("data"))
     for i in range(3):
