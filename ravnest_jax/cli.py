@@ -286,7 +286,7 @@ def _plan_stages(args: argparse.Namespace, cfg, lora) -> int:
             seq_len=args.seq_len,
             dtype=args.dtype,
             in_flight=args.in_flight,
-            remat=not args.no_remat,
+            remat=args.remat != "none",
         )
         card = int(args.device_gib * 1024**3)
         pool = allocator_pool_bytes(card)
@@ -297,7 +297,7 @@ def _plan_stages(args: argparse.Namespace, cfg, lora) -> int:
     widths = ", ".join(f"{k} {v} bits" for k, v in plan.widths.items())
     print(
         f"{args.config}: {args.stages} stages, LoRA rank {args.lora_rank}, base {args.quantize or args.dtype}, "
-        f"micro-batch {args.batch} x {args.seq_len} tokens, {args.dtype}, {'no remat' if args.no_remat else 'remat'}"
+        f"micro-batch {args.batch} x {args.seq_len} tokens, {args.dtype}, {'no remat' if args.remat == 'none' else 'remat ' + args.remat}"
     )
     print(f"device widths measured here: {widths}; pool: {args.device_gib:g} GiB x {fraction} (JAX's allocator)")
     print(plan.table(pool))

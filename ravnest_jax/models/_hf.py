@@ -438,7 +438,7 @@ def split_axis(shape: tuple, n: int, *, last_first: bool) -> int | None:
 def _split(mesh: Any, shape: tuple, last_first: bool, stacked: bool = False) -> Any:
     if stacked:  # a scanned model's leaf: the layer axis stays whole, the rest as one layer's
         inner = _split(mesh, tuple(shape[1:]), last_first)
-        return NamedSharding(mesh, P(None, *inner.spec))
+        return inner if inner.spec == P() else NamedSharding(mesh, P(None, *inner.spec))
     axis = split_axis(shape, mesh.size, last_first=last_first)
     if axis is None:
         return NamedSharding(mesh, P())

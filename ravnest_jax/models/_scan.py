@@ -85,7 +85,8 @@ def _stack(values: list) -> Any:
     v0 = values[0]
     sharding = getattr(v0, "sharding", None)
     if isinstance(v0, jax.Array) and isinstance(sharding, NamedSharding) and not isinstance(v0, jax.core.Tracer):
-        out = NamedSharding(sharding.mesh, P(None, *sharding.spec))
+        # a replicated leaf stays replicated (P(), as base_sharding(stacked=True) says)
+        out = NamedSharding(sharding.mesh, P(None, *sharding.spec) if sharding.spec != P() else P())
         return jax.jit(lambda *v: jnp.stack(v), out_shardings=out)(*values)
     if isinstance(v0, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct((len(values), *v0.shape), v0.dtype)
@@ -97,7 +98,7 @@ def _unstack(value: Any, n: int) -> list:
         return [jax.ShapeDtypeStruct(value.shape[1:], value.dtype)] * n
     sharding = getattr(value, "sharding", None)
     if isinstance(sharding, NamedSharding) and not isinstance(value, jax.core.Tracer):
-        out = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
+        out = NamedSharding(sharding.mesh, P(*sharding.spec[1:]) if sharding.spec != P() else P())
         take = jax.jit(lambda v, i: jax.lax.dynamic_index_in_dim(v, i, keepdims=False), out_shardings=out)
         return [take(value, i) for i in range(n)]  # one program for every layer
     return [value[i] for i in range(n)]

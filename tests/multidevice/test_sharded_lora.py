@@ -62,7 +62,9 @@ def test_sharded_load_equals_the_one_device_load_and_splits_the_bytes(quantize, 
         shards = x.addressable_shards
         assert {s.device for s in shards} == set(mesh.devices.flat), name
         if x.sharding.spec == P():
-            assert all(d % devices for d in x.shape), f"{name} {x.shape} replicated though an axis divides"
+            # a scanned model's stacked leaf (layers, ...): the layer axis is never split
+            dims = x.shape[1:] if "['layers']['" in name else x.shape
+            assert all(d % devices for d in dims), f"{name} {x.shape} replicated though an axis divides"
             expected += _nbytes(x)
         else:
             assert all(_nbytes(s.data) * devices == _nbytes(x) for s in shards), (name, x.sharding)
