@@ -1,6 +1,7 @@
 """Chunked cross-entropy: the loss and gradients of the plain full-logits path (untied and tied
-heads, LoRA and int4 bases, a sequence that does not divide by the chunk, a mask), and XLA's plan
-holds no (batch, seq, vocab) float32 buffer."""
+heads, LoRA and int4 bases, a sequence that does not divide by the chunk, a vocabulary that does
+not divide by the block, a mask, a trained head), and XLA's plan holds no (batch, seq, vocab)
+float32 buffer and, with a frozen head, no head-sized one."""
 
 from __future__ import annotations
 
@@ -36,15 +37,16 @@ def _random_adapters(adapters):
 
 
 @pytest.mark.parametrize(
-    "tied, quantize, chunk",
+    "tied, quantize, chunk, vocab_chunk",
     [
-        (False, None, 10),  # 5 positions of each of the 2 rows
-        (True, None, 14),
-        pytest.param(False, "int4", 128, marks=pytest.mark.integration),  # ~8 s of compiles each
-        pytest.param(True, "int4", 8, marks=pytest.mark.integration),
+        (False, None, 10, 40),  # 5 positions of each of the 2 rows; 96 tokens: blocks 0-39, 40-79, 56-95
+        (True, None, 14, 25),  # 4 blocks, the last overlapping the third
+        (False, None, 10, None),  # the whole head per sequence chunk, under jax.checkpoint
+        pytest.param(False, "int4", 128, 16384, marks=pytest.mark.integration),  # ~8 s of compiles each
+        pytest.param(True, "int4", 8, 7, marks=pytest.mark.integration),
     ],
 )
-def test_equals_the_full_logits_loss_and_gradients(tied, quantize, chunk):
+def test_equals_the_full_logits_loss_and_gradients(tied, quantize, chunk, vocab_chunk):
     cfg = dataclasses.replace(TransformerConfig.from_hf(LLAMA), tie_word_embeddings=tied)
     lm = split_lora(apply_lora(Transformer(cfg, nnx.Rngs(0)), LoraConfig(rank=4), quantize=quantize))
     adapters = _random_adapters(lm.adapters)
@@ -62,8 +64,8 @@ def test_equals_the_full_logits_loss_and_gradients(tied, quantize, chunk):
 
     def chunked(adapters):
         model = lm.model(adapters, lm.frozen)
-        nll, count = chunked_cross_entropy(model, model(tokens, head=False), targets, mask, chunk_size=chunk)
-        return nll, count
+        hidden = model(tokens, head=False)
+        return chunked_cross_entropy(model, hidden, targets, mask, chunk_size=chunk, vocab_chunk=vocab_chunk)
 
     (v0, g0) = jax.jit(jax.value_and_grad(plain))(adapters)
     ((v1, count), g1) = jax.jit(jax.value_and_grad(chunked, has_aux=True))(adapters)
@@ -86,7 +88,9 @@ def test_equals_the_full_logits_loss_and_gradients(tied, quantize, chunk):
         return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * mask)
 
     gh0 = jax.grad(head_plain)(hidden)
-    gh1 = jax.grad(lambda h: chunked_cross_entropy(model, h, targets, mask, chunk_size=chunk)[0])(hidden)
+    gh1 = jax.grad(
+        lambda h: chunked_cross_entropy(model, h, targets, mask, chunk_size=chunk, vocab_chunk=vocab_chunk)[0]
+    )(hidden)
     np.testing.assert_allclose(np.asarray(gh1), np.asarray(gh0), rtol=1e-5, atol=1e-5 * float(jnp.abs(gh0).max()))
 
 
@@ -99,6 +103,7 @@ def test_no_mask_counts_every_position_and_bad_input_is_one_line():
     assert float(count) == 18 and float(nll) > 0
     for kwargs, needle in [
         (dict(chunk_size=0), "chunk_size must be an int >= 1, got 0"),
+        (dict(vocab_chunk=0), "vocab_chunk must be an int >= 1 or None, got 0"),
         (dict(loss_mask=jnp.ones((2, 8))), "loss_mask (2, 8) must have the targets' shape (2, 9)"),
     ]:
         with pytest.raises(ValueError) as e:
@@ -107,10 +112,48 @@ def test_no_mask_counts_every_position_and_bad_input_is_one_line():
 
 
 @pytest.mark.parametrize("tied", [False, True])
+def test_a_trained_head_gets_the_full_logits_gradients(tied):
+    """Every parameter differentiated (the head and the norm too), 96 tokens in blocks of 40."""
+    cfg = dataclasses.replace(TransformerConfig.from_hf(LLAMA), tie_word_embeddings=tied)
+    graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(0)))
+    b, t = 2, 11
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    hidden = jax.random.normal(k1, (b, t, cfg.hidden_size))
+    targets = jax.random.randint(k2, (b, t), 0, cfg.vocab_size)
+    mask = (jax.random.uniform(k3, (b, t)) < 0.8).astype(jnp.float32)
+
+    def plain(params, h):
+        model = nnx.merge(graphdef, params)
+        x = model.norm(h)
+        logits = (model.embed_tokens.attend(x) if tied else model.lm_head(x)).astype(jnp.float32)
+        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * mask)
+
+    def blocked(params, h):
+        model = nnx.merge(graphdef, params)
+        return chunked_cross_entropy(model, h, targets, mask, chunk_size=6, vocab_chunk=40)[0]
+
+    v0, g0 = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(params, hidden)
+    v1, g1 = jax.jit(jax.value_and_grad(blocked, argnums=(0, 1)))(params, hidden)
+    np.testing.assert_allclose(float(v1), float(v0), rtol=1e-5)
+    head = ("embed_tokens", "embedding") if tied else ("lm_head", "kernel")
+    names = []
+    for (p, a), c in zip(jax.tree_util.tree_leaves_with_path(g0), jax.tree.leaves(g1)):
+        names.append(jax.tree_util.keystr(p))
+        scale = float(jnp.abs(a).max())
+        np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-5, atol=1e-5 * scale, err_msg=names[-1])
+    assert any(all(n in name for n in head) for name in names), names
+    w = g1[0]["embed_tokens"]["embedding"] if tied else g1[0]["lm_head"]["kernel"]
+    assert float(jnp.abs(w[...]).max()) > 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
 def test_compiled_gradient_holds_no_whole_float32_logits(tied):
-    """A 32k vocabulary at 2 x 512 positions: the whole float32 logits would be 128 MiB; XLA's
-    temporaries of the loss and its gradient stay under three chunks' logits (24 MiB) with
-    chunks of 64 tokens."""
+    """A 32k vocabulary at 2 x 512 positions: the whole float32 logits would be 128 MiB. With
+    chunks of 64 tokens, XLA's temporaries of the loss and its gradient stay under three chunks'
+    whole-vocabulary logits (24 MiB) on the whole-head path; in blocks of 4096 tokens, with the
+    head frozen (LoRA), under three whole-vocabulary chunks' logits by a factor of 4 (no
+    head-sized buffer either: the head is 8 MiB), and with the head trained under that plus the
+    head's float32 gradient."""
     cfg = dataclasses.replace(
         TransformerConfig.from_hf(LLAMA), vocab_size=32768, num_hidden_layers=1, tie_word_embeddings=tied
     )
@@ -120,12 +163,20 @@ def test_compiled_gradient_holds_no_whole_float32_logits(tied):
     hidden = jax.ShapeDtypeStruct((b, t, cfg.hidden_size), jnp.float32)
     targets = jax.ShapeDtypeStruct((b, t), jnp.int32)
     mask = jax.ShapeDtypeStruct((b, t), jnp.float32)
-
-    def loss(params, h, tgt, m):
-        return chunked_cross_entropy(nnx.merge(graphdef, params), h, tgt, m, chunk_size=64)[0]
-
-    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, hidden, targets, mask).compile()
-    temp = compiled.memory_analysis().temp_size_in_bytes
     logits, chunk = b * t * cfg.vocab_size * 4, 64 * cfg.vocab_size * 4  # 64 tokens: 32 positions x 2 rows
+    head = cfg.hidden_size * cfg.vocab_size * 4
+
+    def temp(vocab_chunk, argnums):
+        def loss(params, h, tgt, m):
+            model = nnx.merge(graphdef, params)
+            return chunked_cross_entropy(model, h, tgt, m, chunk_size=64, vocab_chunk=vocab_chunk)[0]
+
+        lowered = jax.jit(jax.value_and_grad(loss, argnums=argnums)).lower(params, hidden, targets, mask)
+        return lowered.compile().memory_analysis().temp_size_in_bytes
+
+    whole, frozen, trained = temp(None, (0, 1)), temp(4096, 1), temp(4096, (0, 1))
+    figures = f"temp: whole head {whole:,}, blocks frozen {frozen:,}, trained {trained:,}; logits {logits:,}, a chunk {chunk:,}, the head {head:,}"
     # the backward pass of a chunk holds its logits and their softmax: about two chunks
-    assert temp < 3 * chunk < logits / 2, f"temp {temp:,} bytes; float32 logits: whole {logits:,}, a chunk {chunk:,}"
+    assert whole < 3 * chunk < logits / 2, figures
+    assert frozen < 3 * chunk / 4 and frozen < head, figures
+    assert trained < 3 * chunk / 4 + head, figures
