@@ -1,6 +1,7 @@
 """Pretrained decoder-only LLMs in flax nnx: the Llama 3 / Mistral / Qwen 2.5 / Qwen 3 layout,
 Hugging Face checkpoints (``load_pretrained``, ``save_pretrained``), LoRA / QLoRA adapters with
-qwix (``LoraConfig``, ``apply_lora``, ``split_lora``; base in int8, int4 or nf4), memory-efficient
+qwix (``LoraConfig``, ``apply_lora``, ``split_lora``; base in int8, int4 or nf4) and their export in
+PEFT's format (``save_peft_adapters``), memory-efficient
 attention with segment ids (``attention``), the training step (``TokenBatch``, ``make_train_step``,
 ``make_eval_loss``, ``chunked_cross_entropy``), device widths and the allocator's pool
 (``device_bits``, ``nbytes``, ``allocator_pool_bytes``) and the memory planner (``plan_memory``).
@@ -26,6 +27,7 @@ from ._loss import chunked_cross_entropy as chunked_cross_entropy
 from ._memory import allocator_pool_bytes as allocator_pool_bytes
 from ._memory import device_bits as device_bits
 from ._memory import nbytes as nbytes
+from ._peft import save_peft_adapters as save_peft_adapters
 from ._scan import stack_layers as stack_layers
 from ._scan import unstack_layers as unstack_layers
 from ._step import TokenBatch as TokenBatch
@@ -60,6 +62,7 @@ __all__ = [
     "make_train_step",
     "merge_adapters",
     "nbytes",
+    "save_peft_adapters",
     "save_pretrained",
     "split_lora",
     "stack_layers",

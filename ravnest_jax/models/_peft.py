@@ -1,0 +1,144 @@
+"""LoRA adapters in Hugging Face PEFT's format: ``adapter_config.json`` and
+``adapter_model.safetensors`` as ``peft.PeftModel.save_pretrained`` writes them for a causal LM,
+so ``PeftModel.from_pretrained(base, dir)`` (or ``AutoPeftModelForCausalLM``) loads them.
+
+The map: qwix's update is ``alpha / rank * x @ A @ B`` with ``A`` ``(in, r)`` and ``B``
+``(r, out)``; PEFT's is ``lora_alpha / r * x @ lora_A.T @ lora_B.T`` with ``lora_A.weight``
+``(r, in)`` and ``lora_B.weight`` ``(out, r)``: the same scale, the matrices transposed.
+Tensor names are the base kernel's Hugging Face name (:func:`hf_name`) under PEFT's
+``base_model.model.`` prefix, ``.weight`` replaced by ``.lora_A.weight`` / ``.lora_B.weight``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ._hf import hf_name
+from ._lora import LoraModel
+from ._scan import is_stacked, layer_path
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+
+def peft_config(lm: LoraModel, base_model_name_or_path: str | None = None) -> dict:
+    """The ``adapter_config.json`` dict of ``lm``'s adapters (PEFT's ``LoraConfig`` fields that
+    PEFT >= 0.9 knows; the rest take PEFT's defaults when it loads them)."""
+    lora = lm.lora
+    return {
+        "alpha_pattern": {},
+        "base_model_name_or_path": base_model_name_or_path,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "layers_pattern": None,
+        "layers_to_transform": None,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "modules_to_save": None,
+        "peft_type": "LORA",
+        "r": lora.rank,
+        "rank_pattern": {},
+        "revision": None,
+        "target_modules": sorted(lora.targets),
+        "task_type": "CAUSAL_LM",
+        "use_dora": False,
+        "use_rslora": False,
+    }
+
+
+def peft_tensors(lm: LoraModel, adapters: nnx.State, dtype: Any = None) -> dict[str, np.ndarray]:
+    """PEFT's tensors for ``adapters`` (``lm.adapters``' structure; a frozen ``A`` is read from
+    ``lm.frozen``): name -> host array, ``lora_A.weight`` ``(r, in)`` and ``lora_B.weight``
+    ``(out, r)`` per adapted projection and layer (a scanned model's stacked ``(layers, ...)``
+    adapters unstacked), in the adapters' dtype or ``dtype``.
+
+    Raises:
+      ValueError: a projection with ``A`` but no ``B`` (or the reverse), or no adapters at all.
+    """
+    found: dict[tuple, Any] = {}
+    for state in (lm.frozen, adapters):  # the given adapters win over the frozen copy
+        for path, var in nnx.to_flat_state(state):
+            if isinstance(var, nnx.LoRAParam):
+                found[tuple(path)] = var.get_value()
+    if not found:
+        raise ValueError("no LoRA adapters in the model: make it with apply_lora or load_pretrained(lora=...)")
+    out: dict[str, np.ndarray] = {}
+    for path, value in sorted(found.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        leaf = str(path[-1])
+        if not leaf.endswith(("_lora_a", "_lora_b")):
+            raise ValueError(f"adapter {'.'.join(map(str, path))} is neither a LoRA A nor a B")
+        kernel, which = leaf[: -len("_lora_a")], "A" if leaf.endswith("_lora_a") else "B"
+        other = path[:-1] + (kernel + ("_lora_b" if which == "A" else "_lora_a"),)
+        if other not in found:
+            raise ValueError(f"adapter {'.'.join(map(str, path))} has no {'.'.join(map(str, other))}")
+        host = np.asarray(value if dtype is None else jnp.asarray(value, dtype))
+        layers = (
+            [(layer_path(path[:-1], i), host[i]) for i in range(host.shape[0])]
+            if is_stacked(path)
+            else [(path[:-1], host)]
+        )
+        for module, v in layers:
+            name, _ = hf_name(module + (kernel,))
+            out[PREFIX + name.removesuffix(".weight") + f".lora_{which}.weight"] = np.ascontiguousarray(v.T)
+    return out
+
+
+def save_peft_adapters(
+    lm: LoraModel,
+    adapters: nnx.State,
+    path: str | Path,
+    *,
+    base_model_name_or_path: str | None = None,
+    dtype: Any = None,
+    overwrite: bool = False,
+) -> Path:
+    """Writes ``adapters`` as a PEFT LoRA adapter directory: ``adapter_config.json`` (``peft_type``
+    LORA, ``task_type`` CAUSAL_LM, ``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules`` in
+    Hugging Face names, ``bias`` none, ``base_model_name_or_path``) and
+    ``adapter_model.safetensors`` with ``base_model.model.model.layers.<i>.<module>.lora_A.weight``
+    ``(r, in)`` and ``...lora_B.weight`` ``(out, r)`` per adapted projection (PEFT's names
+    without the adapter name, as ``PeftModel.save_pretrained`` writes them). Loaded on the base
+    checkpoint, ``peft.PeftModel.from_pretrained(base, path)`` computes what ``lm.model(adapters,
+    lm.frozen)`` computes on the unquantised base.
+
+    Args:
+      lm: the split LoRA model (:func:`split_lora`); a frozen ``A`` (``train_a=False``) is read
+        from ``lm.frozen``.
+      adapters: the adapters to write, ``lm.adapters``' structure (e.g. trained or global
+        params); scanned (``(layers, ...)``, written layer by layer) or per-layer.
+      path: the directory; created if missing.
+      base_model_name_or_path: recorded in the config (the Hub id or directory of the base).
+      dtype: the stored dtype (default: the adapters' own, float32 for float32 masters).
+      overwrite: replace the two files in a non-empty directory.
+
+    Returns:
+      the directory.
+
+    Raises:
+      ValueError: ``lm`` is not a :class:`LoraModel` or has no adapters, an adapter without its
+        pair, or ``path`` is a file or a non-empty directory (without ``overwrite``).
+    """
+    from safetensors.numpy import save_file
+
+    if not isinstance(lm, LoraModel):
+        raise ValueError(f"save_peft_adapters needs a LoraModel (split_lora(model)), got {type(lm).__name__}")
+    root = Path(path)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{root} exists and is not a directory")
+    if root.is_dir() and any(root.iterdir()) and not overwrite:
+        raise ValueError(f"{root} is not empty (pass overwrite=True to replace its adapters)")
+    tensors = peft_tensors(lm, adapters, dtype)
+    root.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(root / WEIGHTS), metadata={"format": "pt"})
+    config = peft_config(lm, base_model_name_or_path)
+    (root / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+    return root
