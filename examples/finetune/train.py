@@ -9,7 +9,8 @@ checkpoint's tokenizer and packs it into sequences, one shard per peer (``rj.dat
 trains the adapters only with AdamW, and averages them every H steps over the swarm (``rj.diloco`` +
 ``rj.OuterSync``: rounds carry the adapters, nothing else); checkpoints adapters, optimizer and
 data position (``rj.Checkpointer``) and resumes exactly; ``--export DIR`` writes the merged model
-(adapters folded in) as a Hugging Face checkpoint; ``--devices N`` lays the base and the adapters
+(adapters folded in) as a Hugging Face checkpoint, ``--export-adapters DIR`` the adapters alone in
+PEFT's format (``rj.models.save_peft_adapters``); ``--devices N`` lays the base and the adapters
 FSDP-style over N local devices (``load_pretrained(..., mesh=)``) and splits the batch over them.
 The step is the library's (``rj.models.make_train_step``): bf16 compute on accelerators with
 float32 adapter masters, gradient checkpointing, chunked cross-entropy, donated state, optional
@@ -139,6 +140,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the eval loss (default 4)")
     p.add_argument("--checkpoint-dir", default=None, help="save here between rounds; resume from it")
     p.add_argument("--export", default=None, help="write the merged model here at the end (first peer only)")
+    p.add_argument(
+        "--export-adapters",
+        default=None,
+        help="write the adapters here at the end in Hugging Face PEFT's format (adapter_config.json, "
+        "adapter_model.safetensors; first peer only): PeftModel.from_pretrained(base, DIR) loads them",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the adapters and the data order (default 0)")
     p.add_argument(
         "--stages",
@@ -191,8 +198,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if not 0 <= args.overlap_steps < args.sync_every:
         p.error("--overlap-steps must be in [0, --sync-every)")
-    if args.export and Path(args.export).exists() and any(Path(args.export).iterdir()):
-        p.error(f"--export: {args.export} exists and is not empty")
+    for flag, out in (("--export", args.export), ("--export-adapters", args.export_adapters)):
+        if out and Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
+            p.error(f"{flag}: {out} exists and is not an empty directory")
     if args.stages > 1:
         world = int(os.environ.get("RAVNEST_WORLD_SIZE", "1"))
         if world % args.stages:
@@ -206,6 +214,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             )
         for flag, bad in (
             ("--export", args.export),
+            ("--export-adapters", args.export_adapters),
             ("--lora-dropout", args.lora_dropout > 0),
         ):
             if bad:
@@ -256,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
         TokenBatch,
         TransformerConfig,
         load_pretrained,
+        save_peft_adapters,
         save_pretrained,
         split_lora,
     )
@@ -372,6 +382,11 @@ def main(argv: list[str] | None = None) -> dict:
         (out / "config.json").write_text(json.dumps(config, indent=2))
         shutil.copy(Path(args.checkpoint) / "tokenizer.json", out / "tokenizer.json")
         summary["exported"] = str(out)
+    if args.export_adapters and rank == 0 and not interrupted:
+        out = save_peft_adapters(
+            lm, state.global_params, args.export_adapters, base_model_name_or_path=str(Path(args.checkpoint).resolve())
+        )
+        summary["exported_adapters"] = str(out)
     print(json.dumps(summary), flush=True)
     return summary
 

@@ -144,3 +144,23 @@ def test_live_peft_loads_a_fresh_export(tmp_path, case):
             ref = model(torch.from_numpy(tokens).long()).logits.float().numpy()
     err = float(np.abs(_logits(lm, adapters, tokens) - ref).max())
     assert err < 1e-4, f"{name}: max |logits - live PEFT| = {err:.2e}"
+
+
+def test_finetune_example_checks_export_adapters_first(tmp_path, capsys, monkeypatch):
+    """examples/finetune/train.py --export-adapters: an empty or new directory; refused in one
+    usage line for a non-empty one and with --stages (a stage holds a slice of the layers)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples"))
+    from finetune.train import parse_args
+
+    ckpt = ["--checkpoint", "ckpt"]
+    assert parse_args([*ckpt, "--export-adapters", str(tmp_path / "new")]).export_adapters == str(tmp_path / "new")
+    (tmp_path / "x").write_text("x")
+    monkeypatch.setenv("RAVNEST_WORLD_SIZE", "2")
+    for bad, msg in (
+        ([str(tmp_path)], "not an empty directory"),
+        ([str(tmp_path / "new"), "--stages", "2"], "not supported with --stages"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args([*ckpt, "--export-adapters", *bad])
+        err = capsys.readouterr().err
+        assert "--export-adapters" in err and msg in err
