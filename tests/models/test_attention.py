@@ -179,7 +179,12 @@ def _model_run(lm, adapters, tokens, impl, chunk, segment_ids, positions, remat=
 
 @pytest.mark.parametrize(
     "kv_heads, chunk, segments",
-    [(2, 5, True), (2, 8, False), (4, 5, False), (4, 8, True)],
+    [  # one case in the unit tier; each takes 5 to 20 s of compiles on 2 cores
+        pytest.param(2, 5, True, marks=pytest.mark.integration),
+        pytest.param(2, 8, False, marks=pytest.mark.integration),
+        pytest.param(4, 5, False, marks=pytest.mark.integration),
+        (4, 8, True),
+    ],
     ids=["gqa-chunk5-packed", "gqa-chunk8", "mha-chunk5", "mha-chunk8-packed"],
 )  # 23 tokens: 5 chunks of 5 or 3 chunks of 8, the last padded
 def test_model_logits_loss_and_lora_gradients_equal_xla(kv_heads, chunk, segments):

@@ -39,9 +39,13 @@ def _random_adapters(adapters):
 @pytest.mark.parametrize(
     "tied, quantize, chunk, vocab_chunk",
     [
-        (False, None, 10, 40),  # 5 positions of each of the 2 rows; 96 tokens: blocks 0-39, 40-79, 56-95
+        pytest.param(
+            False, None, 10, 40, marks=pytest.mark.integration
+        ),  # 5 positions of each of the 2 rows; 96 tokens: blocks 0-39, 40-79, 56-95
         (True, None, 14, 25),  # 4 blocks, the last overlapping the third
-        (False, None, 10, None),  # the whole head per sequence chunk, under jax.checkpoint
+        pytest.param(
+            False, None, 10, None, marks=pytest.mark.integration
+        ),  # the whole head per sequence chunk, under jax.checkpoint
         pytest.param(False, "int4", 128, 16384, marks=pytest.mark.integration),  # ~8 s of compiles each
         pytest.param(True, "int4", 8, 7, marks=pytest.mark.integration),
     ],

@@ -119,6 +119,7 @@ def test_scanned_logits_loss_and_gradients_equal_the_per_layer_model(quantize, r
     assert max(float(np.abs(g).max()) for g in g0.values()) > 0
 
 
+@pytest.mark.integration  # ~8 s of compiles
 def test_offload_policy_runs_and_equals_no_remat_under_the_scan():
     """``"offload"`` on CPU: ``pinned_host`` is host memory like the device's, the step compiles
     and runs; the gradients are those without checkpointing."""
