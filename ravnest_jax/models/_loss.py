@@ -46,9 +46,7 @@ def _plain_head(head: Any, tied: bool) -> bool:
     )
 
 
-def _block(
-    w: jax.Array, k: jax.Array, vc: int, tied: bool, x: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _block(w: jax.Array, k: jax.Array, vc: int, tied: bool, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Block ``k`` of the head: ``(w_k, cols, valid)``: ``vc`` columns starting at
     ``min(k * vc, vocab - vc)`` (the last block overlaps the one before rather than padding a copy
     of the head), their vocabulary ids, and which of them belong to block ``k``.
