@@ -99,6 +99,8 @@ def check_command(command: Sequence[str]) -> list[str]:
         cmd = [sys.executable, *cmd]
     elif cmd[0] in ("python", "python3"):  # this interpreter (the one ravnest_jax is installed in)
         cmd = [sys.executable, *cmd[1:]]
+    elif cmd[0] == "ravnest-jax":  # this installation's CLI, found without the venv on PATH
+        cmd = [sys.executable, "-m", "ravnest_jax.cli", *cmd[1:]]
     elif shutil.which(cmd[0]) is None:
         raise ValueError(f"{cmd[0]}: no such program")
     if (

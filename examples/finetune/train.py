@@ -65,12 +65,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--text", nargs="+", default=None, help="UTF-8 text files to train on (default: the stdlib's docs topics)"
     )
+    p.add_argument(
+        "--data",
+        nargs="+",
+        default=None,
+        help="jsonl / parquet datasets (files, directories or globs) in TRL's formats or alpaca's, instead of "
+        "--text: loss only on the completion / assistant tokens, packed without crossing documents (docs/data.md)",
+    )
+    p.add_argument(
+        "--data-format",
+        choices=("auto", "text", "prompt_completion", "messages", "alpaca"),
+        default="auto",
+        help="record format of --data (default auto: from each record's fields)",
+    )
+    p.add_argument("--train-on-prompt", action="store_true", help="with --data: learn the prompt tokens too")
+    p.add_argument(
+        "--no-packing", action="store_true", help="with --data: one document a row, padded (default: packed)"
+    )
+    p.add_argument(
+        "--overlong",
+        choices=("split", "drop"),
+        default="split",
+        help="with --data: documents longer than --seq-len are split or dropped (default split)",
+    )
     p.add_argument("--max-steps", type=int, default=300, help="inner steps to train (default 300)")
     p.add_argument("--sync-every", type=int, default=20, help="H: inner steps per outer round (default 20)")
     p.add_argument("--overlap-steps", type=int, default=1, help="tau: steps a round overlaps; 0 blocks (default 1)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
     p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate (default 3e-3)")
+    p.add_argument(
+        "--lr-schedule",
+        choices=("constant", "cosine", "linear"),
+        default="constant",
+        help="inner learning rate over --max-steps after the warm-up: constant, cosine or linear decay to 0 "
+        "(default constant)",
+    )
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up of the inner lr from 0 (default 0)")
     p.add_argument("--lora-rank", type=int, default=8, help="adapter rank (default 8)")
     p.add_argument("--lora-alpha", type=float, default=None, help="adapter alpha (default: 2 x rank)")
     p.add_argument("--lora-dropout", type=float, default=0.0, help="adapter dropout (default 0)")
@@ -139,6 +170,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the eval loss (default 4)")
     p.add_argument("--checkpoint-dir", default=None, help="save here between rounds; resume from it")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="inner steps between saves, at the first round boundary after (default: --sync-every)",
+    )
     p.add_argument("--export", default=None, help="write the merged model here at the end (first peer only)")
     p.add_argument(
         "--export-adapters",
@@ -196,6 +233,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--batch-size ({args.batch_size}) must be a multiple of --micro-batches x --devices "
             f"({args.micro_batches} x {args.devices}): each micro-batch is split over the devices"
         )
+    if args.checkpoint_every is None:
+        args.checkpoint_every = args.sync_every
+    if args.checkpoint_every < 1 or args.warmup_steps < 0:
+        p.error("--checkpoint-every must be >= 1 and --warmup-steps >= 0")
     if not 0 <= args.overlap_steps < args.sync_every:
         p.error("--overlap-steps must be in [0, --sync-every)")
     for flag, out in (("--export", args.export), ("--export-adapters", args.export_adapters)):
@@ -216,6 +257,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ("--export", args.export),
             ("--export-adapters", args.export_adapters),
             ("--lora-dropout", args.lora_dropout > 0),
+            ("--data", args.data),
         ):
             if bad:
                 p.error(f"{flag} is not supported with --stages yet (docs/pipeline.md, limits)")
@@ -281,14 +323,19 @@ def main(argv: list[str] | None = None) -> dict:
         train_a=not args.frozen_a,
         seed=args.seed,
     )
-    tokens = tokenize(text_documents(args.text), tokenizer, eos_id=eos_token_id(args.checkpoint))
-    train_tokens, held_out = split_held_out(tokens)
     rank, world = int(os.environ.get("RAVNEST_RANK", "0")), int(os.environ.get("RAVNEST_WORLD_SIZE", "1"))
-    data = PackedTokens(
-        train_tokens, seq_len=args.seq_len, batch=args.batch_size, shard=rank, num_shards=world, seed=args.seed
-    )
-    evals = PackedTokens(held_out, seq_len=args.seq_len, batch=args.batch_size, seed=args.seed)
-    eval_set = np.stack([evals.batch_at(i) for i in range(args.eval_batches)])
+    if args.data:  # records: masked, packed per document (TokenBatch fields)
+        data, eval_set = example_data(args, rank, world)
+        to_batch = lambda b: TokenBatch(**b)  # noqa: E731
+    else:
+        tokens = tokenize(text_documents(args.text), tokenizer, eos_id=eos_token_id(args.checkpoint))
+        train_tokens, held_out = split_held_out(tokens)
+        data = PackedTokens(
+            train_tokens, seq_len=args.seq_len, batch=args.batch_size, shard=rank, num_shards=world, seed=args.seed
+        )
+        evals = PackedTokens(held_out, seq_len=args.seq_len, batch=args.batch_size, seed=args.seed)
+        eval_set = [evals.batch_at(i) for i in range(args.eval_batches)]
+        to_batch = TokenBatch.from_windows
 
     if args.dtype == "auto":
         args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -297,14 +344,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.stages > 1:
         # the stage's tensors only: the split holds the model abstractly, the stage reads its slice
         split = rj.pipeline.pretrained_split(args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora, mesh=mesh)
-        return train_stages(args, split, train_tokens, eval_set)
+        return train_stages(args, split, train_tokens, np.stack(eval_set))
     # on a mesh: the frozen base and the adapters FSDP-style over the peer's devices
     remat = {"full": True, "none": False}.get(args.remat, args.remat)
     lm = split_lora(
         load_pretrained(args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora, remat=remat, mesh=mesh)
     )
     frozen = lm.frozen
-    tx = rj.diloco(optax.adamw(args.lr, weight_decay=0.0), sync_every=args.sync_every)
+    tx = rj.diloco(optax.adamw(learning_rate(args), weight_decay=0.0), sync_every=args.sync_every)
     state = rj.models.init_opt_state(lm, tx)  # on a mesh laid out as the step keeps it
     knobs = dict(loss_chunk=args.loss_chunk, remat=remat, attention=args.attention)
     train_step = rj.models.make_train_step(
@@ -319,7 +366,7 @@ def main(argv: list[str] | None = None) -> dict:
         split = NamedSharding(mesh, P("data"))
         put_batch = lambda b: jax.device_put(b, split)  # noqa: E731
     # the held-out batches stacked (n, batch, seq); on a mesh split along the batch axis
-    eval_set = TokenBatch(*(np.stack(x) for x in zip(*(TokenBatch.from_windows(w) for w in eval_set))))
+    eval_set = TokenBatch(*(np.stack(x) for x in zip(*(to_batch(w) for w in eval_set))))
     if mesh is not None:
         eval_set = jax.device_put(eval_set, NamedSharding(mesh, P(None, "data")))
 
@@ -340,11 +387,11 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             while int(sync.step or joined.step) < args.max_steps:
                 step = int(sync.step or joined.step)
-                batch = put_batch(TokenBatch.from_windows(data.next()))
+                batch = put_batch(to_batch(data.next()))
                 adapters, state, metrics = train_step(adapters, state, frozen, batch, np.int32(step))
                 loss = metrics["loss"]  # read once at the end: no host round-trip per step
                 adapters, state = sync(adapters, state)  # counts; starts and merges rounds when due
-                if ckpt is not None and sync.step - last_saved >= args.sync_every and not sync.pending:
+                if ckpt is not None and sync.step - last_saved >= args.checkpoint_every and not sync.pending:
                     extra = rj.checkpoint_extra(sync, adapters, {"data": data.state()})
                     ckpt.save(sync.step, params=adapters, opt_state=state, extra=extra)
                     last_saved = sync.step
@@ -391,6 +438,55 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+def learning_rate(args: argparse.Namespace):
+    """The inner lr: ``--lr`` as a float (constant, no warm-up) or an optax schedule of the step
+    (``--warmup-steps`` linear from 0, then ``--lr-schedule`` over the rest of ``--max-steps``)."""
+    import optax
+
+    if args.lr_schedule == "constant" and args.warmup_steps == 0:
+        return args.lr
+    rest = max(1, args.max_steps - args.warmup_steps)
+    after = {
+        "constant": optax.constant_schedule(args.lr),
+        "cosine": optax.cosine_decay_schedule(args.lr, rest),
+        "linear": optax.linear_schedule(args.lr, 0.0, rest),
+    }[args.lr_schedule]
+    if args.warmup_steps == 0:
+        return after
+    warm = optax.linear_schedule(0.0, args.lr, args.warmup_steps)
+    return optax.join_schedules([warm, after], [args.warmup_steps])
+
+
+def example_data(args: argparse.Namespace, rank: int, world: int):
+    """``--data``: the records tokenised (``rj.data.load_examples``: chat template, masks), a
+    seeded held-out share of at least one batch of documents, the rest packed
+    (``rj.data.PackedExamples``, shard ``rank`` of ``world``). Returns ``(data, eval_batches)``:
+    the loader and up to ``--eval-batches`` held-out batches (dicts of ``(batch, seq_len)``
+    arrays, one document a row).
+
+    Raises:
+      ValueError: a malformed record, too few documents for a held-out batch, a shard with
+        fewer rows than one batch.
+    """
+    from ravnest_jax.data import PackedExamples, load_examples, load_tokenizer, load_tokenizer_config, split_examples
+
+    examples = load_examples(args.data, args.checkpoint, format=args.data_format, train_on_prompt=args.train_on_prompt)
+    if len(examples) < 2 * args.batch_size:
+        raise ValueError(
+            f"--data: {len(examples)} documents; at least 2 x --batch-size ({2 * args.batch_size}) are needed "
+            "(one batch of them is held out for the eval loss)"
+        )
+    fraction = min(0.5, max(0.05, (args.batch_size + 0.5) / len(examples)))
+    train, held = split_examples(examples, fraction, seed=args.seed)
+    pad = load_tokenizer_config(args.checkpoint).pad_token
+    pad_id = load_tokenizer(args.checkpoint).token_to_id(pad) if pad is not None else None
+    kw = dict(seq_len=args.seq_len, batch=args.batch_size, overlong=args.overlong, seed=args.seed, pad_id=pad_id or 0)
+    data = PackedExamples(train, packing=not args.no_packing, shard=rank, num_shards=world, **kw)
+    evals = PackedExamples(held, packing=False, **kw)
+    n = min(args.eval_batches, max(1, len(evals.rows) // args.batch_size))
+    return data, [evals.batch_at(i) for i in range(n)]
+
+
 def train_stages(args: argparse.Namespace, split, train_tokens, eval_set) -> dict:
     """``--stages S``: this process is one stage of a pipeline (placed among the launcher's
     peers); the adapters of its layers train on its cluster's data shard, the activations go
@@ -406,7 +502,7 @@ def train_stages(args: argparse.Namespace, split, train_tokens, eval_set) -> dic
     world = int(os.environ.get("RAVNEST_WORLD_SIZE", "1"))
     clusters = max(1, world // args.stages)
     plan = rj.pipeline.plan_stages(split, args.stages)
-    inner = optax.adamw(args.lr, weight_decay=0.0)
+    inner = optax.adamw(learning_rate(args), weight_decay=0.0)
     tx = rj.diloco(inner, sync_every=args.sync_every) if clusters > 1 else inner
     mode = "blocking" if args.overlap_steps == 0 else "delayed"
     peer = rj.pipeline.StagePeer(
