@@ -2,7 +2,8 @@
 Hugging Face checkpoints (``load_pretrained``, ``save_pretrained``), LoRA / QLoRA adapters with
 qwix (``LoraConfig``, ``apply_lora``, ``split_lora``; base in int8, int4 or nf4) and their export in
 PEFT's format (``save_peft_adapters``), memory-efficient
-attention with segment ids (``attention``), the training step (``TokenBatch``, ``make_train_step``,
+attention with segment ids (``attention``), text generation with a key/value cache (``generate``; PEFT adapters
+folded in with ``merge_peft_adapters``), the training step (``TokenBatch``, ``make_train_step``,
 ``make_eval_loss``, ``chunked_cross_entropy``), device widths and the allocator's pool
 (``device_bits``, ``nbytes``, ``allocator_pool_bytes``) and the memory planner (``plan_memory``).
 Needs the ``llm`` extra (``safetensors``, ``tokenizers``, ``qwix``)."""
@@ -11,6 +12,9 @@ from ._attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from ._attention import attention as attention
 from ._config import ARCHITECTURES as ARCHITECTURES
 from ._config import TransformerConfig as TransformerConfig
+from ._generate import generate as generate
+from ._generate import merge_peft_adapters as merge_peft_adapters
+from ._generate import read_peft_adapters as read_peft_adapters
 from ._hf import adapter_sharding as adapter_sharding
 from ._hf import base_sharding as base_sharding
 from ._hf import hf_config as hf_config
@@ -55,13 +59,16 @@ __all__ = [
     "base_sharding",
     "chunked_cross_entropy",
     "device_bits",
+    "generate",
     "hf_config",
     "init_opt_state",
     "load_pretrained",
     "make_eval_loss",
     "make_train_step",
     "merge_adapters",
+    "merge_peft_adapters",
     "nbytes",
+    "read_peft_adapters",
     "save_peft_adapters",
     "save_pretrained",
     "split_lora",
