@@ -153,6 +153,32 @@ def test_cli_prints_lines_and_exits_2(tmp_path, capsys):
     assert out["recipe"]["optim"]["steps"] == 3 and out["train_argv"][out["train_argv"].index("--max-steps") + 1] == "3"
 
 
+def test_train_lr_schedule_and_checkpoint_every():
+    from ravnest_jax.recipe import _example_train
+
+    train = _example_train()
+    args = train.parse_args(
+        [
+            "--checkpoint",
+            str(CKPT),
+            "--max-steps",
+            "10",
+            "--lr",
+            "0.1",
+            "--lr-schedule",
+            "cosine",
+            "--warmup-steps",
+            "2",
+            "--sync-every",
+            "5",
+        ]
+    )
+    assert args.checkpoint_every == 5
+    lr = train.learning_rate(args)
+    assert float(lr(0)) == 0.0 and abs(float(lr(2)) - 0.1) < 1e-7 and float(lr(10)) < 1e-7
+    assert train.learning_rate(train.parse_args(["--checkpoint", str(CKPT), "--lr", "0.1"])) == 0.1
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_tiny_recipe_end_to_end(tmp_path):
@@ -177,3 +203,11 @@ def test_tiny_recipe_end_to_end(tmp_path):
     assert (tmp_path / "merged" / "model.safetensors").is_file() and (tmp_path / "merged" / "config.json").is_file()
     cfg = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
     assert cfg["r"] == 4 and (tmp_path / "adapters" / "adapter_model.safetensors").is_file()
+    # a second run of the same recipe with more steps resumes from the checkpoint
+    more = [*argv, "--set", "optim.steps=6", "--set", f"export.merged={tmp_path / 'merged2'}"]
+    more += ["--set", f"export.adapters={tmp_path / 'adapters2'}"]
+    cmd = [sys.executable, "-m", "ravnest_jax.cli", "finetune", str(RECIPES / "tiny.yaml"), *more]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    again = json.loads((tmp_path / "summary.json").read_text())
+    assert again["steps"] == 6 and again["how"] != "fresh" and again["data_position"] == 6
