@@ -5,7 +5,9 @@ Loads a Hugging Face checkpoint (``config.json``, ``model.safetensors`` or shard
 ``tokenizer.json``) with adapters on the chosen projections and, with ``--quantize int4``, the
 frozen base in 4 bits (``rj.models.load_pretrained``; with ``--stages`` each stage peer reads
 only its own layers' tensors: ``rj.pipeline.pretrained_split``); tokenises the text with the
-checkpoint's tokenizer and packs it into sequences, one shard per peer (``rj.data.PackedTokens``);
+checkpoint's tokenizer and packs it into sequences, one shard per peer (``rj.data.PackedTokens``),
+or with ``--data`` reads jsonl / parquet records (TRL's formats, alpaca's), loss-masked to the
+completion / assistant tokens and packed per document (``rj.data.PackedExamples``);
 trains the adapters only with AdamW, and averages them every H steps over the swarm (``rj.diloco`` +
 ``rj.OuterSync``: rounds carry the adapters, nothing else); checkpoints adapters, optimizer and
 data position (``rj.Checkpointer``) and resumes exactly; ``--export DIR`` writes the merged model
@@ -233,6 +235,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--batch-size ({args.batch_size}) must be a multiple of --micro-batches x --devices "
             f"({args.micro_batches} x {args.devices}): each micro-batch is split over the devices"
         )
+    if args.data and args.text:
+        p.error("--data and --text: give one of them")
     if args.checkpoint_every is None:
         args.checkpoint_every = args.sync_every
     if args.checkpoint_every < 1 or args.warmup_steps < 0:
