@@ -98,6 +98,13 @@ def test_tiny_top_p_is_greedy(llama):
     assert generate(llama, _prompt(), max_new_tokens=6, temperature=1.0, top_p=1e-6, seed=4) == greedy
 
 
+def test_a_scanned_model_generates_what_the_per_layer_one_does(llama):
+    scanned = load_pretrained(LLAMA, remat=False)  # scan_layers=True: unstacked on a copy
+    assert scanned.scan_layers
+    assert generate(scanned, _prompt(9), max_new_tokens=6) == generate(llama, _prompt(9), max_new_tokens=6)
+    assert scanned.scan_layers
+
+
 def test_bad_arguments_are_one_line_errors(llama):
     for kw, match in (
         (dict(prompt_ids=[]), "no tokens"),
