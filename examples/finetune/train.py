@@ -431,7 +431,10 @@ def main(argv: list[str] | None = None) -> dict:
         config = json.loads((Path(args.checkpoint) / "config.json").read_text())
         config["torch_dtype"] = json.loads((out / "config.json").read_text())["torch_dtype"]
         (out / "config.json").write_text(json.dumps(config, indent=2))
-        shutil.copy(Path(args.checkpoint) / "tokenizer.json", out / "tokenizer.json")
+        # the tokenizer and what generate / transformers read beside it (chat template, BOS/EOS)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+            if (Path(args.checkpoint) / name).is_file():
+                shutil.copy(Path(args.checkpoint) / name, out / name)
         summary["exported"] = str(out)
     if args.export_adapters and rank == 0 and not interrupted:
         out = save_peft_adapters(
