@@ -5,6 +5,7 @@ checkpoints of different steps continues from the newest step every peer has."""
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -112,9 +113,9 @@ def test_whole_swarm_restarts_from_the_newest_common_checkpoint(cluster):
     and train on."""
     ck = cluster.tmp / "ck"
     cue = cluster.tmp / "restart-now"
-    for i in range(3):
+    for i in range(3):  # killed long before step 60: room for a slow checkpoint write
         cluster.start_peer(
-            f"peer{i}", *ARGS, "--max-steps", "40", "--min-peers", "3", "--checkpoint-dir", str(ck / f"peer{i}")
+            f"peer{i}", *ARGS, "--max-steps", "60", "--min-peers", "3", "--checkpoint-dir", str(ck / f"peer{i}")
         )
     for i in range(3):
         cluster.start_peer(
@@ -136,6 +137,16 @@ def test_whole_swarm_restarts_from_the_newest_common_checkpoint(cluster):
     cluster.procs["peer0"].wait(10)
     cluster.wait_event("peer1", _is_round(20, group=2), 60)
     cluster.wait_event("peer1", lambda e: e.get("event") == "progress" and e["step"] >= 24, 60)
+    # orbax saves in the background: wait (bounded) until peer1's checkpoint from after the
+    # two-peer round is finalised on disk, newer than anything peer0 left, before killing it
+    newest_of_peer0 = max(_steps_on_disk(ck / "peer0"), default=0)
+    deadline = time.monotonic() + 60
+    while max(_steps_on_disk(ck / "peer1"), default=0) <= newest_of_peer0:
+        assert time.monotonic() < deadline, (
+            f"peer1 finalised no checkpoint after step {newest_of_peer0} in 60 s: {_steps_on_disk(ck / 'peer1')}"
+        )
+        assert cluster.procs["peer1"].poll() is None, "peer1 exited before its checkpoint"
+        time.sleep(0.1)
     for name in ("peer1", "peer2"):  # ... then the rest of the swarm
         cluster.procs[name].send_signal(signal.SIGKILL)
         cluster.procs[name].wait(10)
