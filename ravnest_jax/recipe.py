@@ -102,11 +102,14 @@ class OptimSection:
 @dataclass(frozen=True)
 class OuterSection:
     """``outer``: inner steps per DiLoCo round (H), the wire codec of the rounds (None: the
-    swarm's default or the launcher's ``--codec``), steps a round overlaps (0 blocks)."""
+    swarm's default or the launcher's ``--codec``), steps a round overlaps (0 blocks), the outer
+    step's learning rate and Nesterov momentum (0: plain SGD; lr 1 and momentum 0 average)."""
 
     sync_every: int = 20
     codec: str | None = None
     overlap_steps: int = 1
+    lr: float = 0.7
+    momentum: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -274,7 +277,13 @@ CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "steps": _int(1),
         "seed": _int(0),
     },
-    "outer": {"sync_every": _int(1), "codec": _optional(_codec), "overlap_steps": _int(0)},
+    "outer": {
+        "sync_every": _int(1),
+        "codec": _optional(_codec),
+        "overlap_steps": _int(0),
+        "lr": _float(lambda x: x > 0, "a number > 0"),
+        "momentum": _float(lambda x: 0 <= x < 1, "a number in [0, 1)"),
+    },
     "checkpoint": {"dir": _optional(_str), "every": _optional(_int(1))},
     "export": {"merged": _optional(_str), "adapters": _optional(_str), "summary": _optional(_str)},
     "runtime": {
@@ -335,7 +344,9 @@ def _check_files(values: dict[str, dict[str, Any]], problems: list[str]) -> None
             problems.append(f"data.files: {f} does not exist (and matches nothing as a glob)")
     for key, out in (("export.merged", get("export", "merged")), ("export.adapters", get("export", "adapters"))):
         if out and Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
-            problems.append(f"{key}: {out} exists and is not an empty directory")
+            problems.append(
+                f"{key}: {out} exists and is not an empty directory (remove it, or --set {key}=ANOTHER_DIR)"
+            )
     if get("checkpoint", "dir") and Path(get("checkpoint", "dir")).is_file():
         problems.append(f"checkpoint.dir: {get('checkpoint', 'dir')} is a file, not a directory")
     if get("export", "summary") and Path(get("export", "summary")).is_dir():
@@ -453,6 +464,7 @@ def train_argv(r: Recipe) -> list[str]:
     a += ["--batch-size", str(o.micro_batch * o.micro_batches), "--micro-batches", str(o.micro_batches)]
     a += ["--max-steps", str(o.steps), "--seed", str(o.seed)]
     a += ["--sync-every", str(r.outer.sync_every), "--overlap-steps", str(r.outer.overlap_steps)]
+    a += ["--outer-lr", repr(r.outer.lr), "--outer-momentum", repr(r.outer.momentum)]
     if r.checkpoint.dir:
         a += ["--checkpoint-dir", r.checkpoint.dir]
     if r.checkpoint.every:

@@ -87,6 +87,16 @@ def test_cross_key_checks(tmp_path):
     assert "optim.warmup: expected < optim.steps (5), got 5" in lines
 
 
+def test_outer_step_settings(tmp_path):
+    r = load_recipe(write(tmp_path, GOOD + "outer: {lr: 1, momentum: 0}\n"))
+    argv = train_argv(r)
+    assert argv[argv.index("--outer-lr") + 1] == "1.0" and argv[argv.index("--outer-momentum") + 1] == "0.0"
+    assert problems(tmp_path, GOOD + "outer: {lr: 0, momentum: 1.0}\n") == [
+        "outer.lr: expected a number > 0, got 0",
+        "outer.momentum: expected a number in [0, 1), got 1.0",
+    ]
+
+
 def test_missing_required_and_missing_files(tmp_path):
     assert problems(tmp_path, "lora: {rank: 4}\n") == [
         "model.checkpoint: missing (required)",
@@ -105,7 +115,9 @@ def test_export_dir_not_empty(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "f").write_text("x")
     lines = problems(tmp_path, GOOD + "export: {merged: out}\n")
-    assert lines == [f"export.merged: {tmp_path / 'out'} exists and is not an empty directory"]
+    assert lines == [
+        f"export.merged: {tmp_path / 'out'} exists and is not an empty directory (remove it, or --set export.merged=ANOTHER_DIR)"
+    ]
 
 
 def test_paths_relative_to_recipe_and_set_to_cwd(tmp_path, monkeypatch):
@@ -135,8 +147,10 @@ def test_not_yaml_and_not_a_mapping(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["tiny.yaml", "llama-3.1-8b-qlora.yaml", "qwen3-8b-chat.yaml"])
-def test_example_recipes_validate(name):
-    r = load_recipe(RECIPES / name, check_files=name == "tiny.yaml")
+def test_example_recipes_validate(name, tmp_path):
+    # the exports into a fresh folder: an earlier run of the recipe may have left runs/tiny
+    sets = [f"export.merged={tmp_path / 'm'}", f"export.adapters={tmp_path / 'a'}"]
+    r = load_recipe(RECIPES / name, sets, check_files=name == "tiny.yaml")
     assert "--data" in train_argv(r)
 
 
@@ -148,7 +162,8 @@ def test_cli_prints_lines_and_exits_2(tmp_path, capsys):
         "error: lora.rank: expected an int >= 1, got 'x'",
         "error: optim.stesp: unknown key; did you mean 'steps'?",
     ]
-    assert cli_main(["finetune", str(RECIPES / "tiny.yaml"), "--check", "--set", "optim.steps=3"]) == 0
+    fresh = ["--set", f"export.merged={tmp_path / 'm'}", "--set", f"export.adapters={tmp_path / 'a'}"]
+    assert cli_main(["finetune", str(RECIPES / "tiny.yaml"), "--check", "--set", "optim.steps=3", *fresh]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["recipe"]["optim"]["steps"] == 3 and out["train_argv"][out["train_argv"].index("--max-steps") + 1] == "3"
 
@@ -211,3 +226,51 @@ def test_tiny_recipe_end_to_end(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
     again = json.loads((tmp_path / "summary.json").read_text())
     assert again["steps"] == 6 and again["how"] != "fresh" and again["data_position"] == 6
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(420)
+def test_tiny_recipe_as_a_local_swarm_of_three(tmp_path):
+    """``ravnest-jax local --peers 3 -- ravnest-jax finetune tiny.yaml``: three peers train on the
+    committed chat data, agree on the state, checkpoint each into its own folder; the first peer
+    alone exports and writes the one summary; the same command with more steps resumes every peer."""
+    sets = {
+        "optim.steps": 4,
+        "optim.warmup": 1,
+        "outer.sync_every": 2,
+        "checkpoint.every": 2,
+        "checkpoint.dir": tmp_path / "ck",
+        "export.merged": tmp_path / "merged",
+        "export.adapters": tmp_path / "adapters",
+        "export.summary": tmp_path / "summary.json",
+    }
+
+    def run(extra: list[str], local_json: Path) -> dict:
+        argv = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")] + extra
+        cmd = [sys.executable, "-m", "ravnest_jax.cli", "local", "--peers", "3", "--no-progress"]
+        cmd += ["--summary-json", str(local_json), "--", sys.executable, "-m", "ravnest_jax.cli", "finetune"]
+        done = subprocess.run(
+            [*cmd, str(RECIPES / "tiny.yaml"), *argv], cwd=tmp_path, capture_output=True, text=True, timeout=360
+        )
+        assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+        return json.loads(local_json.read_text())["peers"]
+
+    peers = run([], tmp_path / "local1.json")
+    assert sorted(peers) == ["peer0", "peer1", "peer2"] and all(p["exit"] == 0 for p in peers.values()), peers
+    ends = {n: p["summary"] for n, p in peers.items()}
+    assert len({s["last_state_digest"] for s in ends.values()}) == 1, ends
+    assert all(s["steps"] == 4 and s["failed_rounds"] == 0 for s in ends.values()), ends
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["peer0", "peer1", "peer2"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["last_state_digest"] == ends["peer0"]["last_state_digest"]
+    assert summary["eval_loss_end"] < summary["eval_loss_start"], summary
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
+    assert (tmp_path / "adapters" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "merged" / "tokenizer_config.json").is_file()  # the chat template travels
+    # more steps: every peer resumes from its own checkpoint, and they still agree
+    more = ["--set", "optim.steps=6", "--set", f"export.merged={tmp_path / 'merged2'}"]
+    more += ["--set", f"export.adapters={tmp_path / 'adapters2'}"]
+    again = {n: p["summary"] for n, p in run(more, tmp_path / "local2.json").items()}
+    assert all(s["how"] != "fresh" and s["data_position"] == 6 for s in again.values()), again
+    assert len({s["last_state_digest"] for s in again.values()}) == 1, again
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6

@@ -18,6 +18,28 @@ from pathlib import Path
 
 EOS = "<|endoftext|>"
 
+# The tiny checkpoint's tokenizer_config.json: no BOS, EOS the end-of-text token, which also ends
+# each assistant turn, and a chat template in the style of Zephyr's (role markers as plain text:
+# the 384-token vocabulary has no special tokens for them). transformers renders it as is.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{ '<|assistant|>\\n' }}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}{{ '\\n' }}"
+    "{%- else %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{%- endif %}"
+)
+TOKENIZER_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": None,
+    "eos_token": EOS,
+    "pad_token": EOS,
+    "model_max_length": 2048,
+    "chat_template": CHAT_TEMPLATE,
+}
+
 
 def stdlib_texts(limit_bytes: int = 1 << 20) -> Iterator[str]:
     """The ``.py`` files of this interpreter's standard library (sorted; site-packages and
@@ -141,6 +163,7 @@ def make_tiny_checkpoint(
     eos = tok.token_to_id(EOS)
     config.update(bos_token_id=eos, eos_token_id=eos)
     (root / "config.json").write_text(json.dumps(config, indent=2))
+    (root / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
     return root
 
 

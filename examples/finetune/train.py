@@ -43,6 +43,9 @@ REMAT = ("full", "dots", "offload", "none")
 ATTENTION = ("auto", "cudnn", "chunked", "xla")
 MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 DEFAULT_MEM_FRACTION = 0.9
+# the outer step of LoRA-DiLoCo (benchmarks/bench_lora_diloco.py, docs/finetuning.md)
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
 
 
 def set_memory_fraction(argv: list[str] | None = None) -> str:
@@ -93,6 +96,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=300, help="inner steps to train (default 300)")
     p.add_argument("--sync-every", type=int, default=20, help="H: inner steps per outer round (default 20)")
     p.add_argument("--overlap-steps", type=int, default=1, help="tau: steps a round overlaps; 0 blocks (default 1)")
+    p.add_argument(
+        "--outer-lr", type=float, default=OUTER_LR, help=f"the outer step's learning rate (default {OUTER_LR})"
+    )
+    p.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=OUTER_MOMENTUM,
+        help=f"the outer step's Nesterov momentum in [0, 1); 0: plain SGD (default {OUTER_MOMENTUM})",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
     p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate (default 3e-3)")
@@ -230,6 +242,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--batch-size ({args.batch_size}) must be a multiple of --devices ({args.devices})")
     if args.mem_fraction is not None and not 0 < args.mem_fraction <= 1:
         p.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
+    if not args.outer_lr > 0:
+        p.error(f"--outer-lr must be > 0, got {args.outer_lr}")
+    if not 0 <= args.outer_momentum < 1:
+        p.error(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
     if args.stages == 1 and args.batch_size % (args.micro_batches * args.devices):
         p.error(
             f"--batch-size ({args.batch_size}) must be a multiple of --micro-batches x --devices "
@@ -355,7 +371,9 @@ def main(argv: list[str] | None = None) -> dict:
         load_pretrained(args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora, remat=remat, mesh=mesh)
     )
     frozen = lm.frozen
-    tx = rj.diloco(optax.adamw(learning_rate(args), weight_decay=0.0), sync_every=args.sync_every)
+    tx = rj.diloco(
+        optax.adamw(learning_rate(args), weight_decay=0.0), outer_optimizer(args), sync_every=args.sync_every
+    )
     state = rj.models.init_opt_state(lm, tx)  # on a mesh laid out as the step keeps it
     knobs = dict(loss_chunk=args.loss_chunk, remat=remat, attention=args.attention)
     train_step = rj.models.make_train_step(
@@ -445,6 +463,14 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+def outer_optimizer(args: argparse.Namespace):
+    """The outer step: Nesterov SGD at ``--outer-lr`` with ``--outer-momentum``
+    (``rj.optim.default_outer``; momentum 0 is plain SGD, and with lr 1 plain averaging)."""
+    import ravnest_jax as rj
+
+    return rj.optim.default_outer(args.outer_lr, args.outer_momentum)
+
+
 def learning_rate(args: argparse.Namespace):
     """The inner lr: ``--lr`` as a float (constant, no warm-up) or an optax schedule of the step
     (``--warmup-steps`` linear from 0, then ``--lr-schedule`` over the rest of ``--max-steps``)."""
@@ -510,7 +536,7 @@ def train_stages(args: argparse.Namespace, split, train_tokens, eval_set) -> dic
     clusters = max(1, world // args.stages)
     plan = rj.pipeline.plan_stages(split, args.stages)
     inner = optax.adamw(learning_rate(args), weight_decay=0.0)
-    tx = rj.diloco(inner, sync_every=args.sync_every) if clusters > 1 else inner
+    tx = rj.diloco(inner, outer_optimizer(args), sync_every=args.sync_every) if clusters > 1 else inner
     mode = "blocking" if args.overlap_steps == 0 else "delayed"
     peer = rj.pipeline.StagePeer(
         split,
