@@ -7,7 +7,7 @@ same compute, same encoded bytes) in one process.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
 import jax
@@ -21,41 +21,109 @@ from ravnest_jax.swarm._codec import decode_activation
 from ._schedule import stage_ops
 from ._worker import StageWorker
 
-__all__ = ["Batches", "SimResult", "encode_message", "run_stage", "simulate"]
+__all__ = ["Batches", "SimResult", "encode_message", "read_batch", "run_stage", "simulate"]
 
 
 class Batches:
-    """A stage's view of the data: ``batches(step)`` gives the step's tokens, int32 ``(B, T +
-    1)``; micro-batch ``g`` is rows ``[m * B / M, (m + 1) * B / M)`` of step ``g // M``, ``m = g %
-    M``, its inputs the first ``T`` columns and its targets the last ``T``.
+    """A stage's view of the data: ``batches(step)`` gives the step's batch (:func:`read_batch`):
+    int32 tokens ``(B, T + 1)``, or a loss-masked batch of ``TokenBatch`` fields. Micro-batch
+    ``g`` is rows ``[m * B / M, (m + 1) * B / M)`` of step ``g // M``, ``m = g % M``: its inputs
+    int32 ``(B / M, T)`` and its targets, int32 ``(B / M, T)`` or, for a masked batch, the pair
+    ``(targets, weights)`` with ``weights`` the loss mask times ``M / n``, ``n`` the tokens the
+    whole step's mask counts: the last stage's loss is ``sum(weights * ce)``
+    (:func:`token_cross_entropy`), so the mean of a step's M micro-batch losses, and of their
+    gradients, is the step's token mean, as the unsplit step (``rj.models.make_train_step``)
+    takes it.
 
     Raises (on use):
-      ValueError: a batch that is not 2-D int, or whose rows do not divide by M.
+      ValueError: as :func:`read_batch`; rows that do not divide by M.
     """
 
     def __init__(self, batches: Callable[[int], Any], micro_batches: int):
         self.batches, self.micro_batches = batches, int(micro_batches)
         self._step: int | None = None
-        self._tokens: np.ndarray | None = None
+        self._parts: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
 
-    def _rows(self, g: int) -> np.ndarray:
+    def _rows(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         step, m = divmod(int(g), self.micro_batches)
         if self._step != step:
-            tok = np.asarray(self.batches(step))
-            if tok.ndim != 2 or not np.issubdtype(tok.dtype, np.integer) or tok.shape[1] < 2:
-                raise ValueError(f"batches({step}) must be int tokens (batch, seq + 1), got {tok.dtype} {tok.shape}")
-            if tok.shape[0] % self.micro_batches:
-                raise ValueError(f"batch of {tok.shape[0]} rows does not split into {self.micro_batches} micro-batches")
-            self._step, self._tokens = step, tok.astype(np.int32, copy=False)
-        assert self._tokens is not None
-        r = self._tokens.shape[0] // self.micro_batches
-        return self._tokens[m * r : (m + 1) * r]
+            inputs, targets, mask = read_batch(self.batches(step), f"batches({step})")
+            if inputs.shape[0] % self.micro_batches:
+                raise ValueError(
+                    f"batch of {inputs.shape[0]} rows does not split into {self.micro_batches} micro-batches"
+                )
+            weights = None
+            if mask is not None:
+                weights = (mask * (self.micro_batches / max(float(mask.sum()), 1.0))).astype(np.float32)
+            self._step, self._parts = step, (inputs, targets, weights)
+        assert self._parts is not None
+        r = self._parts[0].shape[0] // self.micro_batches
+        return tuple(None if a is None else a[m * r : (m + 1) * r] for a in self._parts)  # type: ignore[return-value]
 
     def inputs(self, g: int) -> np.ndarray:
-        return np.ascontiguousarray(self._rows(g)[:, :-1])
+        return np.ascontiguousarray(self._rows(g)[0])
 
-    def targets(self, g: int) -> np.ndarray:
-        return np.ascontiguousarray(self._rows(g)[:, 1:])
+    def targets(self, g: int) -> Any:
+        _, targets, weights = self._rows(g)
+        targets = np.ascontiguousarray(targets)
+        return targets if weights is None else (targets, np.ascontiguousarray(weights))
+
+
+def read_batch(batch: Any, what: str = "batch") -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A pipeline batch as ``(inputs, targets, loss_mask)``, int32, int32 and float32 ``(B, T)``
+    (``loss_mask`` None: every position counts).
+
+    ``batch``: int tokens ``(B, T + 1)`` (inputs the first ``T`` columns, targets the last
+    ``T``), or a mapping with the ``rj.models.TokenBatch`` fields ``tokens``, ``targets``,
+    ``loss_mask`` and optionally ``positions`` and ``segment_ids``, each ``(B, T)``, holding one
+    document a row from its first column, padding after (``rj.data.PackedExamples(...,
+    packing=False)``). The stages carry no segment ids or positions: causal attention alone keeps
+    a row's padding out of its document, which is exact for such rows and wrong for packed ones.
+
+    Raises:
+      ValueError: tokens that are not 2-D int with ``T >= 1``; a mapping without a field or with
+        fields of different shapes; a row with several documents (packed) or one that does not
+        start at its first column.
+    """
+    if not isinstance(batch, Mapping):
+        tok = np.asarray(batch)
+        if tok.ndim != 2 or not np.issubdtype(tok.dtype, np.integer) or tok.shape[1] < 2:
+            raise ValueError(f"{what} must be int tokens (batch, seq + 1), got {tok.dtype} {tok.shape}")
+        tok = tok.astype(np.int32, copy=False)
+        return tok[:, :-1], tok[:, 1:], None
+    missing = [k for k in ("tokens", "targets", "loss_mask") if k not in batch]
+    if missing:
+        raise ValueError(f"{what}: a masked batch needs tokens, targets and loss_mask; {', '.join(missing)} missing")
+    parts = {
+        k: np.asarray(v)
+        for k, v in batch.items()
+        if k in ("tokens", "targets", "loss_mask", "positions", "segment_ids")
+    }
+    shape = parts["tokens"].shape
+    if len(shape) != 2 or shape[1] < 1 or any(v.shape != shape for v in parts.values()):
+        raise ValueError(
+            f"{what}: the fields must be (batch, seq) alike, got { ({k: v.shape for k, v in parts.items()}) }"
+        )
+    seg = parts.get("segment_ids")
+    if seg is not None and seg.max(initial=0) > 1:
+        raise ValueError(
+            f"{what}: rows hold several documents (segment ids up to {int(seg.max())}); pipeline stages carry no "
+            "segment ids: give one document a row (PackedExamples(..., packing=False))"
+        )
+    pos = parts.get("positions")
+    if pos is not None:
+        doc = seg > 0 if seg is not None else parts["loss_mask"] > 0
+        cols = np.broadcast_to(np.arange(shape[1], dtype=pos.dtype), shape)
+        if not np.array_equal(pos[doc], cols[doc]):
+            raise ValueError(
+                f"{what}: a document does not start at its row's first column (positions); pipeline stages need "
+                "one document a row from column 0"
+            )
+    return (
+        parts["tokens"].astype(np.int32, copy=False),
+        parts["targets"].astype(np.int32, copy=False),
+        parts["loss_mask"].astype(np.float32, copy=False),
+    )
 
 
 def run_stage(
@@ -149,8 +217,8 @@ def simulate(
       split: a :class:`LayerSplit`.
       plan: a :class:`StagePlan`.
       tx: an optax optimizer, or ``tx(stage) -> optimizer``.
-      batches: ``batches(step)`` -> int32 tokens ``(B, T + 1)``; ``B`` divisible by
-        ``micro_batches``.
+      batches: ``batches(step)`` -> int32 tokens ``(B, T + 1)``, or a loss-masked batch of one
+        document a row (:func:`read_batch`); ``B`` divisible by ``micro_batches``.
       steps, micro_batches, mode, codec, codec_options, recompute: see :class:`StageWorker`.
       in_flight: the schedule's depth (:func:`stage_ops`; default the stage count).
       on_step: called with ``(step, workers)`` once every stage applied step ``step``'s update
@@ -165,9 +233,9 @@ def simulate(
     """
     S = plan.num_stages
     if workers is None:
-        sample = np.asarray(batches(start))
+        sample, _, _ = read_batch(batches(start), f"batches({start})")
         rows = sample.shape[0] // micro_batches
-        hidden = split.hidden(rows, sample.shape[1] - 1)
+        hidden = split.hidden(rows, sample.shape[1])
         workers = []
         for s, (lo, hi) in enumerate(plan.bounds):
             workers.append(

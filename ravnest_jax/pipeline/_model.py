@@ -23,9 +23,17 @@ from flax import nnx
 __all__ = ["LayerSplit", "StageModel", "token_cross_entropy", "transformer_split", "whole_params"]
 
 
-def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy (nats): ``logits`` float ``(batch, seq, vocab)``, ``targets``
-    int32 ``(batch, seq)``."""
+def token_cross_entropy(logits: jax.Array, targets: Any) -> jax.Array:
+    """Next-token cross-entropy (nats) of ``logits`` float ``(batch, seq, vocab)``.
+
+    ``targets`` int32 ``(batch, seq)``: the mean over every position. Or a pair ``(ids,
+    weights)``, int32 and float32 ``(batch, seq)``: the weighted sum ``sum(weights * ce)``, for a
+    loss-masked batch whose weights are its mask already divided by the tokens counted (what the
+    stage driver passes for masked batches, ``_drive.Batches``)."""
+    if isinstance(targets, tuple):
+        ids, weights = targets
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), ids)
+        return jnp.sum(ce * weights.astype(jnp.float32))
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
 

@@ -24,12 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from ravnest_jax.swarm import Swarm, SwarmError, Timeouts
 from ravnest_jax.swarm._activations import PipelineBroken
 
-from ._drive import Batches, run_stage
+from ._drive import Batches, read_batch, run_stage
 from ._placement import Placement, device_memory, place
 from ._schedule import check_depth, stage_ops
 from ._stage_io import StageMetrics, _Sender, pad_to
@@ -220,7 +219,7 @@ class StagePeer:
         self.sync: Any = None
         self.joined: str | None = None  # how the stage's state began: "fresh" or "joined" (downloaded)
         self._sender: _Sender | None = None
-        self._shape: tuple[int, int] | None = None
+        self._shape: tuple[int, int, bool] | None = None  # batch rows, seq, loss-masked batches
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir).expanduser()
         self.checkpoint_every, self.max_to_keep = checkpoint_every, max_to_keep
         self._ckpt: Any = None  # the rj.Checkpointer of this peer's stage
@@ -337,9 +336,9 @@ class StagePeer:
         return wait_for_a_free_slot(self, deadline)
 
     # ------------------------------------------------------------------ set-up
-    def prepare(self, batch_rows: int, seq_len: int) -> StageWorker:
+    def prepare(self, batch_rows: int, seq_len: int, *, masked: bool = False) -> StageWorker:
         """Builds and compiles this stage's compute for batches of ``batch_rows`` sequences of
-        ``seq_len`` tokens (:meth:`run` calls it when not done)."""
+        ``seq_len`` tokens, ``masked`` or not (:meth:`run` calls it when not done)."""
         if batch_rows % self.micro_batches:
             raise ValueError(f"batch of {batch_rows} rows does not split into {self.micro_batches} micro-batches")
         assert self.stage is not None, "place() first"
@@ -347,7 +346,7 @@ class StagePeer:
         if (
             self.worker is not None
             and self.worker.stage.lo == self.plan.bounds[self.stage][0]
-            and self._shape == (batch_rows, seq_len)
+            and self._shape == (batch_rows, seq_len, masked)
         ):
             return self.worker
         lo, hi = self.plan.bounds[self.stage]
@@ -364,9 +363,9 @@ class StagePeer:
             keep_grads=self.keep_grads,
         )
         open_checkpoints(self)
-        self.worker.compile(rows, seq_len)
+        self.worker.compile(rows, seq_len, masked=masked)
         self.metrics.residual_bytes = self.worker.residual_bytes
-        self._shape = (batch_rows, seq_len)
+        self._shape = (batch_rows, seq_len, masked)
         return self.worker
 
     def connect(self) -> None:
@@ -450,8 +449,9 @@ class StagePeer:
 
         Args:
           steps: the step to stop before.
-          batches: ``batches(step)`` -> int32 tokens ``(B, T + 1)``, the same on every stage of a
-            cluster (the first stage reads the inputs, the last the targets; clusters should
+          batches: ``batches(step)`` -> int32 tokens ``(B, T + 1)``, or a loss-masked batch of one
+            document a row (``TokenBatch`` fields: ``_drive.read_batch``), the same on every stage
+            of a cluster (the first stage reads the inputs, the last the targets; clusters should
             read different data).
           batch_shape: ``(B, T)`` when ``batches`` is None (a middle stage without data).
           on_step: ``on_step(step, loss)`` after each update (``loss``: the step's mean
@@ -467,20 +467,21 @@ class StagePeer:
           ValueError: a bad batch.
         """
         assert self._sender is not None, "start() first"
-        if batch_shape is None:
-            if batches is None:
-                raise ValueError("a stage without data needs batch_shape=(B, T)")
-            tok = np.asarray(batches(self.step))
-            batch_shape = (tok.shape[0], tok.shape[1] - 1)
+        masked = False  # loss-masked batches (a stage without data is not the last: no targets)
+        if batches is not None:
+            tok, _, mask = read_batch(batches(self.step), f"batches({self.step})")
+            masked, batch_shape = mask is not None, batch_shape or tok.shape
+        elif batch_shape is None:
+            raise ValueError("a stage without data needs batch_shape=(B, T)")
         if self.role == "unplaced":
             self.place()
         if self.role == "standby":
-            self.prepare(*batch_shape)  # compiled ahead: a takeover costs the download only
+            self.prepare(*batch_shape, masked=masked)  # compiled ahead: a takeover costs the download only
             self._ready = False
             self._publish()
             if not self._wait_for_a_free_slot():
                 return []
-        self.prepare(*batch_shape)
+        self.prepare(*batch_shape, masked=masked)
         join_group(self)
         losses: list[float] = []
         data = Batches(batches, self.micro_batches) if batches is not None else None
@@ -585,10 +586,10 @@ class StagePeer:
             m.messages_sent, m.messages_received, m.send_retries = st.messages_sent, st.messages_received, st.retries
 
     def evaluate(self, tokens: Any) -> float | None:
-        """The mean loss of the cluster's model on ``tokens`` (int32 ``(K, B, T + 1)``, the
-        same on every stage of the cluster): a forward-only pass through the pipeline, batch
-        by batch of the training micro-batch's shape. Returns the loss on the last stage, else
-        ``None``.
+        """The mean loss of the cluster's model on ``tokens`` (int32 ``(K, B, T + 1)``, or
+        loss-masked batches, one or a list: their token mean), the same on every stage of the
+        cluster: a forward-only pass through the pipeline, batch by batch of the training
+        micro-batch's shape. Returns the loss on the last stage, else ``None``.
 
         Raises:
           PipelineBroken: a neighbour did not deliver in time.

@@ -160,19 +160,38 @@ def join_group(peer: Any) -> None:
 
 def evaluate(peer: Any, tokens: Any) -> float | None:
     """:meth:`StagePeer.evaluate` (its docstring says what and what it raises)."""
+    from collections.abc import Mapping
+
+    from ._drive import read_batch
+
     w = peer.worker
     assert w is not None and peer._sender is not None and peer._shape is not None
     rows, seq = peer._shape[0] // peer.micro_batches, peer._shape[1]
-    tok = np.asarray(tokens, np.int32)
-    tok = tok.reshape(-1, tok.shape[-1])
-    if tok.shape[1] != seq + 1 or tok.shape[0] % rows:
-        raise ValueError(f"eval tokens of shape {tok.shape} do not cut into ({rows}, {seq + 1}) micro-batches")
+    if isinstance(tokens, Mapping) or (isinstance(tokens, list | tuple) and tokens and isinstance(tokens[0], Mapping)):
+        batches = [tokens] if isinstance(tokens, Mapping) else list(tokens)
+        flat = [{k: np.asarray(v).reshape(-1, np.shape(v)[-1]) for k, v in b.items()} for b in batches]
+        inputs, targets, mask = read_batch({k: np.concatenate([b[k] for b in flat]) for k in flat[0]}, "eval batch")
+    else:
+        tok = np.asarray(tokens, np.int32)
+        tok = tok.reshape(-1, tok.shape[-1])
+        if tok.shape[1] != seq + 1:
+            raise ValueError(f"eval tokens of shape {tok.shape} do not cut into ({rows}, {seq + 1}) micro-batches")
+        inputs, targets, mask = tok[:, :-1], tok[:, 1:], None
+    if inputs.shape[1] != seq or inputs.shape[0] % rows:
+        raise ValueError(f"eval batch of shape {inputs.shape} does not cut into ({rows}, {seq}) micro-batches")
+    chunks = inputs.shape[0] // rows
+    weights = None  # masked: each chunk's loss its share of the token mean over the whole eval set
+    if mask is not None:
+        weights = (mask * (chunks / max(float(mask.sum()), 1.0))).astype(np.float32)
     losses = []
-    for k in range(tok.shape[0] // rows):
+    for k in range(chunks):
         g = -1 - k  # eval micro-batches: negative numbers, never a training one's
-        chunk = tok[k * rows : (k + 1) * rows]
-        x = chunk[:, :-1] if w.first else peer.link.take("act", g, peer.recv_timeout)
-        packed, loss = w.evaluate(x, chunk[:, 1:] if w.last else None)
+        at = slice(k * rows, (k + 1) * rows)
+        x = inputs[at] if w.first else peer.link.take("act", g, peer.recv_timeout)
+        t = None
+        if w.last:
+            t = targets[at] if weights is None else (targets[at], weights[at])
+        packed, loss = w.evaluate(x, t)
         if w.last:
             losses.append(loss)
         else:

@@ -263,16 +263,18 @@ class StageWorker:
         self._last = jax.jit(last, donate_argnums=(4,))
         self._update = jax.jit(update, donate_argnums=(0, 1, 2) if donate_params else (1, 2))
 
-    def compile(self, batch_rows: int, seq_len: int, *, encoded: bool = True) -> None:
+    def compile(self, batch_rows: int, seq_len: int, *, encoded: bool = True, masked: bool = False) -> None:
         """Compiles this stage's programs for micro-batches of ``batch_rows`` sequences of
         ``seq_len`` tokens (before the pipeline starts, so no stage waits for another's
         compiler), for received activations as wire parts (``encoded``, what a stage peer
-        feeds) or float32 arrays. Runs nothing."""
+        feeds) or float32 arrays, and (the last stage) targets with loss weights (``masked``:
+        ``(targets, weights)``, a loss-masked batch) or without. Runs nothing."""
         tokens = jax.ShapeDtypeStruct((batch_rows, seq_len), jnp.int32)
         x = tokens if self.first else self._wire_spec(encoded)
         acc = self._acc
         if self.last:
-            self._last.lower(self.params, self.frozen, x, tokens, acc).compile()
+            targets = (tokens, jax.ShapeDtypeStruct((batch_rows, seq_len), jnp.float32)) if masked else tokens
+            self._last.lower(self.params, self.frozen, x, targets, acc).compile()
         else:
             lowered = self._fwd.lower(self.params, self.frozen, x)
             lowered.compile()
@@ -305,7 +307,8 @@ class StageWorker:
         Args:
           x: int32 tokens ``(rows, seq)`` on the first stage, else the activation: an
             ``EncodedActivation`` (decoded on the device) or a float32 array.
-          targets: int32 ``(rows, seq)``, on the last stage only.
+          targets: int32 ``(rows, seq)``, or ``(targets, weights)`` with float32 loss weights
+          (a loss-masked batch: ``_drive.Batches``), on the last stage only.
 
         Returns:
           ``(packed, loss)``: the encoded activation to send forward (on the last stage: the
