@@ -246,6 +246,7 @@ def test_tiny_recipe_as_a_local_swarm_of_three(tmp_path):
     }
 
     def run(extra: list[str], local_json: Path) -> dict:
+        """Each peer's own JSON line (train.py's summary, as the launcher prefixes it)."""
         argv = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")] + extra
         cmd = [sys.executable, "-m", "ravnest_jax.cli", "local", "--peers", "3", "--no-progress"]
         cmd += ["--summary-json", str(local_json), "--", sys.executable, "-m", "ravnest_jax.cli", "finetune"]
@@ -253,13 +254,20 @@ def test_tiny_recipe_as_a_local_swarm_of_three(tmp_path):
             [*cmd, str(RECIPES / "tiny.yaml"), *argv], cwd=tmp_path, capture_output=True, text=True, timeout=360
         )
         assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
-        return json.loads(local_json.read_text())["peers"]
+        launcher = json.loads(local_json.read_text())["peers"]
+        assert sorted(launcher) == ["peer0", "peer1", "peer2"], launcher
+        assert all(p["exit"] == 0 and p["summary"]["failed_rounds"] == 0 for p in launcher.values()), launcher
+        got = {}
+        for line in done.stdout.splitlines():
+            if line.startswith("[peer") and "] {" in line:
+                name, _, rest = line[1:].partition("] ")
+                got[name] = json.loads(rest)
+        assert sorted(got) == ["peer0", "peer1", "peer2"], done.stdout[-3000:]
+        return got
 
-    peers = run([], tmp_path / "local1.json")
-    assert sorted(peers) == ["peer0", "peer1", "peer2"] and all(p["exit"] == 0 for p in peers.values()), peers
-    ends = {n: p["summary"] for n, p in peers.items()}
+    ends = run([], tmp_path / "local1.json")
     assert len({s["last_state_digest"] for s in ends.values()}) == 1, ends
-    assert all(s["steps"] == 4 and s["failed_rounds"] == 0 for s in ends.values()), ends
+    assert all(s["steps"] == 4 and s["how"] == "fresh" for s in ends.values()), ends
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["peer0", "peer1", "peer2"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["last_state_digest"] == ends["peer0"]["last_state_digest"]
@@ -270,7 +278,7 @@ def test_tiny_recipe_as_a_local_swarm_of_three(tmp_path):
     # more steps: every peer resumes from its own checkpoint, and they still agree
     more = ["--set", "optim.steps=6", "--set", f"export.merged={tmp_path / 'merged2'}"]
     more += ["--set", f"export.adapters={tmp_path / 'adapters2'}"]
-    again = {n: p["summary"] for n, p in run(more, tmp_path / "local2.json").items()}
+    again = run(more, tmp_path / "local2.json")
     assert all(s["how"] != "fresh" and s["data_position"] == 6 for s in again.values()), again
     assert len({s["last_state_digest"] for s in again.values()}) == 1, again
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6
