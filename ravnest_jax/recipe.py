@@ -1,9 +1,9 @@
 """Fine-tuning recipes: ``ravnest-jax finetune recipe.yaml [--set key.sub=value ...]``.
 
 A recipe is a YAML file of sections (``model``, ``lora``, ``data``, ``optim``, ``outer``,
-``checkpoint``, ``export``, ``runtime``), loaded into the frozen dataclasses below and checked
-in full before anything loads: every wrong key, type or value is one line naming the key, an
-unknown key names the nearest valid one, and the lines are raised together as one
+``pipeline``, ``checkpoint``, ``export``, ``runtime``), loaded into the frozen dataclasses below
+and checked in full before anything loads: every wrong key, type or value is one line naming the
+key, an unknown key names the nearest valid one, and the lines are raised together as one
 ``ValueError``. :func:`train_argv` maps a recipe onto the options of the fine-tuning example
 (``examples/finetune/train.py``), which does the training. Paths in the file are relative to
 the recipe file; paths given with ``--set`` relative to the current directory. No jax import.
@@ -29,6 +29,7 @@ __all__ = [
     "ModelSection",
     "OptimSection",
     "OuterSection",
+    "PipelineSection",
     "Recipe",
     "RuntimeSection",
     "load_recipe",
@@ -42,6 +43,8 @@ TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 SCHEDULES = ("constant", "cosine", "linear")
 REMAT = ("full", "dots", "offload", "none")
 ATTENTION = ("auto", "cudnn", "chunked", "xla")
+PIPELINE_MODES = ("sync", "async", "stash", "predict", "2bw")  # train.py --pipeline-mode
+ACTIVATION_CODECS = ("fp32", "bf16", "int8", "int4", "fp4")  # train.py --activation-codec
 REQUIRED = object()  # the default of a key the recipe must give
 
 
@@ -113,6 +116,18 @@ class OuterSection:
 
 
 @dataclass(frozen=True)
+class PipelineSection:
+    """``pipeline`` (docs/pipeline.md): ``stages`` peers each hold a slice of the layers (1: none;
+    peers / stages clusters average each stage with DiLoCo), micro-batches stage 0 holds (None:
+    ``stages``), the schedule (sync: exact; async, stash, 2bw: no flush), the activations' codec."""
+
+    stages: int = 1
+    in_flight: int | None = None
+    mode: str = "sync"
+    activation_codec: str = "int8"
+
+
+@dataclass(frozen=True)
 class CheckpointSection:
     """``checkpoint``: where to save and resume from (None: no checkpoints), inner steps between
     saves (None: ``outer.sync_every``)."""
@@ -152,6 +167,7 @@ class Recipe:
     lora: LoraSection = field(default_factory=LoraSection)
     optim: OptimSection = field(default_factory=OptimSection)
     outer: OuterSection = field(default_factory=OuterSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     export: ExportSection = field(default_factory=ExportSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
@@ -163,6 +179,7 @@ SECTIONS: dict[str, type] = {
     "data": DataSection,
     "optim": OptimSection,
     "outer": OuterSection,
+    "pipeline": PipelineSection,
     "checkpoint": CheckpointSection,
     "export": ExportSection,
     "runtime": RuntimeSection,
@@ -283,6 +300,12 @@ CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "overlap_steps": _int(0),
         "lr": _float(lambda x: x > 0, "a number > 0"),
         "momentum": _float(lambda x: 0 <= x < 1, "a number in [0, 1)"),
+    },
+    "pipeline": {
+        "stages": _int(1),
+        "in_flight": _optional(_int(1)),
+        "mode": _choice(PIPELINE_MODES),
+        "activation_codec": _choice(ACTIVATION_CODECS),
     },
     "checkpoint": {"dir": _optional(_str), "every": _optional(_int(1))},
     "export": {"merged": _optional(_str), "adapters": _optional(_str), "summary": _optional(_str)},
@@ -438,9 +461,34 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *, 
             f"optim.micro_batch: expected a multiple of runtime.devices ({recipe.runtime.devices}), "
             f"got {opt.micro_batch}"
         )
+    if recipe.pipeline.stages > 1:
+        _check_stages(recipe, problems)
     if problems:
         raise ValueError("\n".join(problems))
     return recipe
+
+
+def _check_stages(r: Recipe, problems: list[str]) -> None:
+    """What ``pipeline.stages > 1`` cannot run with (``train.py`` refuses the same): a line each."""
+    S, M, d = r.pipeline.stages, r.optim.micro_batches, r.pipeline.in_flight
+    why, hi = f"with pipeline.stages > 1 ({S})", max(S, M + 1)
+    if d is not None and not S <= d <= hi:
+        problems.append(
+            f"pipeline.in_flight: expected in [pipeline.stages, optim.micro_batches + 1] = [{S}, {hi}], got {d}"
+        )
+    if r.pipeline.mode == "2bw" and M < S - 1:
+        problems.append(f"optim.micro_batches: expected >= pipeline.stages - 1 ({S - 1}) with mode 2bw, got {M}")
+    if r.data.packing:
+        problems.append(f"data.packing: expected false {why}: the stages carry no segment ids (one document a row)")
+    for key, value in (("export.merged", r.export.merged), ("export.adapters", r.export.adapters)):
+        if value:
+            problems.append(f"{key}: not supported {why} yet (a stage peer holds a slice of the layers); set it null")
+    if r.lora.dropout > 0:
+        problems.append(f"lora.dropout: expected 0 {why} (not supported yet), got {r.lora.dropout}")
+    if r.runtime.devices > 1:
+        problems.append(f"runtime.devices: expected 1 {why} (not supported yet), got {r.runtime.devices}")
+    if r.runtime.attention != "auto":
+        problems.append(f"runtime.attention: expected auto {why} (not supported yet), got {r.runtime.attention!r}")
 
 
 def train_argv(r: Recipe) -> list[str]:
@@ -465,6 +513,10 @@ def train_argv(r: Recipe) -> list[str]:
     a += ["--max-steps", str(o.steps), "--seed", str(o.seed)]
     a += ["--sync-every", str(r.outer.sync_every), "--overlap-steps", str(r.outer.overlap_steps)]
     a += ["--outer-lr", repr(r.outer.lr), "--outer-momentum", repr(r.outer.momentum)]
+    pl = r.pipeline
+    if pl.stages > 1:
+        a += ["--stages", str(pl.stages), "--pipeline-mode", pl.mode, "--activation-codec", pl.activation_codec]
+        a += ["--in-flight", str(pl.in_flight)] if pl.in_flight is not None else []
     if r.checkpoint.dir:
         a += ["--checkpoint-dir", r.checkpoint.dir]
     if r.checkpoint.every:
@@ -507,15 +559,22 @@ def _example_train() -> Any:
 
 def run(r: Recipe) -> dict:
     """Runs recipe ``r`` as one peer (the swarm from ``RAVNEST_*``, as the launcher sets them):
-    ``train.main(train_argv(r))``; writes ``export.summary`` (first peer only). Returns the
-    summary dict of ``train.py``.
+    ``train.main(train_argv(r))``; writes ``export.summary`` (first peer; with stages the first
+    cluster's last stage). Returns the summary dict of ``train.py``.
 
     Raises:
-      ValueError: as ``train.py`` (bad data, a checkpoint it cannot read), before it compiles.
+      ValueError: as ``train.py`` (bad data, a checkpoint it cannot read), before it compiles;
+        ``pipeline.stages`` that does not divide the swarm's peers (``RAVNEST_WORLD_SIZE``).
     """
     import json
 
     argv = train_argv(r)
+    world, S = int(os.environ.get("RAVNEST_WORLD_SIZE", "1")), r.pipeline.stages
+    if world % S:
+        raise ValueError(
+            f"pipeline.stages: {S} stages need a multiple of {S} peers, got {world} (ravnest-jax local --peers {S} "
+            f"-- ravnest-jax finetune RECIPE; at a --rendezvous, RAVNEST_WORLD_SIZE on every peer)"
+        )
     if r.outer.codec:
         os.environ.setdefault("RAVNEST_CODEC", r.outer.codec)  # the launcher's --codec wins
     train = _example_train()
@@ -524,7 +583,8 @@ def run(r: Recipe) -> dict:
 
     rj.enable_compilation_cache()
     summary = train.main(argv)
-    if r.export.summary and os.environ.get("RAVNEST_RANK", "0") == "0":
+    last = (summary.get("stage"), summary.get("cluster")) == (S - 1, 0)  # stages: the one with the eval loss
+    if r.export.summary and (last if S > 1 else os.environ.get("RAVNEST_RANK", "0") == "0"):
         out = Path(r.export.summary)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"recipe": r.path, **summary}, indent=1) + "\n")

@@ -250,3 +250,150 @@ def test_tiny_recipe_as_a_local_swarm_of_three(tmp_path):
     assert all(s["how"] != "fresh" and s["data_position"] == 6 for s in again.values()), again
     assert len({s["last_state_digest"] for s in again.values()}) == 1, again
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6
+
+
+# --- pipeline stages (the pipeline section) ---
+
+
+def test_pipeline_section_maps_to_train_py_options(tmp_path, monkeypatch):
+    from ravnest_jax.recipe import _example_train
+
+    text = GOOD + "pipeline: {stages: 2, in_flight: 3, mode: async, activation_codec: bf16}\n"
+    r = load_recipe(write(tmp_path, text + "optim: {micro_batch: 2, micro_batches: 4}\n"), ["data.packing=false"])
+    argv = train_argv(r)
+    assert argv[argv.index("--stages") :][:8] == [
+        "--stages",
+        "2",
+        "--pipeline-mode",
+        "async",
+        "--activation-codec",
+        "bf16",
+        "--in-flight",
+        "3",
+    ]
+    monkeypatch.setenv("RAVNEST_WORLD_SIZE", "2")  # train.py checks the launcher's peers against --stages
+    args = _example_train().parse_args(argv)
+    got = (args.stages, args.in_flight, args.pipeline_mode, args.activation_codec, args.micro_batches)
+    assert got == (2, 3, "async", "bf16", 4) and args.batch_size == 8 and args.no_packing
+    assert "--stages" not in train_argv(load_recipe(write(tmp_path, GOOD)))  # stages: 1, the default
+
+
+def test_bad_pipeline_values_one_line_each(tmp_path):
+    text = GOOD + "pipeline: {stages: 0, in_flight: two, mode: fast, activation_codec: int16, stagse: 2}\n"
+    assert problems(tmp_path, text) == [
+        "pipeline.stages: expected an int >= 1, got 0",
+        "pipeline.in_flight: expected an int >= 1, got 'two'",
+        "pipeline.mode: expected one of sync, async, stash, predict, 2bw, got 'fast'",
+        "pipeline.activation_codec: expected one of fp32, bf16, int8, int4, fp4, got 'int16' (did you mean 'int8'?)",
+        "pipeline.stagse: unknown key; did you mean 'stages'?",
+    ]
+
+
+def test_what_stages_cannot_run_with_is_refused_before_any_load(tmp_path, capsys, monkeypatch):
+    """The settings train.py refuses with --stages: one line each from the recipe check, before
+    train.py (or jax) is loaded; a swarm whose peers are not a multiple of the stages is refused
+    by the recipe's run before train.py starts."""
+    from ravnest_jax.recipe import _example_train, run
+
+    text = GOOD + (
+        "pipeline: {stages: 4, in_flight: 9, mode: 2bw}\noptim: {micro_batch: 2, micro_batches: 2}\n"
+        "lora: {dropout: 0.1}\nexport: {merged: m, adapters: a}\nruntime: {devices: 2, attention: xla}\n"
+    )
+    why = "with pipeline.stages > 1 (4)"
+    assert problems(tmp_path, text) == [
+        "pipeline.in_flight: expected in [pipeline.stages, optim.micro_batches + 1] = [4, 4], got 9",
+        "optim.micro_batches: expected >= pipeline.stages - 1 (3) with mode 2bw, got 2",
+        f"data.packing: expected false {why}: the stages carry no segment ids (one document a row)",
+        f"export.merged: not supported {why} yet (a stage peer holds a slice of the layers); set it null",
+        f"export.adapters: not supported {why} yet (a stage peer holds a slice of the layers); set it null",
+        f"lora.dropout: expected 0 {why} (not supported yet), got 0.1",
+        f"runtime.devices: expected 1 {why} (not supported yet), got 2",
+        f"runtime.attention: expected auto {why} (not supported yet), got 'xla'",
+    ]
+    r = load_recipe(write(tmp_path, GOOD + "pipeline: {stages: 2}\n"), ["data.packing=false"])
+    with pytest.raises(ValueError, match=r"^pipeline.stages: 2 stages need a multiple of 2 peers, got 1 \("):
+        run(r)  # alone: a swarm of one
+    # train.py itself: --data with --stages needs one document a row
+    monkeypatch.setenv("RAVNEST_WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        _example_train().parse_args(["--checkpoint", str(CKPT), "--stages", "2", "--data", str(DATA)])
+    assert "--data with --stages needs --no-packing" in capsys.readouterr().err
+
+
+def test_70b_recipe_in_four_stages_validates(monkeypatch):
+    """examples/recipes/llama-3.1-70b-4stages.yaml (weights not here: no file check): the
+    settings the memory planner sized (nf4, rank 16, micro-batch 1 x 2048, 4 stages, depth 4,
+    pool 0.9) and options train.py takes with 4 peers."""
+    from ravnest_jax.recipe import _example_train
+
+    r = load_recipe(RECIPES / "llama-3.1-70b-4stages.yaml", check_files=False)
+    planned = (r.model.quantize, r.lora.rank, r.optim.micro_batch, r.data.seq_len, r.pipeline.stages)
+    assert planned == ("nf4", 16, 1, 2048, 4) and r.pipeline.in_flight is None and r.runtime.mem_fraction == 0.9
+    monkeypatch.setenv("RAVNEST_WORLD_SIZE", "4")
+    args = _example_train().parse_args(train_argv(r))
+    assert (args.stages, args.micro_batches, args.batch_size, args.quantize) == (4, 16, 16, "nf4")
+    assert args.no_packing and args.export is None and args.data
+
+
+def _base_eval_loss(argv: list[str]) -> float:
+    """The masked eval loss of the tiny checkpoint without adapters on the held-out batches that
+    train.py's stages evaluate (its ``example_data(args, 0, 1)``): the token mean."""
+    import jax.numpy as jnp
+
+    import ravnest_jax as rj
+    from ravnest_jax.recipe import _example_train
+
+    train = _example_train()
+    _, evals = train.example_data(train.parse_args(argv), 0, 1)
+    model = rj.models.load_pretrained(CKPT, dtype=jnp.float32)
+    total = count = 0.0
+    for b in evals:
+        logits = model(jnp.asarray(b["tokens"]))
+        total += float(
+            rj.pipeline.token_cross_entropy(logits, (jnp.asarray(b["targets"]), jnp.asarray(b["loss_mask"])))
+        )
+        count += float(b["loss_mask"].sum())
+    return total / count
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_tiny_recipe_in_two_stages_trains_as_a_local_swarm(tmp_path, monkeypatch):
+    """``ravnest-jax local --peers 2 -- ravnest-jax finetune tiny.yaml`` with ``pipeline.stages: 2``:
+    each peer one stage of the tiny model, the chat data loss-masked one conversation a row, int8
+    activations between them; both run every step, each checkpoints into its own folder, the
+    summary is the last stage's, and its eval loss is below the untrained model's."""
+    sets = {
+        "pipeline.stages": 2,
+        "data.packing": "false",
+        "optim.steps": 4,
+        "optim.warmup": 1,
+        "optim.micro_batches": 2,
+        "optim.lr": 0.01,
+        "outer.sync_every": 2,
+        "checkpoint.dir": tmp_path / "ck",
+        "checkpoint.every": 2,
+        "export.merged": "null",
+        "export.adapters": "null",
+        "export.summary": tmp_path / "summary.json",
+    }
+    argv = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    cmd = [sys.executable, "-m", "ravnest_jax.cli", "local", "--peers", "2", "--no-progress", "--"]
+    cmd += [sys.executable, "-m", "ravnest_jax.cli", "finetune", str(RECIPES / "tiny.yaml"), *argv]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    peers = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("[peer") and "] {" in line:
+            name, _, rest = line[1:].partition("] ")
+            peers[name] = json.loads(rest)
+    assert sorted(peers) == ["peer0", "peer1"], done.stdout[-3000:]
+    assert sorted(p["stage"] for p in peers.values()) == [0, 1], peers
+    assert all(p["steps"] == 4 and p["activation_bytes_sent"] > 0 for p in peers.values()), peers
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["peer0", "peer1"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stage"] == 1 and summary["recipe"] == str(RECIPES / "tiny.yaml"), summary
+    monkeypatch.setenv("RAVNEST_WORLD_SIZE", "2")
+    recipe = load_recipe(RECIPES / "tiny.yaml", [f"{k}={v}" for k, v in sets.items()], check_files=False)
+    base = _base_eval_loss(train_argv(recipe))
+    assert summary["eval_loss_end"] < base, (summary["eval_loss_end"], base)

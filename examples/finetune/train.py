@@ -277,10 +277,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ("--export", args.export),
             ("--export-adapters", args.export_adapters),
             ("--lora-dropout", args.lora_dropout > 0),
-            ("--data", args.data),
+            ("--devices", args.devices > 1),
+            ("--attention other than auto", args.attention != "auto"),
         ):
             if bad:
                 p.error(f"{flag} is not supported with --stages yet (docs/pipeline.md, limits)")
+        if args.data and not args.no_packing:
+            p.error(
+                "--data with --stages needs --no-packing: the stages carry no segment ids, so one document a row "
+                "(docs/pipeline.md, limits)"
+            )
     if args.checkpoint_dir and Path(args.checkpoint_dir).expanduser().exists():
         if not Path(args.checkpoint_dir).expanduser().is_dir():
             p.error(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory")
@@ -345,7 +351,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     rank, world = int(os.environ.get("RAVNEST_RANK", "0")), int(os.environ.get("RAVNEST_WORLD_SIZE", "1"))
     if args.data:  # records: masked, packed per document (TokenBatch fields)
-        data, eval_set = example_data(args, rank, world)
+        # with --stages one loader of every row: the clusters take turns through its batches
+        data, eval_set = example_data(args, 0, 1) if args.stages > 1 else example_data(args, rank, world)
         to_batch = lambda b: TokenBatch(**b)  # noqa: E731
     else:
         tokens = tokenize(text_documents(args.text), tokenizer, eos_id=eos_token_id(args.checkpoint))
@@ -361,12 +368,16 @@ def main(argv: list[str] | None = None) -> dict:
         args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     mesh = peer_mesh(args.devices)
+    remat = {"full": True, "none": False}.get(args.remat, args.remat)
     if args.stages > 1:
         # the stage's tensors only: the split holds the model abstractly, the stage reads its slice
-        split = rj.pipeline.pretrained_split(args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora, mesh=mesh)
+        split = rj.pipeline.pretrained_split(
+            args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora, remat=remat, mesh=mesh
+        )
+        if args.data:  # one document a row, loss-masked: the pipeline's masked batches
+            return train_stages(args, split, None, eval_set, records=data)
         return train_stages(args, split, train_tokens, np.stack(eval_set))
     # on a mesh: the frozen base and the adapters FSDP-style over the peer's devices
-    remat = {"full": True, "none": False}.get(args.remat, args.remat)
     lm = split_lora(
         load_pretrained(args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora, remat=remat, mesh=mesh)
     )
@@ -520,13 +531,17 @@ def example_data(args: argparse.Namespace, rank: int, world: int):
     return data, [evals.batch_at(i) for i in range(n)]
 
 
-def train_stages(args: argparse.Namespace, split, train_tokens, eval_set) -> dict:
+def train_stages(args: argparse.Namespace, split, train_tokens, eval_set, records=None) -> dict:
     """``--stages S``: this process is one stage of a pipeline (placed among the launcher's
     peers); the adapters of its layers train on its cluster's data shard, the activations go
     ``--activation-codec``-compressed to its neighbours, and with several clusters each stage's
     adapters are averaged with DiLoCo among the peers that hold that stage. ``split`` is
     ``rj.pipeline.pretrained_split`` of the checkpoint: the plan needs no tensor, and the stage
-    reads only its own from the files. Prints one JSON line."""
+    reads only its own from the files. The data: ``train_tokens`` (``--text``: packed windows,
+    a shard per cluster) or ``records`` (``--data``: a ``PackedExamples`` of one document a row,
+    loss-masked; cluster ``c`` of ``C`` reads its batches ``c, c + C, ...``), and ``eval_set``
+    the held-out batches (int32 ``(n, batch, seq + 1)``, or a list of ``TokenBatch`` field dicts).
+    Prints one JSON line."""
     import optax
 
     import ravnest_jax as rj
@@ -554,23 +569,29 @@ def train_stages(args: argparse.Namespace, split, train_tokens, eval_set) -> dic
         checkpoint_dir=Path(args.checkpoint_dir) / os.environ.get("RAVNEST_PEER_ID", ".")
         if args.checkpoint_dir
         else None,
-        checkpoint_every=args.sync_every,
+        checkpoint_every=args.checkpoint_every,
         outer={"mode": mode, "overlap_steps": args.overlap_steps},
         outer_codec=os.environ.get("RAVNEST_CODEC", "int4"),
     )
     with peer:
         peer.place()
-        data = PackedTokens(
-            train_tokens,
-            seq_len=args.seq_len,
-            batch=args.batch_size,
-            shard=peer.cluster,
-            num_shards=clusters,
-            seed=args.seed,
-        )
+        if records is not None:
+            cluster = peer.cluster
+
+            def batch_at(step: int) -> dict:
+                return records.batch_at(step * clusters + cluster)
+        else:
+            batch_at = PackedTokens(
+                train_tokens,
+                seq_len=args.seq_len,
+                batch=args.batch_size,
+                shard=peer.cluster,
+                num_shards=clusters,
+                seed=args.seed,
+            ).batch_at
         interrupted = False
         try:
-            losses = peer.run(args.max_steps, data.batch_at)
+            losses = peer.run(args.max_steps, batch_at)
             eval_end = peer.evaluate(eval_set)
         except KeyboardInterrupt:
             print(f"{peer.peer_id}: interrupted at step {peer.step}", file=sys.stderr)
