@@ -45,6 +45,7 @@ REMAT = ("full", "dots", "offload", "none")
 ATTENTION = ("auto", "cudnn", "chunked", "xla")
 PIPELINE_MODES = ("sync", "async", "stash", "predict", "2bw")  # train.py --pipeline-mode
 ACTIVATION_CODECS = ("fp32", "bf16", "int8", "int4", "fp4")  # train.py --activation-codec
+MERGE_INTO = ("original", "dequantized")  # train.py --merge-into
 REQUIRED = object()  # the default of a key the recipe must give
 
 
@@ -139,11 +140,14 @@ class CheckpointSection:
 @dataclass(frozen=True)
 class ExportSection:
     """``export``: directories for the merged model and for the PEFT adapters, a file for the
-    JSON summary (each None: not written; first peer only)."""
+    JSON summary (each None: not written; first peer only), and what a quantised base's merged
+    model folds the adapters into (``merge_into``: ``original``, the checkpoint's float weights,
+    or ``dequantized``, the dequantised base they trained against; docs/finetuning.md, Export)."""
 
     merged: str | None = None
     adapters: str | None = None
     summary: str | None = None
+    merge_into: str = "original"
 
 
 @dataclass(frozen=True)
@@ -308,7 +312,12 @@ CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "activation_codec": _choice(ACTIVATION_CODECS),
     },
     "checkpoint": {"dir": _optional(_str), "every": _optional(_int(1))},
-    "export": {"merged": _optional(_str), "adapters": _optional(_str), "summary": _optional(_str)},
+    "export": {
+        "merged": _optional(_str),
+        "adapters": _optional(_str),
+        "summary": _optional(_str),
+        "merge_into": _choice(MERGE_INTO),
+    },
     "runtime": {
         "remat": _choice(REMAT),
         "attention": _choice(ATTENTION),
@@ -522,7 +531,7 @@ def train_argv(r: Recipe) -> list[str]:
     if r.checkpoint.every:
         a += ["--checkpoint-every", str(r.checkpoint.every)]
     if r.export.merged:
-        a += ["--export", r.export.merged]
+        a += ["--export", r.export.merged, "--merge-into", r.export.merge_into]
     if r.export.adapters:
         a += ["--export-adapters", r.export.adapters]
     rt = r.runtime

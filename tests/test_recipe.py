@@ -397,3 +397,13 @@ def test_tiny_recipe_in_two_stages_trains_as_a_local_swarm(tmp_path, monkeypatch
     recipe = load_recipe(RECIPES / "tiny.yaml", [f"{k}={v}" for k, v in sets.items()], check_files=False)
     base = _base_eval_loss(train_argv(recipe))
     assert summary["eval_loss_end"] < base, (summary["eval_loss_end"], base)
+
+
+def test_export_merge_into(tmp_path):
+    r = load_recipe(write(tmp_path, GOOD + "export: {merged: out, merge_into: dequantized}\n"))
+    argv = train_argv(r)
+    assert argv[argv.index("--export") :][:4] == ["--export", str(tmp_path / "out"), "--merge-into", "dequantized"]
+    assert load_recipe(write(tmp_path, GOOD + "export: {merged: out}\n")).export.merge_into == "original"
+    assert problems(tmp_path, GOOD + "export: {merged: out, merge_into: dequantised}\n") == [
+        "export.merge_into: expected one of original, dequantized, got 'dequantised' (did you mean 'dequantized'?)"
+    ]

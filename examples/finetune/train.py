@@ -11,9 +11,11 @@ completion / assistant tokens and packed per document (``rj.data.PackedExamples`
 trains the adapters only with AdamW, and averages them every H steps over the swarm (``rj.diloco`` +
 ``rj.OuterSync``: rounds carry the adapters, nothing else); checkpoints adapters, optimizer and
 data position (``rj.Checkpointer``) and resumes exactly; ``--export DIR`` writes the merged model
-(adapters folded in) as a Hugging Face checkpoint, ``--export-adapters DIR`` the adapters alone in
-PEFT's format (``rj.models.save_peft_adapters``); ``--devices N`` lays the base and the adapters
-FSDP-style over N local devices (``load_pretrained(..., mesh=)``) and splits the batch over them.
+(adapters folded into the original float weights, or with ``--merge-into dequantized`` into the
+quantised base they trained against) as a Hugging Face checkpoint, ``--export-adapters DIR`` the
+adapters alone in PEFT's format (``rj.models.save_peft_adapters``); ``--devices N`` lays the base
+and the adapters FSDP-style over N local devices (``load_pretrained(..., mesh=)``) and splits the
+batch over them.
 The step is the library's (``rj.models.make_train_step``): bf16 compute on accelerators with
 float32 adapter masters, gradient checkpointing, chunked cross-entropy, donated state, optional
 gradient accumulation (``--micro-batches``); the defaults are those of a real card (see
@@ -191,6 +193,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="inner steps between saves, at the first round boundary after (default: --sync-every)",
     )
     p.add_argument("--export", default=None, help="write the merged model here at the end (first peer only)")
+    p.add_argument(
+        "--merge-into",
+        choices=("original", "dequantized"),
+        default="original",
+        help="with --export and --quantize: fold the adapters into the checkpoint's original float weights "
+        "(read again from it; what PEFT's merge_and_unload on the float model gives) or into the dequantised "
+        "quantised base they trained against (the merged model computes what the trained one did); "
+        "docs/finetuning.md, Export (default original)",
+    )
     p.add_argument(
         "--export-adapters",
         default=None,
@@ -455,7 +466,8 @@ def main(argv: list[str] | None = None) -> dict:
     if ckpt is not None:
         ckpt.close()
     if args.export and rank == 0 and not interrupted:
-        out = save_pretrained(lm.merged(state.global_params), args.export)
+        out = save_pretrained(merged_model(args, lm, state.global_params, dtype, mesh), args.export)
+        summary["merged_into"] = args.merge_into if args.quantize else "original"
         # the source's config (token ids, rope details) describes the merged model as well
         config = json.loads((Path(args.checkpoint) / "config.json").read_text())
         config["torch_dtype"] = json.loads((out / "config.json").read_text())["torch_dtype"]
@@ -472,6 +484,19 @@ def main(argv: list[str] | None = None) -> dict:
         summary["exported_adapters"] = str(out)
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def merged_model(args: argparse.Namespace, lm, adapters, dtype, mesh=None):
+    """What ``--export`` writes: ``adapters`` folded into the checkpoint's original float weights
+    (``--merge-into original``, read again from ``--checkpoint`` in ``dtype``, laid out on the
+    peer's ``mesh``; PEFT's ``merge_and_unload`` on the float model) or into the base the run
+    trained against (``lm.merged``: with ``--quantize`` the dequantised quantised kernels).
+    Without ``--quantize`` the two are the same weights: the model's own are used."""
+    from ravnest_jax.models import load_pretrained
+
+    if args.quantize is None or args.merge_into == "dequantized":
+        return lm.merged(adapters)
+    return lm.merged(adapters, base=load_pretrained(args.checkpoint, dtype=dtype, mesh=mesh, scan_layers=False))
 
 
 def outer_optimizer(args: argparse.Namespace):

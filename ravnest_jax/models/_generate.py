@@ -280,12 +280,24 @@ def merge_peft_adapters(model: Transformer, path: str | Path) -> Transformer:
       ValueError: as :func:`read_peft_adapters`; an adapter of a module the model does not have,
         or of the wrong shape; a scanned model.
     """
+    cfg, tensors = read_peft_adapters(path)
+    return fold_peft_tensors(model, tensors, float(cfg["lora_alpha"]) / cfg["r"])
+
+
+def fold_peft_tensors(model: Transformer, tensors: dict[str, Any], scale: float) -> Transformer:
+    """:func:`merge_peft_adapters` from PEFT's tensors in memory (name -> ``lora_A.weight`` ``(r,
+    in)`` / ``lora_B.weight`` ``(out, r)`` host arrays, as ``_peft.peft_tensors`` gives them) and
+    the LoRA scale ``alpha / r``: ``W += scale * lora_A.T @ lora_B.T`` in float32, cast to the
+    kernel's dtype, in place. Returns ``model``.
+
+    Raises:
+      ValueError: a scanned model; an adapter of a module the model does not have, or of the
+        wrong shape.
+    """
     from ._hf import hf_name
 
-    cfg, tensors = read_peft_adapters(path)
     if model.scan_layers:
         raise ValueError("merge_peft_adapters: load the model with scan_layers=False")
-    scale = float(cfg["lora_alpha"]) / cfg["r"]
     kernels = {}
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if str(p[-1]) == "kernel":

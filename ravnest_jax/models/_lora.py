@@ -308,10 +308,32 @@ class LoraModel(NamedTuple):
                 i += 1
         return m
 
-    def merged(self, adapters: nnx.State | None = None) -> Transformer:
+    def merged(self, adapters: nnx.State | None = None, *, base: Transformer | None = None) -> Transformer:
         """The plain float :class:`Transformer` with ``alpha / rank * A @ B`` folded into each
-        kernel (quantised kernels dequantised): what ``save_pretrained`` writes."""
-        return merge_adapters(self.model(self.adapters if adapters is None else adapters, self.frozen), self.lora)
+        kernel: what ``save_pretrained`` writes.
+
+        Args:
+          adapters: the adapters (default: :attr:`adapters`; a frozen ``A`` from :attr:`frozen`).
+          base: None: fold them into this model's own kernels, a quantised base dequantised
+            first (a new model, in the parameter dtype): the weights the adapters trained
+            against, so the merged model computes what the adapted one does, to float rounding.
+            Or a plain per-layer :class:`Transformer` of the same architecture, usually the
+            checkpoint's original float weights (``load_pretrained(path, dtype=...,
+            scan_layers=False)``): folded into its kernels in place, in float32 cast to their
+            dtype (PEFT's ``merge_and_unload``), and returned. Of a QLoRA model that is the base
+            before quantisation: the result differs from the adapted model by the quantisation
+            error (docs/finetuning.md, Export).
+
+        Raises:
+          ValueError: a ``base`` that is scanned, or lacks or misfits an adapted projection.
+        """
+        adapters = self.adapters if adapters is None else adapters
+        if base is None:
+            return merge_adapters(self.model(adapters, self.frozen), self.lora)
+        from ._generate import fold_peft_tensors
+        from ._peft import peft_tensors
+
+        return fold_peft_tensors(base, peft_tensors(self, adapters, jnp.float32), self.lora.scale)
 
     @property
     def num_adapter_params(self) -> int:
