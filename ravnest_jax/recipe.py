@@ -113,7 +113,7 @@ class OuterSection:
     codec: str | None = None
     overlap_steps: int = 1
     lr: float = 0.7
-    momentum: float = 0.9
+    momentum: float = 0.5
 
 
 @dataclass(frozen=True)

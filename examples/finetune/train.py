@@ -47,7 +47,7 @@ MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 DEFAULT_MEM_FRACTION = 0.9
 # the outer step of LoRA-DiLoCo (benchmarks/bench_lora_diloco.py, docs/finetuning.md)
 OUTER_LR = 0.7
-OUTER_MOMENTUM = 0.9
+OUTER_MOMENTUM = 0.5
 
 
 def set_memory_fraction(argv: list[str] | None = None) -> str:
