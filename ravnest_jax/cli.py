@@ -155,33 +155,9 @@ def _cmd_local(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    import json
+    from ravnest_jax.tools._status_cli import cmd_status
 
-    import aiohttp
-
-    from ravnest_jax.swarm._http import signed_json
-
-    token = _read_token(args).encode()
-
-    async def fetch() -> object:
-        async with aiohttp.ClientSession() as s:
-            return await signed_json(
-                s,
-                args.url,
-                "GET",
-                f"/v1/runs/{args.run_id}/status",
-                token=token,
-                run_id=args.run_id,
-                peer="cli-status",
-                timeout=aiohttp.ClientTimeout(total=args.timeout),
-            )
-
-    try:
-        print(json.dumps(asyncio.run(fetch()), indent=1))
-    except Exception as e:  # noqa: BLE001 - report and exit non-zero
-        print(f"error: {e!r}", file=sys.stderr)
-        return 1
-    return 0
+    return cmd_status(args, _read_token(args).encode())
 
 
 def _cmd_plan_memory(args: argparse.Namespace) -> int:
@@ -506,82 +482,10 @@ def build_parser() -> argparse.ArgumentParser:
     from ravnest_jax.tools._cli import add_parsers
 
     add_parsers(sub)  # plan, report
-    _add_finetune(sub)
+    from ravnest_jax.tools._finetune_cli import add_finetune
+
+    add_finetune(sub)  # finetune
     return p
-
-
-# --- finetune: a recipe (ravnest_jax/recipe.py) run as one peer of examples/finetune/train.py ---
-
-
-def _cmd_finetune(args: argparse.Namespace) -> int:
-    import json
-
-    from ravnest_jax.recipe import load_recipe, recipe_dict, run, train_argv  # no jax import
-
-    try:
-        recipe = load_recipe(args.recipe, args.set or [], check_files=not args.no_file_check)
-    except ValueError as e:
-        for line in str(e).splitlines():
-            print(f"error: {line}", file=sys.stderr)
-        return 2
-    if args.check:
-        print(json.dumps({"recipe": recipe_dict(recipe), "train_argv": train_argv(recipe)}, indent=1))
-        return 0
-    # a real swarm: the same variables the launcher sets (rj.Swarm() reads them)
-    for flag, env in (
-        ("rendezvous", "RAVNEST_RENDEZVOUS"),
-        ("run_id", "RAVNEST_RUN_ID"),
-        ("token_file", "RAVNEST_TOKEN_FILE"),
-        ("peer_id", "RAVNEST_PEER_ID"),
-        ("listen", "RAVNEST_LISTEN"),
-    ):
-        if getattr(args, flag):
-            os.environ[env] = str(getattr(args, flag))
-    if args.rendezvous and not (os.environ.get("RAVNEST_TOKEN") or os.environ.get("RAVNEST_TOKEN_FILE")):
-        print("error: --rendezvous needs --token-file FILE (or $RAVNEST_TOKEN)", file=sys.stderr)
-        return 2
-    if not os.environ.get("RAVNEST_RENDEZVOUS"):  # alone: a swarm of one, as `local --peers 1` makes it
-        from ravnest_jax.launch import run_local
-
-        sets = [a for item in args.set or [] for a in ("--set", item)]
-        command = [sys.executable, "-m", "ravnest_jax.cli", "finetune", str(Path(args.recipe).resolve()), *sets]
-        return run_local(command, peers=1, codec=recipe.outer.codec, progress=False)
-    try:
-        run(recipe)
-    except ValueError as e:  # bad data or checkpoint: one line, before anything compiled
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
-
-
-def _add_finetune(sub) -> None:
-    ft = sub.add_parser(
-        "finetune",
-        help="LoRA / QLoRA fine-tuning from a YAML recipe (one peer; under `local` a swarm)",
-        description="Runs a fine-tuning recipe as one peer (docs/finetuning.md, 'The recipe command'). "
-        "ravnest-jax local --peers N -- ravnest-jax finetune RECIPE runs N peers on this machine; "
-        "--rendezvous URL joins a real swarm. The recipe is checked in full before anything loads "
-        "(one line per problem, exit status 2).",
-    )
-    ft.add_argument("recipe", help="the recipe YAML file (its paths are relative to it)")
-    ft.add_argument(
-        "--set",
-        action="append",
-        metavar="SECTION.KEY=VALUE",
-        help="override one key (the value is YAML: optim.steps=10, lora.targets=[q,v]); repeatable",
-    )
-    ft.add_argument("--check", action="store_true", help="check the recipe, print it and train.py's options; no run")
-    ft.add_argument(
-        "--no-file-check", action="store_true", help="with --check: do not require the recipe's files to exist"
-    )
-    ft.add_argument("--rendezvous", default=None, metavar="URL", help="join this swarm's rendezvous")
-    ft.add_argument("--run-id", default=None, help="the run id at the rendezvous")
-    ft.add_argument("--token-file", default=None, help="file holding the run token (else $RAVNEST_TOKEN)")
-    ft.add_argument("--peer-id", default=None, help="this peer's name (default: generated)")
-    ft.add_argument("--listen", default=None, metavar="HOST:PORT", help="where this peer listens for the others")
-    ft.set_defaults(func=_cmd_finetune)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -407,3 +408,21 @@ def test_export_merge_into(tmp_path):
     assert problems(tmp_path, GOOD + "export: {merged: out, merge_into: dequantised}\n") == [
         "export.merge_into: expected one of original, dequantized, got 'dequantised' (did you mean 'dequantized'?)"
     ]
+
+
+def test_cli_at_a_rendezvous_needs_the_data_shard(tmp_path, capsys, monkeypatch):
+    # without --rank/--world-size every peer at a real rendezvous would read the same rows
+    for env in ("RAVNEST_RANK", "RAVNEST_WORLD_SIZE", "RAVNEST_RENDEZVOUS", "RAVNEST_RUN_ID"):
+        monkeypatch.setenv(env, "x")  # recorded: restored (or removed) after the test, as the command sets them
+        monkeypatch.delenv(env)
+    monkeypatch.setenv("RAVNEST_TOKEN", "t")
+    at = ["finetune", str(RECIPES / "tiny.yaml"), "--rendezvous", "http://127.0.0.1:9", "--run-id", "r"]
+    for extra, want in (
+        ([], "error: --rendezvous needs --rank R --world-size N"),
+        (["--rank", "1"], "error: --rank and --world-size go together"),
+        (["--rank", "2", "--world-size", "2"], "error: --rank 2 must be below --world-size 2"),
+    ):
+        assert cli_main([*at, *extra]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(want), (extra, err)
+    assert "RAVNEST_WORLD_SIZE" not in os.environ
