@@ -1,0 +1,111 @@
+"""``ravnest-jax status``: the run's JSON against a real rendezvous, and every failure as one line
+in words (never an exception's repr)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+from _procs import Proc
+
+from ravnest_jax.cli import main
+
+TOKEN = "status-token-1"
+
+
+@pytest.fixture(scope="module")
+def rendezvous(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rv")
+    pf = tmp / "port"
+    env = {**os.environ, "RAVNEST_TOKEN": TOKEN, "JAX_PLATFORMS": "cpu"}
+    args = [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port", "0"]
+    p = Proc("rendezvous", [*args, "--port-file", str(pf), "--quiet"], tmp, env)
+    try:
+        deadline = time.monotonic() + 30
+        while not pf.exists():
+            assert p.p.poll() is None and time.monotonic() < deadline, f"rendezvous did not start: {p.stderr()}"
+            time.sleep(0.05)
+        time.sleep(0.05)  # the port file is written whole, but give the write a moment
+        yield f"http://127.0.0.1:{int(pf.read_text())}"
+    finally:
+        p.reap()
+
+
+def _status(capsys, monkeypatch, url: str, token: str = TOKEN, *extra: str) -> tuple[int, str, str]:
+    monkeypatch.setenv("RAVNEST_TOKEN", token)
+    rc = main(["status", url, "--run-id", "r1", *extra])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _one_line(rc: int, err: str) -> str:
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and lines[0].startswith("error: "), (rc, err)
+    for leak in ("Error(", "ConnectionKey", "Traceback", "<", "HTTP 4"):
+        assert leak not in lines[0], lines[0]
+    return lines[0]
+
+
+def test_status_prints_the_run_as_json(rendezvous, capsys, monkeypatch):
+    rc, out, err = _status(capsys, monkeypatch, rendezvous)
+    assert rc == 0 and '"run_id": "r1"' in out, (rc, out, err)
+
+
+def test_wrong_token_is_one_line(rendezvous, capsys, monkeypatch):
+    rc, _, err = _status(capsys, monkeypatch, rendezvous, "not-the-token")
+    assert _one_line(rc, err) == f"error: the rendezvous at {rendezvous} refused the token (401)"
+
+
+def test_nothing_listening_is_connection_refused(capsys, monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    rc, _, err = _status(capsys, monkeypatch, url)
+    assert _one_line(rc, err) == f"error: cannot reach the rendezvous at {url}: connection refused"
+
+
+def test_a_silent_server_is_a_timeout(capsys, monkeypatch):
+    with socket.socket() as s:  # accepts (the kernel's backlog) and never answers
+        s.bind(("127.0.0.1", 0))
+        s.listen(4)
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+        t0 = time.monotonic()
+        rc, _, err = _status(capsys, monkeypatch, url, TOKEN, "--timeout", "0.5")
+    assert time.monotonic() - t0 < 10, "the --timeout was not applied"
+    assert _one_line(rc, err) == f"error: no answer from the rendezvous at {url} within 0.5 s"
+
+
+class _NotFound(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.send_response(404)
+        self.send_header("Content-Length", "9")
+        self.end_headers()
+        self.wfile.write(b"not found")
+
+    def log_message(self, *a):  # quiet
+        pass
+
+
+def test_a_web_server_that_is_not_a_rendezvous(capsys, monkeypatch):
+    srv = HTTPServer(("127.0.0.1", 0), _NotFound)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        rc, _, err = _status(capsys, monkeypatch, url)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    line = _one_line(rc, err)
+    assert line.startswith(f"error: the rendezvous at {url} has no such page (is the URL a rendezvous?) (404)"), line
+
+
+def test_not_a_url(capsys, monkeypatch):
+    rc, _, err = _status(capsys, monkeypatch, "127.0.0.1:8765")
+    line = _one_line(rc, err)
+    assert "127.0.0.1:8765" in line and "http://" in line, line
