@@ -17,9 +17,16 @@ import optax
 
 import ravnest_jax as rj
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--steps", type=int, default=200)
-ap.add_argument("--sync-every", type=int, default=20)
+
+def count(value: str) -> int:  # a flag's check: argparse prints one line and exits 2
+    if not value.strip().isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value!r}")
+    return int(value)
+
+
+ap = argparse.ArgumentParser(description="One peer of the docs' quickstart (run it under ravnest-jax local).")
+ap.add_argument("--steps", type=count, default=200, help="inner steps of the whole run")
+ap.add_argument("--sync-every", type=count, default=20, help="H: inner steps per outer round")
 args = ap.parse_args()
 text = np.frombuffer(inspect.getsource(string).encode() * 20, np.uint8).astype(np.int32)
 rng = np.random.default_rng(int(os.environ.get("RAVNEST_RANK", "0")))  # each peer its own batches
@@ -45,6 +52,7 @@ def train_step(params, state, idx):
 
 with rj.Swarm() as swarm, rj.OuterSync(tx, swarm, overlap_steps=1) as sync:
     params, state, *_ = rj.join_or_resume(swarm, sync, params, state)
+    loss = None  # stays None when the run is already past --steps (a resumed or late peer)
     for _ in range(int(state.count), args.steps):
         params, state, loss = train_step(params, state, jnp.asarray(rng.integers(0, len(text) - 1, 256)))
         params, state = sync(params, state)
@@ -53,7 +61,7 @@ with rj.Swarm() as swarm, rj.OuterSync(tx, swarm, overlap_steps=1) as sync:
         json.dumps(
             {
                 "peer": swarm.peer_id,
-                "loss": float(loss),
+                "loss": None if loss is None else float(loss),
                 "eval_loss": float(loss_fn(state.global_params, jnp.arange(20_000))),
             }
         )
