@@ -21,7 +21,7 @@ from . import _auth
 from ._allreduce import CHUNK
 from ._codec import release_free_heap
 from ._http import HTTPStatusError, stream_body
-from ._transport import Transport
+from ._transport import Transport, why
 from ._types import SwarmError
 
 log = logging.getLogger("ravnest_jax.swarm")
@@ -98,7 +98,7 @@ class StateTransfer:
             await asyncio.sleep(min(0.5, max(deadline - asyncio.get_running_loop().time(), 0)))
 
     async def _h_get_state(self, request: web.Request) -> web.StreamResponse:
-        self.transport.verify(request)
+        peer, _ = self.transport.verify(request)
         provider = self.provider
         if provider is None:
             raise web.HTTPNotFound(text="this peer serves no state")
@@ -118,6 +118,15 @@ class StateTransfer:
         headers = self.transport.sign_response(request, _auth.body_digest(body))
         try:
             return await stream_body(request, headers, body, CHUNK)
+        except ConnectionError as e:  # the joiner died or gave up: one line, not aiohttp's traceback
+            log.info(
+                "%s: %s went away mid-download of the state (%d bytes): %s",
+                self.transport.peer_id,
+                peer,
+                len(body),
+                why(e),
+            )
+            return web.Response(status=499)  # never sent (the connection is gone): aiohttp lets it be
         finally:
             # the copies of a whole state are one-off buffers: give them back to the system
             # (the allocator keeps freed round buffers for reuse; RSS crept up by the state's
