@@ -109,7 +109,8 @@ class OuterSync:
         * tau / H`` (fitted to ``benchmarks/bench_convergence.py``, H = 50: tau = 1 +0.4 %, tau
         = 5 +0.9 % against blocking DiLoCo), so 0.01 allows tau <= 0.116 H (5 at H = 50, 58 at
         H = 500). ``RoundMetrics.needed_overlap_steps`` reports the tau a round would have
-        needed, and a warning says when the cap makes the step wait.
+        needed, and a warning says when the cap makes the step wait in at least 3 of the last
+        4 rounds (never after one slow round; at most every 50 rounds).
       alpha: mixing weight of the local params at the merge, in ``[0, 1]``.
       error_feedback: carry the codec's quantisation residual into the fragment's next round.
       error_feedback_decay: beta in ``[0, 1]``: the residual carried is ``beta * residual``

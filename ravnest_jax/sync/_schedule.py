@@ -107,18 +107,41 @@ class Schedule:
         return Plan(seq, tau, max(steps_done, 1) * self.samples_per_step, expected, learn)
 
 
+class _Exchanges(collections.deque):
+    """The last 4 exchange times (seconds), and how many were ever appended (the rounds)."""
+
+    def __init__(self) -> None:
+        super().__init__(maxlen=4)
+        self.appended = 0
+
+    def append(self, seconds: float) -> None:
+        super().append(seconds)
+        self.appended += 1
+
+
 class AutoTau:
     """tau per round with ``overlap_steps="auto"``: ``ceil(1.25 * t_x / t_s)`` within ``[1, cap]``,
     ``t_x`` the longest of the last 4 exchanges (boundary to result in, seconds), ``t_s`` the
     mean inner-step time between round starts with stalls excluded (seconds); 1 until a round
-    has completed. Host-side arithmetic on a few floats, once per round."""
+    has completed. Host-side arithmetic on a few floats, once per round.
+
+    The "cap binds" warning needs sustained evidence: at least :attr:`WARN_ROUNDS` of the last
+    :attr:`WARN_WINDOW` rounds each had an exchange longer than ``cap * t_s`` (a round whose step
+    waited), judged when the round's exchange comes in; the wait it names is the median of those
+    rounds' exchanges minus ``cap * t_s``. One slow round (a join, a resync, a compile) is not
+    warned about; at most one warning every 50 rounds."""
+
+    WARN_ROUNDS = 3
+    WARN_WINDOW = 4
 
     def __init__(self, cap: int):
         self.cap = cap
         self.needed = 0  # the last round's uncapped ceil(1.25 * t_x / t_s): what hiding it would take
         self._warned_at = -(10**9)  # the choose() call of the last "cap binds" warning
         self._calls = 0
-        self.exchanges: collections.deque[float] = collections.deque(maxlen=4)
+        self.exchanges: _Exchanges = _Exchanges()
+        self._judged = 0  # exchanges already judged for the warning
+        self._waited: collections.deque[tuple[bool, float]] = collections.deque(maxlen=self.WARN_WINDOW)
         self._clock: tuple[float, int, float] | None = None  # (perf_counter, step, total stall)
         self._step_seconds: float | None = None
 
@@ -139,16 +162,33 @@ class AutoTau:
             return 1
         need = 1.25 * max(self.exchanges) / max(self._step_seconds, 1e-6)
         self.needed = max(1, math.ceil(need))
-        if self.needed > self.cap and self._calls - self._warned_at >= 50:
-            self._warned_at = self._calls
-            log.warning(
-                "the exchange (%.2f s) needs tau=%d inner steps (%.3f s each) to hide; the staleness budget caps "
-                "auto tau at %d, so the step waits about %.2f s per round (raise staleness_budget or "
-                "max_overlap_steps, use a larger H, or a smaller codec)",
-                max(self.exchanges),
-                self.needed,
-                self._step_seconds,
-                self.cap,
-                max(self.exchanges) - self.cap * self._step_seconds,
-            )
+        self._warn_if_sustained()
         return max(1, min(self.cap, self.needed))
+
+    def _warn_if_sustained(self) -> None:
+        """Judges the exchanges that came in since the last call; warns on sustained waits."""
+        assert self._step_seconds is not None
+        hidden = self.cap * self._step_seconds  # what tau = cap hides, seconds
+        new = min(self.exchanges.appended - self._judged, len(self.exchanges))
+        self._judged = self.exchanges.appended
+        for x in list(self.exchanges)[len(self.exchanges) - new :]:
+            self._waited.append((x > hidden, x))
+        slow = sorted(x for waited, x in self._waited if waited)
+        if len(slow) < self.WARN_ROUNDS or self._calls - self._warned_at < 50:
+            return
+        self._warned_at = self._calls
+        mid = len(slow) // 2
+        median = slow[mid] if len(slow) % 2 else 0.5 * (slow[mid - 1] + slow[mid])
+        log.warning(
+            "in %d of the last %d rounds the exchange (median %.2f s) outlasted the overlap: it needs tau=%d "
+            "inner steps (%.3f s each) to hide; the staleness budget caps auto tau at %d, so the step waits "
+            "about %.2f s per round (raise staleness_budget or max_overlap_steps, use a larger H, or a "
+            "smaller codec)",
+            len(slow),
+            len(self._waited),
+            median,
+            max(1, math.ceil(1.25 * median / max(self._step_seconds, 1e-6))),
+            self._step_seconds,
+            self.cap,
+            median - hidden,
+        )
