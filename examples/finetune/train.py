@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> dict:
         # the tokenizer and what generate / transformers read beside it (chat template, BOS/EOS)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
             if (Path(args.checkpoint) / name).is_file():
-                shutil.copy(Path(args.checkpoint) / name, out / name)
+                shutil.copyfile(Path(args.checkpoint) / name, out / name)  # a new file's mode, not the source's
         summary["exported"] = str(out)
     if args.export_adapters and rank == 0 and not interrupted:
         out = save_peft_adapters(

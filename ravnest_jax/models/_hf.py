@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._config import TransformerConfig
+from ._files import default_mode
 from ._lora import LoraConfig, _wrap, check_quantize, init_adapters
 from ._scan import stack_layers, unstack_layers
 from ._transformer import Transformer, check_remat
@@ -497,6 +498,7 @@ def save_pretrained(model: Transformer, path: str | Path) -> Path:
         a = var.get_value()
         tensors[name] = jnp.asarray(a.T if transposed else a)
     save_file(tensors, str(root / SINGLE), metadata={"format": "pt"})
+    default_mode(root / SINGLE)  # safetensors writes 0600
     (root / "config.json").write_text(
         json.dumps(hf_config(cfg, dtype=str(jax.tree.leaves(tensors)[0].dtype)), indent=2)
     )

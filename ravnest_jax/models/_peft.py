@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ._files import default_mode
 from ._hf import hf_name
 from ._lora import LoraModel
 from ._scan import is_stacked, layer_path
@@ -139,6 +140,7 @@ def save_peft_adapters(
     tensors = peft_tensors(lm, adapters, dtype)
     root.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(root / WEIGHTS), metadata={"format": "pt"})
+    default_mode(root / WEIGHTS)  # safetensors writes 0600
     config = peft_config(lm, base_model_name_or_path)
     (root / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
     return root
