@@ -93,6 +93,15 @@ class RoundFail(Exception):
         self.total_weight = total_weight
 
 
+class RoundUnknown(RoundFail):
+    """The rendezvous does not know the round: it restarted (``epoch``: its new one) or the round
+    is too old."""
+
+    def __init__(self, message: str, epoch: str | None):
+        super().__init__(message)
+        self.epoch = epoch
+
+
 @dataclasses.dataclass(frozen=True)
 class Reduced:
     """An attempt that produced the round's mean.
@@ -241,6 +250,9 @@ def decided(decision: dict[str, Any], ok: str) -> Retry | None:
     """
     if decision["decision"] == "retry":
         return Retry(int(decision["attempt"]), tuple(decision["group"]))
+    if decision["decision"] != ok and decision.get("unknown"):
+        epoch = decision.get("epoch")
+        raise RoundUnknown(decision.get("reason", "round unknown"), epoch if isinstance(epoch, str) else None)
     if decision["decision"] != ok:
         raise RoundFail(decision.get("reason", "round failed"))
     return None

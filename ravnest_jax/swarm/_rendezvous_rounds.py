@@ -76,6 +76,7 @@ class RoundHandlers:
         me, _ = self._touch(run, peer, p)
         if arrive is not None:
             return self._reply(request, run, self._arrival(run, me, arrive))
+        was = (me.standby, me.fresh)
         first_ask, me.standby, me.fresh = me.fresh, False, False
         wait_s = float(min(max(p.get("wait_s", 30.0), 0.0), 3600.0))
         deadline = time.monotonic() + wait_s
@@ -102,6 +103,9 @@ class RoundHandlers:
                 # the round this peer's schedule expects (or a later one) runs without it: it
                 # was too late (for example, its state download finished after the round was
                 # created). Said at once, so that it resyncs instead of waiting for the round.
+                # A peer on standby stays so: it is in no group until it is ready again (its
+                # resync is under way; a group that waited for it would wait a part deadline).
+                me.standby, me.fresh = was
                 return self._reply(request, run, {"epoch": self.epoch, "round": None, "missed": rnd.number})
             over = (
                 rnd is None
@@ -209,6 +213,8 @@ class RoundHandlers:
                 {
                     "decision": "fail",
                     "reason": "the rendezvous does not know this round (it restarted or the round is too old)",
+                    "unknown": True,
+                    "epoch": self.epoch,  # another than the round's: it restarted (the round begins anew)
                 },
             )
         att = rnd.attempts.get(attempt)

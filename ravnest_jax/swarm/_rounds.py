@@ -19,7 +19,7 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from ._attempt import Algorithm, Attempt, AttemptInput, Reduced, Retry, RoundFail
+from ._attempt import Algorithm, Attempt, AttemptInput, Reduced, Retry, RoundFail, RoundUnknown
 from ._contrib import Contribution
 from ._http import HTTPStatusError
 from ._relay import is_relay_address
@@ -270,85 +270,109 @@ class Rounds:
                     )
                 else:
                     begin = await self._begin(deadline, expected)
-                r, epoch = int(begin["round"]), str(begin["epoch"])
-                log.debug(
-                    "%s: round %d attempt %s with %s, %.3f s after the call%s",
-                    self.peer_id,
-                    r,
-                    begin.get("attempt"),
-                    begin.get("group"),
-                    time.monotonic() - t0,
-                    " (handed with the last commit)" if begin is nxt else "",
-                )
-                # not missed when every round since the expected one failed for everybody
-                missed = expected is not None and r != expected and not (r > expected and begin.get("rounds_failed"))
-                if missed:
-                    # Too late for `expected`; this peer is in round r's group, so it takes part
-                    # as an abstainer (zeros, a weight that vanishes next to any real one in
-                    # float32) rather than make the others wait out the part deadline; then it
-                    # reports the miss.
-                    contrib = contrib.zeros()
-                    weight = np.float32(ABSTAIN_WEIGHT)
-                a, group = int(begin["attempt"]), tuple(begin["group"])
-                log.debug(
-                    "%s: in round %d attempt %d",
-                    self.peer_id,
-                    r,
-                    a,
-                    extra={"rj_event": "round_begin", "rj_round": r, "rj_attempt": a},
-                )
-                membership = dict(begin.get("addresses") or {})
-                # who is relayed, from the rendezvous' addresses (the same view on every member)
-                relayed = frozenset(
-                    p for p, addr in membership.items() if is_relay_address(str(addr), self.transport.run_id, p)
-                )
-                membership[self.peer_id] = self.transport.address or ""
-                self.current_round = r
-                inp = AttemptInput(
-                    membership,
-                    epoch,
-                    contrib,
-                    weight,
-                    deadline,
-                    stats,
-                    float(begin.get("part_left", self.timeouts.part)),
-                )
-                inp.arrive, inp.state, inp.relayed = arrive, state, relayed
-                while True:
-                    attempts += 1
-                    out = await self._attempt(r, a, group, manifest, inp)
-                    inp.arrive = None  # its answer only matters to the first attempt
-                    if isinstance(out, Retry):
-                        a, group = out.attempt, out.group
-                        inp.part_left = self.timeouts.part
-                        log.info("%s: round %d retry %d with %s", self.peer_id, r, a, group)
-                        if self.peer_id not in group:
-                            raise RoundFail("left out of the retry group (too late)")
-                        continue
-                    diverged = out.diverged
-                    if missed:
-                        # total_weight tells the caller whether anybody contributed: only
-                        # abstainers (every member missed its round) means no peer is ahead
-                        nobody = out.total < 1e-20
-                        raise RoundFail(
-                            f"missed round {expected}: the swarm is at round {r}"
-                            + (" (no peer contributed to it)" if nobody else ""),
-                            total_weight=out.total,
-                        )
-                    if self.peer_id in diverged:
-                        raise RoundFail(
-                            f"diverged: this peer's global state after round {state[0] if state else '?'} "
-                            "differs from the swarm's; its contribution was left out"
-                        )
-                    rec = record(
-                        True,
-                        contributors=out.contributors,
-                        total_weight=out.total,
-                        digest=out.digest,
-                        clipped=dict(out.clipped),
-                        trimmed=dict(out.trimmed),
+                given = (contrib, weight)
+                while True:  # once more in a restarted rendezvous' new epoch (see RoundUnknown)
+                    r, epoch = int(begin["round"]), str(begin["epoch"])
+                    log.debug(
+                        "%s: round %d attempt %s with %s, %.3f s after the call%s",
+                        self.peer_id,
+                        r,
+                        begin.get("attempt"),
+                        begin.get("group"),
+                        time.monotonic() - t0,
+                        " (handed with the last commit)" if begin is nxt else "",
                     )
-                    return out.out, rec
+                    # not missed when every round since the expected one failed for everybody,
+                    # or when this peer is the round's only member: nobody to be inconsistent
+                    # with (a lone peer restarted from its checkpoint: it goes on from it)
+                    missed = (
+                        expected is not None
+                        and r != expected
+                        and not (r > expected and (begin.get("rounds_failed") or begin.get("group") == [self.peer_id]))
+                    )
+                    if missed:
+                        # Too late for `expected`; this peer is in round r's group, so it takes part
+                        # as an abstainer (zeros, a weight that vanishes next to any real one in
+                        # float32) rather than make the others wait out the part deadline; then it
+                        # reports the miss.
+                        contrib = contrib.zeros()
+                        weight = np.float32(ABSTAIN_WEIGHT)
+                    a, group = int(begin["attempt"]), tuple(begin["group"])
+                    log.debug(
+                        "%s: in round %d attempt %d",
+                        self.peer_id,
+                        r,
+                        a,
+                        extra={"rj_event": "round_begin", "rj_round": r, "rj_attempt": a},
+                    )
+                    membership = dict(begin.get("addresses") or {})
+                    # who is relayed, from the rendezvous' addresses (the same view on every member)
+                    relayed = frozenset(
+                        p for p, addr in membership.items() if is_relay_address(str(addr), self.transport.run_id, p)
+                    )
+                    membership[self.peer_id] = self.transport.address or ""
+                    self.current_round = r
+                    inp = AttemptInput(
+                        membership,
+                        epoch,
+                        contrib,
+                        weight,
+                        deadline,
+                        stats,
+                        float(begin.get("part_left", self.timeouts.part)),
+                    )
+                    inp.arrive, inp.state, inp.relayed = arrive, state, relayed
+                    while True:
+                        attempts += 1
+                        try:
+                            out = await self._attempt(r, a, group, manifest, inp)
+                        except RoundUnknown as e:
+                            if e.epoch in (None, epoch) or time.monotonic() >= deadline:
+                                raise
+                            out = e
+                            break
+                        inp.arrive = None  # its answer only matters to the first attempt
+                        if isinstance(out, Retry):
+                            a, group = out.attempt, out.group
+                            inp.part_left = self.timeouts.part
+                            log.info("%s: round %d retry %d with %s", self.peer_id, r, a, group)
+                            if self.peer_id not in group:
+                                raise RoundFail("left out of the retry group (too late)")
+                            continue
+                        diverged = out.diverged
+                        if missed:
+                            # total_weight tells the caller whether anybody contributed: only
+                            # abstainers (every member missed its round) means no peer is ahead
+                            nobody = out.total < 1e-20
+                            raise RoundFail(
+                                f"missed round {expected}: the swarm is at round {r}"
+                                + (" (no peer contributed to it)" if nobody else ""),
+                                total_weight=out.total,
+                            )
+                        if self.peer_id in diverged:
+                            raise RoundFail(
+                                f"diverged: this peer's global state after round {state[0] if state else '?'} "
+                                "differs from the swarm's; its contribution was left out"
+                            )
+                        rec = record(
+                            True,
+                            contributors=out.contributors,
+                            total_weight=out.total,
+                            digest=out.digest,
+                            clipped=dict(out.clipped),
+                            trimmed=dict(out.trimmed),
+                        )
+                        return out.out, rec
+                    # The rendezvous restarted (a new epoch) and does not know round r: the
+                    # peers are the source of truth. Every member asks again for the round its
+                    # schedule expects; the new rendezvous numbers it from the rounds the peers
+                    # report (their last round), so the same round runs anew with the same
+                    # contributions: no failed round, nothing to resync.
+                    log.info("%s: the rendezvous restarted during round %d: beginning it again", self.peer_id, r)
+                    for key in [key for key in self.attempts if key[0] == r]:
+                        self.attempts.pop(key).close()
+                    begin = await self._begin(deadline, expected)
+                    (contrib, weight), arrive = given, None
             except RoundFail as e:
                 rec = record(False, contributors=(), total_weight=e.total_weight, digest="", error=str(e))
                 raise RoundFailed(rec) from None

@@ -75,6 +75,20 @@ class _Run:
         self.max_reported_round = -1
         self.new_round = asyncio.Condition()
         self.reports: dict[int, dict[str, dict[str, float]]] = {}  # round -> peer -> losses
+        self.evicted: dict[str, None] = {}  # evicted peers, oldest first (see back_from_eviction)
+
+    def note_evicted(self, peer: str) -> None:
+        """``peer`` was evicted (silent for the eviction time): remembered, at most
+        ``MAX_PEERS_PER_RUN`` of them."""
+        self.evicted.pop(peer, None)
+        self.evicted[peer] = None
+        while len(self.evicted) > MAX_PEERS_PER_RUN:
+            del self.evicted[next(iter(self.evicted))]
+
+    def back_from_eviction(self, peer: str) -> bool:
+        """Whether ``peer``, registering again, was evicted (forgotten now). Such a process hung
+        and resumed: it is still in its old exchange and does not hold the swarm's state."""
+        return self.evicted.pop(peer, 0) is None
 
 
 def failed_between(run: _Run, after: int, number: int) -> bool:
