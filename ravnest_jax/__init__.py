@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "Timeouts": "ravnest_jax.swarm",
     "RoundRecord": "ravnest_jax.swarm",
     "RoundFailed": "ravnest_jax.swarm",
+    "ManifestMismatch": "ravnest_jax.swarm",
     "PeerInfo": "ravnest_jax.swarm",
     "OuterSync": "ravnest_jax.sync",
     "RoundMetrics": "ravnest_jax.sync",
@@ -62,6 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .optim import diloco as diloco
     from .optim import replicate as replicate
     from .optim import unreplicate as unreplicate
+    from .swarm import ManifestMismatch as ManifestMismatch
     from .swarm import PeerInfo as PeerInfo
     from .swarm import RoundFailed as RoundFailed
     from .swarm import RoundRecord as RoundRecord

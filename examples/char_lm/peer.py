@@ -250,6 +250,9 @@ def run_peer(args: argparse.Namespace) -> dict:
     # opened before compiling, so that a directory in use is refused at once; but a peer compiled
     # ahead of its cue (--join-when-exists) takes over a directory whose owner may still run
     ckpt = open_checkpointer() if args.checkpoint_dir and not args.join_when_exists else None
+    # settings that differ from the run's (width, codec, H, fragments, ...) are refused now, in one
+    # line, before anything compiles (rj.ManifestMismatch)
+    sync.declare_manifest(params)
     tokens0 = put_batch(sample_batch(train, np.random.default_rng([data_seed, 0]), args.batch_size, cfg.seq_len))
     train_step.lower(params, state, tokens0).compile()
     sync.warmup(params, state)

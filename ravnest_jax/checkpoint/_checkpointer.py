@@ -23,10 +23,16 @@ import jax
 import orbax.checkpoint as ocp
 
 from ..compress._alloc import release_free_heap
-from . import _leaves
+from . import _leaves, _recovery
 from ._orbax_fixes import avoid_kvstore_spec_to_json, skip_raw_io_metrics
+from ._util import CheckpointError as CheckpointError
+from ._util import brief as _brief
+from ._util import library_version as _library_version
+from ._util import lock_directory as _lock_directory
+from ._util import orbax_version as _orbax_version
+from ._util import positive_int as _positive_int
 
-__all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointWarning", "Restored"]
+__all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointWarning", "NoReadableCheckpointError", "Restored"]
 
 PyTree = Any
 T = TypeVar("T")
@@ -44,8 +50,14 @@ class CorruptCheckpointWarning(UserWarning):
     """
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, or no checkpoint in the directory could be read."""
+class NoReadableCheckpointError(CheckpointError):
+    """No checkpoint of the directory can be read, so a resume would silently start from step 0.
+
+    Raised by :meth:`Checkpointer.restore` when every step fails to read (each was moved to
+    ``<step>.corrupt``), and by the :class:`Checkpointer` constructor when a directory holds only
+    such quarantined steps. The message is one line naming the steps, where they were moved and
+    the way out: ``fresh=True`` (``--fresh`` in the examples and ``ravnest-jax finetune``).
+    """
 
 
 class Restored(NamedTuple):
@@ -68,55 +80,6 @@ class Restored(NamedTuple):
     opt_state: PyTree
     extra: PyTree | None
     metadata: dict[str, Any]
-
-
-def _library_version() -> str:
-    from ravnest_jax._version import __version__
-
-    return __version__
-
-
-def _orbax_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("orbax-checkpoint")
-    except Exception:  # pragma: no cover - metadata missing in odd installs
-        return "unknown"
-
-
-def _lock_directory(path: Path):
-    """Holds an exclusive ``flock`` on ``path/.rj-lock`` (the file is kept; the lock ends with
-    the process). Returns the open lock file.
-
-    Raises:
-      CheckpointError: the lock is held by another Checkpointer.
-    """
-    import fcntl
-
-    path.mkdir(parents=True, exist_ok=True)
-    f = open(path / ".rj-lock", "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        holder = f.read().strip() or "?"
-        f.close()
-        raise CheckpointError(
-            f"checkpoint directory {str(path)!r} is in use by another Checkpointer (process {holder}): "
-            "give every peer its own directory"
-        ) from None
-    f.seek(0)
-    f.truncate()
-    f.write(str(os.getpid()))
-    f.flush()
-    return f
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
 
 
 class Checkpointer:
@@ -148,10 +111,18 @@ class Checkpointer:
     Restore fills *targets* (concrete arrays or ``jax.ShapeDtypeStruct`` trees, for example
     ``jax.eval_shape(tx.init, params)``), so NamedTuple types, dtypes and shardings come back as
     in the target. If the newest checkpoint cannot be read (files truncated or deleted after the
-    commit), :meth:`restore` warns with :class:`CorruptCheckpointWarning`, moves it aside to
-    ``<directory>/<step>.corrupt`` and uses the previous one.
+    commit), :meth:`restore` moves it aside to ``<directory>/<step>.corrupt``, uses the previous
+    one and warns with :class:`CorruptCheckpointWarning`; if none can be read it raises
+    :class:`NoReadableCheckpointError` (one line). Orbax's own log records and tensorstore's late
+    callbacks of such failed reads go to the ``ravnest_jax.checkpoint`` logger at DEBUG level,
+    not the console. A directory left with only ``<step>.corrupt`` steps is refused by the next
+    ``Checkpointer`` (a resume would silently start from step 0) until ``fresh=True``.
 
     Single process only (one peer = one process); every peer of a swarm has its own directory.
+
+    Attributes:
+      set_aside_to: with ``fresh=True``, the folder the earlier checkpoints were moved into
+        (a ``pathlib.Path``), or None (nothing to move, or not ``fresh``).
 
     Example::
 
@@ -173,6 +144,9 @@ class Checkpointer:
       async_save: write in the background (default). ``False``: :meth:`save` returns after the
         checkpoint is committed.
       metadata: JSON-serialisable dict stored with every checkpoint (run id, config, ...).
+      fresh: start from step 0: the directory's earlier checkpoints, readable or not
+        (``<step>`` and ``<step>.corrupt``), are moved into ``<directory>/previous-<UTC time>/``
+        (nothing is deleted), so :meth:`restore` finds none. Default False: resume from them.
 
     Raises:
       ValueError: ``max_to_keep`` or ``save_interval_steps`` is not an int >= 1, ``directory``
@@ -180,6 +154,9 @@ class Checkpointer:
       CheckpointError: another open Checkpointer (this process or another) holds the directory
         (a lock, ``<directory>/.rj-lock``, released by :meth:`close` or the process' end): two
         writers would corrupt each other's saves.
+      NoReadableCheckpointError: without ``fresh``, the directory holds no readable checkpoint,
+        only ``<step>.corrupt`` ones (an earlier :meth:`restore` found them unreadable).
+      OSError: with ``fresh``, the earlier checkpoints could not be moved.
     """
 
     def __init__(
@@ -190,6 +167,7 @@ class Checkpointer:
         save_interval_steps: int = 1,
         async_save: bool = True,
         metadata: dict[str, Any] | None = None,
+        fresh: bool = False,
     ) -> None:
         self.max_to_keep = _positive_int("max_to_keep", max_to_keep)
         self.save_interval_steps = _positive_int("save_interval_steps", save_interval_steps)
@@ -207,6 +185,11 @@ class Checkpointer:
         self.async_save = bool(async_save)
         self._directory = path
         self._lock = _lock_directory(path)
+        try:
+            self.set_aside_to = _recovery.set_aside(path) if fresh else None
+        except BaseException:
+            self._lock.close()
+            raise
         self._closed = False
         self._pending: concurrent.futures.Future[None] | None = None
         self._pending_step: int | None = None
@@ -227,10 +210,14 @@ class Checkpointer:
             create=True,
         )
         try:
-            self._mngr = self._call(
-                lambda: ocp.CheckpointManager(path, options=options, item_names=(*_TREE_ITEMS, _META_ITEM))
-            )
-            self._known_steps: set[int] = set(self._call(self._mngr.all_steps))
+            with _recovery.quiet_reads():  # a damaged step's metadata: orbax logs an error for each
+                self._mngr = self._call(
+                    lambda: ocp.CheckpointManager(path, options=options, item_names=(*_TREE_ITEMS, _META_ITEM))
+                )
+                self._known_steps: set[int] = set(self._call(self._mngr.all_steps))
+            bad = [] if self._known_steps else _recovery.quarantined_steps(path)
+            if bad:
+                raise NoReadableCheckpointError(_recovery.refusal(path, bad))
         except BaseException:
             self._executor.shutdown(wait=False)
             self._lock.close()
@@ -387,8 +374,9 @@ class Checkpointer:
         self.wait()
 
         def steps() -> list[int]:
-            self._mngr.reload()
-            return sorted(self._mngr.all_steps())
+            with _recovery.quiet_reads():
+                self._mngr.reload()
+                return sorted(self._mngr.all_steps())
 
         return self._call(steps)
 
@@ -406,9 +394,11 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def _read_meta(self, step: int) -> dict[str, Any]:
-        restored = self._call(
-            lambda: self._mngr.restore(step, args=ocp.args.Composite(**{_META_ITEM: ocp.args.JsonRestore()}))
-        )
+        def read() -> Any:
+            with _recovery.quiet_reads():
+                return self._mngr.restore(step, args=ocp.args.Composite(**{_META_ITEM: ocp.args.JsonRestore()}))
+
+        restored = self._call(read)
         meta = restored[_META_ITEM]
         if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "trees" not in meta:
             raise CheckpointError(f"step {step}: 'meta' is not a ravnest_jax checkpoint description")
@@ -454,8 +444,8 @@ class Checkpointer:
 
         Args:
           step: the step to restore; None means the newest checkpoint that can be read (an
-            unreadable newer one is reported with :class:`CorruptCheckpointWarning`, moved to
-            ``<directory>/<step>.corrupt`` and skipped).
+            unreadable newer one is moved to ``<directory>/<step>.corrupt``, skipped and, once
+            an older one was read, reported with :class:`CorruptCheckpointWarning`).
           params: target for the params: a pytree of arrays or ``jax.ShapeDtypeStruct`` (from
             ``jax.eval_shape``); restored arrays get the target's dtype and sharding (a
             ShapeDtypeStruct without sharding means the first device).
@@ -471,7 +461,9 @@ class Checkpointer:
           ValueError: a target does not match what was saved (leaf paths, shapes, or key vs
             array), or ``extra`` is given but the checkpoint has none. Not treated as corruption.
           FileNotFoundError: ``step`` is given and has no checkpoint.
-          CheckpointError: the given ``step`` cannot be read, or no checkpoint can be read.
+          CheckpointError: the given ``step`` cannot be read.
+          NoReadableCheckpointError: ``step`` is None and no checkpoint can be read (each was
+            moved to ``<step>.corrupt``; one line, no per-step warnings).
         """
         targets = {"params": params, "opt_state": opt_state, "extra": extra}
         steps = self.all_steps()
@@ -488,23 +480,23 @@ class Checkpointer:
                     f"checkpoint step {step} in {self._directory} cannot be read: {_brief(e.__cause__)}"
                 ) from e.__cause__
         candidates = sorted(steps, reverse=True)
-        errors = []
-        for i, s in enumerate(candidates):
+        errors: list[tuple[int, BaseException, str]] = []
+        for s in candidates:
             try:
-                return self._restore_step(s, targets)
+                restored = self._restore_step(s, targets)
             except _Unreadable as e:
-                cause = e.__cause__
-                errors.append((s, cause))
-                moved = self._quarantine(s)
-                fallback = f"trying step {candidates[i + 1]}" if i + 1 < len(candidates) else "no older step left"
+                errors.append((s, e.__cause__, self._quarantine(s)))  # type: ignore[arg-type]
+                continue
+            for bad, cause, moved in errors:  # told once an older step was read: one line each
                 warnings.warn(
-                    f"checkpoint step {s} in {self._directory} is partial or corrupt and was skipped "
-                    f"({_brief(cause)}); moved to {moved}; {fallback}",
+                    f"checkpoint step {bad} in {self._directory} is partial or corrupt and was skipped "
+                    f"({_brief(cause)}); moved to {moved}; resumed from step {s} instead",
                     CorruptCheckpointWarning,
                     stacklevel=2,
                 )
-        raise CheckpointError(
-            f"no readable checkpoint in {self._directory}: " + "; ".join(f"step {s}: {_brief(c)}" for s, c in errors)
+            return restored
+        raise NoReadableCheckpointError(
+            _recovery.all_unreadable(self._directory, [(s, _brief(c), m) for s, c, m in errors])
         ) from errors[0][1]
 
     def _quarantine(self, step: int) -> str:
@@ -519,7 +511,8 @@ class Checkpointer:
                 src.rename(dst)
             except OSError as e:  # keep going with the older steps
                 return f"(not moved: {e})"
-            self._mngr.reload()
+            with _recovery.quiet_reads():
+                self._mngr.reload()
             return str(dst)
 
         out = self._call(move)
@@ -545,8 +538,13 @@ class Checkpointer:
             plan[name] = (records, saved["leaves"])
             if records:
                 items[name] = ocp.args.StandardRestore(abstract)
+
+        def read() -> Any:
+            with _recovery.quiet_reads():
+                return self._mngr.restore(step, args=ocp.args.Composite(**items))
+
         try:
-            restored = self._call(lambda: self._mngr.restore(step, args=ocp.args.Composite(**items))) if items else {}
+            restored = self._call(read) if items else {}
             out: dict[str, Any] = {}
             for name, (records, saved_leaves) in plan.items():
                 if records:
@@ -562,19 +560,6 @@ class Checkpointer:
             extra=out.get("extra"),
             metadata=meta.get("metadata", {}),
         )
-
-
-def _brief(e: BaseException, limit: int = 500) -> str:
-    """``e`` as one short line: tensorstore appends its whole spec (JSON, or a multi-line repr
-    after "See full TensorStore details") to a read error; what failed comes before it."""
-    text = str(e)
-    for cut in (" [tensorstore_spec", "See full TensorStore details"):
-        text = text.split(cut, 1)[0]
-    lines = text.strip().splitlines()
-    text = lines[0].rstrip(" .") if lines else ""
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 class _Unreadable(Exception):

@@ -10,6 +10,7 @@ from ._preflight import check_rendezvous as check_rendezvous
 from ._preflight import read_token as read_token
 from ._rendezvous import Rendezvous as Rendezvous
 from ._rendezvous_serve import serve as serve_rendezvous
+from ._types import ManifestMismatch as ManifestMismatch
 from ._types import PeerInfo as PeerInfo
 from ._types import RoundFailed as RoundFailed
 from ._types import RoundRecord as RoundRecord
@@ -17,6 +18,7 @@ from ._types import SwarmError as SwarmError
 from ._types import Timeouts as Timeouts
 
 __all__ = [
+    "ManifestMismatch",
     "PeerInfo",
     "Rendezvous",
     "RoundFailed",

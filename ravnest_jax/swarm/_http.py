@@ -18,7 +18,7 @@ class HTTPStatusError(Exception):
 
     def __init__(self, status: int, text: str):
         super().__init__(f"HTTP {status}: {text[:200]}")
-        self.status = status
+        self.status, self.text = status, text
 
 
 def json_response(

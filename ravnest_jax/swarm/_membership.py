@@ -11,9 +11,10 @@ from typing import Any
 import aiohttp
 
 from ._http import HTTPStatusError
+from ._manifest import refusal_differences
 from ._rounds import Rounds
 from ._transport import Transport, why
-from ._types import SwarmError, Timeouts
+from ._types import ManifestMismatch, SwarmError, Timeouts
 
 log = logging.getLogger("ravnest_jax.swarm")
 
@@ -55,6 +56,9 @@ async def join(transport: Transport, hello: Any, timeouts: Timeouts) -> None:
             last = e
             await asyncio.sleep(0.2)
         except (HTTPStatusError, PermissionError) as e:
+            diffs = refusal_differences(getattr(e, "text", ""))
+            if diffs is not None:  # the manifest declared before start differs from the run's
+                raise ManifestMismatch(e.text, diffs) from None
             raise SwarmError(f"the rendezvous refused to register us: {e}") from e
     else:
         raise SwarmError(

@@ -24,13 +24,14 @@ from ._allreduce import RING_SEGMENT_BYTES, check_aggregator, manifest_digest
 from ._butterfly import Butterfly
 from ._codec import check_codec, check_mean_codec, check_mean_error_feedback, tune_host_allocator
 from ._contrib import Contribution
+from ._manifest import check_manifest, refusal_line, swarm_settings
 from ._membership import heartbeat_loop, join
-from ._preflight import from_environment
+from ._preflight import from_environment, post_once
 from ._ring import Ring
 from ._rounds import Rounds
 from ._state import StateProvider, StateTransfer
 from ._transport import Transport
-from ._types import PeerInfo, RoundRecord, SwarmError, Timeouts, check_info
+from ._types import ManifestMismatch, PeerInfo, RoundRecord, SwarmError, Timeouts, check_info
 
 log = logging.getLogger("ravnest_jax.swarm")
 
@@ -135,6 +136,8 @@ class Swarm:
         mean = _mean_settings(mean_error_feedback, mean_codec, codec, self.codec_options, algorithm)
         self.mean_error_feedback, self.mean_codec = mean["mean_error_feedback"], mean["mean_codec"]
         self.algorithm, self.aggregator, self.ring_segment_bytes = algorithm, aggregator, ring_segment_bytes
+        self.clip_multiple, self.trim = clip_multiple, trim
+        self._manifest: dict[str, Any] | None = None  # declared: sent with every hello
         self.rendezvous_url, self.run_id, self.codec = rendezvous_url.rstrip("/"), run_id, codec
         self.timeouts = timeouts or Timeouts()
         self.peer_id = peer_id or secrets.token_hex(8)
@@ -209,6 +212,34 @@ class Swarm:
                 raise RuntimeError("activation_link() must be called before the swarm starts")
             self._link = ActivationLink(self.transport, lambda: self._loop, max_pending=max_pending)
         return self._link
+
+    def declare_manifest(self, manifest: dict[str, Any], timeout: float | None = None) -> None:
+        """Declares this peer's run manifest: ``manifest`` (the trainer's settings, e.g. the
+        params' fingerprint, H, fragments, overlap mode; ``rj.join_or_resume`` and
+        ``rj.OuterSync`` declare theirs) together with this swarm's own settings (protocol
+        version, codec and options, mean codec, algorithm, aggregator). The first peer of a run
+        fixes the run's; one that differs is refused and dropped from the run at once
+        (docs/swarm.md, "The run manifest"). Before :meth:`start` it is a check only (a
+        peer can be refused before it compiles) and the join carries the manifest (refused
+        there too: ``start`` raises ManifestMismatch). Blocks for one rendezvous request
+        (``timeout``, s).
+
+        Raises:
+          ManifestMismatch: refused; one line naming every differing setting with both values.
+          ValueError: ``manifest`` is not a JSON object of at most 16 KiB.
+          SwarmError: the rendezvous cannot be reached.
+        """
+        full = {**swarm_settings(self), **check_manifest(manifest)}
+        self._manifest = check_manifest(full)
+        ask = {"peer_id": self.peer_id, "manifest": full}
+        if self._loop is None:  # not started: a check now; the join carries it (refused there: 409)
+            t = self.timeouts.connect * 2 if timeout is None else timeout
+            url, token, ssl = self.rendezvous_url, self.transport.token, self.transport.client_ssl
+            refused = post_once(url, self.run_id, token, self.peer_id, "/manifest", {**ask, "check": True}, t, ssl)
+        else:
+            refused = self._ask("POST", "/manifest", ask, timeout)
+        if refused := refused.get("refused") if isinstance(refused, dict) else None:
+            raise ManifestMismatch(refusal_line(refused), refused)
 
     def announce(self, timeout: float | None = None) -> None:
         """A heartbeat now, so that the rendezvous has this peer's :attr:`info` at once; blocks
@@ -485,6 +516,7 @@ class Swarm:
             "address": self.transport.address,
             "last_round": self._rounds.last_round,
             "info": self._info,
+            **({"manifest": self._manifest} if self._manifest is not None else {}),
         }
 
 

@@ -11,6 +11,7 @@ HTTP API (every ``/v1`` request is signed, see :mod:`._auth`; answers are signed
 ``POST /v1/runs/{run}/heartbeat``  ``{peer_id, address, last_round, info?}`` (registers if unknown)
 ``POST /v1/runs/{run}/leave``      ``{peer_id}``
 ``POST /v1/runs/{run}/ready``      ``{peer_id, address, last_round}`` (standby over: it trains)
+``POST /v1/runs/{run}/manifest``   ``{peer_id, manifest, check?}`` -> ``{refused: [...]}`` (:mod:`._manifest`)
 ``GET  /v1/runs/{run}/peers``                      live peers
 ``GET  /v1/runs/{run}/status``                     peers, membership version, recent rounds
 ``POST /v1/runs/{run}/rounds/begin`` ``{peer_id, address, after, part_s, grace_s, max_attempts,
@@ -41,6 +42,7 @@ from aiohttp import web
 
 from . import _auth
 from ._http import json_response, read_json_body
+from ._manifest import Manifests, check_manifest, refusal_line
 from ._relay import Relay, is_relay_address, probe
 from ._rendezvous_rounds import RoundHandlers
 from ._status import StatusPage, note_stats
@@ -87,6 +89,7 @@ class Rendezvous(RoundHandlers):
         self.heartbeat_s, self.eviction_s = heartbeat_s, eviction_s
         self.epoch, self.boot = secrets.token_hex(8), time.monotonic()
         self.runs: dict[str, _Run] = {}
+        self.manifests = Manifests()
         self.nonces = _auth.NonceCache()
         self._evictor: asyncio.Task[None] | None = None
         self.status = StatusPage(self, (read_token.encode() if isinstance(read_token, str) else read_token) or None)
@@ -112,6 +115,7 @@ class Rendezvous(RoundHandlers):
         app.router.add_post(p + "/heartbeat", self._heartbeat)
         app.router.add_post(p + "/leave", self._leave)
         app.router.add_post(p + "/ready", self._ready)
+        app.router.add_post(p + "/manifest", self._manifest)
         app.router.add_get(p + "/peers", self._peers)
         app.router.add_get(p + "/status", self._status)
         app.router.add_post(p + "/rounds/begin", self._begin)
@@ -143,6 +147,7 @@ class Rendezvous(RoundHandlers):
                 for p in dead:
                     log.info("run %s: evicting %s", run.run_id, p)
                     del run.peers[p]
+                    run.note_evicted(p)  # if it comes back (it hung): standby until ready
                     self._forget(run, p)
                     self.relay.drop(run.run_id, p)
                 if dead:
@@ -172,10 +177,27 @@ class Rendezvous(RoundHandlers):
     def _reply(self, request: web.Request, run: _Run, payload: Any) -> web.Response:
         return json_response(request, self.token, run.run_id, "rendezvous", payload)
 
+    def _refused(self, run: _Run, peer: str, manifest: Any, *, check: bool = False) -> list[str]:
+        """The differences of ``peer``'s ``manifest`` from the run's (``[]``: admitted, and the
+        run's now unless ``check``).
+
+        Raises:
+          web.HTTPBadRequest: not a manifest.
+        """
+        try:
+            check_manifest(manifest)
+        except ValueError as e:
+            raise web.HTTPBadRequest(text=str(e)) from None
+        how = self.manifests.refusal if check else self.manifests.admit
+        return how(run.run_id, peer, manifest, {e.peer_id for e in self._live(run)})
+
     def _touch(self, run: _Run, peer: str, p: dict[str, Any], *, joining: bool = False) -> tuple[_Peer, bool]:
         address = p.get("address")
         if not isinstance(address, str) or not address.startswith(("http://", "https://")):
             raise web.HTTPBadRequest(text="address must be an http(s) URL")
+        if p.get("manifest") is not None and (diffs := self._refused(run, peer, p["manifest"])):
+            # a refused peer's heartbeats (they carry its manifest) never register it again
+            raise web.HTTPConflict(text=refusal_line(diffs))
         info = p.get("info")
         if info is not None and (
             not isinstance(info, dict) or len(json.dumps(info, separators=(",", ":"))) > MAX_INFO_BYTES
@@ -282,12 +304,29 @@ class Rendezvous(RoundHandlers):
 
     async def _leave(self, request: web.Request) -> web.Response:
         run, peer, _ = await self._auth(request)
-        if run.peers.pop(peer, None) is not None:
-            run.version += 1
+        if self._drop(run, peer):
             log.info("run %s: %s left", run.run_id, peer)
-            self._forget(run, peer)
-            self.relay.drop(run.run_id, peer)
         return self._reply(request, run, {"version": run.version})
+
+    def _drop(self, run: _Run, peer: str) -> bool:
+        """Removes ``peer`` from the run's membership (and its running attempts); False if it
+        was not a member."""
+        if run.peers.pop(peer, None) is None:
+            return False
+        run.version += 1
+        self._forget(run, peer)
+        self.relay.drop(run.run_id, peer)
+        return True
+
+    async def _manifest(self, request: web.Request) -> web.Response:
+        run, peer, p = await self._auth(request)
+        if p.get("check") is True:  # a peer not yet started asks (it registers later, manifest in hand)
+            return self._reply(request, run, {"refused": self._refused(run, peer, p.get("manifest"), check=True)})
+        diffs = self._refused(run, peer, p.get("manifest"))
+        if diffs:
+            log.warning("run %s: refused %s: %s", run.run_id, peer, "; ".join(diffs))
+            self._drop(run, peer)  # the run is untouched: as if it had never joined
+        return self._reply(request, run, {"refused": diffs})
 
     async def _ready(self, request: web.Request) -> web.Response:
         run, peer, p = await self._auth(request)

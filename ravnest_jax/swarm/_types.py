@@ -137,6 +137,16 @@ class SwarmError(RuntimeError):
     """The swarm could not start or talk to the rendezvous."""
 
 
+class ManifestMismatch(SwarmError):
+    """The rendezvous refused this peer: its run manifest (the settings every peer of a run
+    shares, :meth:`Swarm.declare_manifest`) differs from the run's. The message is one line
+    naming every differing setting with both values; ``differences`` lists them."""
+
+    def __init__(self, message: str, differences: list[str]):
+        super().__init__(message)
+        self.differences = list(differences)
+
+
 def result_digest(part_sha256s: list[str]) -> str:
     """Digest of a round's result: blake2b-128 over the body digest of each encoded result part.
 

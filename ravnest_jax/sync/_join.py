@@ -115,6 +115,7 @@ def join_or_resume(
       SwarmError: a whole-swarm restart without a common checkpoint step (the message lists
         every peer's steps).
       CheckpointError: no checkpoint in ``checkpointer``'s directory can be read.
+      ManifestMismatch: this peer's settings differ from the run's (``OuterSync.declare_manifest``).
     """
     if min_peers is None:
         env = os.environ.get("RAVNEST_WORLD_SIZE", "")
@@ -124,6 +125,7 @@ def join_or_resume(
     nnx_objs = (params, state) if _nnx.is_optimizer(state) else None
     if nnx_objs is not None:
         params, state = _nnx.split(*nnx_objs)
+    sync.declare_manifest(params)  # refused at the door (ManifestMismatch) before anything loads
     how, resumed_from, restored, got_extra = "fresh", None, None, None
     blank = None
     if checkpointer is not None:

@@ -37,6 +37,7 @@ from ._metrics import RoundMetrics, Totals, report_summary, round_metrics, summa
 from ._pipeline import Pending, RoundPipeline
 from ._recovery import after_failure
 from ._round_fns import RoundFunctions
+from ._run_manifest import declare
 from ._schedule import Schedule
 from ._state_msg import StateServer, decode_state
 from ._stats import PeerStats
@@ -212,6 +213,9 @@ class OuterSync:
         self._stats = PeerStats()
         self._closed = False
         self._readied = False
+        self._ready: Any = None  # the future of the last ready() (the rendezvous' answer)
+        self._downloaded = False  # the state came from a peer: ready again, and check (taken_again)
+        self._declared = False  # the run manifest (declare_manifest)
         # this driver serves its own state to peers that join or resync (a multi-process peer
         # does not: its state lives on several hosts)
         self._serving = self._processes == 1 and callable(getattr(swarm, "serve_state", None))
@@ -250,6 +254,7 @@ class OuterSync:
                     "nnx: sync(model, optimizer) with the nnx.Optimizer itself)"
                 )
             _check_plain(params, state)
+            self.declare_manifest(params)
             self.step = int(state.count) - 1  # one host read, on the first call only
             self._schedule.restart(self.step)
             self._mark_ready()
@@ -286,6 +291,23 @@ class OuterSync:
         params, state = self(params, state)
         _nnx.write_back(model, optimizer, params, state)
         return model, optimizer
+
+    def declare_manifest(self, params: Any) -> None:
+        """Declares this peer's run manifest with the swarm (``Swarm.declare_manifest``): the
+        params' fingerprint (tree structure, shapes, dtypes), H, the fragments and their
+        schedule, the overlap mode and tau, with the swarm's codec, aggregator, algorithm and
+        protocol version. :func:`rj.join_or_resume` calls it before anything loads, else the
+        first ``sync`` call does; later calls do nothing. ``params``: the params pytree (with
+        flax nnx, ``nnx.as_pure(nnx.state(model, nnx.Param))``: the arrays the driver averages).
+
+        Raises:
+          ManifestMismatch: the rendezvous refused this peer: one line naming every setting
+            that differs from the run's, with both values.
+        """
+        if self._declared:
+            return
+        declare(self, params)
+        self._declared = True
 
     def _mark_ready(self) -> None:
         """The first step: tell the swarm this peer trains (ends a joiner's standby at once, so

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import warnings
 from pathlib import Path
 
 import jax
@@ -14,7 +15,7 @@ import optax
 import pytest
 
 import ravnest_jax as rj
-from ravnest_jax.checkpoint import CheckpointError, CorruptCheckpointWarning
+from ravnest_jax.checkpoint import CheckpointError, CorruptCheckpointWarning, NoReadableCheckpointError
 
 
 def small_params(scale: float = 1.0) -> dict:
@@ -268,7 +269,9 @@ def test_corrupt_latest_warns_and_falls_back(tmp_path: Path, how: str) -> None:
         ckpt.save(2, params=p2, opt_state=s2)
     _corrupt(d / "2", how)
     with rj.Checkpointer(d) as ckpt:
-        with pytest.warns(CorruptCheckpointWarning, match=r"step 2 .*partial or corrupt.*trying step 1") as record:
+        with pytest.warns(
+            CorruptCheckpointWarning, match=r"step 2 .*partial or corrupt.*resumed from step 1"
+        ) as record:
             r = ckpt.restore(params=p1, opt_state=s1)
         assert r.step == 1
         # one line a person reads, not tensorstore's spec dump (was ~60 lines with "flip")
@@ -298,10 +301,39 @@ def test_explicit_corrupt_step_and_all_corrupt_raise(tmp_path: Path) -> None:
             ckpt.restore(2, params=params, opt_state=state)
         with pytest.raises(FileNotFoundError):
             ckpt.restore(7, params=params, opt_state=state)
-        with pytest.warns(CorruptCheckpointWarning) as record:
-            with pytest.raises(CheckpointError, match="no readable checkpoint"):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            with pytest.raises(NoReadableCheckpointError, match="no readable checkpoint") as raised:
                 ckpt.restore(params=params, opt_state=state)
-        assert len([w for w in record if w.category is CorruptCheckpointWarning]) == 2
+        # one line: the steps tried, where they went, the way out; no per-step warnings
+        msg = str(raised.value)
+        assert "\n" not in msg and "steps 2, 1" in msg and "{2.corrupt, 1.corrupt}" in msg and "fresh" in msg, msg
+        assert not [w for w in record if w.category is CorruptCheckpointWarning], [str(w.message) for w in record]
+        assert isinstance(raised.value, CheckpointError)
+    # the next run is refused (it would start from step 0 over them) until fresh=True
+    with pytest.raises(NoReadableCheckpointError, match=r"only unreadable ones.*2\.corrupt, 1\.corrupt.*fresh=True"):
+        rj.Checkpointer(d)
+    with rj.Checkpointer(d, fresh=True) as ckpt:
+        kept = ckpt.set_aside_to
+        assert kept is not None and kept.parent == d and kept.name.startswith("previous-"), kept
+        assert sorted(p.name for p in kept.iterdir()) == ["1.corrupt", "2.corrupt"], list(kept.iterdir())
+        assert ckpt.restore(params=params, opt_state=state) is None
+        ckpt.save(1, params=params, opt_state=state)
+    with rj.Checkpointer(d) as ckpt:  # the directory is an ordinary one again
+        assert ckpt.restore(params=params, opt_state=state).step == 1
+
+
+def test_fresh_sets_readable_checkpoints_aside_too(tmp_path: Path) -> None:
+    d = tmp_path / "c"
+    params = small_params()
+    _, state = small_state(params)
+    with rj.Checkpointer(d) as ckpt:
+        ckpt.save(3, params=params, opt_state=state)
+    with rj.Checkpointer(d, fresh=True) as ckpt:
+        assert ckpt.all_steps() == [] and ckpt.restore(params=params, opt_state=state) is None
+        assert (ckpt.set_aside_to / "3").is_dir(), ckpt.set_aside_to
+    with rj.Checkpointer(d, fresh=True) as ckpt:  # nothing left to move
+        assert ckpt.set_aside_to is None
 
 
 def test_a_train_step_does_not_compile_again_after_a_restore(tmp_path: Path) -> None:

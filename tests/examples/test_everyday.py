@@ -258,3 +258,54 @@ def test_help_shows_each_default_once():
         assert helps[flag].count("default") == 1, (flag, helps[flag])
     for flag in ("--d-model", "--layers", "--heads"):
         assert len(helps[flag].split()) > 4, (flag, helps[flag])  # a help text, not only the default
+
+
+def _rounds(events: Path) -> list[dict]:
+    lines = events.read_text().splitlines() if events.exists() else []
+    return [e for e in map(json.loads, (ln for ln in lines if ln.startswith("{"))) if e.get("event") == "round"]
+
+
+def _wait_rounds(p: subprocess.Popen, events: Path, n: int, timeout: float = 120) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while len(got := _rounds(events)) < n:
+        assert p.poll() is None and time.monotonic() < deadline, (p.poll(), events.read_text()[-2000:])
+        time.sleep(0.1)
+    return got
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_peer_with_other_settings_is_refused_in_one_line_and_the_run_goes_on(tmp_path, rendezvous):
+    url, token = rendezvous
+    peer = ["--rendezvous", url, "--run-id", "m", "--token-file", str(token), *TINY]
+    events = tmp_path / "a.jsonl"
+    with open(events, "w") as out, open(tmp_path / "a.err", "w") as err:
+        a = subprocess.Popen(
+            [sys.executable, EXAMPLE, *peer, "--max-steps", "100000", "--sync-every", "10", "--json-events"],
+            stdout=out,
+            stderr=err,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        _wait_rounds(a, events, 1)
+        took = {}
+        for flags, want in (
+            (["--d-model", "64"], "params: this peer 15 leaves, 84,672 elements"),
+            (["--codec", "int8"], "codec: this peer int8, the run int4"),
+            (["--mean-codec", "int2"], "mean_codec: this peer int2, the run int4"),
+            (["--fragments", "2"], "fragments: this peer 2, the run 1"),
+            (["--sync-every", "20"], "sync_every: this peer 20, the run 10"),
+            (["--aggregator", "mean"], "aggregator: this peer mean, the run clipped_mean:2.0"),
+        ):
+            t0 = time.monotonic()
+            r = _run([*peer, "--max-steps", "50", "--sync-every", "10", *flags], timeout=120)
+            took[flags[0]] = round(time.monotonic() - t0, 1)
+            _one_line_error(r, "settings differ from the run's", want)
+            assert "compil" not in r.stderr.lower(), r.stderr
+        n = len(_rounds(events))
+        after = _wait_rounds(a, events, n + 2)  # the run goes on, alone, every round ok
+        assert all(e["ok"] and e["group_size"] == 1 for e in after), after
+        print("seconds to the refusal:", took)
+    finally:
+        a.terminate()
+        a.wait(timeout=30)
