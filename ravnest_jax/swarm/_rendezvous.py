@@ -1,8 +1,9 @@
 """The rendezvous: membership, round groups and the per-phase votes of every run.
 
 It keeps its state in memory. After a restart it has a new ``epoch``; peers re-register with
-their next heartbeat, rounds that were in flight fail consistently (a vote for a round of an old
-epoch is answered ``fail``) and the next round starts after the highest round any peer reports.
+their next heartbeat, a vote for a round of an old epoch is answered ``fail`` with the new epoch
+(its members then begin the same round again here) and the next round starts after the highest
+round any peer reports.
 
 HTTP API (every ``/v1`` request is signed, see :mod:`._auth`; answers are signed too):
 
@@ -212,6 +213,9 @@ class Rendezvous(RoundHandlers):
             e = run.peers[peer] = _Peer(peer, address, now, now)
             run.version += 1
             log.info("run %s: %s joined at %s", run.run_id, peer, address)
+            # evicted (it hung) and beating again: still in its old exchange, without the swarm's
+            # state; in no round's group until it is ready (after its resync), as a joiner
+            e.standby = e.fresh = run.back_from_eviction(peer) and run.latest is not None
         elif e.address != address:
             e.address = address
             run.version += 1
