@@ -292,7 +292,7 @@ def test_a_peer_with_other_settings_is_refused_in_one_line_and_the_run_goes_on(t
         for flags, want in (
             (["--d-model", "64"], "params: this peer 15 leaves, 84,672 elements"),
             (["--codec", "int8"], "codec: this peer int8, the run int4"),
-            (["--mean-codec", "int2"], "mean_codec: this peer int2, the run int4"),
+            (["--codec", "int4", "--mean-codec", "int2"], "mean_codec: this peer int2, the run int4"),
             (["--fragments", "2"], "fragments: this peer 2, the run 1"),
             (["--sync-every", "20"], "sync_every: this peer 20, the run 10"),
             (["--aggregator", "mean"], "aggregator: this peer mean, the run clipped_mean:2.0"),
