@@ -35,7 +35,7 @@ from ._contract import Exchange
 from ._layout import put_like
 from ._metrics import RoundMetrics, Totals, report_summary, round_metrics, summarize
 from ._pipeline import Pending, RoundPipeline
-from ._recovery import after_failure
+from ._recovery import after_failure, taken_again
 from ._round_fns import RoundFunctions
 from ._run_manifest import declare
 from ._schedule import Schedule
@@ -260,6 +260,12 @@ class OuterSync:
             self._mark_ready()
         elif not self._readied:
             self._mark_ready()
+            data = taken_again(self, params, state) if self._downloaded else None
+            self._downloaded = False
+            if data:  # rounds ran without this peer since its download: their state, before its first
+                params, state = self.load_state_bytes(data, params, state)
+                self._readied, self._downloaded = True, False
+                return params, state
         self.step += 1
         step = self.step
         # merge what is due (oldest first), start what is due, merge what is due at once (tau=0)
@@ -314,7 +320,7 @@ class OuterSync:
         that the next round created includes it). Non-blocking."""
         self._readied = True
         with contextlib.suppress(RuntimeError):  # a swarm that is not running: nothing to tell
-            getattr(self.swarm, "ready", lambda: None)()
+            self._ready = getattr(self.swarm, "ready", lambda: None)()
 
     def _merge_due(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
         while self._pending and self._pending[0].due_step <= self.step:
@@ -490,6 +496,9 @@ class OuterSync:
         self._rounds.residual.clear()
         self._pending.clear()
         self._last_state = None  # the next merged round's digest is the first one to compare
+        # out of standby again (evicted and back, or missed): ready on the next step, and the
+        # state downloaded again if a round ran without this peer meanwhile
+        self._readied, self._downloaded = False, True
         self._state_digest = None
         del msg
         compress.release_free_heap()  # the state's one-off host copies (see its docstring)

@@ -57,3 +57,38 @@ def after_failure(sync: Any, p: Pending, exc: BaseException | None, params: Any,
     if p.spec_params is not None:  # eager, alone: the own pseudo-gradient is the mean
         params, state, _ = sync._rounds.merge(p, params, state, None)
     return params, state
+
+
+def taken_again(sync: Any, params: Any, state: DiLoCoState) -> bytes | None:
+    """After a state download (a joiner, or a resync), on the first step, once this peer told
+    the swarm it is ready (``sync._ready``): when a round this peer's schedule expects was
+    created without it meanwhile (it was on standby while it compiled its first step or
+    downloaded), the state past that round, downloaded now: before this peer's first round,
+    instead of a missed round and a resync. ``None``: nothing ran without it (or nothing to
+    ask: no round mapping yet, no rendezvous status, a peer over several processes)."""
+    base, status = sync._schedule.swarm_base, getattr(sync.swarm, "status", None)
+    if base is None or status is None or sync._resync_fn is None or sync._processes != 1:
+        return None
+    expected = base[0] + (sync._schedule.rounds_started - base[1])
+    me = getattr(sync.swarm, "peer_id", None)
+    try:
+        if sync._ready is not None:
+            sync._ready.result(timeout=10.0)  # the rendezvous has this peer out of standby
+        rounds = status().get("rounds", [])
+        without = [
+            int(r["round"])
+            for r in rounds
+            if int(r["round"]) >= expected and r.get("outcome") != "failed" and me not in r.get("group", ())
+        ]
+    except Exception as e:  # noqa: BLE001 - only spares a missed round; the round itself tells
+        log.info("could not ask the rendezvous for its rounds: %r", e)
+        return None
+    if not without:
+        return None
+    log.info("round %d runs without this peer (it was not ready yet): downloading the state again", max(without))
+    seq = base[1] + (max(without) - base[0])  # the exchange of that round in this peer's mapping
+    try:
+        return sync._server.fetch_past(sync._resync_fn, lambda: sync._serve_state(params, state), seq)
+    except Exception as e:  # noqa: BLE001 - the round's miss then resyncs it
+        log.info("could not download the state again: %s", e)
+        return None
