@@ -6,6 +6,7 @@ stage in other clusters, a standby that takes over a dead stage peer."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -23,6 +24,19 @@ def pipeline_mode(args: argparse.Namespace) -> str:
     import ravnest_jax as rj
 
     return rj.pipeline.ASYNC_MODE if args.pipeline_mode == "async" else args.pipeline_mode
+
+
+def round_log(metrics: list, losses: dict[int, float]) -> list[dict]:
+    """Per outer round, as the whole-model peer's (``RoundMetrics`` as a dict and ``train_loss``,
+    the last train loss at or before the round's step; ``None`` off the last stage): what
+    ``ravnest-jax report`` plots per stage group. ``losses``: steps done -> train loss."""
+    return [
+        {
+            **dataclasses.asdict(m),
+            "train_loss": max(((s, v) for s, v in losses.items() if s <= m.step), default=(0, None))[1],
+        }
+        for m in metrics
+    ]
 
 
 def run_stage_peer(args: argparse.Namespace) -> dict:
@@ -93,6 +107,7 @@ def run_stage_peer(args: argparse.Namespace) -> dict:
             args, event="start", peer=peer_id, step=0, eval_loss=eval_start, params=int(sum(split.unit_nbytes()) // 4)
         )
         rounds_seen = [0]
+        losses: dict[int, float] = {}  # steps done -> the train loss then (the last stage has it)
 
         def data(step: int) -> np.ndarray:
             return sample_batch(train, np.random.default_rng([peer.cluster, step]), args.batch_size, cfg.seq_len)
@@ -100,6 +115,8 @@ def run_stage_peer(args: argparse.Namespace) -> dict:
         def on_step(step: int, loss: float | None) -> None:
             if _LOOP["stop"]:
                 raise KeyboardInterrupt
+            if loss is not None:
+                losses[step + 1] = float(loss)
             if (step + 1) % args.log_every == 0:
                 _emit(args, event="progress", step=step + 1, loss=loss)
             if peer.sync is not None:
@@ -161,6 +178,7 @@ def run_stage_peer(args: argparse.Namespace) -> dict:
                 "outer_bytes_sent": sync_summary.get("bytes_sent"),
                 "failed_rounds": sync_summary.get("failed_rounds"),
                 "round_digests": [r.state_digest for r in (peer.sync.metrics if peer.sync else []) if r.ok],
+                "round_log": round_log(peer.sync.metrics if peer.sync else [], losses),
                 "wall_seconds": wall,
             }
         )

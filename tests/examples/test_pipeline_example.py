@@ -92,3 +92,14 @@ def test_two_clusters_of_two_stages(tmp_path):
         assert st["activation_bytes_sent"] > 0 and st["outer_rounds"] == 3, st
     evals = s["stages"][1]["eval_loss_end"]
     assert len(evals) == 2 and all(0 < e < 6 for e in evals), evals
+    # each peer's round log, plotted per stage group by ravnest-jax report
+    logs = {
+        (p["stage"], p["peer"]): [(r["step"], r["train_loss"] is not None) for r in p["round_log"]] for p in s["peers"]
+    }
+    want = {1: [(4, True), (8, True), (12, True)], 0: [(4, False), (8, False), (12, False)]}  # the last stage's loss
+    assert all(v == want[stage] for (stage, _), v in logs.items()), logs
+    from ravnest_jax.cli import main
+
+    assert main(["report", str(out)]) == 0
+    pngs = {k: (tmp_path / f"summary.{k}.png") for k in ("loss", "utilisation", "bytes")}
+    assert all(p.is_file() and p.stat().st_size > 10_000 for p in pngs.values()), pngs

@@ -87,3 +87,45 @@ def test_report_out_dir_and_bad_summaries(tmp_path):
             bad.write_text(json.dumps({"peers": [{"peer": "a", "summary": {}}]}))
         r = _cli(str(bad))
         assert r.returncode == 2 and why in r.stderr and r.stderr.count("\n") == 1, (bad, r.stderr)
+
+
+def _stage_summary(tmp_path):
+    """A ``main.py --local-peers 4 --stages 2`` summary as examples/char_lm writes it: each peer a
+    stage of a cluster, its round log ``RoundMetrics`` as dicts with the last stage's train loss
+    (examples/char_lm/pipe_peer.py: round_log), its stage's bytes instead of ``params``."""
+    peers = []
+    for i in range(4):
+        cluster, stage = divmod(i, 2)
+        log = []
+        for r in range(3):
+            m = round_metrics(
+                r, 0, 4 * (r + 1), 4 * (r + 1) + 1, 0.6, 0.1 * stage, 0.95 - 0.1 * r,
+                record=_Record(r, 11_554 + 2000 * stage), payload_bytes=11_474, float_bytes=83_328, state_digest=f"s{r}",
+            )  # fmt: skip
+            log.append({**dataclasses.asdict(m), "train_loss": 5.0 - 0.4 * r - 0.1 * cluster if stage == 1 else None})
+        peers.append(
+            {
+                "peer": f"peer{i}", "run_id": "char-lm-x", "pipeline": True, "role": "active", "cluster": cluster,
+                "stage": stage, "stage_param_bytes": 83_328 + 1000 * stage, "end_step": 12, "steps": 12,
+                "eval_loss_start": 6.14 if stage == 1 else None, "eval_loss_end": 3.84 if stage == 1 else None,
+                "utilisation": 0.6 + 0.1 * stage, "bubble_fraction": 0.4 - 0.1 * stage,
+                "activation_bytes_sent": 108_672, "outer_rounds": 3, "round_log": log,
+            }
+        )  # fmt: skip
+    path = tmp_path / "stages.json"
+    path.write_text(json.dumps({"mode": "local_swarm", "pipeline": True, "peers": peers, "stages": []}))
+    return path
+
+
+@pytest.mark.integration  # renders PNGs
+def test_report_plots_a_stages_summary_per_stage_group(tmp_path):
+    import matplotlib.image
+
+    r = _cli(str(_stage_summary(tmp_path)))
+    assert r.returncode == 0, r.stderr
+    paths = r.stdout.split()
+    assert [p.rsplit("/", 1)[-1] for p in paths] == ["stages.loss.png", "stages.utilisation.png", "stages.bytes.png"]
+    shapes = {p.rsplit(".", 2)[-2]: matplotlib.image.imread(p).shape for p in paths}
+    # a column per stage group: wider than the one-group plots (880 px)
+    assert shapes["utilisation"][1] > 1000 and shapes["bytes"][1] > 1000, shapes
+    assert shapes["loss"][1] > 600, shapes
