@@ -32,7 +32,7 @@ from typing import Any
 from ._compile_cache import OFF_ENV as _CACHE_OFF_ENV
 from ._launch_env import assign_devices, compile_cache_env, describe_devices, visible_gpus
 
-__all__ = ["PEER_ENV", "assign_devices", "run_local", "stop_processes", "visible_gpus"]
+__all__ = ["PEER_ENV", "assign_devices", "run_local", "start_process", "stop_processes", "visible_gpus"]
 
 #: environment variables each peer process gets (``RAVNEST_*`` read by ``rj.Swarm()``)
 PEER_ENV = (
@@ -65,6 +65,29 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def start_process(
+    argv: Sequence[str], *, env: dict[str, str] | None = None, pass_fds: Sequence[int] = ()
+) -> subprocess.Popen:
+    """Starts one process of a local swarm as the launcher starts its peers: in its own process
+    group (a terminal's Ctrl+C reaches only the launcher, which forwards one SIGINT, e.g. with
+    :func:`stop_processes`), SIGINT at its default, SIGTERM when the launcher dies (Linux), stdin
+    from ``/dev/null``, stdout and stderr as text pipes for the caller to read.
+
+    Raises:
+      OSError: the program cannot be started.
+    """
+    return subprocess.Popen(
+        list(argv),
+        stdin=subprocess.DEVNULL,  # its own process group: reading the terminal would stop it
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        pass_fds=tuple(pass_fds),
+        preexec_fn=_die_with_parent,
+    )
 
 
 def stop_processes(procs: Sequence[subprocess.Popen], sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
@@ -284,16 +307,7 @@ def run_local(
                     pass
 
     def spawn(name: str, argv: list[str], env: dict, echo: bool, pass_fds=()) -> subprocess.Popen:
-        p = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,  # its own process group: reading the terminal would stop it
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            pass_fds=pass_fds,
-            preexec_fn=_die_with_parent,
-        )
+        p = start_process(argv, env=env, pass_fds=pass_fds)
         procs[name] = p
         for stream, err in ((p.stdout, False), (p.stderr, True)):
             t = threading.Thread(target=pump, args=(stream, name, err, echo), daemon=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -59,6 +60,24 @@ _FORWARD = (
     "activation_codec",
     "standbys",
 )
+#: seconds the peers get to stop and report after Ctrl+C, before they are killed (the whole
+#: job then ends within about 5 s: the table and the summary JSON with what the peers reported)
+STOP_SECONDS = 3.5
+_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (\S+) (WARNING|ERROR|CRITICAL) (.*)$")
+_WARNING_LINE = re.compile(r"^\S.*:\d+: \w*Warning: ")
+
+
+def console_line(line: str) -> str | None:
+    """What of a peer's stderr line the console shows: its WARNING / ERROR / CRITICAL log
+    records (``LEVEL logger: message``), Python warnings and ``error:`` lines; else None."""
+    line = line.rstrip()
+    m = _LOG_LINE.match(line)
+    if m:
+        name, level, msg = m.groups()
+        return f"{level} {msg}" if name == "py.warnings" else f"{level} {name}: {msg}"
+    if line.startswith("error: ") or _WARNING_LINE.match(line):
+        return line
+    return None
 
 
 def _forward_flags(args: argparse.Namespace) -> list[str]:
@@ -67,12 +86,13 @@ def _forward_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if value is not None:
             out += ["--" + name.replace("_", "-"), str(value)]
-    return out
+    return out + (["--fresh"] if getattr(args, "fresh", False) else [])
 
 
-def print_peer_table(results: list[dict], dp_bytes: float | None) -> bool:
-    """The summary table of the peers that finished; returns whether their global states are
-    identical (final digest and every round's digest)."""
+def print_peer_table(results: list[dict], dp_bytes: float | None, missing: dict[str, str] | None = None) -> bool:
+    """The summary table: a row per peer that reported, and a row per peer of ``missing`` (its
+    name: why it has no report); returns whether the reported global states are identical
+    (final digest and every round's digest)."""
     digests = {r["final_global_digest"] for r in results}
     same_rounds = len({tuple(r["round_digests"]) for r in results}) == 1
 
@@ -94,7 +114,14 @@ def print_peer_table(results: list[dict], dp_bytes: float | None) -> bool:
             f"{num(None if dp_bytes is None else dp_bytes / 1e6, '16.1f')} | "
             f"{num(r['compute_utilisation'], '11.3f')} | {r['stall_seconds']:7.2f} | {num(r['mean_overlap_steps'], '8.1f')} |"
         )
-    if len(results) > 1:
+    for name, why in (missing or {}).items():
+        print(f"| {name:<16} | {why}")
+    cut = [r["peer"] for r in results if r.get("eval_interrupted")]
+    if cut:
+        print(f"eval end: interrupted (Ctrl+C during the final eval) on {', '.join(cut)}")
+    if not results:
+        print("\nno peer reported: no global state to compare")
+    elif len(results) > 1:
         print(
             f"\nglobal state (params and outer optimizer state) identical on all peers: "
             f"{'yes' if len(digests) == 1 else 'NO'} (digest {str(sorted(map(str, digests))[0])[:16]}...); "
@@ -122,10 +149,18 @@ def data_parallel_bytes_for(n: int, results: list[dict]) -> float:
 def run_local_swarm(args: argparse.Namespace) -> dict:
     """Starts a rendezvous and ``--local-peers`` peer processes on 127.0.0.1 and waits for them.
 
-    Nothing touches the disk (the token travels in the environment, results and logs through
-    pipes), so neither Ctrl+C nor a crash of this process leaves files behind; the children stop
-    by themselves when this process dies. Ctrl+C stops the peers (each saves a checkpoint and
-    reports what it did) and returns the summary so far with ``"interrupted": true``.
+    Nothing but the summary touches the disk (the token travels in the environment, results and
+    logs through pipes), so neither Ctrl+C nor a crash of this process leaves files behind; the
+    children, each in its own process group (``ravnest_jax.launch.start_process``), stop by
+    themselves when this process dies. The peers' WARNING and ERROR log lines and ``error:``
+    lines are shown on the console, prefixed with the peer's name.
+
+    Ctrl+C (SIGINT to this process; the peers get exactly one each, forwarded) at any moment
+    stops the peers: each reports what it did (eval figures marked interrupted where its final
+    eval did not finish), a peer that has not stopped after :data:`STOP_SECONDS` is killed, and
+    the summary so far is returned with ``"interrupted": true``: a table row per peer, the ones
+    without a report saying why (``"peers_without_report"``). Sets ``args.summary_json`` (default
+    ``runs/RUN_ID/summary.json``) first, so the caller writes the summary whatever happens.
     """
     import collections
     import queue
@@ -136,13 +171,21 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
 
     from tqdm.auto import tqdm
 
-    from ravnest_jax.launch import stop_processes
+    from char_lm.peer import _STOPPED_BY
+    from ravnest_jax.launch import start_process, stop_processes
 
+    run_id = f"char-lm-{secrets.token_hex(3)}"
+    if not args.summary_json:
+        args.summary_json = str(Path("runs") / run_id / "summary.json")
     check_text(args.text)  # before anything starts
+    # jax's import and backend take this process seconds: read while the peers start, not
+    # after a Ctrl+C (which has 5 s for everything)
+    machine: dict = {}
+    threading.Thread(target=lambda: machine.update(machine_info()), name="machine-info", daemon=True).start()
     staged = getattr(args, "stages", 1) > 1
     n = args.local_peers + (args.standbys if staged else 0)  # processes: the clusters' peers and the standbys
     procs: list[subprocess.Popen] = []
-    run_id = f"char-lm-{secrets.token_hex(3)}"
+    readers: list[threading.Thread] = []
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAVNEST_TOKEN": secrets.token_hex(16)}
     events: queue.Queue = queue.Queue()
     tails: dict[str, collections.deque] = {}
@@ -156,14 +199,15 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
                     events.put((name, json.loads(line)))
                 except ValueError:
                     pass
+            elif name.startswith("peer") and (shown := console_line(line)) is not None:
+                tqdm.write(f"[{name.split(':')[0]}] {shown}", file=sys.stderr)  # above the bar
 
     def start(cmd: list[str], name: str, extra_env: dict | None = None) -> subprocess.Popen:
-        p = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, **(extra_env or {})}
-        )
+        p = start_process(cmd, env={**env, **(extra_env or {})})  # its own process group
         procs.append(p)
-        threading.Thread(target=pump, args=(p.stdout, name, True), daemon=True).start()
-        threading.Thread(target=pump, args=(p.stderr, name + ":stderr", False), daemon=True).start()
+        for stream, sub, parse in ((p.stdout, name, True), (p.stderr, name + ":stderr", False)):
+            readers.append(threading.Thread(target=pump, args=(stream, sub, parse), daemon=True))
+            readers[-1].start()
         return p
 
     steps = [0] * n
@@ -182,6 +226,12 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
         if kind == "compiling" and bar is not None:
             compiling.add(i)
             bar.set_description_str(f"{n} peers (compiling {len(compiling)}/{n})")
+            if args.no_progress and len(compiling) == n:
+                print(f"all {n} peers compiling", flush=True)
+        elif kind == "final_eval":
+            evaluating.add(i)
+            if args.no_progress and len(evaluating) == n:
+                print(f"final eval on all {n} peers", flush=True)
         elif kind == "start":
             started.add(i)
             steps[i] = ev.get("step", 0)
@@ -216,6 +266,7 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
             results[i] = ev["result"]
 
     compiling: set[int] = set()
+    evaluating: set[int] = set()
     started: set[int] = set()
     losses: dict[int, float] = {}
     url = None
@@ -308,11 +359,19 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
                 break
     except KeyboardInterrupt:
         interrupted = True
-        print("\ninterrupted: stopping the peers and the rendezvous", file=sys.stderr)
+        print("\ninterrupted: stopping the peers and the rendezvous", file=sys.stderr, flush=True)
     finally:
-        stop_processes(procs[1:], signal.SIGINT, 20.0)  # the peers: as Ctrl+C, they save and report
-        stop_processes(procs[:1])  # then the rendezvous
-        time.sleep(0.2)  # the pump threads read the last lines of the peers that stopped
+        # from here on a signal only hurries the stop: the table and the summary still come
+        more: list[int] = []
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda signum, frame: (more.append(signum), _STOPPED_BY.append(signum)))
+        killed = _stop_peers(procs[1:], STOP_SECONDS if interrupted else 20.0, more)
+        interrupted = interrupted or bool(more)
+        stop_processes(procs[:1], timeout=2.0)  # then the rendezvous
+        deadline = time.monotonic() + 2.0  # the readers end with the pipes: the peers' last lines
+        for t in readers:
+            t.join(timeout=max(deadline - time.monotonic(), 0.01))
         while not events.empty():
             handle(*events.get())
         if bar is not None:
@@ -321,28 +380,20 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
                 rounds=results.get(0, {}).get("rounds", rounds),
             )
             bar.close()
-    failed = {}
-    for i, p in enumerate(peers):
-        rc = p.wait()
-        if interrupted and i in results:
+    failed, missing = {}, {}
+    for i in range(n):
+        p = peers[i] if i < len(peers) else None
+        rc = None if p is None else p.wait()
+        if (interrupted or rc == 0) and i in results:
             continue
-        if rc != 0 or i not in results:
-            how = (
-                f"was killed by {signal.Signals(-rc).name}"
-                if rc < 0
-                else f"exited with status {rc}"
-                if rc
-                else "exited without a result"
-            )
-            err = [ln.rstrip() for ln in tails.get(f"peer{i}:stderr", []) if ln.strip()][-5:]
-            failed[f"peer{i}"] = f"{how} after step {steps[i]}" + "".join(f"\n    {ln}" for ln in err)
-    if not interrupted:
-        for name, why in failed.items():
-            print(f"{name} {why}", file=sys.stderr)
-    done = [results[i] for i in range(len(peers)) if i in results and f"peer{i}" not in failed]
-    if not done and not interrupted:
-        raise RuntimeError("no peer finished")
-    if failed and not interrupted:
+        err = [ln.rstrip() for ln in tails.get(f"peer{i}:stderr", []) if ln.strip()]
+        missing[f"peer{i}"] = _why_no_report(rc, p in killed, interrupted, i in started, steps[i], err)
+        if not interrupted:
+            failed[f"peer{i}"] = missing[f"peer{i}"] + "".join(f"\n    {ln}" for ln in err[-5:])
+    for name, why in failed.items():
+        print(f"{name}: {why}", file=sys.stderr)
+    done = [results[i] for i in range(len(peers)) if i in results and f"peer{i}" not in missing]
+    if failed:
         print(f"\n{len(failed)} of {n} peers did not finish (above); the {len(done)} that did:")
     if staged:
         from char_lm.pipe_peer import print_stage_table
@@ -352,20 +403,21 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
             "mode": "local_swarm",
             "pipeline": True,
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "machine": machine_info(),
+            "machine": machine or _machine_without_jax(),
             "config": run_config(args, run_id=run_id, rendezvous=url, min_peers=n),
             "interrupted": interrupted,
             "peers": done,
             "stages": _stage_summary(done),
             "round_digests_equal": equal,
             "failed_peers": failed,
+            "peers_without_report": missing,
         }
     dp_bytes = data_parallel_bytes_for(n, done) if done else 0.0
-    equal = print_peer_table(done, dp_bytes) if done else False
+    equal = print_peer_table(done, dp_bytes, missing)
     return {
         "mode": "local_swarm",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": machine_info(),
+        "machine": machine or _machine_without_jax(),
         "config": run_config(args, run_id=run_id, rendezvous=url, min_peers=n),
         "interrupted": interrupted,
         "peers": done,
@@ -373,7 +425,56 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
         "global_digests_equal": bool(done) and len({r["final_global_digest"] for r in done}) == 1,
         "round_digests_equal": equal,
         "failed_peers": failed,
+        "peers_without_report": missing,
     }
+
+
+def _machine_without_jax() -> dict:
+    import platform
+
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count()}
+
+
+def _stop_peers(procs: list, seconds: float, hurry: list) -> set:
+    """One SIGINT to each live peer (as Ctrl+C: it stops, saves and reports), up to ``seconds``
+    for them to exit (less once ``hurry`` is non-empty: another Ctrl+C), then SIGKILL to those
+    still running. Returns the killed ones."""
+    import signal
+
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        p.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + seconds
+    while any(p.poll() is None for p in live) and time.monotonic() < deadline and not hurry:
+        try:
+            next(p for p in live if p.poll() is None).wait(timeout=0.05)
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: look again
+            pass
+    killed = {p for p in live if p.poll() is None}
+    for p in killed:
+        p.kill()
+    for p in live:
+        p.wait()
+    return killed
+
+
+def _why_no_report(rc: int | None, killed: bool, interrupted: bool, trained: bool, step: int, err: list) -> str:
+    """A table row's words for a peer without a report."""
+    import signal
+
+    last = next((ln for ln in reversed(err) if ln.startswith("error: ")), err[-1] if err else "")
+    last = last[:160] + ("..." if len(last) > 160 else "")
+    if rc is None:
+        return "no report: not started (interrupted before)"
+    if killed:
+        return f"no report: did not stop within {STOP_SECONDS} s of Ctrl+C, killed" + (
+            f" (at step {step})" if trained else " (before its first step)"
+        )
+    if interrupted:
+        where = f"at step {step}" if trained else "before its first round (compiling or joining)"
+        return f"no report: interrupted {where}"
+    how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited {rc}"
+    return f"{how} at step {step}" + (f": {last}" if last else "") if rc else "exited 0 without a report"
 
 
 def _stage_summary(results: list[dict]) -> list[dict]:

@@ -45,7 +45,7 @@ if __package__ in (None, ""):  # run as a script: the char_lm package is next to
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from char_lm.local import print_peer_table, run_local_swarm  # noqa: E402
-from char_lm.peer import _LOOP, _STOPPED_BY, _emit, _stop, run_peer  # noqa: E402
+from char_lm.peer import _LOOP, _STOPPED_BY, _emit, _stop, run_peer, warnings_as_log_lines  # noqa: E402
 from char_lm.report import json_safe, machine_info, run_config  # noqa: E402
 from char_lm.simulate import run_simulation  # noqa: E402
 
@@ -269,6 +269,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="save checkpoints here (orbax) and resume from the latest one (a swarm: one subfolder per peer)",
     )
     s.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start from step 0 although --checkpoint-dir has checkpoints (they are moved to DIR/previous-TIME/); "
+        "needed after a run found none of them readable",
+    )
+    s.add_argument(
         "--checkpoint-every",
         type=_positive_int,
         default=None,
@@ -473,8 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("ravnest_jax").setLevel(args.log_level)
+    warnings_as_log_lines()  # one line each, which the local mode's console shows
     in_main = threading.current_thread() is threading.main_thread()
-    _LOOP["stop"] = False
+    _LOOP["stop"] = _LOOP["defer"] = False
     _LOOP["hard_exit"] = False
     _STOPPED_BY.clear()
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)} if in_main else {}
@@ -554,12 +561,13 @@ def _main(args: argparse.Namespace) -> int:
             },
         )
         return 128 + (_STOPPED_BY[-1] if _STOPPED_BY else 2)
-    if mode == "local_swarm" and not args.summary_json and summary.get("peers"):
-        args.summary_json = str(Path("runs") / summary["config"]["run_id"] / "summary.json")
-    _write_summary(args, summary)
+    _write_summary(args, summary)  # local mode: signals only recorded here (run_local_swarm's handlers)
     if mode == "local_swarm" and summary.get("peers") and not summary.get("pipeline"):
-        _plot(args.summary_json)
-    if summary.get("interrupted"):
+        if summary.get("interrupted") or _STOPPED_BY:  # exit at once; the plots can be made later
+            print(f"plots: none (interrupted; ravnest-jax report {args.summary_json})")
+        else:
+            _plot(args.summary_json)
+    if summary.get("interrupted") or (mode == "local_swarm" and _STOPPED_BY):
         return 128 + (_STOPPED_BY[-1] if _STOPPED_BY else 2)
     return 1 if summary.get("failed_peers") else 0
 
@@ -569,11 +577,12 @@ if __name__ == "__main__":
 
     rj.enable_compilation_cache()  # a restarted peer loads its compiled steps (RAVNEST_COMPILE_CACHE=0: off)
     code = main()
-    if _LOOP.get("hard_exit"):
+    if _LOOP.get("hard_exit") or _STOPPED_BY:
         # interrupted before training started, possibly inside an XLA compile: the interpreter's
         # teardown can then crash (SIGSEGV, exit 139) while XLA's compile threads still run.
         # Nothing of this process is left to clean (a swarm it joined was left by its with-block,
-        # the summary is written), so end it without the teardown, with Ctrl+C's status
+        # the summary is written), so end it without the teardown, with Ctrl+C's status; after
+        # Ctrl+C anywhere the same: the report is out, and the teardown costs seconds
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()

@@ -82,6 +82,18 @@ def _emit(args: argparse.Namespace, **event) -> None:
         print(json.dumps({**event, "t": round(time.time(), 3)}), flush=True)
 
 
+def warnings_as_log_lines() -> None:
+    """Python warnings (a corrupt checkpoint skipped, say) as one log line each, ``... WARNING
+    CorruptCheckpointWarning: ...``, not the two lines (message, source line) Python prints."""
+    import logging
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        logging.getLogger("py.warnings").warning("%s: %s", category.__name__, message)
+
+    warnings.showwarning = show
+
+
 def _watch_parent(parent_pid: int) -> None:
     """Stops this peer when the launcher dies (no orphans after a crash or kill -9)."""
     import _thread
@@ -245,7 +257,9 @@ def run_peer(args: argparse.Namespace) -> dict:
         # saves happen between rounds (no exchange in flight), at most every `save_every` steps;
         # with overlapped rounds that is once the round merged (tau steps after its boundary)
         meta = {"run_id": args.run_id, "peer": peer_id, "example": "char_lm"}
-        return rj.Checkpointer(args.checkpoint_dir, max_to_keep=3, save_interval_steps=1, metadata=meta)
+        return rj.Checkpointer(
+            args.checkpoint_dir, max_to_keep=3, save_interval_steps=1, metadata=meta, fresh=args.fresh
+        )
 
     # opened before compiling, so that a directory in use is refused at once; but a peer compiled
     # ahead of its cue (--join-when-exists) takes over a directory whose owner may still run
@@ -351,6 +365,8 @@ def run_peer(args: argparse.Namespace) -> dict:
         except KeyboardInterrupt:
             # stop within seconds: a round in flight is abandoned (the last checkpoint stands)
             interrupted = True
+        # from here a first signal no longer raises (a second one does): the report comes
+        _LOOP["defer"] = True
         if interrupted:
             print(f"\npeer {peer_id}: interrupted at step {t}", file=sys.stderr)
         wall = time.perf_counter() - t0
@@ -360,7 +376,19 @@ def run_peer(args: argparse.Namespace) -> dict:
             ckpt.close()
         if bar is not None:
             bar.close()
-        eval_end = evaluate(state.global_params) if consistent else None
+        eval_end, eval_interrupted = None, False
+        try:  # the final eval: Ctrl+C ends it (its figure is then marked interrupted)
+            _LOOP["defer"] = False
+            if _LOOP["stop"] and not interrupted:  # a signal came in the save just above
+                raise KeyboardInterrupt
+            if consistent:
+                _emit(args, event="final_eval", step=t)
+                eval_end = evaluate(state.global_params)
+        except KeyboardInterrupt:
+            interrupted = eval_interrupted = True
+            print(f"\npeer {peer_id}: interrupted in the final eval (training done to step {t})", file=sys.stderr)
+        finally:
+            _LOOP["defer"] = True
         summary = sync.summary()
         # the digest of the last merge (no compilation at exit); computed only after a resync
         final_digest = sync.global_state_digest or (
@@ -383,6 +411,7 @@ def run_peer(args: argparse.Namespace) -> dict:
             "params": int(n_params),
             "eval_loss_start": eval_start,
             "eval_loss_end": eval_end,
+            "eval_interrupted": eval_interrupted,
             "rounds": summary["rounds"],
             "failed_rounds": summary["failed_rounds"],
             "resyncs": summary["resyncs"],
@@ -404,16 +433,20 @@ _STOPPED_BY: list[int] = []
 # a stop asked for: the training loop checks it every step, because a KeyboardInterrupt raised
 # at an arbitrary point can land in a callback whose exceptions Python ignores (jax's gc
 # callback) and be lost (seen in the restart soak test under load)
-_LOOP = {"stop": False}
+# "defer": after training, while the peer writes its report: a first signal is only recorded
+_LOOP = {"stop": False, "defer": False}
 
 
 def _stop(signum, frame):
     """SIGINT (Ctrl+C) and SIGTERM (``kill``, a scheduler, ``docker stop``) stop like Ctrl+C: a
     peer leaves the swarm at once instead of being evicted after a timeout, and a launcher
-    stops its peers."""
+    stops its peers. While the peer finishes its report (``_LOOP["defer"]``) only a second
+    signal raises."""
     _STOPPED_BY.append(signum)
+    first = not _LOOP["stop"]
     _LOOP["stop"] = True
-    raise KeyboardInterrupt
+    if not (_LOOP.get("defer") and first):
+        raise KeyboardInterrupt
 
 
 def _adversary_swarm(spec: str) -> type:

@@ -1,0 +1,157 @@
+"""Ctrl+C keeps finished work: SIGINT to the process group of the main job
+(`examples/char_lm/main.py --local-peers 2`), as a terminal sends it, while the peers compile,
+mid-round and during their final eval: exit 130 within 5 s, the table and the summary JSON every
+time (a row for every peer, those without a report saying why), and no process, listening port
+or temporary file left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration  # real processes: a minute or so each
+
+ROOT = Path(__file__).resolve().parents[2]
+PEERS = 2
+TINY = [
+    "--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
+    "--lr", "1e-2", "--schedule-steps", "200", "--sync-every", "5", "--no-progress",
+]  # fmt: skip
+# the line of the main job's output that marks each moment (--no-progress prints them)
+MOMENTS = {
+    "compile": lambda line: line.startswith(f"all {PEERS} peers compiling"),
+    "mid-round": lambda line: line.startswith("round ") and ": ok" in line,
+    "final-eval": lambda line: line.startswith(f"final eval on all {PEERS} peers"),
+}
+
+
+def _descendants(pid: int) -> set[int]:
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _listening_ports(pids: set[int]) -> set[int]:
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _refused(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("moment", list(MOMENTS))
+def test_ctrl_c_prints_the_table_writes_the_summary_and_leaves_nothing(tmp_path: Path, moment: str) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = tmp_path / "text.txt"
+    text.write_bytes(b"".join(p.read_bytes() for p in sorted(stdlib.glob("*.py"))[:40]))
+    summary = tmp_path / "summary.json"
+    if moment == "final-eval":  # training ends after 2 rounds; a long final eval (150 batches)
+        length = ["--max-steps", "10", "--eval-batches", "150"]
+    else:  # trains until interrupted
+        length = ["--max-steps", "100000", "--eval-batches", "1", "--min-step-seconds", "0.05"]
+    job = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "char_lm" / "main.py"), "--local-peers", str(PEERS)]
+        + ["--text", str(text), "--summary-json", str(summary), *TINY, *length],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"},
+        cwd=tmp_path,
+        start_new_session=True,  # its own process group, as a terminal's job
+    )
+    try:
+        seen = []
+        for line in job.stdout:  # the moment, from the job's own output
+            seen.append(line)
+            if MOMENTS[moment](line):
+                break
+        else:
+            raise AssertionError(f"the job ended before the {moment} moment:\n" + "".join(seen))
+        procs = _descendants(job.pid)
+        ports = _listening_ports(procs)
+        assert len(procs) >= PEERS + 1, (moment, procs)  # the rendezvous and the peers
+        t0 = time.monotonic()
+        os.killpg(job.pid, signal.SIGINT)  # Ctrl+C in a terminal: the whole foreground group
+        rest = job.stdout.read()
+        job.wait(timeout=30)
+        took = time.monotonic() - t0
+        out = "".join(seen) + rest
+        assert job.returncode == 130, (job.returncode, out)
+        assert took <= 5.0, f"exit {took:.2f} s after SIGINT ({moment})\n{out}"
+        assert "Traceback" not in rest, rest
+        # the table: its header and a row for every peer, reported or not
+        assert "| peer " in rest, rest
+        for i in range(PEERS):
+            assert f"| peer{i} " in rest, (i, rest)
+        doc = json.loads(summary.read_text())
+        assert doc["interrupted"] is True, doc
+        reported = {r["peer"] for r in doc["peers"]}
+        assert reported | set(doc["peers_without_report"]) == {f"peer{i}" for i in range(PEERS)}, doc
+        if moment == "compile":  # nobody trained: each row says why there is no report
+            assert not reported and all(
+                w.startswith("no report: interrupted before its first round")
+                for w in doc["peers_without_report"].values()
+            ), doc["peers_without_report"]
+        else:  # the peers were training: every one reported
+            assert len(reported) == PEERS, doc["peers_without_report"]
+        if moment == "final-eval":  # training was done: figures kept, the eval marked interrupted
+            assert all(r["end_step"] == 10 for r in doc["peers"]), [r["end_step"] for r in doc["peers"]]
+            cut = [r["peer"] for r in doc["peers"] if r["eval_interrupted"]]
+            assert cut and all(r["eval_loss_end"] is None for r in doc["peers"] if r["eval_interrupted"]), doc["peers"]
+            assert "eval end: interrupted" in rest, rest
+        # nothing left: processes, ports, temporary files
+        assert not [p for p in procs if _alive(p)], [p for p in procs if _alive(p)]
+        assert all(_refused(p) for p in ports), ports
+        assert not list(tmp.iterdir()), list(tmp.iterdir())
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        job.stdout.close()
