@@ -47,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="peak inner AdamW learning rate (default 3e-3)")
     p.add_argument("--text", default=None, help="text file to train on (default: the stdlib's .py files)")
     p.add_argument("--checkpoint-dir", default=None, help="save here between rounds; resume from it")
+    p.add_argument("--fresh", action="store_true", help="start from step 0: earlier checkpoints moved aside")
     p.add_argument("--checkpoint-every", type=int, default=None, help="steps between saves (default: H)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial params (the same on every peer)")
     args = p.parse_args(argv)
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     ckpt = None
     if args.checkpoint_dir:
         # under the launcher, each peer keeps its own checkpoints
-        ckpt = rj.Checkpointer(Path(args.checkpoint_dir) / os.environ.get("RAVNEST_PEER_ID", "."), max_to_keep=3)
+        peer_dir = Path(args.checkpoint_dir) / os.environ.get("RAVNEST_PEER_ID", ".")
+        ckpt = rj.Checkpointer(peer_dir, max_to_keep=3, fresh=args.fresh)
     save_every = args.checkpoint_every or args.sync_every
     mode = "blocking" if args.overlap_steps == 0 else "delayed"
     with (

@@ -186,6 +186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the eval loss (default 4)")
     p.add_argument("--checkpoint-dir", default=None, help="save here between rounds; resume from it")
+    p.add_argument("--fresh", action="store_true", help="start from step 0: checkpoints moved to DIR/previous-TIME/")
     p.add_argument(
         "--checkpoint-every",
         type=int,
@@ -416,7 +417,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     ckpt = None
     if args.checkpoint_dir:
-        ckpt = rj.Checkpointer(Path(args.checkpoint_dir) / os.environ.get("RAVNEST_PEER_ID", "."), max_to_keep=3)
+        peer_dir = Path(args.checkpoint_dir) / os.environ.get("RAVNEST_PEER_ID", ".")
+        ckpt = rj.Checkpointer(peer_dir, max_to_keep=3, fresh=args.fresh)
     mode = "blocking" if args.overlap_steps == 0 else "delayed"
     with (
         rj.Swarm() as swarm,
