@@ -111,6 +111,7 @@ class Manifests:
 
     def __init__(self) -> None:
         self._runs: dict[str, tuple[dict[str, Any], set[str]]] = {}
+        self._init: dict[str, tuple[str, str]] = {}  # run -> (initial-state digest, its peer)
 
     def manifest(self, run_id: str) -> dict[str, Any] | None:
         """The run's manifest (None before any peer declared one)."""
@@ -125,15 +126,57 @@ class Manifests:
             return differences(manifest, held[0])
         return []
 
-    def admit(self, run_id: str, peer_id: str, manifest: dict[str, Any], live: set[str]) -> list[str]:
+    def admit(
+        self, run_id: str, peer_id: str, manifest: dict[str, Any], live: set[str], init: str | None = None
+    ) -> list[str]:
         """Admits ``peer_id``'s ``manifest`` (returns ``[]``; it is now the run's) or refuses it
-        (returns the differences, see :func:`differences`)."""
+        (returns the differences, see :func:`differences`). ``init``: the digest of the peer's
+        initial state; the peer that fixes the run's manifest fixes the run's reference
+        initial state (:meth:`initial`), kept while that peer lives."""
         diffs = self.refusal(run_id, peer_id, manifest, live)
         if diffs:
             return diffs
         held = self._runs.get(run_id)
         if held is None or held[0] != manifest:
             self._runs[run_id] = (manifest, {peer_id})
+            self._init.pop(run_id, None)
         else:
             held[1].add(peer_id)
+        ref = self._init.get(run_id)
+        if isinstance(init, str) and (ref is None or ref[1] not in live):
+            self._init[run_id] = (init, peer_id)
         return []
+
+    def initial(self, run_id: str) -> dict[str, Any]:
+        """The run's reference initial state: ``{"init": digest, "init_from": peer id}`` (both
+        None before a peer declared one). A fresh peer whose initial state differs (another
+        seed) takes that peer's state before its first round."""
+        digest, peer = self._init.get(run_id, (None, None))
+        return {"init": digest, "init_from": peer}
+
+
+def manifest_request(swarm: Any, manifest: dict[str, Any], init: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(full manifest, request body)`` of :meth:`Swarm.declare_manifest`: ``manifest`` with
+    the swarm's own settings (:func:`swarm_settings`).
+
+    Raises:
+      ValueError: not a JSON object of at most :data:`MAX_MANIFEST_BYTES`, or ``init`` not a str.
+    """
+    full = check_manifest({**swarm_settings(swarm), **check_manifest(manifest)})
+    if init is not None and not isinstance(init, str):
+        raise ValueError(f"init must be a digest string, got {type(init).__name__}")
+    return full, {"peer_id": swarm.peer_id, "manifest": full, **({"init": init} if init else {})}
+
+
+def manifest_answer(reply: Any) -> dict[str, Any]:
+    """The run's reference initial state from a ``/manifest`` answer.
+
+    Raises:
+      ManifestMismatch: the answer refuses this peer.
+    """
+    from ._types import ManifestMismatch
+
+    reply = reply if isinstance(reply, dict) else {}
+    if reply.get("refused"):
+        raise ManifestMismatch(refusal_line(reply["refused"]), reply["refused"])
+    return {"init": reply.get("init"), "init_from": reply.get("init_from")}

@@ -24,14 +24,14 @@ from ._allreduce import RING_SEGMENT_BYTES, check_aggregator, manifest_digest
 from ._butterfly import Butterfly
 from ._codec import check_codec, check_mean_codec, check_mean_error_feedback, tune_host_allocator
 from ._contrib import Contribution
-from ._manifest import check_manifest, refusal_line, swarm_settings
+from ._manifest import manifest_answer, manifest_request
 from ._membership import heartbeat_loop, join
 from ._preflight import from_environment, post_once
 from ._ring import Ring
 from ._rounds import Rounds
 from ._state import StateProvider, StateTransfer
 from ._transport import Transport
-from ._types import ManifestMismatch, PeerInfo, RoundRecord, SwarmError, Timeouts, check_info
+from ._types import PeerInfo, RoundRecord, SwarmError, Timeouts, check_info
 
 log = logging.getLogger("ravnest_jax.swarm")
 
@@ -213,33 +213,33 @@ class Swarm:
             self._link = ActivationLink(self.transport, lambda: self._loop, max_pending=max_pending)
         return self._link
 
-    def declare_manifest(self, manifest: dict[str, Any], timeout: float | None = None) -> None:
-        """Declares this peer's run manifest: ``manifest`` (the trainer's settings, e.g. the
-        params' fingerprint, H, fragments, overlap mode; ``rj.join_or_resume`` and
-        ``rj.OuterSync`` declare theirs) together with this swarm's own settings (protocol
-        version, codec and options, mean codec, algorithm, aggregator). The first peer of a run
-        fixes the run's; one that differs is refused and dropped from the run at once
-        (docs/swarm.md, "The run manifest"). Before :meth:`start` it is a check only (a
-        peer can be refused before it compiles) and the join carries the manifest (refused
-        there too: ``start`` raises ManifestMismatch). Blocks for one rendezvous request
-        (``timeout``, s).
+    def declare_manifest(
+        self, manifest: dict[str, Any], *, init: str | None = None, timeout: float | None = None
+    ) -> dict[str, Any] | None:
+        """Declares this peer's run manifest: ``manifest`` (the trainer's settings: the params'
+        fingerprint, H, fragments, overlap; ``rj.OuterSync.declare_manifest`` makes it) with this
+        swarm's own (protocol version, codec and options, mean codec, algorithm, aggregator).
+        The first peer of a run fixes the run's; one that differs is refused and dropped at once
+        (docs/swarm.md, "The run manifest"). Before :meth:`start` a check only (refused before
+        compiling); the join then carries it (``start`` raises ManifestMismatch if the run fixed
+        another meanwhile). ``init``: a digest of this peer's initial state. One rendezvous
+        request (``timeout``, s).
+
+        Returns: the run's reference initial state ``{"init", "init_from"}`` after start, None before.
 
         Raises:
           ManifestMismatch: refused; one line naming every differing setting with both values.
           ValueError: ``manifest`` is not a JSON object of at most 16 KiB.
           SwarmError: the rendezvous cannot be reached.
         """
-        full = {**swarm_settings(self), **check_manifest(manifest)}
-        self._manifest = check_manifest(full)
-        ask = {"peer_id": self.peer_id, "manifest": full}
-        if self._loop is None:  # not started: a check now; the join carries it (refused there: 409)
-            t = self.timeouts.connect * 2 if timeout is None else timeout
-            url, token, ssl = self.rendezvous_url, self.transport.token, self.transport.client_ssl
-            refused = post_once(url, self.run_id, token, self.peer_id, "/manifest", {**ask, "check": True}, t, ssl)
-        else:
-            refused = self._ask("POST", "/manifest", ask, timeout)
-        if refused := refused.get("refused") if isinstance(refused, dict) else None:
-            raise ManifestMismatch(refusal_line(refused), refused)
+        self._manifest, ask = manifest_request(self, manifest, init)
+        if self._loop is not None:
+            return manifest_answer(self._ask("POST", "/manifest", ask, timeout))
+        t, tr = self.timeouts.connect * 2 if timeout is None else timeout, self.transport
+        ask["check"] = True
+        manifest_answer(
+            post_once(self.rendezvous_url, self.run_id, tr.token, self.peer_id, "/manifest", ask, t, tr.client_ssl)
+        )
 
     def announce(self, timeout: float | None = None) -> None:
         """A heartbeat now, so that the rendezvous has this peer's :attr:`info` at once; blocks
@@ -439,11 +439,11 @@ class Swarm:
         it has none; ``provider=None`` stops serving."""
         self._state.provider = provider
 
-    def fetch_state(self, timeout: float = 120.0) -> bytes | None:
+    def fetch_state(self, timeout: float = 120.0, *, prefer: str | None = None) -> bytes | None:
         """Downloads the current global state from a live peer of the run, trying the other
-        training peers most advanced first (diverged ones last) until one answers, within
-        ``timeout`` seconds. Returns the state bytes, or ``None`` when no other peer is live or
-        none has a state (each answers 404 at once).
+        training peers most advanced first (diverged ones last; ``prefer``, a peer id, before
+        all) until one answers, within ``timeout`` seconds. Returns the state bytes, or ``None``
+        when no other peer is live or none has a state (each answers 404 at once).
 
         Raises:
           SwarmError: peers are live but none delivered a state before the deadline, or the
@@ -452,7 +452,7 @@ class Swarm:
         if self._loop is None or self._closed:
             raise RuntimeError("Swarm is not running")
         # a task that close() cancels: Ctrl+C during a download ends it at once
-        fut = asyncio.run_coroutine_threadsafe(self._tracked(self._state.fetch(timeout)), self._loop)
+        fut = asyncio.run_coroutine_threadsafe(self._tracked(self._state.fetch(timeout, prefer)), self._loop)
         try:
             return fut.result(timeout=timeout + 5)
         except concurrent.futures.CancelledError:

@@ -12,7 +12,7 @@ HTTP API (every ``/v1`` request is signed, see :mod:`._auth`; answers are signed
 ``POST /v1/runs/{run}/heartbeat``  ``{peer_id, address, last_round, info?}`` (registers if unknown)
 ``POST /v1/runs/{run}/leave``      ``{peer_id}``
 ``POST /v1/runs/{run}/ready``      ``{peer_id, address, last_round}`` (standby over: it trains)
-``POST /v1/runs/{run}/manifest``   ``{peer_id, manifest, check?}`` -> ``{refused: [...]}`` (:mod:`._manifest`)
+``POST /v1/runs/{run}/manifest``   ``{peer_id, manifest, check?, init?}`` -> ``{refused, init, init_from}`` (:mod:`._manifest`)
 ``GET  /v1/runs/{run}/peers``                      live peers
 ``GET  /v1/runs/{run}/status``                     peers, membership version, recent rounds
 ``POST /v1/runs/{run}/rounds/begin`` ``{peer_id, address, after, part_s, grace_s, max_attempts,
@@ -178,7 +178,7 @@ class Rendezvous(RoundHandlers):
     def _reply(self, request: web.Request, run: _Run, payload: Any) -> web.Response:
         return json_response(request, self.token, run.run_id, "rendezvous", payload)
 
-    def _refused(self, run: _Run, peer: str, manifest: Any, *, check: bool = False) -> list[str]:
+    def _refused(self, run: _Run, peer: str, manifest: Any, *, check: bool = False, init: Any = None) -> list[str]:
         """The differences of ``peer``'s ``manifest`` from the run's (``[]``: admitted, and the
         run's now unless ``check``).
 
@@ -189,8 +189,10 @@ class Rendezvous(RoundHandlers):
             check_manifest(manifest)
         except ValueError as e:
             raise web.HTTPBadRequest(text=str(e)) from None
-        how = self.manifests.refusal if check else self.manifests.admit
-        return how(run.run_id, peer, manifest, {e.peer_id for e in self._live(run)})
+        live = {e.peer_id for e in self._live(run)}
+        if check:
+            return self.manifests.refusal(run.run_id, peer, manifest, live)
+        return self.manifests.admit(run.run_id, peer, manifest, live, init)
 
     def _touch(self, run: _Run, peer: str, p: dict[str, Any], *, joining: bool = False) -> tuple[_Peer, bool]:
         address = p.get("address")
@@ -326,11 +328,11 @@ class Rendezvous(RoundHandlers):
         run, peer, p = await self._auth(request)
         if p.get("check") is True:  # a peer not yet started asks (it registers later, manifest in hand)
             return self._reply(request, run, {"refused": self._refused(run, peer, p.get("manifest"), check=True)})
-        diffs = self._refused(run, peer, p.get("manifest"))
+        diffs = self._refused(run, peer, p.get("manifest"), init=p.get("init"))
         if diffs:
             log.warning("run %s: refused %s: %s", run.run_id, peer, "; ".join(diffs))
             self._drop(run, peer)  # the run is untouched: as if it had never joined
-        return self._reply(request, run, {"refused": diffs})
+        return self._reply(request, run, {"refused": diffs, **self.manifests.initial(run.run_id)})
 
     async def _ready(self, request: web.Request) -> web.Response:
         run, peer, p = await self._auth(request)

@@ -46,7 +46,7 @@ class StateTransfer:
         self.max_state_bytes = DEFAULT_MAX_STATE_BYTES
         transport.route("GET", "/state", self._h_get_state)
 
-    async def fetch(self, timeout: float) -> bytes | None:
+    async def fetch(self, timeout: float, prefer: str | None = None) -> bytes | None:
         """See :meth:`Swarm.fetch_state` (runs on the loop)."""
         t, me = self.transport, self.transport.peer_id
         deadline = asyncio.get_running_loop().time() + timeout
@@ -72,6 +72,7 @@ class StateTransfer:
             # (and a client-only peer after the reachable ones: its state comes through the relay)
             others.sort(
                 key=lambda p: (
+                    p["peer_id"] != prefer if prefer else False,
                     p["peer_id"] in avoid,
                     bool(p.get("relayed")),
                     -int(p.get("last_round", -1)),

@@ -216,6 +216,9 @@ class OuterSync:
         self._ready: Any = None  # the future of the last ready() (the rendezvous' answer)
         self._downloaded = False  # the state came from a peer: ready again, and check (taken_again)
         self._declared = False  # the run manifest (declare_manifest)
+        # the run's reference initial state ({"init", "init_from"}) and this peer's digest of its own
+        self.run_initial: dict | None = None
+        self.initial_digest: str | None = None
         # this driver serves its own state to peers that join or resync (a multi-process peer
         # does not: its state lives on several hosts)
         self._serving = self._processes == 1 and callable(getattr(swarm, "serve_state", None))
@@ -302,9 +305,13 @@ class OuterSync:
         """Declares this peer's run manifest with the swarm (``Swarm.declare_manifest``): the
         params' fingerprint (tree structure, shapes, dtypes), H, the fragments and their
         schedule, the overlap mode and tau, with the swarm's codec, aggregator, algorithm and
-        protocol version. :func:`rj.join_or_resume` calls it before anything loads, else the
-        first ``sync`` call does; later calls do nothing. ``params``: the params pytree (with
-        flax nnx, ``nnx.as_pure(nnx.state(model, nnx.Param))``: the arrays the driver averages).
+        protocol version; and a digest of the params' values as this peer's initial state
+        (``initial_digest``; the run's, the first declarer's, in ``run_initial``: a fresh peer
+        whose own differs takes the swarm's state in :func:`rj.join_or_resume`). Called before
+        the swarm starts it is a check only (refused before compiling) and counts once started.
+        :func:`rj.join_or_resume` calls it before anything loads, else the first ``sync`` call
+        does; later calls do nothing. ``params``: the params pytree (with flax nnx,
+        ``nnx.as_pure(nnx.state(model, nnx.Param))``: the arrays the driver averages).
 
         Raises:
           ManifestMismatch: the rendezvous refused this peer: one line naming every setting
@@ -312,8 +319,7 @@ class OuterSync:
         """
         if self._declared:
             return
-        declare(self, params)
-        self._declared = True
+        self._declared, self.run_initial, self.initial_digest = declare(self, params)
 
     def _mark_ready(self) -> None:
         """The first step: tell the swarm this peer trains (ends a joiner's standby at once, so

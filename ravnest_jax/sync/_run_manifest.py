@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._digest import CHUNK
+
 log = logging.getLogger("ravnest_jax.sync")
 
 
@@ -45,14 +47,29 @@ def trainer_manifest(sync: Any, params: Any) -> dict[str, Any]:
     }
 
 
-def declare(sync: Any, params: Any) -> None:
-    """Declares ``sync``'s manifest with its swarm (once; a swarm without ``declare_manifest``,
-    or none on a multi-process peer's other processes, declares nothing).
+def initial_digest(params: Any) -> str:
+    """Digest (32 hex characters) of the params' values, computed on the device
+    (:func:`~ravnest_jax.sync._digest.device_digest`): peers initialised alike agree on it."""
+    from ._digest import device_digest, digest_hex
+    from ._layout import mesh_of
+
+    chunk = 0 if mesh_of(params) is not None else CHUNK  # a sharded leaf hashed whole, not gathered
+    return digest_hex(jax.jit(lambda t: device_digest(t, chunk))(params))
+
+
+def declare(sync: Any, params: Any) -> tuple[bool, dict[str, Any] | None, str | None]:
+    """Declares ``sync``'s manifest, and the digest of ``params`` as its initial state, with
+    its swarm. Returns ``(declared, the run's reference initial state, this peer's digest)``:
+    ``declared`` is False for a check only (the swarm has not started: declare again once it
+    has); a swarm without ``declare_manifest`` (or none, on a multi-process peer's other
+    processes) declares nothing and counts as declared.
 
     Raises:
       ManifestMismatch: the rendezvous refused this peer (one line naming every difference).
     """
     declare_fn = getattr(sync.swarm, "declare_manifest", None)
     if declare_fn is None:
-        return
-    declare_fn(trainer_manifest(sync, params))
+        return True, None, None
+    mine = initial_digest(params)
+    ref = declare_fn(trainer_manifest(sync, params), init=mine)
+    return ref is not None, ref, mine

@@ -136,3 +136,16 @@ def test_a_peer_with_other_settings_is_refused_and_the_run_is_untouched(cluster)
     # every holder gone: a new run of the same id fixes new settings
     with _swarm(url, "f", codec="int8") as f:
         f.declare_manifest({**trainer, "sync_every": 20})
+
+
+def test_the_run_s_initial_state_is_its_first_declarer_s_while_it_lives():
+    m = Manifests()
+    a = {"sync_every": 10}
+    assert m.initial("r") == {"init": None, "init_from": None}
+    assert m.admit("r", "p0", a, live={"p0"}, init="d0") == []
+    assert m.admit("r", "p1", a, live={"p0", "p1"}, init="d1") == []
+    assert m.initial("r") == {"init": "d0", "init_from": "p0"}  # the first one's, not the latest
+    assert m.admit("r", "p2", a, live={"p1", "p2"}, init="d2") == []
+    assert m.initial("r") == {"init": "d2", "init_from": "p2"}  # p0 gone: the next declarer's
+    assert m.admit("r", "p3", {"sync_every": 20}, live={"p3"}, init="d3") == []
+    assert m.initial("r") == {"init": "d3", "init_from": "p3"}  # a new manifest, a new reference

@@ -213,3 +213,21 @@ def test_a_lone_peer_killed_and_restarted_from_its_checkpoint_has_no_failed_roun
     s = run.summary("a-restarted", 60)
     rounds = _rounds(run, "a-restarted")
     assert rounds[0]["ok"] and s["failed_rounds"] == 0 and s["resyncs"] == 0, (s, rounds[:3])
+
+
+@pytest.mark.timeout(180)
+def test_peers_started_from_different_seeds_have_no_failed_round(run):
+    """Two peers with other initial params (seeds 1 and 2), started together: the manifest is
+    the same (values are not part of it), and the one whose initial state is not the run's
+    takes the other's state before its first round, as a joiner: 0 failed rounds, 0 resyncs,
+    equal digests (before: one round failed as "diverged", then a resync)."""
+    run.rendezvous()
+    run.peer("a", 60, "--seed", "1")
+    run.peer("b", 60, "--seed", "2")
+    sums = {n: run.summary(n, 150) for n in "ab"}
+    hows = sorted(next(e for e in run.events(n) if e.get("event") == "started")["how"] for n in "ab")
+    assert hows == ["fresh", "joined"], hows
+    for n, s in sums.items():
+        bad = [e for e in _rounds(run, n) if not e["ok"]]
+        assert s["failed_rounds"] == 0 and s["resyncs"] == 0 and not bad, (n, s, bad)
+    assert len({s["last_state_digest"] for s in sums.values()}) == 1, sums
