@@ -88,14 +88,17 @@ class DataSection:
 class OptimSection:
     """``optim``: inner AdamW lr, its schedule after ``warmup`` linear steps, sequences per
     micro-batch, micro-batches per step (gradient accumulation: a step is ``micro_batch x
-    micro_batches`` sequences), inner steps, seed."""
+    micro_batches`` sequences), how long: inner ``steps`` or ``epochs`` (passes over this peer's
+    data shard, fractions allowed; the steps are counted once the data are read), exactly one of
+    the two, and the seed."""
 
     lr: float = 3e-3
     schedule: str = "constant"
     warmup: int = 0
     micro_batch: int = 8
     micro_batches: int = 1
-    steps: int = 300
+    steps: int | None = None
+    epochs: float | None = None
     seed: int = 0
 
 
@@ -291,7 +294,8 @@ CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "warmup": _int(0),
         "micro_batch": _int(1),
         "micro_batches": _int(1),
-        "steps": _int(1),
+        "steps": _optional(_int(1)),
+        "epochs": _optional(_float(lambda x: x > 0, "a number > 0")),
         "seed": _int(0),
     },
     "outer": {
@@ -459,7 +463,10 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *, 
     o, opt = recipe.outer, recipe.optim
     if o.overlap_steps >= o.sync_every:
         problems.append(f"outer.overlap_steps: expected < outer.sync_every ({o.sync_every}), got {o.overlap_steps}")
-    if opt.warmup >= opt.steps:
+    if (opt.steps is None) == (opt.epochs is None):
+        got = "both" if opt.steps is not None else "neither"
+        problems.append(f"optim.steps, optim.epochs: expected exactly one of them (how long to train), got {got}")
+    elif opt.steps is not None and opt.warmup >= opt.steps:
         problems.append(f"optim.warmup: expected < optim.steps ({opt.steps}), got {opt.warmup}")
     if opt.micro_batch % recipe.runtime.devices:
         problems.append(

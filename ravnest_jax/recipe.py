@@ -67,7 +67,8 @@ def train_argv(r: Recipe) -> list[str]:
     o = r.optim
     a += ["--lr", repr(o.lr), "--lr-schedule", o.schedule, "--warmup-steps", str(o.warmup)]
     a += ["--batch-size", str(o.micro_batch * o.micro_batches), "--micro-batches", str(o.micro_batches)]
-    a += ["--max-steps", str(o.steps), "--seed", str(o.seed)]
+    a += ["--max-steps", str(o.steps)] if o.steps is not None else ["--epochs", repr(o.epochs)]
+    a += ["--seed", str(o.seed)]
     a += ["--sync-every", str(r.outer.sync_every), "--overlap-steps", str(r.outer.overlap_steps)]
     a += ["--outer-lr", repr(r.outer.lr), "--outer-momentum", repr(r.outer.momentum)]
     pl = r.pipeline

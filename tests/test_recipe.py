@@ -31,6 +31,7 @@ def write(tmp_path: Path, text: str) -> Path:
 GOOD = f"""
 model: {{checkpoint: {CKPT}}}
 data: {{files: [{DATA}], format: prompt_completion}}
+optim: {{steps: 300}}
 """
 
 
@@ -109,7 +110,9 @@ def test_missing_required_and_missing_files(tmp_path):
         f"model.checkpoint: {tmp_path / 'nowhere'} is not a directory",
         f"data.files: {tmp_path / 'none.jsonl'} does not exist (and matches nothing as a glob)",
     ]
-    load_recipe(write(tmp_path, "model: {checkpoint: nowhere}\ndata: {files: x.jsonl}\n"), check_files=False)
+    load_recipe(
+        write(tmp_path, "model: {checkpoint: nowhere}\ndata: {files: x.jsonl}\noptim: {epochs: 1}\n"), check_files=False
+    )
 
 
 def test_export_dir_not_empty(tmp_path):
@@ -159,9 +162,9 @@ def test_cli_prints_lines_and_exits_2(tmp_path, capsys):
     p = write(tmp_path, GOOD + "lora: {rank: x}\noptim: {stesp: 1}\n")
     assert cli_main(["finetune", str(p)]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err == [
-        "error: lora.rank: expected an int >= 1, got 'x'",
+    assert err == [  # in the file's order of sections (GOOD's optim first)
         "error: optim.stesp: unknown key; did you mean 'steps'?",
+        "error: lora.rank: expected an int >= 1, got 'x'",
     ]
     fresh = ["--set", f"export.merged={tmp_path / 'm'}", "--set", f"export.adapters={tmp_path / 'a'}"]
     assert cli_main(["finetune", str(RECIPES / "tiny.yaml"), "--check", "--set", "optim.steps=3", *fresh]) == 0
@@ -260,7 +263,9 @@ def test_pipeline_section_maps_to_train_py_options(tmp_path, monkeypatch):
     from ravnest_jax.recipe import _example_train
 
     text = GOOD + "pipeline: {stages: 2, in_flight: 3, mode: async, activation_codec: bf16}\n"
-    r = load_recipe(write(tmp_path, text + "optim: {micro_batch: 2, micro_batches: 4}\n"), ["data.packing=false"])
+    r = load_recipe(
+        write(tmp_path, text + "optim: {steps: 300, micro_batch: 2, micro_batches: 4}\n"), ["data.packing=false"]
+    )
     argv = train_argv(r)
     assert argv[argv.index("--stages") :][:8] == [
         "--stages",
@@ -297,7 +302,7 @@ def test_what_stages_cannot_run_with_is_refused_before_any_load(tmp_path, capsys
     from ravnest_jax.recipe import _example_train, run
 
     text = GOOD + (
-        "pipeline: {stages: 4, in_flight: 9, mode: 2bw}\noptim: {micro_batch: 2, micro_batches: 2}\n"
+        "pipeline: {stages: 4, in_flight: 9, mode: 2bw}\noptim: {steps: 9, micro_batch: 2, micro_batches: 2}\n"
         "lora: {dropout: 0.1}\nexport: {merged: m, adapters: a}\nruntime: {devices: 2, attention: xla}\n"
     )
     why = "with pipeline.stages > 1 (4)"

@@ -95,7 +95,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="split",
         help="with --data: documents longer than --seq-len are split or dropped (default split)",
     )
-    p.add_argument("--max-steps", type=int, default=300, help="inner steps to train (default 300)")
+    how_long = p.add_mutually_exclusive_group()
+    how_long.add_argument("--max-steps", type=int, default=None, help="inner steps to train (default 300)")
+    how_long.add_argument(
+        "--epochs",
+        type=float,
+        help="instead of --max-steps: passes over this peer's data shard (fractions allowed), as steps once "
+        "the data are read: ceil(epochs x the smallest shard's rows / --batch-size); with --stages a cluster's",
+    )
     p.add_argument("--sync-every", type=int, default=20, help="H: inner steps per outer round (default 20)")
     p.add_argument("--overlap-steps", type=int, default=1, help="tau: steps a round overlaps; 0 blocks (default 1)")
     p.add_argument(
@@ -244,10 +251,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --stages: codec of activations and activation-gradients (default int8)",
     )
     args = p.parse_args(argv)
+    if args.epochs is None and args.max_steps is None:
+        args.max_steps = 300
+    if args.epochs is not None and not (0 < args.epochs < float("inf")):
+        p.error(f"--epochs must be a number > 0, got {args.epochs}")
     if args.micro_batches is None:
         args.micro_batches = 4 if args.stages > 1 else 1
-    names = ("max_steps", "sync_every", "batch_size", "seq_len", "lora_rank", "eval_batches", "devices")
-    for name in (*names, "micro_batches", "loss_chunk"):
+    names = ("sync_every", "batch_size", "seq_len", "lora_rank", "eval_batches", "devices")
+    for name in (*names, "micro_batches", "loss_chunk", *(("max_steps",) if args.epochs is None else ())):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.batch_size % args.devices:
@@ -376,6 +387,11 @@ def main(argv: list[str] | None = None) -> dict:
         eval_set = [evals.batch_at(i) for i in range(args.eval_batches)]
         to_batch = TokenBatch.from_windows
 
+    # --epochs: the steps from the data; every peer (cluster) counts the smallest shard's rows
+    shards = max(1, world // args.stages)  # the peers, or with --stages the clusters
+    total = data.stats["rows"] if args.data else (len(train_tokens) - 1) // args.seq_len
+    if args.epochs is not None:
+        args.max_steps = epoch_steps(args, total, shards)
     if args.dtype == "auto":
         args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
@@ -386,9 +402,11 @@ def main(argv: list[str] | None = None) -> dict:
         split = rj.pipeline.pretrained_split(
             args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora, remat=remat, mesh=mesh
         )
+        from finetune.stages import train_stages
+
         if args.data:  # one document a row, loss-masked: the pipeline's masked batches
-            return train_stages(args, split, None, eval_set, records=data)
-        return train_stages(args, split, train_tokens, np.stack(eval_set))
+            return train_stages(args, split, None, eval_set, records=data, cluster_rows=total / shards)
+        return train_stages(args, split, train_tokens, np.stack(eval_set), cluster_rows=total / shards)
     # on a mesh: the frozen base and the adapters FSDP-style over the peer's devices
     lm = split_lora(
         load_pretrained(args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora, remat=remat, mesh=mesh)
@@ -488,6 +506,21 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+def epoch_steps(args: argparse.Namespace, rows: int, shards: int) -> int:
+    """``--epochs`` as steps, ``ceil(epochs x (rows // shards) / --batch-size)``, for ``rows`` rows
+    (documents, packed rows, text windows) over ``shards`` (the peers; with ``--stages`` the
+    clusters): the smallest shard's, so every peer runs as many. ValueError: warm-up too long."""
+    import math
+
+    steps = max(1, math.ceil(args.epochs * (rows // shards) / args.batch_size - 1e-9))
+    if args.warmup_steps >= steps:
+        raise ValueError(
+            f"--warmup-steps (optim.warmup) {args.warmup_steps} must be below the {steps} steps of --epochs "
+            f"(optim.epochs) {args.epochs:g} ({rows // shards} rows a shard, {args.batch_size} a step)"
+        )
+    return steps
+
+
 def merged_model(args: argparse.Namespace, lm, adapters, dtype, mesh=None):
     """What ``--export`` writes: ``adapters`` folded into the checkpoint's original float weights
     (``--merge-into original``, read again from ``--checkpoint`` in ``dtype``, laid out on the
@@ -556,102 +589,6 @@ def example_data(args: argparse.Namespace, rank: int, world: int):
     evals = PackedExamples(held, packing=False, **kw)
     n = min(args.eval_batches, max(1, len(evals.rows) // args.batch_size))
     return data, [evals.batch_at(i) for i in range(n)]
-
-
-def train_stages(args: argparse.Namespace, split, train_tokens, eval_set, records=None) -> dict:
-    """``--stages S``: this process is one stage of a pipeline (placed among the launcher's
-    peers); the adapters of its layers train on its cluster's data shard, the activations go
-    ``--activation-codec``-compressed to its neighbours, and with several clusters each stage's
-    adapters are averaged with DiLoCo among the peers that hold that stage. ``split`` is
-    ``rj.pipeline.pretrained_split`` of the checkpoint: the plan needs no tensor, and the stage
-    reads only its own from the files. The data: ``train_tokens`` (``--text``: packed windows,
-    a shard per cluster) or ``records`` (``--data``: a ``PackedExamples`` of one document a row,
-    loss-masked; cluster ``c`` of ``C`` reads its batches ``c, c + C, ...``), and ``eval_set``
-    the held-out batches (int32 ``(n, batch, seq + 1)``, or a list of ``TokenBatch`` field dicts).
-    Prints one JSON line."""
-    import optax
-
-    import ravnest_jax as rj
-    from ravnest_jax.data import PackedTokens
-
-    world = int(os.environ.get("RAVNEST_WORLD_SIZE", "1"))
-    clusters = max(1, world // args.stages)
-    plan = rj.pipeline.plan_stages(split, args.stages)
-    inner = optax.adamw(learning_rate(args), weight_decay=0.0)
-    tx = rj.diloco(inner, outer_optimizer(args), sync_every=args.sync_every) if clusters > 1 else inner
-    mode = "blocking" if args.overlap_steps == 0 else "delayed"
-    peer = rj.pipeline.StagePeer(
-        split,
-        plan,
-        tx,
-        stage=None,
-        micro_batches=args.micro_batches,
-        in_flight=args.in_flight,
-        mode=args.pipeline_mode,
-        codec=args.activation_codec,
-        expected_peers=world,
-        clusters=clusters,
-        standbys=0,
-        # one subfolder per peer of the launcher (as without --stages); the stage's inside it
-        checkpoint_dir=Path(args.checkpoint_dir) / os.environ.get("RAVNEST_PEER_ID", ".")
-        if args.checkpoint_dir
-        else None,
-        checkpoint_every=args.checkpoint_every,
-        outer={"mode": mode, "overlap_steps": args.overlap_steps},
-        outer_codec=os.environ.get("RAVNEST_CODEC", "int4"),
-    )
-    with peer:
-        peer.place()
-        if records is not None:
-            cluster = peer.cluster
-
-            def batch_at(step: int) -> dict:
-                return records.batch_at(step * clusters + cluster)
-        else:
-            batch_at = PackedTokens(
-                train_tokens,
-                seq_len=args.seq_len,
-                batch=args.batch_size,
-                shard=peer.cluster,
-                num_shards=clusters,
-                seed=args.seed,
-            ).batch_at
-        interrupted = False
-        try:
-            losses = peer.run(args.max_steps, batch_at)
-            eval_end = peer.evaluate(eval_set)
-        except KeyboardInterrupt:
-            print(f"{peer.peer_id}: interrupted at step {peer.step}", file=sys.stderr)
-            interrupted, losses, eval_end = True, [], None
-        m = peer.metrics
-        summary = {
-            "peer": peer.peer_id,
-            "role": peer.role,
-            "cluster": peer.cluster,
-            "stage": peer.stage,
-            "interrupted": interrupted,
-            "steps": m.steps,
-            "resumed_from": peer.resumed_from,
-            "adapter_params": int(sum(x.size for x in jax_leaves(peer.worker.params))) if peer.worker else 0,
-            "train_loss": losses[-1] if losses else None,
-            "eval_loss_end": eval_end,
-            "utilisation": m.utilisation,
-            "bubble_fraction": m.bubble_fraction,
-            "activation_bytes_sent": m.bytes_sent,
-            "activation_bytes_received": m.bytes_received,
-            "outer_rounds": m.outer_rounds,
-            "round_digests": {
-                str(r.swarm_round): r.state_digest for r in (peer.sync.metrics if peer.sync else []) if r.ok
-            },
-        }
-    print(json.dumps(summary), flush=True)
-    return summary
-
-
-def jax_leaves(tree):
-    import jax
-
-    return jax.tree.leaves(tree)
 
 
 if __name__ == "__main__":
