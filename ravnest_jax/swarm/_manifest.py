@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ._preflight import post_once
+
 #: the swarm protocol's version: peers of another version are refused at the door
 PROTOCOL_VERSION = 1
 #: a manifest is a JSON object of at most this many bytes
@@ -180,3 +182,52 @@ def manifest_answer(reply: Any) -> dict[str, Any]:
     if reply.get("refused"):
         raise ManifestMismatch(refusal_line(reply["refused"]), reply["refused"])
     return {"init": reply.get("init"), "init_from": reply.get("init_from")}
+
+
+class ManifestDeclaration:
+    """The part of :class:`Swarm` that declares its run manifest and says hello (the
+    membership's request body, which carries the manifest once declared)."""
+
+    def declare_manifest(
+        self, manifest: dict[str, Any], *, init: str | None = None, timeout: float | None = None
+    ) -> dict[str, Any] | None:
+        """Declares this peer's run manifest: ``manifest`` (the trainer's settings: the params'
+        fingerprint, H, fragments, overlap; ``rj.OuterSync.declare_manifest`` makes it) with this
+        swarm's own (protocol version, codec and options, mean codec, algorithm, aggregator).
+        The first peer of a run fixes the run's; one that differs is refused and dropped at once
+        (docs/swarm.md, "The run manifest"). Before :meth:`start` a check only (refused before
+        compiling); the join then carries it (``start`` raises ManifestMismatch if the run fixed
+        another meanwhile). ``init``: a digest of this peer's initial state. One rendezvous
+        request (``timeout``, s).
+
+        Returns: the run's reference initial state ``{"init", "init_from"}`` after start, None before.
+
+        Raises:
+          ManifestMismatch: refused; one line naming every differing setting with both values.
+          ValueError: ``manifest`` is not a JSON object of at most 16 KiB.
+          SwarmError: the rendezvous cannot be reached.
+        """
+        self._manifest, ask = manifest_request(self, manifest, init)
+        if self._loop is not None:
+            return manifest_answer(self._ask("POST", "/manifest", ask, timeout))
+        t, tr = self.timeouts.connect * 2 if timeout is None else timeout, self.transport
+        ask["check"] = True
+        manifest_answer(
+            post_once(self.rendezvous_url, self.run_id, tr.token, self.peer_id, "/manifest", ask, t, tr.client_ssl)
+        )
+
+    def announce(self, timeout: float | None = None) -> None:
+        """A heartbeat now, so that the rendezvous has this peer's :attr:`info` at once; blocks
+        until it answered (``timeout``, seconds). Raises SwarmError when it did not."""
+        self._ask("POST", "/heartbeat", self._hello(), timeout)
+
+    # ------------------------------------------------------------------ lifecycle (caller thread)
+
+    def _hello(self) -> dict[str, Any]:
+        return {
+            "peer_id": self.peer_id,
+            "address": self.transport.address,
+            "last_round": self._rounds.last_round,
+            "info": self._info,
+            **({"manifest": self._manifest} if self._manifest is not None else {}),
+        }

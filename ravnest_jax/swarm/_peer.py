@@ -24,9 +24,9 @@ from ._allreduce import RING_SEGMENT_BYTES, check_aggregator, manifest_digest
 from ._butterfly import Butterfly
 from ._codec import check_codec, check_mean_codec, check_mean_error_feedback, tune_host_allocator
 from ._contrib import Contribution
-from ._manifest import manifest_answer, manifest_request
+from ._manifest import ManifestDeclaration
 from ._membership import heartbeat_loop, join
-from ._preflight import from_environment, post_once
+from ._preflight import from_environment
 from ._ring import Ring
 from ._rounds import Rounds
 from ._state import StateProvider, StateTransfer
@@ -38,7 +38,7 @@ log = logging.getLogger("ravnest_jax.swarm")
 ALGORITHMS = ("butterfly", "ring")  # one class each: Swarm.algorithms
 
 
-class Swarm:
+class Swarm(ManifestDeclaration):
     """One peer of a DiLoCo swarm: averages pytrees of float32 arrays with the other peers.
 
     Starts an aiohttp server (the part owner side) and an asyncio loop in a background thread,
@@ -213,40 +213,6 @@ class Swarm:
             self._link = ActivationLink(self.transport, lambda: self._loop, max_pending=max_pending)
         return self._link
 
-    def declare_manifest(
-        self, manifest: dict[str, Any], *, init: str | None = None, timeout: float | None = None
-    ) -> dict[str, Any] | None:
-        """Declares this peer's run manifest: ``manifest`` (the trainer's settings: the params'
-        fingerprint, H, fragments, overlap; ``rj.OuterSync.declare_manifest`` makes it) with this
-        swarm's own (protocol version, codec and options, mean codec, algorithm, aggregator).
-        The first peer of a run fixes the run's; one that differs is refused and dropped at once
-        (docs/swarm.md, "The run manifest"). Before :meth:`start` a check only (refused before
-        compiling); the join then carries it (``start`` raises ManifestMismatch if the run fixed
-        another meanwhile). ``init``: a digest of this peer's initial state. One rendezvous
-        request (``timeout``, s).
-
-        Returns: the run's reference initial state ``{"init", "init_from"}`` after start, None before.
-
-        Raises:
-          ManifestMismatch: refused; one line naming every differing setting with both values.
-          ValueError: ``manifest`` is not a JSON object of at most 16 KiB.
-          SwarmError: the rendezvous cannot be reached.
-        """
-        self._manifest, ask = manifest_request(self, manifest, init)
-        if self._loop is not None:
-            return manifest_answer(self._ask("POST", "/manifest", ask, timeout))
-        t, tr = self.timeouts.connect * 2 if timeout is None else timeout, self.transport
-        ask["check"] = True
-        manifest_answer(
-            post_once(self.rendezvous_url, self.run_id, tr.token, self.peer_id, "/manifest", ask, t, tr.client_ssl)
-        )
-
-    def announce(self, timeout: float | None = None) -> None:
-        """A heartbeat now, so that the rendezvous has this peer's :attr:`info` at once; blocks
-        until it answered (``timeout``, seconds). Raises SwarmError when it did not."""
-        self._ask("POST", "/heartbeat", self._hello(), timeout)
-
-    # ------------------------------------------------------------------ lifecycle (caller thread)
     def __enter__(self) -> Swarm:
         self.start()
         return self
@@ -509,15 +475,6 @@ class Swarm:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
         return t
-
-    def _hello(self) -> dict[str, Any]:
-        return {
-            "peer_id": self.peer_id,
-            "address": self.transport.address,
-            "last_round": self._rounds.last_round,
-            "info": self._info,
-            **({"manifest": self._manifest} if self._manifest is not None else {}),
-        }
 
 
 def forward(

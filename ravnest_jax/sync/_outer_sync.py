@@ -13,7 +13,6 @@ References:
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import time
@@ -21,7 +20,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -32,14 +30,13 @@ from ravnest_jax.optim import DiLoCo, DiLoCoState
 from . import _nnx
 from ._config import MODES, check_options
 from ._contract import Exchange
-from ._layout import put_like
 from ._metrics import RoundMetrics, Totals, report_summary, round_metrics, summarize
 from ._pipeline import Pending, RoundPipeline
 from ._recovery import after_failure, taken_again
 from ._round_fns import RoundFunctions
-from ._run_manifest import declare
+from ._run_manifest import ManifestDeclaration
 from ._schedule import Schedule
-from ._state_msg import StateServer, decode_state
+from ._state_msg import StateExchange, StateServer
 from ._stats import PeerStats
 
 log = logging.getLogger("ravnest_jax.sync")
@@ -67,7 +64,7 @@ def _check_plain(params: Any, state: Any) -> None:
     )
 
 
-class OuterSync:
+class OuterSync(ManifestDeclaration, StateExchange):
     """Drives DiLoCo outer rounds over a swarm, overlapped with inner steps.
 
     Call it after every train step: ``params, state = sync(params, state)``. On most steps it
@@ -301,26 +298,6 @@ class OuterSync:
         _nnx.write_back(model, optimizer, params, state)
         return model, optimizer
 
-    def declare_manifest(self, params: Any) -> None:
-        """Declares this peer's run manifest with the swarm (``Swarm.declare_manifest``): the
-        params' fingerprint (tree structure, shapes, dtypes), H, the fragments and their
-        schedule, the overlap mode and tau, with the swarm's codec, aggregator, algorithm and
-        protocol version; and a digest of the params' values as this peer's initial state
-        (``initial_digest``; the run's, the first declarer's, in ``run_initial``: a fresh peer
-        whose own differs takes the swarm's state in :func:`rj.join_or_resume`). Called before
-        the swarm starts it is a check only (refused before compiling) and counts once started.
-        :func:`rj.join_or_resume` calls it before anything loads, else the first ``sync`` call
-        does; later calls do nothing. ``params``: the params pytree (with flax nnx,
-        ``nnx.as_pure(nnx.state(model, nnx.Param))``: the arrays the driver averages).
-
-        Raises:
-          ManifestMismatch: the rendezvous refused this peer: one line naming every setting
-            that differs from the run's, with both values.
-        """
-        if self._declared:
-            return
-        self._declared, self.run_initial, self.initial_digest = declare(self, params)
-
     def _mark_ready(self) -> None:
         """The first step: tell the swarm this peer trains (ends a joiner's standby at once, so
         that the next round created includes it). Non-blocking."""
@@ -456,60 +433,6 @@ class OuterSync:
         self.close()
 
     # ------------------------------------------------------------------ state download
-    def request_state(self) -> concurrent.futures.Future | None:
-        """Asks for this peer's current global state as bytes (for a peer that joins or
-        resyncs). Thread-safe; the future resolves after the next training step with no round in
-        flight (also the first step of a driver that has not run yet). Used by the swarm's
-        state endpoint. ``None`` once closed: the endpoint answers 404 at once, so that the
-        requester tries another peer instead of waiting."""
-        return None if self._closed else self._server.request()
-
-    def _serve_state(self, params: Any, state: DiLoCoState) -> None:
-        if self._processes > 1:
-            self._server.refuse("a peer over several processes does not serve its state")
-            return
-        # the counters are taken now, in the training thread: a later read paired the state of
-        # step s with the round counter of step s + 1, and the joiner contributed a pseudo-
-        # gradient against a stale anchor to the wrong round
-        self._server.serve(state, int(self.step or 0), self._schedule.rounds_started, self._schedule.swarm_base)
-
-    def load_state_bytes(self, data: bytes, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
-        """Replaces the local state with one downloaded from a peer (see :meth:`request_state`).
-
-        The params restart from the downloaded global params; the inner optimizer state (with
-        its schedule step), the outer state, the counters and this driver's step and round
-        counters come from the peer. Error-feedback residuals restart at zero.
-
-        With nnx, pass the model and optimizer: both are updated in place (and returned).
-
-        Raises:
-          ValueError: the bytes are not a state of this model and optimizer.
-        """
-        if _nnx.is_optimizer(state):
-            model, optimizer = params, state
-            params, state = self.load_state_bytes(data, *_nnx.split(model, optimizer))
-            _nnx.write_back(model, optimizer, params, state, step=True)
-            return model, optimizer
-        like, treedef = jax.tree.flatten(state)
-        msg = decode_state(data, like)
-        # each leaf goes back with the layout of the state it replaces (sharded peers stay sharded)
-        new_state = jax.tree.unflatten(treedef, put_like(msg.leaves, like))
-        # a copy: params and the anchor must not share buffers (the train step may donate both)
-        params = jax.tree.map(lambda g, p: jnp.array(g, dtype=p.dtype, copy=True), new_state.global_params, params)
-        step = msg.step
-        self.step = step
-        self._schedule.restart(step, msg.rounds_started, msg.swarm_base)
-        self._rounds.residual.clear()
-        self._pending.clear()
-        self._last_state = None  # the next merged round's digest is the first one to compare
-        # out of standby again (evicted and back, or missed): ready on the next step, and the
-        # state downloaded again if a round ran without this peer meanwhile
-        self._readied, self._downloaded = False, True
-        self._state_digest = None
-        del msg
-        compress.release_free_heap()  # the state's one-off host copies (see its docstring)
-        return params, new_state
-
     # ------------------------------------------------------------------ rounds
     def _start(self, fragment: int, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
         plan = self._schedule.plan(fragment, self.step, self.stall_seconds)

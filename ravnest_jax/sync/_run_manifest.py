@@ -73,3 +73,27 @@ def declare(sync: Any, params: Any) -> tuple[bool, dict[str, Any] | None, str | 
     mine = initial_digest(params)
     ref = declare_fn(trainer_manifest(sync, params), init=mine)
     return ref is not None, ref, mine
+
+
+class ManifestDeclaration:
+    """The part of ``rj.OuterSync`` that declares the run manifest (:func:`declare`)."""
+
+    def declare_manifest(self, params: Any) -> None:
+        """Declares this peer's run manifest with the swarm (``Swarm.declare_manifest``): the
+        params' fingerprint (tree structure, shapes, dtypes), H, the fragments and their
+        schedule, the overlap mode and tau, with the swarm's codec, aggregator, algorithm and
+        protocol version; and a digest of the params' values as this peer's initial state
+        (``initial_digest``; the run's, the first declarer's, in ``run_initial``: a fresh peer
+        whose own differs takes the swarm's state in :func:`rj.join_or_resume`). Called before
+        the swarm starts it is a check only (refused before compiling) and counts once started.
+        :func:`rj.join_or_resume` calls it before anything loads, else the first ``sync`` call
+        does; later calls do nothing. ``params``: the params pytree (with flax nnx,
+        ``nnx.as_pure(nnx.state(model, nnx.Param))``: the arrays the driver averages).
+
+        Raises:
+          ManifestMismatch: the rendezvous refused this peer: one line naming every setting
+            that differs from the run's, with both values.
+        """
+        if self._declared:
+            return
+        self._declared, self.run_initial, self.initial_digest = declare(self, params)

@@ -17,6 +17,12 @@ import msgpack
 import numpy as np
 from flax import serialization
 
+from ravnest_jax import compress
+from ravnest_jax.optim import DiLoCoState
+
+from . import _nnx
+from ._layout import put_like
+
 FORMAT = "ravnest-state-v1"
 log = logging.getLogger("ravnest_jax.sync")
 
@@ -203,3 +209,62 @@ class StateServer:
             f.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+
+
+class StateExchange:
+    """The part of ``rj.OuterSync`` that serves this peer's state to joiners and loads a
+    downloaded one (:class:`StateServer`, :func:`decode_state`)."""
+
+    def request_state(self) -> concurrent.futures.Future | None:
+        """Asks for this peer's current global state as bytes (for a peer that joins or
+        resyncs). Thread-safe; the future resolves after the next training step with no round in
+        flight (also the first step of a driver that has not run yet). Used by the swarm's
+        state endpoint. ``None`` once closed: the endpoint answers 404 at once, so that the
+        requester tries another peer instead of waiting."""
+        return None if self._closed else self._server.request()
+
+    def _serve_state(self, params: Any, state: DiLoCoState) -> None:
+        if self._processes > 1:
+            self._server.refuse("a peer over several processes does not serve its state")
+            return
+        # the counters are taken now, in the training thread: a later read paired the state of
+        # step s with the round counter of step s + 1, and the joiner contributed a pseudo-
+        # gradient against a stale anchor to the wrong round
+        self._server.serve(state, int(self.step or 0), self._schedule.rounds_started, self._schedule.swarm_base)
+
+    def load_state_bytes(self, data: bytes, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
+        """Replaces the local state with one downloaded from a peer (see :meth:`request_state`).
+
+        The params restart from the downloaded global params; the inner optimizer state (with
+        its schedule step), the outer state, the counters and this driver's step and round
+        counters come from the peer. Error-feedback residuals restart at zero.
+
+        With nnx, pass the model and optimizer: both are updated in place (and returned).
+
+        Raises:
+          ValueError: the bytes are not a state of this model and optimizer.
+        """
+        if _nnx.is_optimizer(state):
+            model, optimizer = params, state
+            params, state = self.load_state_bytes(data, *_nnx.split(model, optimizer))
+            _nnx.write_back(model, optimizer, params, state, step=True)
+            return model, optimizer
+        like, treedef = jax.tree.flatten(state)
+        msg = decode_state(data, like)
+        # each leaf goes back with the layout of the state it replaces (sharded peers stay sharded)
+        new_state = jax.tree.unflatten(treedef, put_like(msg.leaves, like))
+        # a copy: params and the anchor must not share buffers (the train step may donate both)
+        params = jax.tree.map(lambda g, p: jnp.array(g, dtype=p.dtype, copy=True), new_state.global_params, params)
+        step = msg.step
+        self.step = step
+        self._schedule.restart(step, msg.rounds_started, msg.swarm_base)
+        self._rounds.residual.clear()
+        self._pending.clear()
+        self._last_state = None  # the next merged round's digest is the first one to compare
+        # out of standby again (evicted and back, or missed): ready on the next step, and the
+        # state downloaded again if a round ran without this peer meanwhile
+        self._readied, self._downloaded = False, True
+        self._state_digest = None
+        del msg
+        compress.release_free_heap()  # the state's one-off host copies (see its docstring)
+        return params, new_state
