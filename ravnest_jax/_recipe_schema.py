@@ -494,7 +494,11 @@ def _check_stages(r: Recipe, problems: list[str]) -> None:
         problems.append(f"data.packing: expected false {why}: the stages carry no segment ids (one document a row)")
     for key, value in (("export.merged", r.export.merged), ("export.adapters", r.export.adapters)):
         if value:
-            problems.append(f"{key}: not supported {why} yet (a stage peer holds a slice of the layers); set it null")
+            problems.append(
+                f"{key}: not supported {why} yet: each stage peer holds only its layers' adapters and nothing "
+                "assembles them into one export; set it null (checkpoint.dir keeps each stage's adapters), or "
+                "train with pipeline.stages: 1 where a quantised model fits one card"
+            )
     if r.lora.dropout > 0:
         problems.append(f"lora.dropout: expected 0 {why} (not supported yet), got {r.lora.dropout}")
     if r.runtime.devices > 1:

@@ -306,12 +306,17 @@ def test_what_stages_cannot_run_with_is_refused_before_any_load(tmp_path, capsys
         "lora: {dropout: 0.1}\nexport: {merged: m, adapters: a}\nruntime: {devices: 2, attention: xla}\n"
     )
     why = "with pipeline.stages > 1 (4)"
+    no_export = (
+        "each stage peer holds only its layers' adapters and nothing assembles them into one export; set it null "
+        "(checkpoint.dir keeps each stage's adapters), or train with pipeline.stages: 1 where a quantised model "
+        "fits one card"
+    )
     assert problems(tmp_path, text) == [
         "pipeline.in_flight: expected in [pipeline.stages, optim.micro_batches + 1] = [4, 4], got 9",
         "optim.micro_batches: expected >= pipeline.stages - 1 (3) with mode 2bw, got 2",
         f"data.packing: expected false {why}: the stages carry no segment ids (one document a row)",
-        f"export.merged: not supported {why} yet (a stage peer holds a slice of the layers); set it null",
-        f"export.adapters: not supported {why} yet (a stage peer holds a slice of the layers); set it null",
+        f"export.merged: not supported {why} yet: {no_export}",
+        f"export.adapters: not supported {why} yet: {no_export}",
         f"lora.dropout: expected 0 {why} (not supported yet), got 0.1",
         f"runtime.devices: expected 1 {why} (not supported yet), got 2",
         f"runtime.attention: expected auto {why} (not supported yet), got 'xla'",

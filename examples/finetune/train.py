@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --data: documents longer than --seq-len are split or dropped (default split)",
     )
     how_long = p.add_mutually_exclusive_group()
-    how_long.add_argument("--max-steps", type=int, default=None, help="inner steps to train (default 300)")
+    how_long.add_argument("--max-steps", type=int, default=300, help="inner steps to train (default 300)")
     how_long.add_argument(
         "--epochs",
         type=float,
@@ -251,14 +251,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --stages: codec of activations and activation-gradients (default int8)",
     )
     args = p.parse_args(argv)
-    if args.epochs is None and args.max_steps is None:
-        args.max_steps = 300
     if args.epochs is not None and not (0 < args.epochs < float("inf")):
         p.error(f"--epochs must be a number > 0, got {args.epochs}")
     if args.micro_batches is None:
         args.micro_batches = 4 if args.stages > 1 else 1
-    names = ("sync_every", "batch_size", "seq_len", "lora_rank", "eval_batches", "devices")
-    for name in (*names, "micro_batches", "loss_chunk", *(("max_steps",) if args.epochs is None else ())):
+    names = ("max_steps", "sync_every", "batch_size", "seq_len", "lora_rank", "eval_batches", "devices")
+    for name in (*names, "micro_batches", "loss_chunk"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.batch_size % args.devices:
@@ -387,8 +385,7 @@ def main(argv: list[str] | None = None) -> dict:
         eval_set = [evals.batch_at(i) for i in range(args.eval_batches)]
         to_batch = TokenBatch.from_windows
 
-    # --epochs: the steps from the data; every peer (cluster) counts the smallest shard's rows
-    shards = max(1, world // args.stages)  # the peers, or with --stages the clusters
+    shards = max(1, world // args.stages)  # --epochs: the smallest shard's rows (peers; with --stages clusters)
     total = data.stats["rows"] if args.data else (len(train_tokens) - 1) // args.seq_len
     if args.epochs is not None:
         args.max_steps = epoch_steps(args, total, shards)
