@@ -42,14 +42,15 @@ def exchange(
 
     Returns:
       ``(mean, record, payload_bytes, float32_bytes, seconds)``: the mean as float32 ``(n,)``,
-      the swarm's ``RoundRecord``, this peer's encoded bytes, its float32 bytes, wall seconds.
+      the swarm's ``RoundRecord``, this peer's encoded bytes, its float32 bytes, and the wall
+      seconds from when the contribution was on the host until the mean was.
 
     Raises:
       compress.NonFiniteError: the pseudo-gradient holds NaN or infinity (this peer diverged).
       RoundFailed: the round failed on this peer.
     """
-    t0 = time.perf_counter()
-    host = jax.device_get(packed)
+    host = jax.device_get(packed)  # waits for the device to run the steps queued before the encode
+    t0 = time.perf_counter()  # the exchange proper: from here (RoundMetrics.exchange_seconds)
     for spec, ok in zip(host.specs, host.ok, strict=True):
         if not bool(np.asarray(ok)):
             raise compress.NonFiniteError(

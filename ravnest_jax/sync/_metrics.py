@@ -26,10 +26,12 @@ class RoundMetrics:
       bytes_received: body bytes it received.
       payload_bytes: encoded size of this peer's pseudo-gradient (bytes).
       codec_ratio: ``payload_bytes`` / float32 size of the pseudo-gradient.
-      exchange_seconds: wall time from the round boundary until the result was in (seconds).
+      exchange_seconds: wall time from when this peer's contribution reached the host (the device
+        had run the boundary step) until the result was in (seconds).
       overlap_steps: tau of this round: inner steps from its boundary to its merge (chosen per
         round with ``overlap_steps="auto"``).
-      stall_seconds: time the training loop blocked waiting for this round (seconds).
+      stall_seconds: time the device sat idle waiting for this round (seconds): the training
+        loop's wait after the steps it had dispatched were run (the accelerator runs those meanwhile).
       compute_utilisation: ``1 - stall / wall`` over the inner steps since the previous round.
       result_digest: digest of the averaged pseudo-gradient (equal on every contributor).
       state_digest: digest of the global params and outer state after the merge (equal on every

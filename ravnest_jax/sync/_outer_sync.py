@@ -439,7 +439,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
         return self._rounds.start(fragment, params, state, self.step, plan, self._last_state), state
 
     def _finish(self, p: Pending, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
-        out = self._rounds.wait(p)
+        out = self._rounds.wait(p, live=params)
         stall = out.stall_seconds
         self.stall_seconds += stall
         now = time.perf_counter()

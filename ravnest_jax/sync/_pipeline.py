@@ -64,8 +64,10 @@ class Outcome:
       record: the swarm's ``RoundRecord`` (``None`` when failed, or not process 0).
       payload_bytes, float_bytes: this peer's encoded and float32 sizes (bytes).
       error: why the round failed (one line), else ``None``; ``exc`` the exception.
-      stall_seconds: how long the wait blocked the training thread.
-      exchange_seconds: from the boundary until the result was in.
+      stall_seconds: how long the device sat idle waiting for the result: the wait after the
+        steps already dispatched had run (while they run, the accelerator is busy, not waiting).
+      exchange_seconds: from when this peer's contribution reached the host (the device had
+        run the boundary step and the encode) until the result was in.
     """
 
     mean: np.ndarray | None
@@ -184,24 +186,27 @@ class RoundPipeline:
         self.pending.append(Pending(seq, fragment, step, step + plan.tau, snap, spec, future, started, done_at))
         return params
 
-    def wait(self, p: Pending) -> Outcome:
+    def wait(self, p: Pending, live: Any = None) -> Outcome:
         """Blocks until round ``p``'s exchange is over (a peer over several processes: shares
-        process 0's outcome with the others)."""
-        t0 = time.perf_counter()
+        process 0's outcome with the others). ``live``: outputs of the last step dispatched; the
+        stall counts from when the device has run it (:func:`idle_since`), not from when the
+        host, ahead of the device by the steps it queued, began to wait."""
+        t0 = time.perf_counter() if live is None else idle_since(p.future, live)
         mean = record = exc = error = None
         payload_bytes = float_bytes = 0
+        exchange_seconds = None
         try:
             result = p.future.result()
             if result is not None:
-                mean, record, payload_bytes, float_bytes = result[:4]
+                mean, record, payload_bytes, float_bytes, exchange_seconds = result[:5]
         except Exception as e:  # noqa: BLE001 - a failed round is reported, then resynced
             exc, error = e, f"{type(e).__name__}: {e}"
         if self._processes > 1:
             mean, error = share_result(self._leader, p.snapshot.pseudo_gradient, mean, error)
         now = time.perf_counter()
-        return Outcome(
-            mean, record, payload_bytes, float_bytes, error, exc, now - t0, (p.done_at[0] or now) - p.started
-        )
+        if exchange_seconds is None:  # failed, or not process 0: from the boundary
+            exchange_seconds = (p.done_at[0] or now) - p.started
+        return Outcome(mean, record, payload_bytes, float_bytes, error, exc, now - min(t0, now), exchange_seconds)
 
     def merge(self, p: Pending, params: Any, state: Any, mean: np.ndarray | None) -> tuple[Any, Any, str]:
         """Merges round ``p`` with ``mean`` (float32 ``(n,)``); ``mean=None``: with this peer's own
@@ -244,3 +249,16 @@ class RoundPipeline:
             p.future.cancel()
         self.pending.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def idle_since(future: concurrent.futures.Future, live: Any, poll: float = 0.002) -> float:
+    """``time.perf_counter()`` from which the device waits for ``future``: when it has run the
+    step that produced ``live`` (the host dispatches steps ahead of the device, which runs them
+    meanwhile), or ``inf`` when ``future`` finished first (the device never waited). Polls every
+    ``poll`` seconds while both are pending; arrays without ``is_ready`` count as ready."""
+    leaves = [x for x in jax.tree.leaves(live) if hasattr(x, "is_ready")]
+    while not future.done():
+        if all(x.is_ready() for x in leaves[-1:]):  # one call's outputs are ready together
+            return time.perf_counter()
+        concurrent.futures.wait([future], timeout=poll)
+    return float("inf")

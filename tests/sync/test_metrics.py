@@ -85,3 +85,24 @@ def test_totals_match_the_rounds_they_counted() -> None:
     assert s["rounds"] == 2 and s["bytes_sent"] == 20 and s["bytes_received"] == 40, s
     assert s["compute_utilisation"] == 0.75 and s["mean_overlap_steps"] == 1.0, s
     assert s["clipped_rounds"] == 1 and s["max_needed_overlap_steps"] == 3 and s["last_state_digest"] == "t", s
+
+
+def test_a_stall_counts_from_when_the_device_ran_the_dispatched_steps():
+    """The host dispatches steps ahead of the device; while the device runs them it is busy, not
+    waiting for the network: the stall counts from when they are done (idle_since)."""
+    import concurrent.futures
+    import math
+
+    import jax.numpy as jnp
+
+    from ravnest_jax.sync._pipeline import idle_since
+
+    live = {"w": jnp.ones(4) * 2}
+    live["w"].block_until_ready()
+    pending: concurrent.futures.Future = concurrent.futures.Future()
+    t = idle_since(pending, live)  # the device has nothing queued: idle from now, the round still out
+    assert math.isfinite(t) and not pending.done(), t
+    pending.set_result(None)
+    assert idle_since(pending, live) == math.inf  # the result came first: the device never waited
+    other: concurrent.futures.Future = concurrent.futures.Future()
+    assert math.isfinite(idle_since(other, {"x": 1.0}))  # no device arrays: idle from now
