@@ -128,11 +128,14 @@ class AutoTau:
     The "cap binds" warning needs sustained evidence: at least :attr:`WARN_ROUNDS` of the last
     :attr:`WARN_WINDOW` rounds each had an exchange longer than ``cap * t_s`` (a round whose step
     waited), judged when the round's exchange comes in; the wait it names is the median of those
-    rounds' exchanges minus ``cap * t_s``. One slow round (a join, a resync, a compile) is not
-    warned about; at most one warning every 50 rounds."""
+    rounds' exchanges minus ``cap * t_s``, and it must be material: at least
+    :attr:`WARN_FRACTION` of the steps' time between round starts (a utilisation under 0.95).
+    One slow round (a join, a resync, a compile) is not warned about; at most one warning every
+    50 rounds."""
 
     WARN_ROUNDS = 3
     WARN_WINDOW = 4
+    WARN_FRACTION = 0.05
 
     def __init__(self, cap: int):
         self.cap = cap
@@ -144,6 +147,7 @@ class AutoTau:
         self._waited: collections.deque[tuple[bool, float]] = collections.deque(maxlen=self.WARN_WINDOW)
         self._clock: tuple[float, int, float] | None = None  # (perf_counter, step, total stall)
         self._step_seconds: float | None = None
+        self._round_steps = 0  # inner steps between the last two round starts
 
     def reset(self) -> None:
         """The step counter jumped (a state download, a restore): measure afresh."""
@@ -154,6 +158,7 @@ class AutoTau:
         if self._clock is not None:
             t0, s0, stall0 = self._clock
             if step > s0:
+                self._round_steps = step - s0
                 per_step = max(now - t0 - (stall_seconds - stall0), 0.0) / (step - s0)
                 self._step_seconds = per_step if self._step_seconds is None else 0.5 * (self._step_seconds + per_step)
         self._clock = (now, step, stall_seconds)
@@ -176,9 +181,11 @@ class AutoTau:
         slow = sorted(x for waited, x in self._waited if waited)
         if len(slow) < self.WARN_ROUNDS or self._calls - self._warned_at < 50:
             return
-        self._warned_at = self._calls
         mid = len(slow) // 2
         median = slow[mid] if len(slow) % 2 else 0.5 * (slow[mid - 1] + slow[mid])
+        if median - hidden < self.WARN_FRACTION * self._round_steps * self._step_seconds:
+            return  # waits too short to matter (utilisation >= 0.95)
+        self._warned_at = self._calls
         log.warning(
             "in %d of the last %d rounds the exchange (median %.2f s) outlasted the overlap: it needs tau=%d "
             "inner steps (%.3f s each) to hide; the staleness budget caps auto tau at %d, so the step waits "

@@ -53,3 +53,27 @@ def test_three_slow_rounds_of_four_warn_once(caplog):
     assert "in 3 of the last 4 rounds" in w and "median 2.00 s" in w and "auto tau at 5" in w, w
     waits = float(w.split("waits about ")[1].split(" s")[0])
     assert 1.5 < waits <= 2.0, w
+
+
+def test_sustained_but_small_waits_are_not_warned_about(caplog, monkeypatch):
+    """Every exchange outlasts what tau = cap hides, but the wait is under 5 % of a round's steps
+    (utilisation >= 0.95): nothing to act on, no warning; at 10 % the warning comes."""
+    import types
+
+    from ravnest_jax.sync import _schedule
+
+    clock = [0.0]
+    monkeypatch.setattr(_schedule, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    caplog.set_level(logging.INFO, logger="ravnest_jax.sync")
+    for wait, warned in ((0.02, False), (0.10, True)):  # seconds per round of 1 s of steps
+        tau, step = AutoTau(5), 0
+        caplog.clear()
+        tau.choose(step, 0.0)
+        for _ in range(6):
+            clock[0] += 1.0  # 100 steps of 10 ms: cap 5 hides 0.05 s
+            step += 100
+            tau.exchanges.append(0.05 + wait)
+            tau.choose(step, 0.0)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert tau.needed > tau.cap, tau.needed  # the exchanges did outlast the overlap
+        assert bool(warnings) == warned, (wait, warnings)
