@@ -402,11 +402,10 @@ def run_local(
     codes = {n: procs[n].returncode for n in peer_names if n in procs}
     # after Ctrl+C any exit is the interrupt's (it may land anywhere, an import say), not a failure
     failed = {} if interrupted else {n: c for n, c in codes.items() if c not in (0, None)}
-    for n, c in failed.items():
+    for n, c in failed.items():  # its output is on the console already, prefixed [name]
         how = f"was killed by {signal.Signals(-c).name}" if c < 0 else f"exited with status {c}"
-        err = [ln.rstrip() for ln in tails.get(f"{n}:err", []) if ln.strip()][-5:]
-        print(f"{n} {how}" + "".join(f"\n    {ln}" for ln in err), file=sys.stderr)
-    if codes:
+        print(f"{n} {how}", file=sys.stderr)
+    if codes and (summaries or not failed):  # no peer reported anything: the lines above say why
         print()
         print_summaries(summaries, codes, print)
     if summary_json:

@@ -115,10 +115,11 @@ def _example_train() -> Any:
     return importlib.import_module("finetune.train")
 
 
-def run(r: Recipe) -> dict:
+def run(r: Recipe, *, fresh: bool = False) -> dict:
     """Runs recipe ``r`` as one peer (the swarm from ``RAVNEST_*``, as the launcher sets them):
     ``train.main(train_argv(r))``; writes ``export.summary`` (first peer; with stages the first
-    cluster's last stage). Returns the summary dict of ``train.py``.
+    cluster's last stage). ``fresh``: start from step 0, the earlier checkpoints of
+    ``checkpoint.dir`` moved aside (``train.py --fresh``). Returns the summary dict of ``train.py``.
 
     Raises:
       ValueError: as ``train.py`` (bad data, a checkpoint it cannot read), before it compiles;
@@ -126,7 +127,7 @@ def run(r: Recipe) -> dict:
     """
     import json
 
-    argv = train_argv(r)
+    argv = train_argv(r) + (["--fresh"] if fresh else [])
     world, S = int(os.environ.get("RAVNEST_WORLD_SIZE", "1")), r.pipeline.stages
     if world % S:
         raise ValueError(

@@ -436,3 +436,25 @@ def test_cli_at_a_rendezvous_needs_the_data_shard(tmp_path, capsys, monkeypatch)
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith(want), (extra, err)
     assert "RAVNEST_WORLD_SIZE" not in os.environ
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_finetune_refuses_a_checkpoint_dir_of_only_corrupt_steps_until_fresh(tmp_path):
+    """Every step of a peer's checkpoint folder unreadable (moved to <step>.corrupt by an earlier
+    run): the command refuses in one line naming --fresh, instead of silently starting over from
+    step 0; ``--fresh`` moves them aside and trains."""
+    (tmp_path / "ck" / "peer0" / "5.corrupt").mkdir(parents=True)
+    sets = {"optim.steps": 2, "optim.warmup": 1, "outer.sync_every": 2, "checkpoint.dir": tmp_path / "ck"}
+    sets |= {"export.merged": None, "export.adapters": None, "export.summary": tmp_path / "summary.json"}
+    argv = [a for k, v in sets.items() for a in ("--set", f"{k}={'null' if v is None else v}")]
+    cmd = [sys.executable, "-m", "ravnest_jax.cli", "finetune", str(RECIPES / "tiny.yaml"), *argv]
+    refused = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    errors = [ln for ln in refused.stderr.splitlines() if "error" in ln.lower()]
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert len(errors) == 1 and "--fresh" in errors[0], refused.stderr[-3000:]
+    assert not (tmp_path / "summary.json").exists()
+    done = subprocess.run([*cmd, "--fresh"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
+    assert list((tmp_path / "ck" / "peer0").glob("previous-*/5.corrupt")), sorted((tmp_path / "ck").rglob("*"))

@@ -595,5 +595,5 @@ if __name__ == "__main__":
     rj.enable_compilation_cache()  # a restarted peer loads its compiled steps (RAVNEST_COMPILE_CACHE=0: off)
     try:
         main()
-    except ValueError as e:  # bad input: one line, before anything long started
+    except (ValueError, rj.checkpoint.CheckpointError) as e:  # bad input, unreadable checkpoints: one line
         sys.exit(f"error: {e}")

@@ -68,14 +68,19 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     if not os.environ.get("RAVNEST_RENDEZVOUS"):  # alone: a swarm of one, as `local --peers 1` makes it
         from ravnest_jax.launch import run_local
 
-        sets = [a for item in args.set or [] for a in ("--set", item)]
+        sets = [a for item in args.set or [] for a in ("--set", item)] + (["--fresh"] if args.fresh else [])
         command = [sys.executable, "-m", "ravnest_jax.cli", "finetune", str(Path(args.recipe).resolve()), *sets]
         return run_local(command, peers=1, codec=recipe.outer.codec, progress=False)
+    from ravnest_jax.checkpoint._util import CheckpointError  # no orbax import
+
     try:
-        run(recipe)
+        run(recipe, fresh=args.fresh)
     except ValueError as e:  # bad data or checkpoint: one line, before anything compiled
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:  # no readable checkpoint, or only corrupt ones (the fix: --fresh)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0
@@ -97,6 +102,12 @@ def add_finetune(sub) -> None:
         action="append",
         metavar="SECTION.KEY=VALUE",
         help="override one key (the value is YAML: optim.steps=10, lora.targets=[q,v]); repeatable",
+    )
+    ft.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start from step 0: the earlier checkpoints of checkpoint.dir are moved to DIR/previous-TIME/ "
+        "(needed when every checkpoint there is unreadable)",
     )
     ft.add_argument("--check", action="store_true", help="check the recipe, print it and train.py's options; no run")
     ft.add_argument(
