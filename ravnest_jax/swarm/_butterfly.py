@@ -57,7 +57,7 @@ from ._attempt import (
 from ._codec import PartLayout, RangeDecoder, WireFormatError
 from ._fold import Fold
 from ._gather import H_MANIFEST, H_WEIGHT, AllGather, part_limit, send
-from ._http import stream_body
+from ._http import serve_body
 from ._transport import Transport, body_digest
 from ._types import Timeouts
 
@@ -211,7 +211,8 @@ class Butterfly:
         if sent is None or st.gather_closed:
             raise web.HTTPConflict(text="no part of this attempt for that owner here")
         chunks, digest = sent
-        out = await stream_body(request, self.transport.sign_response(request, digest), chunks, CHUNK)
+        headers = self.transport.sign_response(request, digest)
+        out = await serve_body(request, headers, chunks, CHUNK, me=self.peer_id, what=f"its part of round {r}")
         st.served += sum(len(c) for c in chunks)
         return out
 

@@ -18,7 +18,7 @@ from . import _auth
 from ._allreduce import CHUNK, trimmed_mean
 from ._attempt import Attempt, AttemptInput, Reduced, Retry, RoundFail, Voter, decided, route_ints
 from ._codec import PartLayout, RangeDecoder, WireFormatError, host_pack, mean_codec_options, packed_to_chunks
-from ._http import stream_body
+from ._http import serve_body
 from ._transport import Body, Transport, body_digest
 from ._types import Timeouts, result_digest
 
@@ -345,7 +345,7 @@ class AllGather:
             extra=total,
         )
         headers[H_TOTAL] = total
-        out = await stream_body(request, headers, data, CHUNK)
+        out = await serve_body(request, headers, data, CHUNK, me=self.peer_id, what="a result part")
         st.served += sum(len(c) for c in data)
         return out
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from . import _auth
+
+log = logging.getLogger("ravnest_jax.swarm")
 
 JSON_LIMIT = 1 << 20  # bytes: every control message is far smaller
 
@@ -121,3 +124,17 @@ async def stream_body(request: web.Request, headers: dict[str, str], body: Any, 
             await resp.write(mv[off : off + chunk])
     await resp.write_eof()
     return resp
+
+
+async def serve_body(
+    request: web.Request, headers: dict[str, str], body: Any, chunk: int, *, me: str, what: str
+) -> web.StreamResponse:
+    """:func:`stream_body`; a requester that goes away mid-body (it died, or gave up) is one
+    INFO line naming it and ``what`` was being sent, not aiohttp's traceback of the write."""
+    try:
+        return await stream_body(request, headers, body, chunk)
+    except ConnectionError as e:
+        total = len(body) if isinstance(body, (bytes, bytearray, memoryview)) else sum(len(b) for b in body)
+        who = request.headers.get(_auth.H_PEER, "a peer")
+        log.info("%s: %s went away mid-download of %s (%d bytes): %s: %s", me, who, what, total, type(e).__name__, e)
+        return web.Response(status=499)  # never sent (the connection is gone): aiohttp lets it be

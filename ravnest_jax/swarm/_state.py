@@ -20,8 +20,8 @@ from aiohttp import web
 from . import _auth
 from ._allreduce import CHUNK
 from ._codec import release_free_heap
-from ._http import HTTPStatusError, stream_body
-from ._transport import Transport, why
+from ._http import HTTPStatusError, serve_body
+from ._transport import Transport
 from ._types import SwarmError
 
 log = logging.getLogger("ravnest_jax.swarm")
@@ -99,7 +99,7 @@ class StateTransfer:
             await asyncio.sleep(min(0.5, max(deadline - asyncio.get_running_loop().time(), 0)))
 
     async def _h_get_state(self, request: web.Request) -> web.StreamResponse:
-        peer, _ = self.transport.verify(request)
+        self.transport.verify(request)
         provider = self.provider
         if provider is None:
             raise web.HTTPNotFound(text="this peer serves no state")
@@ -118,16 +118,7 @@ class StateTransfer:
         body = bytes(out)
         headers = self.transport.sign_response(request, _auth.body_digest(body))
         try:
-            return await stream_body(request, headers, body, CHUNK)
-        except ConnectionError as e:  # the joiner died or gave up: one line, not aiohttp's traceback
-            log.info(
-                "%s: %s went away mid-download of the state (%d bytes): %s",
-                self.transport.peer_id,
-                peer,
-                len(body),
-                why(e),
-            )
-            return web.Response(status=499)  # never sent (the connection is gone): aiohttp lets it be
+            return await serve_body(request, headers, body, CHUNK, me=self.transport.peer_id, what="the state")
         finally:
             # the copies of a whole state are one-off buffers: give them back to the system
             # (the allocator keeps freed round buffers for reuse; RSS crept up by the state's
