@@ -157,36 +157,12 @@ def run_peer(args: argparse.Namespace) -> dict:
     from ravnest_jax.sync import device_digest, digest_hex
 
     cfg = ModelConfig(d_model=args.d_model, num_layers=args.layers, num_heads=args.heads, seq_len=args.seq_len)
-    train, evald = load_corpus(args.text)
-    graphdef, params = build_model(cfg, seed=args.seed)  # identical on every peer
-    evaluate = make_evaluator(
-        graphdef, eval_batches(evald, batch=32, seq_len=cfg.seq_len, num_batches=args.eval_batches)
-    )
-    loss_fn = make_loss(graphdef)
     tx = rj.diloco(
         inner_optimizer(args.lr, args.schedule_steps or args.max_steps, args.inner),
         outer_optimizer(args.outer_lr, args.outer_momentum),
         sync_every=args.sync_every,
         fragments=args.fragments,
     )
-    mesh = peer_mesh(args.devices)
-    state = tx.init(params)
-    params, state, put_batch = place_on_mesh(mesh, args.layout, params, state)
-
-    def step(params, state, tokens):
-        value, grads = jax.value_and_grad(loss_fn)(params, tokens)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, value
-
-    # on a mesh the step keeps the layouts of params and state (XLA would otherwise choose)
-    layouts = (
-        None
-        if mesh is None
-        else (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, state), None)
-    )
-    train_step = jax.jit(step, donate_argnums=(0, 1), out_shardings=layouts)
-
-    n_params = sum(x.size for x in jax.tree.leaves(params))
     timeouts = Timeouts(part=args.part_timeout, round=max(4 * args.part_timeout, 30.0), heartbeat=1.0, eviction=5.0)
     data_seed = args.data_seed if args.data_seed is not None else int(peer_id.encode().hex(), 16) % (1 << 31)
     rounds_log: list[dict] = []
@@ -251,6 +227,33 @@ def run_peer(args: argparse.Namespace) -> dict:
         samples_per_step=args.batch_size,
         on_round=on_round,
     )
+    # settings that differ from the run's (width, codec, H, fragments, ...) are refused now, in one
+    # line, before the text is read or the model built (its shapes only: jax.eval_shape)
+    sync.declare_manifest(jax.eval_shape(lambda: build_model(cfg, seed=args.seed)[1]))
+    train, evald = load_corpus(args.text)
+    graphdef, params = build_model(cfg, seed=args.seed)  # identical on every peer
+    evaluate = make_evaluator(
+        graphdef, eval_batches(evald, batch=32, seq_len=cfg.seq_len, num_batches=args.eval_batches)
+    )
+    loss_fn = make_loss(graphdef)
+    mesh = peer_mesh(args.devices)
+    state = tx.init(params)
+    params, state, put_batch = place_on_mesh(mesh, args.layout, params, state)
+
+    def step(params, state, tokens):
+        value, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    # on a mesh the step keeps the layouts of params and state (XLA would otherwise choose)
+    layouts = (
+        None
+        if mesh is None
+        else (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, state), None)
+    )
+    train_step = jax.jit(step, donate_argnums=(0, 1), out_shardings=layouts)
+
+    n_params = sum(x.size for x in jax.tree.leaves(params))
     save_every = args.checkpoint_every or args.sync_every
 
     def open_checkpointer():
@@ -264,9 +267,6 @@ def run_peer(args: argparse.Namespace) -> dict:
     # opened before compiling, so that a directory in use is refused at once; but a peer compiled
     # ahead of its cue (--join-when-exists) takes over a directory whose owner may still run
     ckpt = open_checkpointer() if args.checkpoint_dir and not args.join_when_exists else None
-    # settings that differ from the run's (width, codec, H, fragments, ...) are refused now, in one
-    # line, before anything compiles (rj.ManifestMismatch)
-    sync.declare_manifest(params)
     tokens0 = put_batch(sample_batch(train, np.random.default_rng([data_seed, 0]), args.batch_size, cfg.seq_len))
     train_step.lower(params, state, tokens0).compile()
     sync.warmup(params, state)

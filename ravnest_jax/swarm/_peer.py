@@ -168,6 +168,11 @@ class Swarm(ManifestDeclaration):
         self._link: ActivationLink | None = None
 
     @property
+    def started(self) -> bool:
+        """Whether :meth:`start` ran (and :meth:`close` did not)."""
+        return self._loop is not None and not self._closed
+
+    @property
     def port(self) -> int | None:
         """The bound port (after :meth:`start`)."""
         return self.transport.port

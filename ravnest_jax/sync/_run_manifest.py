@@ -21,12 +21,13 @@ log = logging.getLogger("ravnest_jax.sync")
 
 
 def params_fingerprint(params: Any) -> dict[str, Any]:
-    """``{"leaves", "elements", "sha256"}`` of a params pytree (structure, shapes, dtypes)."""
+    """``{"leaves", "elements", "sha256"}`` of a params pytree (structure, shapes, dtypes); its
+    leaves may be arrays or ``jax.ShapeDtypeStruct`` (``jax.eval_shape``: nothing computed)."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    lines = [f"{jax.tree_util.keystr(p)}:{tuple(np.shape(x))}:{np.dtype(x.dtype).name}" for p, x in leaves]
+    lines = [f"{jax.tree_util.keystr(p)}:{tuple(x.shape)}:{np.dtype(x.dtype).name}" for p, x in leaves]
     return {
         "leaves": len(leaves),
-        "elements": int(sum(int(np.prod(np.shape(x), dtype=np.int64)) for _, x in leaves)),
+        "elements": int(sum(int(np.prod(x.shape, dtype=np.int64)) for _, x in leaves)),
         "sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16],
     }
 
@@ -70,6 +71,9 @@ def declare(sync: Any, params: Any) -> tuple[bool, dict[str, Any] | None, str | 
     declare_fn = getattr(sync.swarm, "declare_manifest", None)
     if declare_fn is None:
         return True, None, None
+    if getattr(sync.swarm, "started", True) is False:  # a check only: no digest (a compile) yet
+        declare_fn(trainer_manifest(sync, params))
+        return False, None, None
     mine = initial_digest(params)
     ref = declare_fn(trainer_manifest(sync, params), init=mine)
     return ref is not None, ref, mine
