@@ -74,7 +74,9 @@ def declare(sync: Any, params: Any) -> tuple[bool, dict[str, Any] | None, str | 
     if getattr(sync.swarm, "started", True) is False:  # a check only: no digest (a compile) yet
         declare_fn(trainer_manifest(sync, params))
         return False, None, None
-    mine = initial_digest(params)
+    # a peer over several processes declares on process 0 alone: a jitted digest there would wait
+    # forever for the other processes (and such a peer downloads no state anyway)
+    mine = initial_digest(params) if jax.process_count() == 1 else None
     ref = declare_fn(trainer_manifest(sync, params), init=mine)
     return ref is not None, ref, mine
 

@@ -61,6 +61,9 @@ def test_two_process_peer_is_one_swarm_member():
                 if p.poll() is None:
                     p.kill()
                     p.wait(timeout=30)
+                for f in (p.stdout, p.stderr):  # closed here, not by a later test's garbage collection
+                    if f is not None:
+                        f.close()
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-4000:]
     res = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
