@@ -77,6 +77,7 @@ def test_empty_directory_restores_none(tmp_path: Path) -> None:
         assert ckpt.restore(params=params, opt_state=state) is None
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 @pytest.mark.parametrize("abstract_targets", [False, True])
 def test_round_trip_types_and_dtypes(tmp_path: Path, abstract_targets: bool) -> None:
     params = small_params(2.0)

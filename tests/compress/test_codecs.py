@@ -362,6 +362,7 @@ def _e2m1_codes_by_rounding(a):
         return F._e2m1_round(np, np.asarray(a, np.float32), None)
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_e2m1_comparison_count_is_round_half_to_even():
     # every float32 in [2**-3, 8) (all 6 * 2**23 of them) and the neighbourhoods of 0 and of the
     # decision points: the comparison count equals rounding half to even on the E2M1 grid

@@ -25,6 +25,7 @@ def _encoder(codec, **opts):
     return jax.jit(functools.partial(C.device_encode, codec=codec, **opts))
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 @pytest.mark.parametrize("codec", DETERMINISTIC)
 @settings(max_examples=8, deadline=None)
 @given(
@@ -174,6 +175,7 @@ def _train(codec, steps=60):
     return P, S, loss0, float(jnp.mean(jax.vmap(_loss)(P, xs, ys)))
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_diloco_fp32_codec_equals_no_codec_exactly():
     p_none, _, _, _ = _train(None)
     p_fp32, s_fp32, _, _ = _train("fp32")
@@ -364,6 +366,7 @@ def test_the_swarm_round_start_decays_the_residual_as_the_simulation_does():
         rj.OuterSync(tx, None, codec="topk", error_feedback_decay=2.0)
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_sign_mean_error_feedback_in_the_simulation():
     """The owners' error feedback as the simulation applies it: the mean's encode residual goes
     into the next round's mean (off by default), and the values are the scaled signs of the host
@@ -391,6 +394,7 @@ def test_sign_mean_error_feedback_in_the_simulation():
     np.testing.assert_array_equal(np.asarray(again["w"]), q(m))
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_a_mean_codec_of_its_own_in_the_simulation():
     """``simulated("sign", mean_codec="int2")``: the contributions as ``sign`` encodes them, the
     mean as ``int2`` does (the contribution's block size), its error feedback in ``int2`` too;

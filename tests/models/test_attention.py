@@ -67,6 +67,7 @@ def _assert_close(got, want, what):
         assert err < TOL, f"{what}: max |{name} - xla| = {err:.2e}"
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("seq, chunk", SEQ_CHUNKS)
 @pytest.mark.parametrize("segments", [False, True], ids=["one-segment", "packed"])
@@ -106,6 +107,7 @@ def test_auto_picks_xla_for_one_chunk_and_the_chunked_kernel_beyond_off_cuda():
         assert ("while" in jaxpr) == loops, (chunk, jaxpr[:300])
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_the_chunked_kernel_in_bfloat16_is_close_to_xla():
     q, k, v, do = _qkv(1, 40, 4, 2, dtype=jnp.bfloat16)
     seg = jnp.asarray(np.repeat([[0, 1]], [17, 23], axis=1), jnp.int32)
@@ -120,6 +122,7 @@ def test_the_chunked_kernel_in_bfloat16_is_close_to_xla():
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_segment_ids_keep_documents_apart_in_the_kernel():
     """Document 2 of a packed row gives what it gives alone, whatever document 1 holds."""
     q, k, v, _ = _qkv(1, 24, 4, 2)
@@ -177,9 +180,10 @@ def _model_run(lm, adapters, tokens, impl, chunk, segment_ids, positions, remat=
     return logits, value, grads
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 @pytest.mark.parametrize(
     "kv_heads, chunk, segments",
-    [  # one case in the unit tier; each takes 5 to 20 s of compiles on 2 cores
+    [  # each takes 5 to 20 s of compiles on 2 cores: the full suite only
         pytest.param(2, 5, True, marks=pytest.mark.integration),
         pytest.param(2, 8, False, marks=pytest.mark.integration),
         pytest.param(4, 5, False, marks=pytest.mark.integration),
@@ -205,6 +209,7 @@ def test_model_logits_loss_and_lora_gradients_equal_xla(kv_heads, chunk, segment
         assert err < TOL, f"LoRA gradient {jax.tree_util.keystr(path)}: max |chunked - xla| = {err:.2e}"
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 @pytest.mark.parametrize("impl", ["xla", "chunked"])
 def test_packed_documents_in_the_model_equal_each_document_alone(impl):
     """Document 2's logits in a packed row (positions restarting at 0) equal its logits run

@@ -46,6 +46,7 @@ def _greedy_by_full_forward(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 def test_cached_forward_equals_full_forward_token_by_token(name):
     """Prefill of 3 tokens, then one token at a time on the cache: every position's logits equal
@@ -72,6 +73,7 @@ def test_greedy_with_cache_equals_greedy_by_full_forward(llama):
         assert generate(llama, prompt, max_new_tokens=8) == _greedy_by_full_forward(llama, prompt, 8)
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_sampling_repeats_with_its_seed_and_the_decode_step_compiles_once(llama):
     graphdef = nnx.split(llama)[0]
     prefill, decode = jitted_steps(graphdef)
@@ -118,6 +120,7 @@ def test_bad_arguments_are_one_line_errors(llama):
             generate(llama, args.pop("prompt_ids"), **args)
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_peft_adapters_merge_to_what_peft_computes():
     """The committed PEFT export (tests/fixtures/peft/llama) folded into the base: its logits
     equal those PEFT 0.21 computed with it (and differ from the base's)."""

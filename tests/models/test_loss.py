@@ -36,6 +36,7 @@ def _random_adapters(adapters):
     return jax.tree.unflatten(tree, [0.05 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 @pytest.mark.parametrize(
     "tied, quantize, chunk, vocab_chunk",
     [
@@ -115,6 +116,7 @@ def test_no_mask_counts_every_position_and_bad_input_is_one_line():
         assert needle in str(e.value)
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_trained_head_gets_the_full_logits_gradients(tied):
     """Every parameter differentiated (the head and the norm too), 96 tokens in blocks of 40."""
@@ -150,6 +152,7 @@ def test_a_trained_head_gets_the_full_logits_gradients(tied):
     assert float(jnp.abs(w[...]).max()) > 0
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 @pytest.mark.parametrize("tied", [False, True])
 def test_compiled_gradient_holds_no_whole_float32_logits(tied):
     """A 32k vocabulary at 2 x 512 positions: the whole float32 logits would be 128 MiB. With

@@ -167,6 +167,7 @@ def test_hugging_face_round_trip_of_a_scanned_load(tmp_path):
     np.testing.assert_allclose(np.asarray(model(tokens)), np.load(LLAMA / "logits.npy"), rtol=0, atol=1e-4)
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_merged_adapters_of_a_scanned_model_equal_the_per_layer_ones():
     plain, scanned = _lms("int4")
     values = {k: 0.05 * np.ones_like(v) for k, v in _per_layer(plain.adapters).items()}
@@ -213,6 +214,7 @@ def test_a_bad_remat_is_refused_in_one_line(bad):
     assert set(REMAT) == {"none", "full", "dots", "offload"}
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_each_scanned_layer_draws_its_own_dropout_keys():
     """Layer ``i`` of the scan draws the adapters' dropout from its module's key folded with
     ``i``: the scanned model equals the per-layer model given those keys, and not the per-layer

@@ -61,6 +61,7 @@ def test_from_windows_shifts_and_counts_every_token():
         TokenBatch.from_windows(np.zeros((2, 1), np.int32))
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_loss_and_update_equal_the_plain_masked_step(lm):
     """One SGD step of the library's step against full float32 logits and optax's
     cross-entropy, mean over the masked tokens."""
@@ -104,6 +105,7 @@ def test_accumulated_micro_batches_equal_one_big_batch(lm, micro_batches):
         make_train_step(lm, tx, micro_batches=3)(adapters, tx.init(adapters), lm.frozen, batch, jnp.int32(0))
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_compiles_once_over_steps_with_donated_state(lm):
     tx = rj.diloco(optax.adamw(1e-2), sync_every=2)
     adapters = jax.tree.map(jnp.copy, lm.adapters)
@@ -119,6 +121,7 @@ def test_compiles_once_over_steps_with_donated_state(lm):
     assert len(set(losses)) == 4 and all(np.isfinite(losses)), losses
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_bfloat16_compute_keeps_float32_masters_and_bfloat16_lora_matmuls():
     lm = split_lora(load_pretrained(LLAMA, dtype=jnp.bfloat16, lora=LoraConfig(rank=4)))
     assert {x.dtype for x in jax.tree.leaves(lm.adapters)} == {jnp.dtype(jnp.float32)}
@@ -164,6 +167,7 @@ def test_dropout_is_keyed_by_the_step():
     np.testing.assert_allclose(float(ev), float(plain), rtol=1e-6)
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_eval_loss_is_token_weighted_over_batches(lm):
     adapters = _random_adapters(lm.adapters)
     batches = [_batch(seed=s) for s in (1, 2, 3)]

@@ -105,6 +105,7 @@ def test_one_replica_outer_sgd1_equals_inner_alone(sync_every):
     assert int(rj.unreplicate(s).rounds) == (3 * sync_every + 1) // sync_every
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 @pytest.mark.parametrize("n", [2, 4])
 def test_h1_sgd_equals_data_parallel_sgd(n):
     """(b) N replicas, H=1, inner sgd(lr), outer sgd(1.0) == synchronous DP SGD on mean grad."""
@@ -153,6 +154,7 @@ def test_outer_step_fires_exactly_at_multiples_of_h():
             _assert_tree_close(p, s.global_params)
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_vmap_equals_shard_map():
     """(d) the same math under vmap and under shard_map over 4 CPU devices."""
     n, h = 4, 3
@@ -183,6 +185,7 @@ def test_vmap_equals_shard_map():
     assert int(ss.rounds[0]) == 2
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_host_driven_rounds_equal_axis_name_rounds():
     """axis_name=None + round_start/round_merge (tau=0) reproduces the in-process rounds."""
     n, h = 3, 2
@@ -346,6 +349,7 @@ def test_fragment_schedule_and_validation():
         tx.round_start(params, state, fragment=2)
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_fragments_axis_mode_equals_host_driven_and_touch_only_their_leaves():
     n, h, f_count = 2, 4, 2
     params, xs, ys = _multi_leaf_problem(n)

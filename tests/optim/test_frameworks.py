@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
@@ -33,6 +34,7 @@ class NnxMLP(nnx.Module):
         return self.l2(jax.nn.relu(self.l1(x)))
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_nnx_optimizer_vmapped_replicas():
     x, y = _data()
     model = NnxMLP(nnx.Rngs(0))

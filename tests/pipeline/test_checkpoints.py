@@ -35,6 +35,7 @@ def test_cluster_step_is_the_newest_step_every_stage_has():
     assert cluster_step([{"resume": 7}, {"resume": 6, "ckpt": [3, 6]}]) == 7
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_bad_checkpoint_options_are_refused_before_anything_starts(tmp_path):
     from _models import build, optimizer
 
@@ -137,6 +138,7 @@ def test_kill_9_a_stage_peer_and_restart_it_loses_no_step(pipe_cluster, tmp_path
                 assert_matches(f"param {name}", got, ref_params[name])
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_a_stage_without_checkpoints_beside_other_stages_ones_says_so(tmp_path, caplog):
     """A peer placed on another stage than before (another placement or plan) finds no
     checkpoint of its stage but some of another: it says so once and starts without them."""

@@ -79,6 +79,7 @@ def _pytree_run(wrapped: bool) -> tuple[list[str], float]:
     return digests, float(loss)
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 @pytest.mark.timeout(120)
 def test_an_nnx_model_and_optimizer_round_like_the_pytree_loop():
     nnx_digests, nnx_loss = _nnx_run()

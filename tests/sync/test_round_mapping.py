@@ -5,6 +5,7 @@ as a later number (the rounds between failed for everybody: a lone peer restarte
 from __future__ import annotations
 
 import optax
+import pytest
 
 import ravnest_jax as rj
 from ravnest_jax.sync._schedule import Schedule
@@ -28,6 +29,7 @@ def test_the_mapping_follows_a_round_that_ran_as_a_later_number():
     assert p.expected == 10 and s.swarm_base == (9, 3), (p, s.swarm_base)
 
 
+@pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_the_state_digest_is_the_same_in_chunks_and_needs_no_leaf_sized_temporary():
     """The digest hashes a leaf chunk by chunk (wrap-around sums: the same value) so that its
     temporaries stay chunk-sized: XLA's plan of the whole-leaf version needed 4 uint32 lanes of
