@@ -1,7 +1,8 @@
 """Pretrained decoder-only LLMs in flax nnx: the Llama 3 / Mistral / Qwen 2.5 / Qwen 3 layout,
 Hugging Face checkpoints (``load_pretrained``, ``save_pretrained``), LoRA / QLoRA adapters with
 qwix (``LoraConfig``, ``apply_lora``, ``split_lora``; base in int8, int4 or nf4) and their export in
-PEFT's format (``save_peft_adapters``), memory-efficient
+PEFT's format (``save_peft_adapters``; a pipeline's stage by stage, ``save_peft_part`` and
+``assemble_peft_parts``), memory-efficient
 attention with segment ids (``attention``), text generation with a key/value cache (``generate``; PEFT adapters
 folded in with ``merge_peft_adapters``), the training step (``TokenBatch``, ``make_train_step``,
 ``make_eval_loss``, ``chunked_cross_entropy``), device widths and the allocator's pool
@@ -32,6 +33,8 @@ from ._memory import allocator_pool_bytes as allocator_pool_bytes
 from ._memory import device_bits as device_bits
 from ._memory import nbytes as nbytes
 from ._peft import save_peft_adapters as save_peft_adapters
+from ._peft_parts import assemble_peft_parts as assemble_peft_parts
+from ._peft_parts import save_peft_part as save_peft_part
 from ._scan import stack_layers as stack_layers
 from ._scan import unstack_layers as unstack_layers
 from ._step import TokenBatch as TokenBatch
@@ -55,6 +58,7 @@ __all__ = [
     "adapter_sharding",
     "allocator_pool_bytes",
     "apply_lora",
+    "assemble_peft_parts",
     "attention",
     "base_sharding",
     "chunked_cross_entropy",
@@ -70,6 +74,7 @@ __all__ = [
     "nbytes",
     "read_peft_adapters",
     "save_peft_adapters",
+    "save_peft_part",
     "save_pretrained",
     "split_lora",
     "stack_layers",

@@ -29,10 +29,11 @@ WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 
 
-def peft_config(lm: LoraModel, base_model_name_or_path: str | None = None) -> dict:
+def peft_config(lm: Any, base_model_name_or_path: str | None = None) -> dict:
     """The ``adapter_config.json`` dict of ``lm``'s adapters (PEFT's ``LoraConfig`` fields that
-    PEFT >= 0.9 knows; the rest take PEFT's defaults when it loads them)."""
-    lora = lm.lora
+    PEFT >= 0.9 knows; the rest take PEFT's defaults when it loads them). ``lm``: a
+    :class:`LoraModel`, or its :class:`LoraConfig` itself (a pipeline stage has no whole model)."""
+    lora = getattr(lm, "lora", lm)
     return {
         "alpha_pattern": {},
         "base_model_name_or_path": base_model_name_or_path,
@@ -65,8 +66,22 @@ def peft_tensors(lm: LoraModel, adapters: nnx.State, dtype: Any = None) -> dict[
     Raises:
       ValueError: a projection with ``A`` but no ``B`` (or the reverse), or no adapters at all.
     """
+    return state_peft_tensors(adapters, lm.frozen, dtype)
+
+
+def state_peft_tensors(
+    adapters: nnx.State, frozen: nnx.State | None = None, dtype: Any = None
+) -> dict[str, np.ndarray]:
+    """:func:`peft_tensors` of bare states: the ``nnx.LoRAParam`` leaves of ``adapters`` and of
+    ``frozen`` (a frozen ``A``; the adapters win where both hold one), in the whole model's
+    paths. A pipeline stage's ``params`` / ``frozen`` (``rj.pipeline.StageModel``) keep those
+    paths, so a stage gives the tensors of its own layers under their global names.
+
+    Raises:
+      ValueError: a projection with ``A`` but no ``B`` (or the reverse), or no adapters at all.
+    """
     found: dict[tuple, Any] = {}
-    for state in (lm.frozen, adapters):  # the given adapters win over the frozen copy
+    for state in (frozen if frozen is not None else nnx.State({}), adapters):
         for path, var in nnx.to_flat_state(state):
             if isinstance(var, nnx.LoRAParam):
                 found[tuple(path)] = var.get_value()
