@@ -492,13 +492,12 @@ def _check_stages(r: Recipe, problems: list[str]) -> None:
         problems.append(f"optim.micro_batches: expected >= pipeline.stages - 1 ({S - 1}) with mode 2bw, got {M}")
     if r.data.packing:
         problems.append(f"data.packing: expected false {why}: the stages carry no segment ids (one document a row)")
-    for key, value in (("export.merged", r.export.merged), ("export.adapters", r.export.adapters)):
-        if value:
-            problems.append(
-                f"{key}: not supported {why} yet: each stage peer holds only its layers' adapters and nothing "
-                "assembles them into one export; set it null (checkpoint.dir keeps each stage's adapters), or "
-                "train with pipeline.stages: 1 where a quantised model fits one card"
-            )
+    if r.export.merged:
+        problems.append(
+            f"export.merged: not supported {why}: no peer holds the whole model; set export.adapters (each "
+            "stage writes its part, assembled into PEFT's files) and merge afterwards on one machine with "
+            "ravnest-jax merge-adapters --model CHECKPOINT --adapters DIR --out OUT (one shard at a time)"
+        )
     if r.lora.dropout > 0:
         problems.append(f"lora.dropout: expected 0 {why} (not supported yet), got {r.lora.dropout}")
     if r.runtime.devices > 1:

@@ -485,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ravnest_jax.tools._finetune_cli import add_finetune
 
     add_finetune(sub)  # finetune
+    from ravnest_jax.tools._adapters_cli import add_adapters
+
+    add_adapters(sub)  # assemble-adapters, merge-adapters
     return p
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ravnest_jax.cli import main as cli_main
@@ -306,17 +307,16 @@ def test_what_stages_cannot_run_with_is_refused_before_any_load(tmp_path, capsys
         "lora: {dropout: 0.1}\nexport: {merged: m, adapters: a}\nruntime: {devices: 2, attention: xla}\n"
     )
     why = "with pipeline.stages > 1 (4)"
-    no_export = (
-        "each stage peer holds only its layers' adapters and nothing assembles them into one export; set it null "
-        "(checkpoint.dir keeps each stage's adapters), or train with pipeline.stages: 1 where a quantised model "
-        "fits one card"
+    no_merged = (
+        "no peer holds the whole model; set export.adapters (each stage writes its part, assembled into PEFT's "
+        "files) and merge afterwards on one machine with ravnest-jax merge-adapters --model CHECKPOINT --adapters "
+        "DIR --out OUT (one shard at a time)"
     )
     assert problems(tmp_path, text) == [
         "pipeline.in_flight: expected in [pipeline.stages, optim.micro_batches + 1] = [4, 4], got 9",
         "optim.micro_batches: expected >= pipeline.stages - 1 (3) with mode 2bw, got 2",
         f"data.packing: expected false {why}: the stages carry no segment ids (one document a row)",
-        f"export.merged: not supported {why} yet: {no_export}",
-        f"export.adapters: not supported {why} yet: {no_export}",
+        f"export.merged: not supported {why}: {no_merged}",
         f"lora.dropout: expected 0 {why} (not supported yet), got 0.1",
         f"runtime.devices: expected 1 {why} (not supported yet), got 2",
         f"runtime.attention: expected auto {why} (not supported yet), got 'xla'",
@@ -373,7 +373,11 @@ def test_tiny_recipe_in_two_stages_trains_as_a_local_swarm(tmp_path, monkeypatch
     """``ravnest-jax local --peers 2 -- ravnest-jax finetune tiny.yaml`` with ``pipeline.stages: 2``:
     each peer one stage of the tiny model, the chat data loss-masked one conversation a row, int8
     activations between them; both run every step, each checkpoints into its own folder, the
-    summary is the last stage's, and its eval loss is below the untrained model's."""
+    summary is the last stage's, and its eval loss is below the untrained model's. Each stage
+    writes its adapters' part of ``export.adapters`` and the parts become one PEFT directory
+    that loads onto the base (``merge_peft_adapters``) and covers every layer."""
+    from ravnest_jax.models import load_pretrained, merge_peft_adapters, read_peft_adapters
+
     sets = {
         "pipeline.stages": 2,
         "data.packing": "false",
@@ -385,7 +389,7 @@ def test_tiny_recipe_in_two_stages_trains_as_a_local_swarm(tmp_path, monkeypatch
         "checkpoint.dir": tmp_path / "ck",
         "checkpoint.every": 2,
         "export.merged": "null",
-        "export.adapters": "null",
+        "export.adapters": tmp_path / "adapters",
         "export.summary": tmp_path / "summary.json",
     }
     argv = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
@@ -406,8 +410,23 @@ def test_tiny_recipe_in_two_stages_trains_as_a_local_swarm(tmp_path, monkeypatch
     assert summary["stage"] == 1 and summary["recipe"] == str(RECIPES / "tiny.yaml"), summary
     monkeypatch.setenv("RAVNEST_WORLD_SIZE", "2")
     recipe = load_recipe(RECIPES / "tiny.yaml", [f"{k}={v}" for k, v in sets.items()], check_files=False)
-    base = _base_eval_loss(train_argv(recipe))
+    base = _base_eval_loss(
+        train_argv(dataclasses.replace(recipe, export=dataclasses.replace(recipe.export, adapters=None)))
+    )
     assert summary["eval_loss_end"] < base, (summary["eval_loss_end"], base)
+    out = tmp_path / "adapters"
+    assert sorted(p["exported_adapter_part"] for p in peers.values()) == [
+        str(out / f"adapter_model.stage-{k}-of-2.safetensors") for k in (0, 1)
+    ], peers
+    assert [p.get("exported_adapters") for p in peers.values()].count(str(out)) == 1, peers
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    config, tensors = read_peft_adapters(out)
+    model = load_pretrained(recipe.model.checkpoint, scan_layers=False)
+    layers, targets = model.config.num_hidden_layers, len(recipe.lora.targets)
+    assert (config["r"], len(tensors)) == (recipe.lora.rank, layers * targets * 2), (config, sorted(tensors))
+    assert {int(n.split(".layers.")[1].split(".")[0]) for n in tensors} == set(range(layers)), sorted(tensors)
+    assert min(float(np.abs(v).max()) for n, v in tensors.items() if "lora_B" in n) > 0, "B trained from zero"
+    merge_peft_adapters(model, out)  # every name and shape fits the base
 
 
 def test_export_merge_into(tmp_path):

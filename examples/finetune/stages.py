@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 
-def train_stages(args: argparse.Namespace, split, train_tokens, eval_set, records=None, cluster_rows=None) -> dict:
+def train_stages(
+    args: argparse.Namespace, split, train_tokens, eval_set, records=None, cluster_rows=None, lora=None
+) -> dict:
     """``--stages S``: this process is one stage of a pipeline (placed among the launcher's
     peers); the adapters of its layers train on its cluster's data shard, the activations go
     ``--activation-codec``-compressed to its neighbours, and with several clusters each stage's
@@ -21,7 +23,10 @@ def train_stages(args: argparse.Namespace, split, train_tokens, eval_set, record
     loss-masked; cluster ``c`` of ``C`` reads its batches ``c, c + C, ...``), and ``eval_set``
     the held-out batches (int32 ``(n, batch, seq + 1)``, or a list of ``TokenBatch`` field dicts).
     ``cluster_rows``: the rows (windows) of the data one cluster reads per epoch (``data_epochs``
-    of the summary). Prints one JSON line."""
+    of the summary). ``--export-adapters DIR``: the first cluster's peer of each stage writes its
+    layers' adapters there as a part (``rj.models.save_peft_part``); the peer whose part completes
+    the set assembles PEFT's ``adapter_model.safetensors`` (``lora``: the run's LoraConfig).
+    Prints one JSON line."""
     import optax
 
     import ravnest_jax as rj
@@ -77,6 +82,7 @@ def train_stages(args: argparse.Namespace, split, train_tokens, eval_set, record
         except KeyboardInterrupt:
             print(f"{peer.peer_id}: interrupted at step {peer.step}", file=sys.stderr)
             interrupted, losses, eval_end = True, [], None
+        exported = export_part(args, peer, lora) if not interrupted else {}
         m = peer.metrics
         summary = {
             "peer": peer.peer_id,
@@ -98,9 +104,36 @@ def train_stages(args: argparse.Namespace, split, train_tokens, eval_set, record
             "round_digests": {
                 str(r.swarm_round): r.state_digest for r in (peer.sync.metrics if peer.sync else []) if r.ok
             },
+            **exported,
         }
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def export_part(args: argparse.Namespace, peer, lora) -> dict:
+    """``--export-adapters``: this stage's part of the PEFT export, written by the first cluster's
+    peer of the stage (after the last outer round every cluster holds the same adapters). Returns
+    the summary's fields: the part written and, from the peer that completed the set, the
+    assembled directory."""
+    from ravnest_jax.models import save_peft_part
+    from ravnest_jax.models._peft_parts import part_name
+
+    if not args.export_adapters or peer.worker is None or peer.role != "active" or peer.cluster != 0:
+        return {}
+    w = peer.worker
+    done = save_peft_part(
+        w.params,
+        lora,
+        args.export_adapters,
+        stage=peer.stage,
+        num_stages=args.stages,
+        frozen=w.frozen,
+        base_model_name_or_path=str(Path(args.checkpoint).resolve()),
+    )
+    out = {"exported_adapter_part": str(Path(args.export_adapters) / part_name(peer.stage, args.stages))}
+    if done is not None:
+        out["exported_adapters"] = str(done)
+    return out
 
 
 def jax_leaves(tree):

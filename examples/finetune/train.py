@@ -294,9 +294,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(
                 f"--in-flight ({args.in_flight}) must be in [--stages, --micro-batches + 1] = [{args.stages}, {hi}]"
             )
+        if args.export:
+            p.error(
+                "--export is not supported with --stages: no peer holds the whole model; write the adapters "
+                "(--export-adapters DIR), then ravnest-jax merge-adapters --model CHECKPOINT --adapters DIR --out OUT"
+            )
         for flag, bad in (
-            ("--export", args.export),
-            ("--export-adapters", args.export_adapters),
             ("--lora-dropout", args.lora_dropout > 0),
             ("--devices", args.devices > 1),
             ("--attention other than auto", args.attention != "auto"),
@@ -402,8 +405,8 @@ def main(argv: list[str] | None = None) -> dict:
         from finetune.stages import train_stages
 
         if args.data:  # one document a row, loss-masked: the pipeline's masked batches
-            return train_stages(args, split, None, eval_set, records=data, cluster_rows=total / shards)
-        return train_stages(args, split, train_tokens, np.stack(eval_set), cluster_rows=total / shards)
+            return train_stages(args, split, None, eval_set, records=data, cluster_rows=total / shards, lora=lora)
+        return train_stages(args, split, train_tokens, np.stack(eval_set), cluster_rows=total / shards, lora=lora)
     # on a mesh: the frozen base and the adapters FSDP-style over the peer's devices
     lm = split_lora(
         load_pretrained(args.checkpoint, dtype=dtype, quantize=args.quantize, lora=lora, remat=remat, mesh=mesh)

@@ -179,9 +179,14 @@ def test_bad_input_is_one_line_before_anything_compiles(tiny, args, msg):
 def test_lora_fine_tuning_split_into_two_stages_and_two_clusters(tiny, tmp_path):
     """``train.py --stages 2`` under the launcher with 4 peers: 2 clusters x 2 stages of the LoRA
     model; each stage's adapters average with DiLoCo inside its group (equal digests per round),
-    and int8 activations cross between the stages; the eval loss through the pipeline is finite."""
+    and int8 activations cross between the stages; the eval loss through the pipeline is finite.
+    ``--export-adapters``: the first cluster's peer of each stage writes its part, and the parts
+    become one PEFT directory covering every layer, the trained adapters in it."""
+    from ravnest_jax.models import load_pretrained, merge_peft_adapters, read_peft_adapters
+
+    out = tmp_path / "adapters"
     args = ["--checkpoint", str(tiny), *COMMON, "--max-steps", "20", "--sync-every", "5", "--stages", "2"]
-    lines = _swarm(tmp_path, 4, args, "stages")
+    lines = _swarm(tmp_path, 4, [*args, "--export-adapters", str(out)], "stages")
     by = {(v["cluster"], v["stage"]): v for v in lines.values()}
     assert sorted(by) == [(0, 0), (0, 1), (1, 0), (1, 1)], sorted(by)
     for s in (0, 1):
@@ -191,6 +196,18 @@ def test_lora_fine_tuning_split_into_two_stages_and_two_clusters(tiny, tmp_path)
     assert by[(0, 0)]["round_digests"] != by[(0, 1)]["round_digests"]
     evals = [by[(c, 1)]["eval_loss_end"] for c in (0, 1)]
     assert all(e is not None and e < 6.0 for e in evals), evals
+    parts = {s: by[(0, s)].get("exported_adapter_part") for s in (0, 1)}
+    assert all(parts.values()) and not any(by[(1, s)].get("exported_adapter_part") for s in (0, 1)), parts
+    assert [by[(0, s)].get("exported_adapters") for s in (0, 1)].count(str(out)) == 1, by
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    config, tensors = read_peft_adapters(out)
+    model = load_pretrained(tiny, scan_layers=False)
+    layers = model.config.num_hidden_layers
+    assert config["r"] == 8 and len(tensors) == layers * 7 * 2, (config["r"], len(tensors), layers)
+    assert {int(n.split(".layers.")[1].split(".")[0]) for n in tensors} == set(range(layers))
+    trained_b = [float(np.abs(v).max()) for n, v in tensors.items() if "lora_B" in n]
+    assert min(trained_b) > 0, "every B trained away from its zero initialisation"
+    merge_peft_adapters(model, out)  # loads onto the base: every name and shape fits
 
 
 def test_a_peer_on_two_devices_resumes_exactly(tiny, tmp_path):

@@ -147,8 +147,9 @@ def test_live_peft_loads_a_fresh_export(tmp_path, case):
 
 
 def test_finetune_example_checks_export_adapters_first(tmp_path, capsys, monkeypatch):
-    """examples/finetune/train.py --export-adapters: an empty or new directory; refused in one
-    usage line for a non-empty one and with --stages (a stage holds a slice of the layers)."""
+    """examples/finetune/train.py --export-adapters: an empty or new directory, with --stages too
+    (each stage writes its part); refused in one usage line for a non-empty one. --export (the
+    merged model) is refused with --stages, naming merge-adapters."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples"))
     from finetune.train import parse_args
 
@@ -156,11 +157,13 @@ def test_finetune_example_checks_export_adapters_first(tmp_path, capsys, monkeyp
     assert parse_args([*ckpt, "--export-adapters", str(tmp_path / "new")]).export_adapters == str(tmp_path / "new")
     (tmp_path / "x").write_text("x")
     monkeypatch.setenv("RAVNEST_WORLD_SIZE", "2")
-    for bad, msg in (
-        ([str(tmp_path)], "not an empty directory"),
-        ([str(tmp_path / "new"), "--stages", "2"], "not supported with --stages"),
+    staged = parse_args([*ckpt, "--export-adapters", str(tmp_path / "new"), "--stages", "2"])
+    assert (staged.export_adapters, staged.stages) == (str(tmp_path / "new"), 2)
+    for bad, flag, msg in (
+        (["--export-adapters", str(tmp_path)], "--export-adapters", "not an empty directory"),
+        (["--export", str(tmp_path / "m"), "--stages", "2"], "--export", "ravnest-jax merge-adapters"),
     ):
         with pytest.raises(SystemExit):
-            parse_args([*ckpt, "--export-adapters", *bad])
+            parse_args([*ckpt, *bad])
         err = capsys.readouterr().err
-        assert "--export-adapters" in err and msg in err
+        assert flag in err and msg in err, err
