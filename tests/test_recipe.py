@@ -427,6 +427,25 @@ def test_tiny_recipe_in_two_stages_trains_as_a_local_swarm(tmp_path, monkeypatch
     assert {int(n.split(".layers.")[1].split(".")[0]) for n in tensors} == set(range(layers)), sorted(tensors)
     assert min(float(np.abs(v).max()) for n, v in tensors.items() if "lora_B" in n) > 0, "B trained from zero"
     merge_peft_adapters(model, out)  # every name and shape fits the base
+    # --fresh: every stage peer starts at step 0, its stage folder's checkpoints moved aside
+    again = [a if not a.startswith("export.adapters=") else "export.adapters=null" for a in argv]
+    again += ["--set", "optim.steps=2", "--fresh"]
+    done = subprocess.run(
+        cmd[: cmd.index(str(RECIPES / "tiny.yaml")) + 1] + again,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    fresh = [
+        json.loads(line.partition("] ")[2])
+        for line in done.stdout.splitlines()
+        if line.startswith("[peer") and "] {" in line
+    ]
+    assert [(p["resumed_from"], p["steps"]) for p in fresh] == [(None, 2), (None, 2)], fresh
+    aside = sorted(str(d.relative_to(tmp_path / "ck")) for d in (tmp_path / "ck").glob("peer*/stage*/previous-*"))
+    assert len(aside) == 2 and {a.split("/")[1] for a in aside} == {"stage0", "stage1"}, aside
 
 
 def test_export_merge_into(tmp_path):

@@ -56,6 +56,7 @@ def train_stages(
         if args.checkpoint_dir
         else None,
         checkpoint_every=args.checkpoint_every,
+        fresh=args.fresh,
         outer={"mode": mode, "overlap_steps": args.overlap_steps},
         outer_codec=os.environ.get("RAVNEST_CODEC", "int4"),
     )

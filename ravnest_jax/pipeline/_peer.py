@@ -4,9 +4,8 @@ rendezvous, activations over the swarm's transport, DiLoCo with the peers that h
 stage in other clusters, and recovery when a stage peer of its cluster dies.
 
 The training thread runs the stage's schedule and blocks only to receive (an activation from the
-previous stage, an activation-gradient from the next), with a deadline. Sends never block it:
-each encoded output goes to a sender thread, which waits for the device, builds the wire message
-and hands it to the swarm's event loop, which uploads it while the next op computes.
+previous stage, an activation-gradient from the next), with a deadline. Sends never block it: a
+sender thread waits for the device, builds the wire message and hands it to the event loop.
 
 What a stage peer publishes through the rendezvous (``info["pipe"]``): its role (``"active"``,
 ``"standby"``, ``"unplaced"``), cluster, stage, the pipeline epoch it is at, whether it is ready,
@@ -102,6 +101,7 @@ class StagePeer:
         at most ``checkpoint_every`` steps (docs/pipeline.md, faults).
       checkpoint_every: steps between checkpoints (int >= 1; the last step is saved too).
       max_to_keep: checkpoints kept per stage (int >= 2: a rollback needs an older one).
+      fresh: start from step 0, the stage folder's earlier checkpoints moved aside (``Checkpointer(fresh=True)``).
 
     Use as a context manager; then :meth:`run`.
 
@@ -152,6 +152,7 @@ class StagePeer:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 100,
         max_to_keep: int = 3,
+        fresh: bool = False,
     ):
         S = plan.num_stages
         if checkpoint_dir is not None:
@@ -221,6 +222,7 @@ class StagePeer:
         self._sender: _Sender | None = None
         self._shape: tuple[int, int, bool] | None = None  # batch rows, seq, loss-masked batches
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir).expanduser()
+        self.fresh, self._fresh_opened = fresh, set()  # the stage folders a fresh start has set aside
         self.checkpoint_every, self.max_to_keep = checkpoint_every, max_to_keep
         self._ckpt: Any = None  # the rj.Checkpointer of this peer's stage
         self._ckpt_units: tuple[int, int] | None = None

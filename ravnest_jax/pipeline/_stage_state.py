@@ -34,7 +34,10 @@ def open_checkpoints(peer: Any) -> None:
         peer._ckpt.close()
         peer._ckpt = None
     meta = {"stage": peer.stage, "units": [lo, hi], "num_stages": peer.num_stages, "run_id": peer.swarm.run_id}
-    ckpt = Checkpointer(peer.checkpoint_dir / f"stage{peer.stage}", max_to_keep=peer.max_to_keep, metadata=meta)
+    folder = peer.checkpoint_dir / f"stage{peer.stage}"
+    fresh = peer.fresh and folder not in peer._fresh_opened  # once: later checkpoints are this run's
+    ckpt = Checkpointer(folder, max_to_keep=peer.max_to_keep, metadata=meta, fresh=fresh)
+    peer._fresh_opened.add(folder)
     try:
         saved = ckpt.metadata()
         got = None if saved is None else saved.get("metadata", {})
