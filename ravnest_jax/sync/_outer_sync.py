@@ -107,8 +107,10 @@ class OuterSync(ManifestDeclaration, StateExchange):
         * tau / H`` (fitted to ``benchmarks/bench_convergence.py``, H = 50: tau = 1 +0.4 %, tau
         = 5 +0.9 % against blocking DiLoCo), so 0.01 allows tau <= 0.116 H (5 at H = 50, 58 at
         H = 500). ``RoundMetrics.needed_overlap_steps`` reports the tau a round would have
-        needed, and a warning says when the cap makes the step wait in at least 3 of the last
-        4 rounds (never after one slow round; at most every 50 rounds).
+        needed, and a warning says when the device measurably waits for the rounds: at least 3
+        of the last 4 rounds with a utilisation under 0.95, and those rounds together too
+        (never after one slow round; at most every 50 rounds); it names the tau that would
+        have hidden the wait and what to set.
       alpha: mixing weight of the local params at the merge, in ``[0, 1]``.
       error_feedback: carry the codec's quantisation residual into the fragment's next round.
       error_feedback_decay: beta in ``[0, 1]``: the residual carried is ``beta * residual``
@@ -443,12 +445,15 @@ class OuterSync(ManifestDeclaration, StateExchange):
         stall = out.stall_seconds
         self.stall_seconds += stall
         now = time.perf_counter()
-        utilisation = max(0.0, 1.0 - stall / max(now - self._window_start, 1e-9))
+        window = now - self._window_start  # since the previous merge, this stall included
+        utilisation = max(0.0, 1.0 - stall / max(window, 1e-9))
         self._window_start = now
         timing = (p.seq, p.fragment, p.step, self.step, out.exchange_seconds, stall, utilisation)
         needed = {"needed_overlap_steps": self._schedule.tau.needed if self.overlap_steps == "auto" else 0}
         if out.error is None:
             if out.record is not None:
+                if self.overlap_steps == "auto" and self.step >= p.due_step:  # merged when due, not by a flush
+                    self._schedule.tau.observe(p.due_step - p.step, stall, window, out.exchange_seconds)
                 self._schedule.tau.exchanges.append(out.exchange_seconds)
             params, state, digest = self._rounds.merge(p, params, state, out.mean)
             m = round_metrics(

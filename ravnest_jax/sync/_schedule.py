@@ -53,7 +53,8 @@ class Schedule:
     ):
         self.tx, self.overlap_steps = tx, overlap_steps
         self.samples_per_step, self.sync_every_seconds = samples_per_step, sync_every_seconds
-        self.tau = AutoTau(cap)
+        gap = tx.sync_every // tx.fragments if tx.fragments > 1 else tx.sync_every
+        self.tau = AutoTau(cap, tx.sync_every, gap)
         self.rounds_started = 0
         self.swarm_base: tuple[int, int] | None = None
         self._last_round_step: dict[int, int] = {}
@@ -125,29 +126,33 @@ class AutoTau:
     mean inner-step time between round starts with stalls excluded (seconds); 1 until a round
     has completed. Host-side arithmetic on a few floats, once per round.
 
-    The "cap binds" warning needs sustained evidence: at least :attr:`WARN_ROUNDS` of the last
-    :attr:`WARN_WINDOW` rounds each had an exchange longer than ``cap * t_s`` (a round whose step
-    waited), judged when the round's exchange comes in; the wait it names is the median of those
-    rounds' exchanges minus ``cap * t_s``, and it must be material: at least
-    :attr:`WARN_FRACTION` of the steps' time between round starts (a utilisation under 0.95).
-    One slow round (a join, a resync, a compile) is not warned about; at most one warning every
-    50 rounds."""
+    The "the device waits" warning is judged on what was measured, not on what the exchange
+    times predict: each round's stall (the device idle waiting for its result, see
+    ``_pipeline.idle_since``) against the time since the previous merge, i.e. the round's
+    ``compute_utilisation`` (:meth:`observe`). It needs sustained evidence: at least
+    :attr:`WARN_ROUNDS` of the last :attr:`WARN_WINDOW` judged rounds each with a utilisation
+    under ``1 - WARN_FRACTION`` (0.95), and the utilisation over those rounds together under it
+    too. The first round (tau chosen before any exchange was measured) and rounds merged early
+    by a flush are not judged; one slow round (a join, a resync, a compile) is not warned about;
+    at most one warning every 50 judged rounds. The warning names the measured stall and
+    utilisation and the tau that would have hidden the wait (the round's tau plus the steps the
+    device sat idle for), and what to set for it."""
 
     WARN_ROUNDS = 3
     WARN_WINDOW = 4
     WARN_FRACTION = 0.05
 
-    def __init__(self, cap: int):
+    def __init__(self, cap: int, sync_every: int | None = None, gap: int | None = None):
         self.cap = cap
+        self.sync_every, self.gap = sync_every, gap  # H, and the steps between round starts
         self.needed = 0  # the last round's uncapped ceil(1.25 * t_x / t_s): what hiding it would take
-        self._warned_at = -(10**9)  # the choose() call of the last "cap binds" warning
-        self._calls = 0
+        self._warned_at = -(10**9)  # the judged round of the last warning
+        self._judged = 0  # rounds judged by observe()
         self.exchanges: _Exchanges = _Exchanges()
-        self._judged = 0  # exchanges already judged for the warning
-        self._waited: collections.deque[tuple[bool, float]] = collections.deque(maxlen=self.WARN_WINDOW)
+        # the last WARN_WINDOW judged rounds: (tau, stall s, seconds since the previous merge, exchange s)
+        self._rounds: collections.deque[tuple[int, float, float, float]] = collections.deque(maxlen=self.WARN_WINDOW)
         self._clock: tuple[float, int, float] | None = None  # (perf_counter, step, total stall)
         self._step_seconds: float | None = None
-        self._round_steps = 0  # inner steps between the last two round starts
 
     def reset(self) -> None:
         """The step counter jumped (a state download, a restore): measure afresh."""
@@ -158,44 +163,77 @@ class AutoTau:
         if self._clock is not None:
             t0, s0, stall0 = self._clock
             if step > s0:
-                self._round_steps = step - s0
                 per_step = max(now - t0 - (stall_seconds - stall0), 0.0) / (step - s0)
                 self._step_seconds = per_step if self._step_seconds is None else 0.5 * (self._step_seconds + per_step)
         self._clock = (now, step, stall_seconds)
-        self._calls += 1
         if not self.exchanges or not self._step_seconds:
             return 1
         need = 1.25 * max(self.exchanges) / max(self._step_seconds, 1e-6)
         self.needed = max(1, math.ceil(need))
-        self._warn_if_sustained()
         return max(1, min(self.cap, self.needed))
 
-    def _warn_if_sustained(self) -> None:
-        """Judges the exchanges that came in since the last call; warns on sustained waits."""
-        assert self._step_seconds is not None
-        hidden = self.cap * self._step_seconds  # what tau = cap hides, seconds
-        new = min(self.exchanges.appended - self._judged, len(self.exchanges))
-        self._judged = self.exchanges.appended
-        for x in list(self.exchanges)[len(self.exchanges) - new :]:
-            self._waited.append((x > hidden, x))
-        slow = sorted(x for waited, x in self._waited if waited)
-        if len(slow) < self.WARN_ROUNDS or self._calls - self._warned_at < 50:
+    def observe(self, tau: int, stall: float, window: float, exchange: float) -> None:
+        """A round merged at its due step (not by a flush), before its exchange time is appended:
+        ``tau`` the steps it overlapped, ``stall`` the seconds the device sat idle waiting for
+        it (measured), ``window`` the seconds since the previous merge (stall included),
+        ``exchange`` its exchange seconds. Warns on a sustained, material wait (see the class)."""
+        if not self.exchanges or not self._step_seconds:
+            return  # its tau was chosen before any exchange was measured (the first round)
+        self._judged += 1
+        self._rounds.append((tau, stall, max(window, 1e-9), exchange))
+        limit = 1.0 - self.WARN_FRACTION
+        slow = [r for r in self._rounds if 1.0 - r[1] / r[2] < limit]
+        utilisation = 1.0 - sum(r[1] for r in self._rounds) / sum(r[2] for r in self._rounds)
+        if len(slow) < self.WARN_ROUNDS or utilisation >= limit or self._judged - self._warned_at < 50:
             return
-        mid = len(slow) // 2
-        median = slow[mid] if len(slow) % 2 else 0.5 * (slow[mid - 1] + slow[mid])
-        if median - hidden < self.WARN_FRACTION * self._round_steps * self._step_seconds:
-            return  # waits too short to matter (utilisation >= 0.95)
-        self._warned_at = self._calls
+        self._warned_at = self._judged
+        t_s = self._step_seconds
+        stall_med = _median([r[1] for r in slow])
+        exchange_med = _median([r[3] for r in slow])
+        tau_med = round(_median([float(r[0]) for r in slow]))
+        # the tau that would have hidden each slow round's wait: its tau + the steps it sat idle for
+        hide = math.ceil(_median([r[0] + r[1] / t_s for r in slow]) - 1e-9)
         log.warning(
-            "in %d of the last %d rounds the exchange (median %.2f s) outlasted the overlap: it needs tau=%d "
-            "inner steps (%.3f s each) to hide; the staleness budget caps auto tau at %d, so the step waits "
-            "about %.2f s per round (raise staleness_budget or max_overlap_steps, use a larger H, or a "
-            "smaller codec)",
+            "the device waited for the outer rounds: in %d of the last %d rounds it sat idle for the result, "
+            "%.2f s per round (median, measured), compute utilisation %.2f over those %d rounds; tau=%d inner "
+            "steps (%.3f s each) did not hide the exchange (median %.2f s), tau=%d would. %s",
             len(slow),
-            len(self._waited),
-            median,
-            max(1, math.ceil(1.25 * median / max(self._step_seconds, 1e-6))),
-            self._step_seconds,
-            self.cap,
-            median - hidden,
+            len(self._rounds),
+            stall_med,
+            utilisation,
+            len(self._rounds),
+            tau_med,
+            t_s,
+            exchange_med,
+            hide,
+            self._advice(hide),
         )
+
+    def _advice(self, hide: int) -> str:
+        """What to set so that auto tau may reach ``hide``."""
+        if self.gap is not None and hide >= self.gap:
+            return (
+                f"No tau below the {self.gap} steps between round starts hides it: use a larger H (sync_every) "
+                "or a smaller codec"
+            )
+        if hide > self.cap:
+            budget = ""
+            if self.sync_every:
+                from ravnest_jax._staleness import staleness_cost
+
+                cost = staleness_cost(hide, self.sync_every)
+                budget = f", or staleness_budget={math.ceil(cost * 1000 - 1e-9) / 1000:g} (predicted eval-loss cost)"
+            return (
+                f"The staleness budget caps auto tau at {self.cap}: set max_overlap_steps={hide}{budget}; "
+                "or use a larger H, or a smaller codec"
+            )
+        return (
+            f"auto tau may go up to {self.cap} but chose from the longest of the last 4 exchanges, which these "
+            f"rounds outlasted: set overlap_steps={hide}, or use a larger H"
+        )
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
