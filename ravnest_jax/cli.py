@@ -15,6 +15,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ravnest_jax.tools._argtypes import port as _port
+from ravnest_jax.tools._argtypes import positive_float as _positive_float
+from ravnest_jax.tools._argtypes import positive_int as _positive_int
+
 TOKEN_ENV = "RAVNEST_TOKEN"
 
 
@@ -25,24 +29,6 @@ def _read_token(args: argparse.Namespace) -> str:
         return read_token(args.token_file, env=TOKEN_ENV)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-
-
-def _checked(value: str, cast, ok, what: str):
-    try:
-        v = cast(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}") from None
-    if not ok(v):
-        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}")
-    return v
-
-
-def _positive_float(value: str) -> float:
-    return _checked(value, float, lambda v: 0 < v < float("inf"), "a number > 0")
-
-
-def _port(value: str) -> int:
-    return _checked(value, int, lambda v: 0 <= v <= 65535, "a port in 0-65535")
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -119,10 +105,6 @@ def _cmd_rendezvous(args: argparse.Namespace) -> int:
     except OSError as e:  # the address is taken, not ours, ...
         raise SystemExit(f"error: cannot listen on {args.host}:{args.port}: {e}") from None
     return 0
-
-
-def _positive_int(value: str) -> int:
-    return _checked(value, int, lambda v: v >= 1, "an integer >= 1")
 
 
 def _cmd_local(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ._formats import MAX_ABS, TINY, _block_absmax, _materialize, bf16_bits_ceil, bf16_bits_to_f32, f32_to_bf16_bits
+from ._bits import MAX_ABS, TINY, _block_absmax, _materialize, bf16_bits_ceil, bf16_bits_to_f32, f32_to_bf16_bits
 
 
 def u32_words(xp: Any, b: Any) -> Any:

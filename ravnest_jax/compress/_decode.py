@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _coarse, _tree
+from . import _bits, _coarse, _tree
 from . import _formats as F
 from ._errors import WireFormatError
 from ._wire import (
@@ -95,7 +95,7 @@ _MULTI_LUT = {
 }
 """(256, 8) / (256, 4) float32: a sign / int2 byte -> its unscaled values, first element first."""
 
-_F16_SCALE = np.float32(F._F16_TO_F32_SCALE)
+_F16_SCALE = np.float32(_bits._F16_TO_F32_SCALE)
 _F16_MASK = np.int32(-0x70000001)  # 0x8FFFFFFF: the sign and bits 0..27
 _F16_MAX = float(F.FP16_MAX)
 

@@ -35,6 +35,21 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import _coarse  # int2 / sign (built on ._bits, as this module is)
+from ._bits import MAX_ABS as MAX_ABS
+from ._bits import TINY as TINY
+from ._bits import _block_absmax, _materialize
+from ._bits import bf16_bits_ceil as bf16_bits_ceil
+from ._bits import bf16_bits_to_f32 as bf16_bits_to_f32
+from ._bits import e2m1_code_values as e2m1_code_values
+from ._bits import e8m0_scale_values as e8m0_scale_values
+from ._bits import f32_to_bf16_bits as f32_to_bf16_bits
+from ._bits import fp16_bits_to_f32 as fp16_bits_to_f32
+from ._bits import int_code_values as int_code_values
+from ._bits import pack_nibbles as pack_nibbles
+from ._bits import unpack_nibbles as unpack_nibbles
+from ._topk import np_topk_indices as np_topk_indices
+
 __all__ = [
     "BLOCK_CODECS",
     "CODECS",
@@ -68,11 +83,6 @@ MEAN_SCALED = ("int2", "sign")
 MAX_BLOCK_SIZE = 1 << 16
 DEFAULT_TOPK_FRACTION = 0.01
 
-MAX_ABS = 2.0**127
-"""Largest accepted input magnitude. Larger values (and NaN, Inf) raise ``NonFiniteError``."""
-
-TINY = 2.0**-100
-"""Blocks whose absmax is below this are sent as zeros (keeps every scale a normal float)."""
 
 FP16_MAX = 65504.0
 _QMAX = {"int8": 127, "int4": 7}
@@ -236,99 +246,6 @@ def payload_nbytes(codec: str, n: int, block_size: int, k: int) -> int:
     return sum(length * dt.itemsize for length, dt in zip(part_lengths(codec, n, block_size, k), _PART_DTYPES[codec]))
 
 
-# ----------------------------------------------------------------------------- bit helpers
-
-
-def f32_to_bf16_bits(xp: Any, x: Any, noise_bits: Any = None) -> Any:
-    """float32 -> bfloat16 bits (uint16): round-half-to-even, or stochastic with ``noise_bits``.
-
-    ``noise_bits``: uint32 uniform in ``[0, 2**16)`` (stochastic rounding of the magnitude,
-    unbiased). Inputs must satisfy ``|x| <= MAX_ABS`` (no overflow of the carry).
-    """
-    u = x.view(xp.uint32)
-    if noise_bits is None:
-        u = u + (((u >> 16) & 1) + 0x7FFF)
-    else:
-        u = u + noise_bits
-    return (u >> 16).astype(xp.uint16)
-
-
-def bf16_bits_ceil(xp: Any, x: Any) -> Any:
-    """bfloat16 bits of the smallest bfloat16 ``>= x`` for finite ``0 <= x <= MAX_ABS``."""
-    u = x.view(xp.uint32)
-    return ((u + 0xFFFF) >> 16).astype(xp.uint16)
-
-
-def bf16_bits_to_f32(xp: Any, bits: Any) -> Any:
-    """bfloat16 bits (uint16) -> float32 (exact)."""
-    return (bits.astype(xp.uint32) << 16).view(xp.float32)
-
-
-_F16_TO_F32_SCALE = 2.0**112  # 2**(127 - 15): float32 exponent bias minus the half's
-
-
-def fp16_bits_to_f32(xp: Any, bits: Any) -> Any:
-    """IEEE half bits (uint16) -> float32 by integer and float bit arithmetic (the host decoder's
-    fast path; exact for every finite half, subnormals included).
-
-    The sign goes to bit 31 and the 15 exponent and mantissa bits to bits 13..27 (the float32
-    whose bits those are is the half's value times ``2**-112``, exactly: a normal half keeps its
-    exponent field, a subnormal becomes a float32 subnormal), then one multiply by ``2**112``
-    (exact) rescales it. Halves with exponent 31 (Inf, NaN) come out *finite*, as
-    ``+-2**16 * (1 + m / 1024)`` with magnitude ``>= 65536 > FP16_MAX``: a caller must reject
-    ``|v| > FP16_MAX`` (the decoder does; no valid encode produces those bits). Assumes
-    subnormal float32 operands are not flushed to zero (numpy never sets DAZ/FTZ).
-    """
-    u = (bits.view(xp.int16).astype(xp.int32) << 13) & xp.int32(-0x70000001)  # 0x8FFFFFFF
-    return u.view(xp.float32) * xp.float32(_F16_TO_F32_SCALE)
-
-
-def pack_nibbles(xp: Any, codes: Any) -> Any:
-    """``(..., 2m)`` uint8 codes < 16 -> ``(2m * ... / 2,)`` bytes; element ``2i`` in the low nibble.
-
-    Pairs are read as little-endian uint16 (``lo | hi << 8``) and folded to ``lo | hi << 4``: the
-    same bytes as ``codes[..., 0::2] | codes[..., 1::2] << 4``, but XLA:CPU vectorises it (the
-    strided form made the whole fused encode ~10x slower).
-    """
-    pairs = codes.reshape(-1, 2)
-    u = (pairs.view(np.dtype("<u2")) if xp is np else pairs.view(xp.uint16)).reshape(-1)
-    return ((u & 0x0F) | ((u >> 4) & 0xF0)).astype(xp.uint8)
-
-
-def unpack_nibbles(xp: Any, packed: Any) -> Any:
-    """Inverse of :func:`pack_nibbles`: ``(..., m)`` bytes -> ``(..., 2m)`` codes."""
-    lo = packed & 0x0F
-    hi = packed >> 4
-    return xp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-
-
-def int_code_values(xp: Any, codec: str, codes: Any) -> Any:
-    """Integer code (uint8 as stored) -> float32 value before scaling.
-
-    int8: the byte is a two's-complement int8 in ``[-127, 127]``; int4: the nibble is ``q + 8``
-    with ``q`` in ``[-7, 7]``.
-    """
-    if codec == "int8":
-        return codes.view(xp.int8).astype(xp.float32)
-    return codes.astype(xp.float32) - 8.0
-
-
-def e2m1_code_values(xp: Any, codes: Any) -> Any:
-    """FP4 E2M1 code (4 bits: sign, 2 exponent, 1 mantissa) -> float32.
-
-    Magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 for codes 0..7; bit 3 is the sign (OCP MX v1.0).
-    """
-    mag = (codes & 7).astype(xp.float32)
-    v = xp.where(mag < 4, mag * 0.5, xp.where(mag < 7, mag - 2.0, 6.0))
-    return xp.where((codes & 8) != 0, -v, v)
-
-
-def e8m0_scale_values(xp: Any, codes: Any) -> Any:
-    """E8M0 scale byte ``c`` -> ``2**(c - 127)`` float32 (code 0, a zero block, -> 0.0)."""
-    c = codes.astype(xp.uint32)
-    return xp.where(c > 0, (c << 23).view(xp.float32), 0.0).astype(xp.float32)
-
-
 # ----------------------------------------------------------------------------- quantize
 
 
@@ -350,32 +267,6 @@ def _blocks(xp: Any, x: Any, block_size: int) -> Any:
     if pad:
         x = xp.concatenate([x, xp.zeros((pad,), xp.float32)])
     return x.reshape(nb, block_size)
-
-
-def _materialize(xp: Any, a: Any) -> Any:
-    """Per-block values computed once: under XLA an optimisation barrier stops the compiler from
-    fusing the block reduction into the per-element loop (recomputing it for every element, 3-10x
-    slower on CPU). Identity for numpy; the values are unchanged either way."""
-    if xp is np:
-        return a
-    from jax import lax  # only reached with xp = jax.numpy, so jax is already imported
-
-    return lax.optimization_barrier(a)
-
-
-def _block_absmax(xp: Any, xb: Any) -> Any:
-    """``(nb, B)`` float32 -> ``(nb,)`` largest ``|x|`` of each block; NaN propagates (then the
-    leaf is flagged, not encoded); ``-0.0`` counts as ``0.0``.
-
-    numpy: the max of the uint32 bits of ``|x|`` (sign bit cleared; non-negative floats order as
-    their bits, a NaN's bits lie above Inf's): one integer reduction instead of a max and a min,
-    2.3x faster for B = 32. XLA: ``max(max, -min)`` (it fuses the float reductions into one
-    vectorised pass; an integer reduction of the bitcast was 5x slower). The same values.
-    """
-    if xp is np:
-        bits = xb.view(np.uint32) & np.uint32(0x7FFFFFFF)
-        return np.max(bits, axis=1).view(np.float32)
-    return xp.maximum(xp.max(xb, axis=1), -xp.min(xb, axis=1))
 
 
 _ROUND_MAGIC = 1.5 * 2.0**23  # y + M rounds y to an integer (half to even) for |y| <= 2**22
@@ -579,7 +470,3 @@ def _np_scatter(n, idx, vals):
     out = np.zeros((n,), np.float32)
     out[idx.astype(np.intp)] = vals
     return out
-
-
-from . import _coarse  # noqa: E402  (int2 / sign; it uses the helpers above)
-from ._topk import np_topk_indices as np_topk_indices  # noqa: E402

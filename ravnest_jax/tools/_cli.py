@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ravnest_jax.cli import _checked, _positive_float  # the flags' checks, shared
+from ravnest_jax.tools._argtypes import checked as _checked
+from ravnest_jax.tools._argtypes import positive_float as _positive_float
 
 
 def _non_negative(value: str) -> float:

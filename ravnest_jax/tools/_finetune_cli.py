@@ -9,7 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from ravnest_jax.cli import _checked, _positive_int  # the flags' checks, shared
+from ravnest_jax.tools._argtypes import checked as _checked
+from ravnest_jax.tools._argtypes import positive_int as _positive_int
 
 
 def _non_negative_int(value: str) -> int:

@@ -8,7 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ravnest_jax.cli import _checked, _positive_int  # the flags' checks, shared
+from ravnest_jax.tools._argtypes import checked as _checked
+from ravnest_jax.tools._argtypes import positive_int as _positive_int
 
 
 def _unit_interval(value: str) -> float:
