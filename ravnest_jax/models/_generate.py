@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ._hf_names import fold_peft_tensors as fold_peft_tensors
 from ._transformer import Transformer, apply_rope
 
 #: the cache length and the padded prompt length are rounded up to a multiple of this (tokens):
@@ -218,8 +219,6 @@ def generate(
 
 # --- LoRA adapters in PEFT's format, folded into the kernels ---
 
-_PEFT_PREFIX = "base_model.model."
-
 
 def read_peft_adapters(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
     """``(adapter_config, tensors)`` of a PEFT LoRA directory (``adapter_config.json``,
@@ -282,39 +281,3 @@ def merge_peft_adapters(model: Transformer, path: str | Path) -> Transformer:
     """
     cfg, tensors = read_peft_adapters(path)
     return fold_peft_tensors(model, tensors, float(cfg["lora_alpha"]) / cfg["r"])
-
-
-def fold_peft_tensors(model: Transformer, tensors: dict[str, Any], scale: float) -> Transformer:
-    """:func:`merge_peft_adapters` from PEFT's tensors in memory (name -> ``lora_A.weight`` ``(r,
-    in)`` / ``lora_B.weight`` ``(out, r)`` host arrays, as ``_peft.peft_tensors`` gives them) and
-    the LoRA scale ``alpha / r``: ``W += scale * lora_A.T @ lora_B.T`` in float32, cast to the
-    kernel's dtype, in place. Returns ``model``.
-
-    Raises:
-      ValueError: a scanned model; an adapter of a module the model does not have, or of the
-        wrong shape.
-    """
-    from ._hf import hf_name
-
-    if model.scan_layers:
-        raise ValueError("merge_peft_adapters: load the model with scan_layers=False")
-    kernels = {}
-    for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if str(p[-1]) == "kernel":
-            kernels[hf_name(p)[0].removesuffix(".weight")] = var
-    for name in sorted({n.removesuffix(".lora_A.weight") for n in tensors if n.endswith(".lora_A.weight")}):
-        module = name.removeprefix(_PEFT_PREFIX)
-        if module not in kernels:
-            raise ValueError(f"adapters: {name} names no projection of the model")
-        var = kernels[module]
-        a = np.asarray(tensors[name + ".lora_A.weight"], np.float32)  # (r, in)
-        b = np.asarray(tensors[name + ".lora_B.weight"], np.float32)  # (out, r)
-        w = var.get_value()
-        if a.shape[1] != w.shape[0] or b.shape[0] != w.shape[1] or a.shape[0] != b.shape[1]:
-            raise ValueError(
-                f"adapters: {name}: lora_A {a.shape} and lora_B {b.shape} do not fit the kernel (out, in) "
-                f"{(w.shape[1], w.shape[0])}"
-            )
-        delta = jnp.asarray(a.T @ b.T * np.float32(scale))
-        var.set_value((w.astype(jnp.float32) + delta).astype(w.dtype))
-    return model

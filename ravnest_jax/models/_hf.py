@@ -21,31 +21,13 @@ from jax.sharding import PartitionSpec as P
 
 from ._config import TransformerConfig
 from ._files import default_mode
+from ._hf_names import hf_name as hf_name
 from ._lora import LoraConfig, _wrap, check_quantize, init_adapters
 from ._scan import stack_layers, unstack_layers
 from ._transformer import Transformer, check_remat
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-
-
-def hf_name(path: tuple) -> tuple[str, bool]:
-    """The Hugging Face tensor name of a parameter at nnx state ``path``, and whether it is
-    stored transposed (a linear kernel: ours is ``(in, out)``, theirs ``(out, in)``)."""
-    parts = [str(p) for p in path]
-    leaf = parts[-1]
-    if parts[0] == "embed_tokens":
-        return "model.embed_tokens.weight", False
-    if parts[0] == "lm_head":
-        return "lm_head.weight", True
-    if parts[0] == "norm":
-        return "model.norm.weight", False
-    if parts[0] == "layers":
-        mod = ".".join(parts[1:-1])
-        if leaf == "kernel":
-            return f"model.layers.{mod}.weight", True
-        return f"model.layers.{mod}.{leaf}", False
-    raise KeyError(f"no Hugging Face name for parameter {'.'.join(parts)}")
 
 
 def _tensor_files(root: Path) -> dict[str, Path]:

@@ -330,10 +330,9 @@ class LoraModel(NamedTuple):
         adapters = self.adapters if adapters is None else adapters
         if base is None:
             return merge_adapters(self.model(adapters, self.frozen), self.lora)
-        from ._generate import fold_peft_tensors
-        from ._peft import peft_tensors
+        from ._hf_names import fold_peft_tensors, state_peft_tensors
 
-        return fold_peft_tensors(base, peft_tensors(self, adapters, jnp.float32), self.lora.scale)
+        return fold_peft_tensors(base, state_peft_tensors(adapters, self.frozen, jnp.float32), self.lora.scale)
 
     @property
     def num_adapter_params(self) -> int:
@@ -378,6 +377,7 @@ def split_lora(model: Transformer) -> LoraModel:
                 stack_layers(m)
             m.remat, m.batch_sharding = model.remat, model.batch_sharding
             m.attention, m.attention_chunk = model.attention, model.attention_chunk
+            m.mlp_chunk = model.mlp_chunk
             return m
 
         graphdef = nnx.split(nnx.eval_shape(build), keep, ...)[0]

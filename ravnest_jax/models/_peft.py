@@ -15,18 +15,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from ._files import default_mode
-from ._hf import hf_name
+from ._hf_names import state_peft_tensors
 from ._lora import LoraModel
-from ._scan import is_stacked, layer_path
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
-PREFIX = "base_model.model."
 
 
 def peft_config(lm: Any, base_model_name_or_path: str | None = None) -> dict:
@@ -67,45 +64,6 @@ def peft_tensors(lm: LoraModel, adapters: nnx.State, dtype: Any = None) -> dict[
       ValueError: a projection with ``A`` but no ``B`` (or the reverse), or no adapters at all.
     """
     return state_peft_tensors(adapters, lm.frozen, dtype)
-
-
-def state_peft_tensors(
-    adapters: nnx.State, frozen: nnx.State | None = None, dtype: Any = None
-) -> dict[str, np.ndarray]:
-    """:func:`peft_tensors` of bare states: the ``nnx.LoRAParam`` leaves of ``adapters`` and of
-    ``frozen`` (a frozen ``A``; the adapters win where both hold one), in the whole model's
-    paths. A pipeline stage's ``params`` / ``frozen`` (``rj.pipeline.StageModel``) keep those
-    paths, so a stage gives the tensors of its own layers under their global names.
-
-    Raises:
-      ValueError: a projection with ``A`` but no ``B`` (or the reverse), or no adapters at all.
-    """
-    found: dict[tuple, Any] = {}
-    for state in (frozen if frozen is not None else nnx.State({}), adapters):
-        for path, var in nnx.to_flat_state(state):
-            if isinstance(var, nnx.LoRAParam):
-                found[tuple(path)] = var.get_value()
-    if not found:
-        raise ValueError("no LoRA adapters in the model: make it with apply_lora or load_pretrained(lora=...)")
-    out: dict[str, np.ndarray] = {}
-    for path, value in sorted(found.items(), key=lambda kv: tuple(map(str, kv[0]))):
-        leaf = str(path[-1])
-        if not leaf.endswith(("_lora_a", "_lora_b")):
-            raise ValueError(f"adapter {'.'.join(map(str, path))} is neither a LoRA A nor a B")
-        kernel, which = leaf[: -len("_lora_a")], "A" if leaf.endswith("_lora_a") else "B"
-        other = path[:-1] + (kernel + ("_lora_b" if which == "A" else "_lora_a"),)
-        if other not in found:
-            raise ValueError(f"adapter {'.'.join(map(str, path))} has no {'.'.join(map(str, other))}")
-        host = np.asarray(value if dtype is None else jnp.asarray(value, dtype))
-        layers = (
-            [(layer_path(path[:-1], i), host[i]) for i in range(host.shape[0])]
-            if is_stacked(path)
-            else [(path[:-1], host)]
-        )
-        for module, v in layers:
-            name, _ = hf_name(module + (kernel,))
-            out[PREFIX + name.removesuffix(".weight") + f".lora_{which}.weight"] = np.ascontiguousarray(v.T)
-    return out
 
 
 def save_peft_adapters(

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ._files import default_mode
-from ._peft import CONFIG, WEIGHTS, peft_config, state_peft_tensors
+from ._hf_names import state_peft_tensors
+from ._peft import CONFIG, WEIGHTS, peft_config
 
 __all__ = ["assemble_peft_parts", "part_name", "save_peft_part"]
 
