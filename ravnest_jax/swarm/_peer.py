@@ -269,15 +269,17 @@ class Swarm(ManifestDeclaration):
         self._loop.run_forever()
 
     # ------------------------------------------------------------------ public API
-    def all_reduce(self, tree: Any, *, weight: float = 1.0, copy: bool = True) -> tuple[Any, RoundRecord]:
+    def all_reduce(self, tree: Any, *, weight: float = 1.0) -> tuple[Any, RoundRecord]:
         """Weighted mean of ``tree`` over the round's group; blocks until the round ends.
+
+        The input is copied only where it must be: a single contiguous float32 leaf is used in
+        place (with ``codec="fp32"`` its memory is what goes on the wire), several leaves are
+        joined into one vector (one copy). The caller is blocked for the round, so it cannot
+        change the input meanwhile; another thread must not either.
 
         Args:
           tree: nested dict/list/tuple of float32 numpy arrays (any shapes).
           weight: this peer's weight (> 0, finite), e.g. its number of tokens.
-          copy: copy the leaves on entry (default). ``False``: a single contiguous leaf is used
-            in place (with ``codec="fp32"`` its memory is what goes on the wire, no copy at
-            all); the caller must not change it until the round ends.
 
         Returns:
           ``(mean_tree, record)``: a tree of float32 arrays with the input's structure and
@@ -290,7 +292,7 @@ class Swarm(ManifestDeclaration):
           RoundFailed: the round could not complete on this peer (``.record.ok`` is False).
           TypeError / ValueError: a leaf is not float32, holds NaN/inf, or a bad weight.
         """
-        return self.all_reduce_async(tree, weight=weight, copy=copy).result(
+        return self.all_reduce_async(tree, weight=weight, copy=False).result(
             timeout=self.timeouts.round + self.timeouts.connect + 30
         )
 
