@@ -178,10 +178,7 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
     if not args.summary_json:
         args.summary_json = str(Path("runs") / run_id / "summary.json")
     check_text(args.text)  # before anything starts
-    # jax's import and backend take this process seconds: read while the peers start, not
-    # after a Ctrl+C (which has 5 s for everything)
     machine: dict = {}
-    threading.Thread(target=lambda: machine.update(machine_info()), name="machine-info", daemon=True).start()
     staged = getattr(args, "stages", 1) > 1
     n = args.local_peers + (args.standbys if staged else 0)  # processes: the clusters' peers and the standbys
     procs: list[subprocess.Popen] = []
@@ -342,6 +339,10 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
             if args.adversary is not None and i < args.adversary_peers:
                 cmd += ["--adversary", args.adversary]
             peers.append(start(cmd, f"peer{i}", xla))
+        # jax's import and backend take this process seconds: read while the peers start, not
+        # after a Ctrl+C (which has 5 s for everything); only once every process is started
+        # (a start with jax's backend up warns "os.fork() was called ... JAX is multithreaded")
+        threading.Thread(target=lambda: machine.update(machine_info()), name="machine-info", daemon=True).start()
         total = (args.local_peers if staged else n) * args.max_steps
         bar = tqdm(total=total, desc=f"{n} peers (starting)", disable=args.no_progress, dynamic_ncols=True)
         if args.no_progress:
