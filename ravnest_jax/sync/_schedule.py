@@ -54,7 +54,8 @@ class Schedule:
         self.tx, self.overlap_steps = tx, overlap_steps
         self.samples_per_step, self.sync_every_seconds = samples_per_step, sync_every_seconds
         gap = tx.sync_every // tx.fragments if tx.fragments > 1 else tx.sync_every
-        self.tau = AutoTau(cap, tx.sync_every, gap)
+        # the steps between round starts (unknown when rounds start by wall time)
+        self.tau = AutoTau(cap, tx.sync_every, None if sync_every_seconds is not None else gap)
         self.rounds_started = 0
         self.swarm_base: tuple[int, int] | None = None
         self._last_round_step: dict[int, int] = {}
