@@ -133,11 +133,12 @@ class AutoTau:
     ``compute_utilisation`` (:meth:`observe`). It needs sustained evidence: at least
     :attr:`WARN_ROUNDS` of the last :attr:`WARN_WINDOW` judged rounds each with a utilisation
     under ``1 - WARN_FRACTION`` (0.95), and the utilisation over those rounds together under it
-    too. The first round (tau chosen before any exchange was measured) and rounds merged early
-    by a flush are not judged; one slow round (a join, a resync, a compile) is not warned about;
-    at most one warning every 50 judged rounds. The warning names the measured stall and
-    utilisation and the tau that would have hidden the wait (the round's tau plus the steps the
-    device sat idle for), and what to set for it."""
+    too. Not judged: the start-up, rounds whose tau was chosen from fewer than 4 measured
+    exchanges (tau 1 in the first round, then the longest of the few seen; peers still joining
+    and compiling), and rounds merged early by a flush; one slow round (a join, a resync, a
+    compile) is not warned about; at most one warning every 50 judged rounds. The warning names
+    the measured stall and utilisation and the tau that would have hidden the wait (the round's
+    tau plus the steps the device sat idle for), and what to set for it."""
 
     WARN_ROUNDS = 3
     WARN_WINDOW = 4
@@ -178,8 +179,8 @@ class AutoTau:
         ``tau`` the steps it overlapped, ``stall`` the seconds the device sat idle waiting for
         it (measured), ``window`` the seconds since the previous merge (stall included),
         ``exchange`` its exchange seconds. Warns on a sustained, material wait (see the class)."""
-        if not self.exchanges or not self._step_seconds:
-            return  # its tau was chosen before any exchange was measured (the first round)
+        if len(self.exchanges) < self.WARN_WINDOW or not self._step_seconds:
+            return  # the start-up: its tau was chosen from fewer than 4 measured exchanges
         self._judged += 1
         self._rounds.append((tau, stall, max(window, 1e-9), exchange))
         limit = 1.0 - self.WARN_FRACTION
@@ -196,7 +197,7 @@ class AutoTau:
         hide = math.ceil(_median([r[0] + r[1] / t_s for r in slow]) - 1e-9)
         log.warning(
             "the device waited for the outer rounds: in %d of the last %d rounds it sat idle for the result, "
-            "%.2f s per round (median, measured), compute utilisation %.2f over those %d rounds; tau=%d inner "
+            "%.3f s per round (median, measured), compute utilisation %.2f over those %d rounds; tau=%d inner "
             "steps (%.3f s each) did not hide the exchange (median %.2f s), tau=%d would. %s",
             len(slow),
             len(self._rounds),
