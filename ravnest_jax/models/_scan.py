@@ -46,17 +46,19 @@ def scan_blocks(
     *,
     remat: str,
     by_batch: Callable[[jax.Array], jax.Array],
+    mlp_chunk: int | None = None,
 ) -> jax.Array:
     """The stacked ``block`` (every variable ``(layers, ...)``) applied layer after layer to
     ``x`` ``(batch, seq, hidden)`` with one ``jax.lax.scan``; the body is ``jax.checkpoint``-ed
     with :func:`remat_policy` unless ``remat`` is ``"none"`` (under a scan XLA cannot merge
-    the backward loop's recomputation into the forward loop, on CPU too).
+    the backward loop's recomputation into the forward loop, on CPU too); each block's MLP
+    runs ``mlp_chunk`` tokens at a time (:class:`~ravnest_jax.models._transformer.MLP`).
 
     Random streams on the block (qwix's ``qwix_rngs`` for the adapters' dropout, set by
     ``LoraModel.model``) are not stacked: each layer gets its keys folded with its index."""
     graphdef, rngs, state = nnx.split(block, nnx.RngState, ...)
     n = jax.tree.leaves(state)[0].shape[0]
-    fn = _block_fn(graphdef)
+    fn = _block_fn(graphdef, mlp_chunk)
 
     def step(h, st, rng, i, pos, seg):
         rng = jax.tree.map(lambda k: _fold(k, i), rng)

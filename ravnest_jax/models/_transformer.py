@@ -95,6 +95,63 @@ def _tie(keep: jax.Array, x: Any) -> Any:
     return x + (keep.astype(x.dtype) - jnp.ones((), x.dtype))
 
 
+def _has_rng(module: nnx.Module) -> bool:
+    """Whether ``module`` holds random streams (qwix's LoRA dropout keys)."""
+    return bool(jax.tree.leaves(nnx.state(module, nnx.RngState)))
+
+
+def token_chunks(fn: Callable[[Any, jax.Array], jax.Array], params: Any, xs: jax.Array) -> jax.Array:
+    """``fn(params, x)`` on each chunk ``x`` of ``xs`` ``(chunks, tokens, ...)``, stacked, for a
+    ``fn`` that treats every token alone (an MLP): one chunk's intermediate values live at a time,
+    in the forward and in the backward pass. Only ``xs`` is kept for the backward pass, which
+    runs ``fn`` again chunk by chunk and differentiates that; the gradients of ``params`` are
+    summed over the chunks in float32. ``fn`` is traced once, here (``jax.closure_convert``, as
+    in :func:`recompute_in_backward`): interceptors active now (qwix's LoRA) are part of it."""
+    leaves, treedef = jax.tree.flatten(params)
+    num = len(leaves)
+
+    def flat_fn(*flat):
+        return fn(jax.tree.unflatten(treedef, list(flat[:num])), flat[num])
+
+    converted, consts = jax.closure_convert(flat_fn, *leaves, xs[0])
+    leaves = [*leaves, *consts]
+
+    def apply(ps, x):
+        return converted(*ps[:num], x, *ps[num:])
+
+    def forward(ps, xs):
+        return jax.lax.map(lambda x: apply(ps, x), xs)
+
+    @jax.custom_vjp
+    def run(ps, xs):
+        return forward(ps, xs)
+
+    def fwd(ps, xs):
+        return forward(ps, xs), (ps, xs)
+
+    def bwd(res, cts):
+        ps, xs = res
+        inexact = [jnp.issubdtype(p.dtype, jnp.inexact) for p in ps]
+
+        def body(acc, inp):
+            x, ct = inp
+            _, vjp = jax.vjp(apply, ps, x)
+            dps, dx = vjp(ct)
+            acc = [a + d.astype(jnp.float32) if a is not None else None for a, d in zip(acc, dps, strict=True)]
+            return acc, dx
+
+        init = [jnp.zeros(p.shape, jnp.float32) if f else None for p, f in zip(ps, inexact, strict=True)]
+        acc, dxs = jax.lax.scan(body, init, (xs, cts))
+        dps = [
+            a.astype(p.dtype) if f else np.zeros(p.shape, jax.dtypes.float0)
+            for a, p, f in zip(acc, ps, inexact, strict=True)
+        ]
+        return dps, dxs
+
+    run.defvjp(fwd, bwd)
+    return run(leaves, xs)
+
+
 class RMSNorm(nnx.Module):
     """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32, returned in ``x``'s dtype."""
 
@@ -162,8 +219,21 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)).astype(self.dtype)
 
 
+#: tokens per chunk of every block's MLP (``Transformer.mlp_chunk``)
+DEFAULT_MLP_CHUNK = 2048
+
+
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, ``token_chunk`` tokens at a time (a static
+    argument, default None; the :class:`Transformer` passes ``model.mlp_chunk`` to every block
+    when ``model.remat`` recomputes the blocks). Each chunk is
+    ``max(1, token_chunk // batch)`` positions of every row (the last one padded with zero
+    tokens), run by :func:`token_chunks`: the ``(tokens, intermediate_size)`` activations and
+    their gradients are one chunk's, in the forward and in the backward pass, and the backward
+    pass runs the MLP's forward again, chunk by chunk. ``None``, a sequence of one chunk, or
+    random streams on the module (LoRA dropout) run all the tokens at once. Outputs and input
+    gradients are the same per token either way; parameter gradients are summed over the chunks
+    in float32."""
 
     def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, dtype, param_dtype):
         d, f = cfg.hidden_size, cfg.intermediate_size
@@ -172,7 +242,23 @@ class MLP(nnx.Module):
         self.down_proj = _linear(f, d, False, rngs, dtype, param_dtype)
         self.dtype = dtype
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, token_chunk: int | None = None) -> jax.Array:
+        if x.ndim != 3 or not token_chunk or _has_rng(self):
+            return self._swiglu(x)
+        b, t, d = x.shape
+        chunk = min(max(1, token_chunk // b), t)  # positions of every row
+        n = -(-t // chunk)
+        if n == 1:
+            return self._swiglu(x)
+        pad = n * chunk - t  # zero tokens: outputs dropped, no gradient
+        xs = jnp.pad(x, ((0, 0), (0, pad), (0, 0))) if pad else x
+        # (n, batch, chunk, hidden): the batch axis stays whole (and stays split on a mesh)
+        xs = xs.reshape(b, n, chunk, d).swapaxes(0, 1)
+        graphdef, state = nnx.split(self)
+        ys = token_chunks(lambda st, h: nnx.merge(graphdef, st)._swiglu(h), state, xs)
+        return ys.swapaxes(0, 1).reshape(b, n * chunk, ys.shape[-1])[:, :t]
+
+    def _swiglu(self, x: jax.Array) -> jax.Array:
         h = jax.nn.silu(self.gate_proj(x).astype(self.dtype)) * self.up_proj(x).astype(self.dtype)
         return self.down_proj(h).astype(self.dtype)
 
@@ -187,10 +273,15 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs, dtype, param_dtype)
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, segment_ids: jax.Array | None = None
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        inv_freq: jax.Array,
+        segment_ids: jax.Array | None = None,
+        mlp_chunk: int | None = None,
     ) -> jax.Array:
         x = x + self.self_attn(self.input_layernorm(x), positions, inv_freq, segment_ids)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), mlp_chunk)
 
 
 #: the gradient checkpointing policies of ``Transformer.remat`` (False is "none", True "full")
@@ -235,27 +326,35 @@ def remat_policy(remat: str) -> Callable | None:
     return None
 
 
-def _block_fn(graphdef: Any) -> Callable:
+def _block_fn(graphdef: Any, mlp_chunk: int | None = None) -> Callable:
     """``fn(state, x, positions, inv_freq, segment_ids)``: the block of ``graphdef`` with
-    ``state`` on ``x``, a pure function (nothing is written back)."""
+    ``state`` on ``x``, its MLP ``mlp_chunk`` tokens at a time, a pure function (nothing is
+    written back)."""
 
     def fn(state, x, positions, inv_freq, segment_ids):
         x = checkpoint_name(x, BLOCK_INPUT)
-        return nnx.merge(graphdef, state)(x, positions, inv_freq, segment_ids)
+        return nnx.merge(graphdef, state)(x, positions, inv_freq, segment_ids, mlp_chunk)
 
     return fn
 
 
 def _run_block(
-    layer: nnx.Module, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, segment_ids: Any, remat: str
+    layer: nnx.Module,
+    x: jax.Array,
+    positions: jax.Array,
+    inv_freq: jax.Array,
+    segment_ids: Any,
+    remat: str,
+    mlp_chunk: int | None = None,
 ) -> jax.Array:
     """One block of the unrolled layer loop under the ``remat`` policy: ``"full"`` through
     :func:`recompute_in_backward` (``jax.checkpoint``'s barrier is removed by XLA's CPU
-    pipeline), ``"dots"`` and ``"offload"`` through ``jax.checkpoint`` with their policy."""
+    pipeline), ``"dots"`` and ``"offload"`` through ``jax.checkpoint`` with their policy; its
+    MLP ``mlp_chunk`` tokens at a time."""
     if remat == "none":
-        return layer(x, positions, inv_freq, segment_ids)
+        return layer(x, positions, inv_freq, segment_ids, mlp_chunk)
     graphdef, state = nnx.split(layer)
-    fn = _block_fn(graphdef)
+    fn = _block_fn(graphdef, mlp_chunk)
     if remat == "full":
         return recompute_in_backward(
             lambda st, h, pos, seg: fn(st, h, pos, inv_freq, seg), state, x, positions, segment_ids
@@ -293,6 +392,13 @@ class Transformer(nnx.Module):
 
     ``attention_chunk`` (attribute, default 256): tokens per query / key chunk of the chunked
     attention (and the ``"auto"`` threshold below which XLA's attention is used).
+
+    ``mlp_chunk`` (attribute, default :data:`DEFAULT_MLP_CHUNK`, 2048; None: off): tokens per
+    chunk of every block's MLP (:class:`MLP`) when ``remat`` is ``"full"`` or ``"offload"``
+    (the block is recomputed in the backward pass anyway; the MLP's backward pass then runs its
+    forward again chunk by chunk): the ``(tokens, intermediate_size)`` activations of a block,
+    and their gradients, are one chunk's at a time. With ``"none"`` or ``"dots"`` (activations
+    kept instead of recomputed) every MLP runs all its tokens at once.
 
     ``batch_sharding`` (attribute, default None; ``load_pretrained(..., mesh=)`` sets it): a
     ``NamedSharding`` that splits the batch axis; the embeddings, every block's output and the
@@ -351,6 +457,7 @@ class Transformer(nnx.Module):
         )
         self._inv_freq = tuple(rope_frequencies(cfg))  # static floats: a constant of the jitted program
         self.attention, self.attention_chunk = attention, DEFAULT_CHUNK
+        self.mlp_chunk = DEFAULT_MLP_CHUNK
         if scan_layers:  # the same initial values as the per-layer model
             from ._scan import stack_layers
 
@@ -384,6 +491,18 @@ class Transformer(nnx.Module):
             if isinstance(module, Attention):
                 module.chunk_size = int(value)
 
+    @property
+    def mlp_chunk(self) -> int | None:
+        """Tokens per chunk of every block's MLP under ``remat`` ``"full"`` / ``"offload"``,
+        >= 1, or None: all at once."""
+        return self._mlp_chunk
+
+    @mlp_chunk.setter
+    def mlp_chunk(self, value: int | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1):
+            raise ValueError(f"mlp_chunk={value!r}: want an int >= 1 or None")
+        self._mlp_chunk = None if value is None else int(value)
+
     def __call__(
         self,
         tokens: jax.Array,
@@ -397,16 +516,26 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape[:2])
         inv_freq = jnp.asarray(np.asarray(self._inv_freq, np.float32))
+        mlp_chunk = self.mlp_chunk if remat in ("full", "offload") else None  # recomputed blocks only
         x = self._by_batch(self.embed_tokens(tokens)) if first else tokens
         if self.scan_layers:
             from ._scan import scan_blocks
 
-            x = scan_blocks(self.layers, x, positions, inv_freq, segment_ids, remat=remat, by_batch=self._by_batch)
+            x = scan_blocks(
+                self.layers,
+                x,
+                positions,
+                inv_freq,
+                segment_ids,
+                remat=remat,
+                by_batch=self._by_batch,
+                mlp_chunk=mlp_chunk,
+            )
         else:
             for layer in self.layers:
                 if layer is None:  # held by another pipeline stage
                     continue
-                x = self._by_batch(_run_block(layer, x, positions, inv_freq, segment_ids, remat))
+                x = self._by_batch(_run_block(layer, x, positions, inv_freq, segment_ids, remat, mlp_chunk))
         if not last or not head:
             return x
         x = self.norm(x)
