@@ -7,9 +7,12 @@ cannot parse (three times per step: the manager, ``all_steps`` and the restore),
 tensorstore read leaves the reads still in flight to complete after orbax closed its event loop:
 each one's callback raises ``RuntimeError('Event loop is closed')`` in a tensorstore thread,
 which Python prints as a five-line traceback (hundreds of them for a model of many arrays).
-None of it says more than the one :class:`~ravnest_jax.checkpoint.CheckpointError` the
-:class:`~ravnest_jax.checkpoint.Checkpointer` raises, so both are sent to the
-``ravnest_jax.checkpoint`` logger at DEBUG level instead.
+A failed read of one item can also leave orbax's read of another item as an asyncio task whose
+tensorstore error nobody retrieves: when that task is collected (at any later time, often after
+the restore returned), asyncio logs "Task exception was never retrieved" with tensorstore's
+whole spec dump. None of it says more than the one
+:class:`~ravnest_jax.checkpoint.CheckpointError` the :class:`~ravnest_jax.checkpoint.Checkpointer`
+raises, so all three are sent to the ``ravnest_jax.checkpoint`` logger at DEBUG level instead.
 """
 
 from __future__ import annotations
@@ -48,6 +51,22 @@ class _QuietReads(logging.Filter):
         return True
 
 
+class _UnretrievedReads(logging.Filter):
+    """On the ``asyncio`` logger, for the life of the process: "Task exception was never
+    retrieved" for a tensorstore read error (its message carries ``tensorstore_spec``) goes to
+    DEBUG on our logger; every other record passes."""
+
+    def __init__(self) -> None:
+        super().__init__("rj-unretrieved-reads")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and "tensorstore_spec" in str(exc) and "never retrieved" in str(record.msg):
+            log.debug("tensorstore read failed in a task nobody awaited: %s", str(exc).split("[", 1)[0])
+            return False
+        return True
+
+
 _filter = _QuietReads()
 _installed = False
 _install_lock = threading.Lock()
@@ -66,13 +85,14 @@ def _late_event_loop_callback(u: Any) -> bool:
 
 
 def install() -> None:
-    """Installs the absl filter and the unraisable-exception filter, once per process. The
-    latter passes every other unraisable exception to the hook that was there before."""
+    """Installs the absl filter, the asyncio filter and the unraisable-exception filter, once
+    per process. The last passes every other unraisable exception to the hook that was there before."""
     global _installed
     with _install_lock:
         if _installed:
             return
         logging.getLogger("absl").addFilter(_filter)
+        logging.getLogger("asyncio").addFilter(_UnretrievedReads())
         previous = sys.unraisablehook
 
         def hook(u: Any) -> None:

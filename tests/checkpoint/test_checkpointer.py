@@ -324,6 +324,52 @@ def test_explicit_corrupt_step_and_all_corrupt_raise(tmp_path: Path) -> None:
         assert ckpt.restore(params=params, opt_state=state).step == 1
 
 
+def test_an_unretrieved_tensorstore_read_error_is_not_on_the_console(tmp_path: Path) -> None:
+    """A failed restore can leave orbax's read of another item as a task whose tensorstore error
+    nobody retrieves; when it is collected (at any later time), asyncio would log "Task exception
+    was never retrieved" with tensorstore's spec dump on the console (a CI run printed 8 lines
+    after the one-line refusal). Real asyncio tasks, collected after the read: the tensorstore
+    one goes to DEBUG, any other unretrieved error still reaches the console."""
+    import asyncio
+    import logging
+
+    with rj.Checkpointer(tmp_path / "c"):  # a Checkpointer installs the filters
+        pass
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    keep = Keep(logging.DEBUG)
+    root, ours = logging.getLogger(), logging.getLogger("ravnest_jax.checkpoint")
+    level = ours.level
+    root.addHandler(keep)
+    ours.setLevel(logging.DEBUG)
+    try:
+        for message in ['OUT_OF_RANGE: Error reading "x" [tensorstore_spec=\'{"driver": "zarr"}\']', "not ours"]:
+
+            async def fail(message: str = message) -> None:
+                raise ValueError(message)
+
+            loop = asyncio.new_event_loop()
+            task = loop.create_task(fail())
+            loop.run_until_complete(asyncio.sleep(0.01))
+            assert task.done(), task
+            loop.close()
+            del task
+            gc.collect()
+    finally:
+        root.removeHandler(keep)
+        ours.setLevel(level)
+    console = [(r.name, r.getMessage().splitlines()[0]) for r in seen if r.levelno >= logging.WARNING]
+    assert console == [("asyncio", "Task exception was never retrieved")], console
+    (shown,) = [r for r in seen if r.name == "asyncio"]
+    assert "not ours" in str(shown.exc_info[1]), shown.exc_info
+    debug = [r.getMessage() for r in seen if r.name == "ravnest_jax.checkpoint" and r.levelno == logging.DEBUG]
+    assert any("OUT_OF_RANGE" in m and "tensorstore_spec" not in m for m in debug), debug
+
+
 def test_fresh_sets_readable_checkpoints_aside_too(tmp_path: Path) -> None:
     d = tmp_path / "c"
     params = small_params()
