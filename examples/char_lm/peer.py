@@ -227,18 +227,22 @@ def run_peer(args: argparse.Namespace) -> dict:
         samples_per_step=args.batch_size,
         on_round=on_round,
     )
-    # settings that differ from the run's (width, codec, H, fragments, ...) are refused now, in one
-    # line, before the text is read or the model built (its shapes only: jax.eval_shape)
-    sync.declare_manifest(jax.eval_shape(lambda: build_model(cfg, seed=args.seed)[1]))
-    train, evald = load_corpus(args.text)
-    graphdef, params = build_model(cfg, seed=args.seed)  # identical on every peer
-    evaluate = make_evaluator(
-        graphdef, eval_batches(evald, batch=32, seq_len=cfg.seq_len, num_batches=args.eval_batches)
-    )
+    def build():
+        # settings that differ from the run's (width, codec, H, fragments, ...) are refused now, in
+        # one line, before the text is read or the model built (its shapes only: jax.eval_shape)
+        sync.declare_manifest(jax.eval_shape(lambda: build_model(cfg, seed=args.seed)[1]))
+        train, evald = load_corpus(args.text)
+        graphdef, params = build_model(cfg, seed=args.seed)  # identical on every peer
+        evaluate = make_evaluator(
+            graphdef, eval_batches(evald, batch=32, seq_len=cfg.seq_len, num_batches=args.eval_batches)
+        )
+        mesh = peer_mesh(args.devices)
+        params, state, put_batch = place_on_mesh(mesh, args.layout, params, tx.init(params))
+        return train, graphdef, params, evaluate, mesh, state, put_batch
+
+    # the model's eager initialisation compiles op by op: a Ctrl+C there stops at once too
+    train, graphdef, params, evaluate, mesh, state, put_batch = interruptible(build)
     loss_fn = make_loss(graphdef)
-    mesh = peer_mesh(args.devices)
-    state = tx.init(params)
-    params, state, put_batch = place_on_mesh(mesh, args.layout, params, state)
 
     def step(params, state, tokens):
         value, grads = jax.value_and_grad(loss_fn)(params, tokens)
@@ -267,10 +271,14 @@ def run_peer(args: argparse.Namespace) -> dict:
     # opened before compiling, so that a directory in use is refused at once; but a peer compiled
     # ahead of its cue (--join-when-exists) takes over a directory whose owner may still run
     ckpt = open_checkpointer() if args.checkpoint_dir and not args.join_when_exists else None
-    tokens0 = put_batch(sample_batch(train, np.random.default_rng([data_seed, 0]), args.batch_size, cfg.seq_len))
-    train_step.lower(params, state, tokens0).compile()
-    sync.warmup(params, state)
-    eval_start = evaluate(state.global_params)
+
+    def compile_all():
+        tokens0 = put_batch(sample_batch(train, np.random.default_rng([data_seed, 0]), args.batch_size, cfg.seq_len))
+        train_step.lower(params, state, tokens0).compile()
+        sync.warmup(params, state)
+        return evaluate(state.global_params)
+
+    eval_start = interruptible(compile_all)
     if args.join_when_exists:
         _emit(args, event="ready")
         while not Path(args.join_when_exists).exists():
@@ -435,6 +443,35 @@ _STOPPED_BY: list[int] = []
 # callback) and be lost (seen in the restart soak test under load)
 # "defer": after training, while the peer writes its report: a first signal is only recorded
 _LOOP = {"stop": False, "defer": False}
+
+
+def interruptible(fn):
+    """``fn()`` in a daemon thread, the main thread waiting on it in 50 ms joins: Python runs a
+    signal handler only between the main thread's bytecodes, so Ctrl+C during an XLA compile
+    (seconds on a loaded machine: a CI runner's two cores shared by two peers) would otherwise
+    wait for the compile to end, and the launcher kills a peer that has not stopped within
+    :data:`char_lm.local.STOP_SECONDS`. Here :func:`_stop`'s KeyboardInterrupt comes at once;
+    the thread is left to the process's hard exit (``__main__`` ends with ``os._exit`` after an
+    interrupt). Returns ``fn()``'s value; raises what it raised."""
+    import threading
+
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True, name="char_lm-compile")
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.05)
+        if _LOOP["stop"]:  # an interrupt lost in a callback that swallows exceptions
+            raise KeyboardInterrupt
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 def _stop(signum, frame):
