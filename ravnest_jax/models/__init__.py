@@ -35,13 +35,13 @@ from ._memory import nbytes as nbytes
 from ._peft import save_peft_adapters as save_peft_adapters
 from ._peft_parts import assemble_peft_parts as assemble_peft_parts
 from ._peft_parts import save_peft_part as save_peft_part
+from ._remat import REMAT as REMAT
 from ._scan import stack_layers as stack_layers
 from ._scan import unstack_layers as unstack_layers
 from ._step import TokenBatch as TokenBatch
 from ._step import init_opt_state as init_opt_state
 from ._step import make_eval_loss as make_eval_loss
 from ._step import make_train_step as make_train_step
-from ._transformer import REMAT as REMAT
 from ._transformer import Transformer as Transformer
 
 __all__ = [

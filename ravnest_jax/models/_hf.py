@@ -23,8 +23,9 @@ from ._config import TransformerConfig
 from ._files import default_mode
 from ._hf_names import hf_name as hf_name
 from ._lora import LoraConfig, _wrap, check_quantize, init_adapters
+from ._remat import check_remat
 from ._scan import stack_layers, unstack_layers
-from ._transformer import Transformer, check_remat
+from ._transformer import Transformer
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._transformer import _block_fn, remat_policy
+from ._remat import block_fn, remat_policy
 
 __all__ = ["scan_blocks", "stack_layers", "unstack_layers", "is_stacked"]
 
@@ -58,7 +58,7 @@ def scan_blocks(
     ``LoraModel.model``) are not stacked: each layer gets its keys folded with its index."""
     graphdef, rngs, state = nnx.split(block, nnx.RngState, ...)
     n = jax.tree.leaves(state)[0].shape[0]
-    fn = _block_fn(graphdef, mlp_chunk)
+    fn = block_fn(graphdef, mlp_chunk)
 
     def step(h, st, rng, i, pos, seg):
         rng = jax.tree.map(lambda k: _fold(k, i), rng)

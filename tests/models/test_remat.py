@@ -18,7 +18,7 @@ pytest.importorskip("qwix")
 from flax import nnx  # noqa: E402
 
 from ravnest_jax.models import LoraConfig, Transformer, TransformerConfig, apply_lora, split_lora  # noqa: E402
-from ravnest_jax.models._transformer import recompute_in_backward  # noqa: E402
+from ravnest_jax.models._remat import recompute_in_backward  # noqa: E402
 
 LLAMA = Path(__file__).resolve().parents[1] / "fixtures" / "llm" / "llama"
 
