@@ -227,6 +227,7 @@ def run_peer(args: argparse.Namespace) -> dict:
         samples_per_step=args.batch_size,
         on_round=on_round,
     )
+
     def build():
         # settings that differ from the run's (width, codec, H, fragments, ...) are refused now, in
         # one line, before the text is read or the model built (its shapes only: jax.eval_shape)
