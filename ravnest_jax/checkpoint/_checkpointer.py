@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 
 from ..compress._alloc import release_free_heap
 from . import _leaves, _recovery
-from ._orbax_fixes import avoid_kvstore_spec_to_json, skip_raw_io_metrics
+from ._orbax_fixes import avoid_kvstore_spec_to_json, await_tmp_cleanup, skip_raw_io_metrics
 from ._util import CheckpointError as CheckpointError
 from ._util import brief as _brief
 from ._util import library_version as _library_version
@@ -214,6 +214,7 @@ class Checkpointer:
                 self._mngr = self._call(
                     lambda: ocp.CheckpointManager(path, options=options, item_names=(*_TREE_ITEMS, _META_ITEM))
                 )
+                self._call(lambda: await_tmp_cleanup(self._mngr))  # no orbax thread outlives a refusal
                 self._known_steps: set[int] = set(self._call(self._mngr.all_steps))
             bad = [] if self._known_steps else _recovery.quarantined_steps(path)
             if bad:

@@ -16,6 +16,17 @@
    allocator put the leaked strings in fresh pages, so RSS grew with them.
    :func:`avoid_kvstore_spec_to_json` answers that call in Python for the plain local-file spec
    orbax builds (the answer is the spec itself; tensorstore still parses and validates it).
+
+And one that is not about memory:
+
+3. With ``cleanup_tmp_directories``, orbax's ``CheckpointManager`` starts removing the temporary
+   directories of unfinished saves in a background thread when it opens, and waits for that
+   thread only in its first ``save`` (``close`` does not). A process that exits before saving
+   (a directory refused because it holds only unreadable checkpoints, a restore-only tool) could
+   end while the thread still walked the directory: at interpreter exit its
+   ``asyncio.to_thread`` raised "cannot schedule new futures after shutdown", which orbax logged
+   as an ERROR with a 40-line traceback (seen once in CI, under load, after the one-line
+   refusal). :func:`await_tmp_cleanup` waits for that thread right after the manager opens.
 """
 
 from __future__ import annotations
@@ -153,3 +164,18 @@ def avoid_kvstore_spec_to_json() -> bool:
             tensorstore_utils.ts = _Tensorstore(real)
         _spec_shim_done = True
         return True
+
+
+def await_tmp_cleanup(manager: Any) -> bool:
+    """Waits until ``manager`` (an ``ocp.CheckpointManager``) has removed the temporary
+    directories of unfinished saves it found when it opened (see the module docstring, 3).
+    Re-raises what that cleanup raised.
+
+    Returns:
+      True if it waited; False if this orbax keeps no such background cleanup (nothing to do).
+    """
+    wait = getattr(manager, "_maybe_await_cleanup_tmp_directory", None)
+    if wait is None:  # pragma: no cover - another orbax version
+        return False
+    wait()
+    return True

@@ -324,6 +324,30 @@ def test_explicit_corrupt_step_and_all_corrupt_raise(tmp_path: Path) -> None:
         assert ckpt.restore(params=params, opt_state=state).step == 1
 
 
+def test_the_cleanup_of_unfinished_saves_is_over_when_the_checkpointer_opens(tmp_path: Path) -> None:
+    """orbax removes the temporary directories of unfinished saves in a background thread that
+    it waits for only in its first save; a process that opened a Checkpointer and exited before
+    saving (a refused directory) could end while that thread still ran, and orbax logged its
+    "cannot schedule new futures after shutdown" with a 40-line traceback (seen in CI). The
+    cleanup is over before the constructor returns."""
+    d = tmp_path / "c"
+    params = small_params()
+    _, state = small_state(params)
+    with rj.Checkpointer(d) as ckpt:
+        ckpt.save(1, params=params, opt_state=state)
+    leftovers = [d / f"{step}.orbax-checkpoint-tmp-1765000000" for step in range(2, 202)]  # saves killed midway
+    for leftover in leftovers:  # many, so that the cleanup is still running when it is not waited for
+        (leftover / "params").mkdir(parents=True)
+        (leftover / "params" / "part").write_text("partial")
+    ckpt = rj.Checkpointer(d)
+    try:
+        left = [p.name for p in leftovers if p.exists()]
+        assert not left, f"{len(left)} of {len(leftovers)} temporary directories left: {left[:3]}"
+        assert ckpt.all_steps() == [1]
+    finally:
+        ckpt.close()
+
+
 def test_an_unretrieved_tensorstore_read_error_is_not_on_the_console(tmp_path: Path) -> None:
     """A failed restore can leave orbax's read of another item as a task whose tensorstore error
     nobody retrieves; when it is collected (at any later time), asyncio would log "Task exception
