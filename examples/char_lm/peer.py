@@ -392,7 +392,8 @@ def run_peer(args: argparse.Namespace) -> dict:
                 raise KeyboardInterrupt
             if consistent:
                 _emit(args, event="final_eval", step=t)
-                eval_end = evaluate(state.global_params)
+                # in a worker thread: a Ctrl+C ends it at once, not after the whole jitted eval
+                eval_end = interruptible(lambda: evaluate(state.global_params))
         except KeyboardInterrupt:
             interrupted = eval_interrupted = True
             print(f"\npeer {peer_id}: interrupted in the final eval (training done to step {t})", file=sys.stderr)

@@ -92,8 +92,9 @@ def test_ctrl_c_prints_the_table_writes_the_summary_and_leaves_nothing(tmp_path:
     text = tmp_path / "text.txt"
     text.write_bytes(b"".join(p.read_bytes() for p in sorted(stdlib.glob("*.py"))[:40]))
     summary = tmp_path / "summary.json"
-    if moment == "final-eval":  # training ends after 2 rounds; a long final eval (150 batches)
-        length = ["--max-steps", "10", "--eval-batches", "150"]
+    if moment == "final-eval":  # training ends after 2 rounds; a long final eval (600 batches: it
+        # must still run when the SIGINT comes, also on a loaded machine; CI once saw 150 end first)
+        length = ["--max-steps", "10", "--eval-batches", "600"]
     else:  # trains until interrupted
         length = ["--max-steps", "100000", "--eval-batches", "1", "--min-step-seconds", "0.05"]
     job = subprocess.Popen(
