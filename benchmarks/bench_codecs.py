@@ -34,7 +34,7 @@ New buffers matter at this size: glibc serves allocations above its mmap thresho
 ``mmap``s, faulted in 4 KiB pages on every call (numpy asks for transparent huge pages itself),
 which ``jit_copy`` and ``bytes_copy`` (one 64 MiB buffer each) show. ``device_encode`` therefore
 hands large parts out as slices of at most ``SEGMENT_BYTES`` (8 MiB), and, as every peer does
-(``OuterSync`` and ``Swarm`` call ``rj.compress.tune_host_allocator``), this benchmark fixes
+(``OuterSync`` and ``Swarm`` call ``rj.host_memory.tune_host_allocator``), this benchmark fixes
 glibc's mmap threshold at 32 MiB and its trim threshold at 256 MiB so that those slices are
 reused from the heap; ``--keep-malloc`` measures with glibc's defaults instead.
 ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc >= 2.35, THP in ``madvise`` mode) makes malloc
@@ -67,7 +67,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument(
         "--keep-malloc",
         action="store_true",
-        help="leave glibc malloc as it is (a peer calls rj.compress.tune_host_allocator)",
+        help="leave glibc malloc as it is (a peer calls rj.host_memory.tune_host_allocator)",
     )
     p.add_argument(
         "--out",
@@ -95,9 +95,10 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import ravnest_jax.compress as C  # noqa: E402
+from ravnest_jax import host_memory  # noqa: E402
 
 # what every peer does when it creates its OuterSync / Swarm (round buffers reused from the heap)
-ALLOCATOR = None if ARGS.keep_malloc else C.tune_host_allocator()
+ALLOCATOR = None if ARGS.keep_malloc else host_memory.tune_host_allocator()
 
 
 class _Timing:

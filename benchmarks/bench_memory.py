@@ -105,7 +105,7 @@ def case_checkpoint(args) -> list[dict]:
         import ravnest_jax.checkpoint._checkpointer as checkpointer
 
         checkpointer.avoid_kvstore_spec_to_json = lambda: False
-    rj.compress.tune_host_allocator()  # as every peer (Swarm, OuterSync) does
+    rj.host_memory.tune_host_allocator()  # as every peer (Swarm, OuterSync) does
     per = max(args.leaves // 5, 1)  # params; the DiLoCo state holds about 4 more copies
     params = {f"w{i}": jax.random.normal(jax.random.key(i), (64, 256)) for i in range(per)}
     tx = rj.diloco(optax.adamw(1e-3), sync_every=10)

@@ -11,9 +11,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__ as __version__
-from .compress._alloc import cap_host_arenas as _cap_host_arenas
+from .host_memory import cap_host_arenas as _cap_host_arenas
 
-_cap_host_arenas()  # before jax starts its threads (a long-running peer's RSS; see its docstring)
+# the one import-time effect: before jax starts its threads (a long-running peer's RSS; see its docstring)
+_cap_host_arenas()
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -43,10 +44,11 @@ _EXPORTS: dict[str, str] = {
     "persistent_peer_id": "ravnest_jax.checkpoint",
     "enable_compilation_cache": "ravnest_jax._compile_cache",
 }
-_SUBMODULES = {"optim", "compress", "swarm", "sync", "checkpoint", "models", "data", "pipeline"}
+_SUBMODULES = {"optim", "compress", "swarm", "sync", "checkpoint", "models", "data", "pipeline", "host_memory"}
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from . import checkpoint as checkpoint
+    from . import host_memory as host_memory
     from . import optim as optim
     from . import pipeline as pipeline
     from ._compile_cache import enable_compilation_cache as enable_compilation_cache

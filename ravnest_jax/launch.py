@@ -451,7 +451,7 @@ class _Status:
 
         import aiohttp
 
-        from ravnest_jax.swarm._http import signed_json
+        from ravnest_jax.swarm import signed_json
 
         async def go() -> Any:
             async with aiohttp.ClientSession() as s:

@@ -22,7 +22,8 @@ from typing import Any, NamedTuple, TypeVar
 import jax
 import orbax.checkpoint as ocp
 
-from ..compress._alloc import release_free_heap
+from ravnest_jax.host_memory import release_free_heap
+
 from . import _leaves, _recovery
 from ._orbax_fixes import avoid_kvstore_spec_to_json, await_tmp_cleanup, skip_raw_io_metrics
 from ._util import CheckpointError as CheckpointError

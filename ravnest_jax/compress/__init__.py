@@ -27,20 +27,27 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._alloc import cap_host_arenas as cap_host_arenas
-from ._alloc import host_allocator_settings as host_allocator_settings
-from ._alloc import release_free_heap as release_free_heap
-from ._alloc import tune_host_allocator as tune_host_allocator
 from ._decode import StreamDecoder as StreamDecoder
 from ._decode import decode as decode
 from ._errors import NonFiniteError as NonFiniteError
 from ._errors import WireFormatError as WireFormatError
 from ._formats import CODECS as CODECS
 from ._formats import MAX_ABS as MAX_ABS
+from ._formats import dequantize as dequantize
+from ._formats import mean_codec_options as mean_codec_options
+from ._formats import part_dtypes as part_dtypes
+from ._formats import part_lengths as part_lengths
+from ._formats import resolve as resolve_codec  # noqa: F401 - public (in __all__)
+from ._formats import topk_count as topk_count
 from ._host import encode as encode
 from ._host import host_pack as host_pack
 from ._host import payload_ratio as payload_ratio
 from ._host import weighted_mean as weighted_mean
+from ._parts import GRID as GRID
+from ._parts import PartLayout as PartLayout
+from ._parts import RangeDecoder as RangeDecoder
+from ._parts import chunks_nbytes as chunks_nbytes
+from ._parts import part_chunks as part_chunks
 from ._wire import DEFAULT_MAX_BYTES as DEFAULT_MAX_BYTES
 from ._wire import DEFAULT_MAX_DECODED_BYTES as DEFAULT_MAX_DECODED_BYTES
 from ._wire import FORMAT_VERSION as FORMAT_VERSION
@@ -50,15 +57,24 @@ from ._wire import LeafInfo as LeafInfo
 from ._wire import LeafSpec as LeafSpec
 from ._wire import Manifest as Manifest
 from ._wire import Packed as Packed
+from ._wire import message_nbytes as message_nbytes
 from ._wire import packed_to_bytes as packed_to_bytes
 from ._wire import packed_to_chunks as packed_to_chunks
 from ._wire import read_header as read_header
 
-_DEVICE = {"ErrorFeedbackState", "SimulatedCodecImpl", "device_encode", "init_error_feedback", "simulated"}
+_DEVICE = {
+    "ErrorFeedbackState",
+    "SimulatedCodecImpl",
+    "check_error_feedback_decay",
+    "device_encode",
+    "init_error_feedback",
+    "simulated",
+}
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._device import ErrorFeedbackState as ErrorFeedbackState
     from ._device import SimulatedCodecImpl as SimulatedCodecImpl
+    from ._device import check_error_feedback_decay as check_error_feedback_decay
     from ._device import device_encode as device_encode
     from ._device import init_error_feedback as init_error_feedback
     from ._device import simulated as simulated
@@ -69,6 +85,7 @@ __all__ = sorted(
         "DEFAULT_MAX_BYTES",
         "DEFAULT_MAX_DECODED_BYTES",
         "FORMAT_VERSION",
+        "GRID",
         "LeafInfo",
         "LeafSpec",
         "MAGIC",
@@ -77,19 +94,26 @@ __all__ = sorted(
         "NonFiniteError",
         "PREFIX_NBYTES",
         "Packed",
+        "PartLayout",
+        "RangeDecoder",
         "StreamDecoder",
         "WireFormatError",
-        "cap_host_arenas",
+        "chunks_nbytes",
         "decode",
+        "dequantize",
         "encode",
-        "host_allocator_settings",
-        "release_free_heap",
         "host_pack",
+        "mean_codec_options",
+        "message_nbytes",
         "packed_to_bytes",
         "packed_to_chunks",
+        "part_chunks",
+        "part_dtypes",
+        "part_lengths",
         "payload_ratio",
         "read_header",
-        "tune_host_allocator",
+        "topk_count",
+        "resolve_codec",
         "weighted_mean",
     ]
     + list(_DEVICE)

@@ -16,16 +16,19 @@ from ._config import TransformerConfig as TransformerConfig
 from ._generate import generate as generate
 from ._generate import merge_peft_adapters as merge_peft_adapters
 from ._generate import read_peft_adapters as read_peft_adapters
+from ._hf import INDEX as INDEX
 from ._hf import adapter_sharding as adapter_sharding
 from ._hf import base_sharding as base_sharding
 from ._hf import hf_config as hf_config
 from ._hf import load_pretrained as load_pretrained
+from ._hf import open_checkpoint as open_checkpoint
 from ._hf import save_pretrained as save_pretrained
 from ._lora import PROJECTIONS as PROJECTIONS
 from ._lora import QUANTIZE as QUANTIZE
 from ._lora import LoraConfig as LoraConfig
 from ._lora import LoraModel as LoraModel
 from ._lora import apply_lora as apply_lora
+from ._lora import check_quantize as check_quantize
 from ._lora import merge_adapters as merge_adapters
 from ._lora import split_lora as split_lora
 from ._loss import chunked_cross_entropy as chunked_cross_entropy
@@ -35,6 +38,7 @@ from ._memory import nbytes as nbytes
 from ._peft import save_peft_adapters as save_peft_adapters
 from ._peft_parts import assemble_peft_parts as assemble_peft_parts
 from ._peft_parts import save_peft_part as save_peft_part
+from ._plan import load_config as load_config
 from ._remat import REMAT as REMAT
 from ._scan import stack_layers as stack_layers
 from ._scan import unstack_layers as unstack_layers
@@ -47,11 +51,12 @@ from ._transformer import Transformer as Transformer
 __all__ = [
     "ARCHITECTURES",
     "ATTENTION_IMPLEMENTATIONS",
+    "INDEX",
+    "LoraConfig",
+    "LoraModel",
     "PROJECTIONS",
     "QUANTIZE",
     "REMAT",
-    "LoraConfig",
-    "LoraModel",
     "TokenBatch",
     "Transformer",
     "TransformerConfig",
@@ -61,17 +66,20 @@ __all__ = [
     "assemble_peft_parts",
     "attention",
     "base_sharding",
+    "check_quantize",
     "chunked_cross_entropy",
     "device_bits",
     "generate",
     "hf_config",
     "init_opt_state",
+    "load_config",
     "load_pretrained",
     "make_eval_loss",
     "make_train_step",
     "merge_adapters",
     "merge_peft_adapters",
     "nbytes",
+    "open_checkpoint",
     "read_peft_adapters",
     "save_peft_adapters",
     "save_peft_part",

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ravnest_jax.compress import packed_to_bytes
-from ravnest_jax.swarm._activations import encoded_activation
-from ravnest_jax.swarm._codec import decode_activation
+from ravnest_jax.swarm import decode_activation, encoded_activation
 
 from ._schedule import stage_ops
 from ._worker import StageWorker

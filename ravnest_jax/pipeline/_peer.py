@@ -24,8 +24,7 @@ from typing import Any
 
 import jax
 
-from ravnest_jax.swarm import Swarm, SwarmError, Timeouts
-from ravnest_jax.swarm._activations import PipelineBroken
+from ravnest_jax.swarm import PipelineBroken, Swarm, SwarmError, Timeouts
 
 from ._drive import Batches, read_batch, run_stage
 from ._placement import Placement, device_memory, place

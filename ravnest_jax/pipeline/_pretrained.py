@@ -67,7 +67,7 @@ def pretrained_split(
         ``quantize``, a bad ``mesh``. From ``split.stage(lo, hi)``: a file that the stage needs
         is absent (named, with the stage's units), before any of its tensors is read.
     """
-    from ravnest_jax.models._hf import INDEX, open_checkpoint
+    from ravnest_jax.models import INDEX, open_checkpoint
 
     ck = open_checkpoint(
         path,

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any
 
-from ravnest_jax.swarm._activations import ActivationLink, PipelineBroken
+from ravnest_jax.swarm import ActivationLink, PipelineBroken
 
 from ._drive import encode_message
 

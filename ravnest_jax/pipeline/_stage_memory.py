@@ -289,9 +289,15 @@ def plan_stage_memory(
     """
     from flax import nnx
 
-    from ravnest_jax.models import LoraConfig, Transformer, apply_lora, device_bits, split_lora
-    from ravnest_jax.models._lora import check_quantize
-    from ravnest_jax.models._plan import load_config  # the presets' one reader
+    from ravnest_jax.models import (
+        LoraConfig,
+        Transformer,
+        apply_lora,
+        check_quantize,
+        device_bits,
+        load_config,  # the presets' one reader
+        split_lora,
+    )
 
     from ._model import transformer_split
     from ._schedule import check_depth

@@ -11,8 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ravnest_jax.swarm import Swarm
-from ravnest_jax.swarm._activations import PipelineBroken
+from ravnest_jax.swarm import PipelineBroken, Swarm
 
 log = logging.getLogger("ravnest_jax.pipeline")
 

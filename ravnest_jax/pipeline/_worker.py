@@ -9,7 +9,7 @@ stashing costs no copy). The last stage runs forward, loss and backward in one c
 
 A received activation (or activation-gradient) comes in as it crossed the wire, an
 ``EncodedActivation`` (int8 codes and bf16 scales, bf16 bits, ...): its parts go to the device
-as they are and the jitted step decodes them (``_formats.dequantize`` with ``jax.numpy``, the
+as they are and the jitted step decodes them (``compress.dequantize`` with ``jax.numpy``, the
 host decoder's math, behind an optimization barrier so that the float32 values are the host
 decoder's bit for bit); a float32 array (decoded on the host) is taken as well.
 
@@ -42,9 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ravnest_jax.compress import _formats as F
-from ravnest_jax.compress import device_encode
-from ravnest_jax.compress._formats import resolve
+from ravnest_jax.compress import dequantize, device_encode, part_dtypes, part_lengths, resolve_codec, topk_count
 
 from ._model import StageModel
 
@@ -106,7 +104,7 @@ class StageWorker:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES} or 'async', got {mode!r}")
         codec_options = activation_codec_options(codec, codec_options, hidden.shape[-1])
-        self._cfg = resolve(codec, **codec_options)  # ValueError naming a bad codec or option
+        self._cfg = resolve_codec(codec, **codec_options)  # ValueError naming a bad codec or option
         if mode == "2bw" and micro_batches < num_stages - 1:
             raise ValueError(
                 f"mode '2bw' needs micro_batches >= num_stages - 1, got {micro_batches} < {num_stages - 1}"
@@ -147,7 +145,7 @@ class StageWorker:
         if not isinstance(x, tuple):
             return x
         n = int(np.prod(self.hidden.shape))
-        y = F.dequantize(jnp, self._cfg, x, n).reshape(self.hidden.shape)
+        y = dequantize(jnp, self._cfg, x, n).reshape(self.hidden.shape)
         # materialised as the host decoder's float32 (no product fused into what follows)
         return jax.lax.optimization_barrier(y)
 
@@ -176,9 +174,9 @@ class StageWorker:
         if not encoded:
             return jax.ShapeDtypeStruct(self.hidden.shape, jnp.float32)
         cfg, n = self._cfg, int(np.prod(self.hidden.shape))
-        k = F.topk_count(n, cfg.fraction) if cfg.codec == "topk" else 0
-        lens = F.part_lengths(cfg.codec, n, cfg.block_size, k)
-        return tuple(jax.ShapeDtypeStruct((m,), dt.newbyteorder("=")) for m, dt in zip(lens, F.part_dtypes(cfg.codec)))
+        k = topk_count(n, cfg.fraction) if cfg.codec == "topk" else 0
+        lens = part_lengths(cfg.codec, n, cfg.block_size, k)
+        return tuple(jax.ShapeDtypeStruct((m,), dt.newbyteorder("=")) for m, dt in zip(lens, part_dtypes(cfg.codec)))
 
     def _vjp(self, params: Any, frozen: Any, x_in: jax.Array) -> tuple[jax.Array, Any]:
         apply = self.stage.apply

@@ -3,7 +3,12 @@
 This package never imports jax: it moves numpy float32 buffers and bytes.
 """
 
+from ._activations import ActivationLink as ActivationLink
+from ._activations import PipelineBroken as PipelineBroken
+from ._activations import encoded_activation as encoded_activation
 from ._codec import available_codecs as available_codecs
+from ._codec import decode_activation as decode_activation
+from ._http import signed_json as signed_json
 from ._peer import Swarm as Swarm
 from ._preflight import check_listen as check_listen
 from ._preflight import check_rendezvous as check_rendezvous
@@ -18,8 +23,10 @@ from ._types import SwarmError as SwarmError
 from ._types import Timeouts as Timeouts
 
 __all__ = [
+    "ActivationLink",
     "ManifestMismatch",
     "PeerInfo",
+    "PipelineBroken",
     "Rendezvous",
     "RoundFailed",
     "RoundRecord",
@@ -29,6 +36,9 @@ __all__ = [
     "available_codecs",
     "check_listen",
     "check_rendezvous",
+    "decode_activation",
+    "encoded_activation",
     "read_token",
     "serve_rendezvous",
+    "signed_json",
 ]

@@ -15,19 +15,23 @@ import numpy as np
 
 from ravnest_jax.compress import (
     CODECS,
+    GRID,
     LeafSpec,
     NonFiniteError,
     Packed,
+    PartLayout,
+    RangeDecoder,
     StreamDecoder,
     WireFormatError,
+    chunks_nbytes,
     encode,
     host_pack,
+    mean_codec_options,
     packed_to_chunks,
-    release_free_heap,
-    tune_host_allocator,
+    part_chunks,
+    part_dtypes,
+    part_lengths,
 )
-from ravnest_jax.compress._formats import mean_codec_options, part_dtypes, part_lengths
-from ravnest_jax.compress._parts import GRID, PartLayout, RangeDecoder, chunks_nbytes, part_chunks
 
 __all__ = [
     "ActivationDecoder",
@@ -51,8 +55,6 @@ __all__ = [
     "decode_activation",
     "decode_part",
     "encode_part",
-    "release_free_heap",
-    "tune_host_allocator",
 ]
 
 

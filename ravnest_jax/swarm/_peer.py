@@ -19,10 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from ravnest_jax.host_memory import tune_host_allocator
+
 from ._activations import ActivationLink
 from ._allreduce import RING_SEGMENT_BYTES, check_aggregator, manifest_digest
 from ._butterfly import Butterfly
-from ._codec import check_codec, check_mean_codec, check_mean_error_feedback, tune_host_allocator
+from ._codec import check_codec, check_mean_codec, check_mean_error_feedback
 from ._contrib import Contribution
 from ._manifest import ManifestDeclaration
 from ._membership import heartbeat_loop, join

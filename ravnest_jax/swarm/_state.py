@@ -17,9 +17,10 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
+from ravnest_jax.host_memory import release_free_heap
+
 from . import _auth
 from ._allreduce import CHUNK
-from ._codec import release_free_heap
 from ._http import HTTPStatusError, serve_body
 from ._transport import Transport
 from ._types import SwarmError

@@ -14,7 +14,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from ravnest_jax import compress
-from ravnest_jax.compress._wire import message_nbytes
+from ravnest_jax.compress import message_nbytes
 
 
 def exchange(

@@ -23,8 +23,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ravnest_jax import compress
-from ravnest_jax.compress._device import check_error_feedback_decay
+from ravnest_jax import host_memory
+from ravnest_jax.compress import check_error_feedback_decay
 from ravnest_jax.optim import DiLoCo, DiLoCoState
 
 from . import _nnx
@@ -177,7 +177,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
         )
         self.tx = tx
         self.swarm = swarm
-        compress.tune_host_allocator()  # round buffers reused from the heap (see its docstring)
+        host_memory.tune_host_allocator()  # round buffers reused from the heap (see its docstring)
         self.mode = mode
         self.overlap_steps: int | str = overlap_steps if mode != "blocking" else 0
         self.max_overlap_steps = cap

@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 from flax import serialization
 
-from ravnest_jax import compress
+from ravnest_jax import host_memory
 from ravnest_jax.optim import DiLoCoState
 
 from . import _nnx
@@ -266,5 +266,5 @@ class StateExchange:
         self._readied, self._downloaded = False, True
         self._state_digest = None
         del msg
-        compress.release_free_heap()  # the state's one-off host copies (see its docstring)
+        host_memory.release_free_heap()  # the state's one-off host copies (see its docstring)
         return params, new_state

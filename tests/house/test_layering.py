@@ -15,6 +15,7 @@ LAYER = {
     "_version": 0,
     "_staleness": 0,
     "_compile_cache": 0,
+    "host_memory": 0,  # glibc mallopt; the one import-time effect (import ravnest_jax)
     "data": 0,
     "compress": 0,  # the wire formats and the codec math
     "_launch_env": 1,

@@ -1,4 +1,9 @@
-"""Host allocator settings for round buffers (glibc ``mallopt``).
+"""Host memory: glibc ``mallopt`` settings for round buffers and a peer's long-running heap.
+
+``rj.host_memory`` is a leaf of the house (it imports nothing of ravnest_jax), used by the swarm,
+the outer loop and the checkpointer. ``import ravnest_jax`` calls :func:`cap_host_arenas`: the
+one thing the package does at import, because it has to come before jax starts its threads
+(docs/architecture.md, "Layers").
 
 glibc serves an allocation at or above its *mmap threshold* with a fresh ``mmap`` and returns it
 with ``munmap`` when freed, so the next round's buffer of the same size is faulted in again,

@@ -1,4 +1,5 @@
-"""rj.compress.tune_host_allocator: glibc mallopt settings for round buffers, once per process."""
+"""rj.host_memory: glibc mallopt settings for round buffers, once per process, and the arena cap
+that `import ravnest_jax` applies."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-import ravnest_jax.compress as C
+import ravnest_jax.host_memory as C
 
 GLIBC = platform.libc_ver()[0] == "glibc"
 
@@ -38,7 +39,7 @@ def test_applied_once_by_a_swarm_and_kept():
     code = """
 import json
 import ravnest_jax as rj
-import ravnest_jax.compress as C
+import ravnest_jax.host_memory as C
 before = C.host_allocator_settings()
 s = rj.Swarm("http://127.0.0.1:1", run_id="r", token="t", listen="127.0.0.1:0")  # not started
 after = C.host_allocator_settings()
@@ -86,7 +87,7 @@ libc.malloc_info(0, f)
 libc.fclose(f)
 n = len(ET.parse(path).getroot().findall("heap"))
 os.unlink(path)
-print(json.dumps({"arenas": n, "cap": ravnest_jax.compress.cap_host_arenas()}))
+print(json.dumps({"arenas": n, "cap": ravnest_jax.host_memory.cap_host_arenas()}))
 """
     r = _run(code, RAVNEST_JAX_KEEP_MALLOC=keep, MALLOC_ARENA_MAX="")
     if keep:
