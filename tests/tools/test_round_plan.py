@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from ravnest_jax.swarm._codec import encode_part
-from ravnest_jax.tools import CALIBRATION, calibrate, plan_rounds, validate
-from ravnest_jax.tools._cli import params_of_config
+from ravnest_jax.tools import CALIBRATION, calibrate, params_of_config, plan_rounds, validate
 from ravnest_jax.tools._round_plan import message_bytes
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,14 +1,11 @@
-"""The ``status`` command of ``ravnest-jax``, and request failures told in words (one line each)
-instead of exception reprs (``ClientConnectorError(ConnectionKey(...))``)."""
+"""A run's status asked of its rendezvous (``ravnest-jax status``), and request failures told in
+words (one line each) instead of exception reprs (``ClientConnectorError(ConnectionKey(...))``)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import socket
 import ssl
-import sys
 
 import aiohttp
 
@@ -84,27 +81,23 @@ def describe_request_error(
     return f"{at}: {str(e) or type(e).__name__}"
 
 
-def cmd_status(args: argparse.Namespace, token: bytes) -> int:
-    """``ravnest-jax status URL --run-id RUN``: the run's status as JSON, or one error line."""
+def fetch_status(url: str, run_id: str, token: bytes, *, timeout: float) -> object:
+    """The status of run ``run_id`` from the rendezvous at ``url`` (its JSON answer): live peers,
+    membership version, recent rounds. Raises what the request raised (see
+    :func:`describe_request_error`)."""
     from ravnest_jax.swarm._http import signed_json
 
     async def fetch() -> object:
         async with aiohttp.ClientSession() as s:
             return await signed_json(
                 s,
-                args.url,
+                url,
                 "GET",
-                f"/v1/runs/{args.run_id}/status",
+                f"/v1/runs/{run_id}/status",
                 token=token,
-                run_id=args.run_id,
+                run_id=run_id,
                 peer="cli-status",
-                timeout=aiohttp.ClientTimeout(total=args.timeout),
+                timeout=aiohttp.ClientTimeout(total=timeout),
             )
 
-    try:
-        answer = asyncio.run(fetch())
-    except Exception as e:  # noqa: BLE001 - one line in words, exit non-zero
-        print(f"error: {describe_request_error(e, args.url, timeout=args.timeout)}", file=sys.stderr)
-        return 1
-    print(json.dumps(answer, indent=1))
-    return 0
+    return asyncio.run(fetch())
