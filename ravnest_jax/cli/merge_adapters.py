@@ -15,7 +15,7 @@ HELP = "fold PEFT LoRA adapters into a checkpoint's float weights, one shard at 
 
 def run(args: argparse.Namespace) -> int:
     """Writes the merged checkpoint; exit status 2 with one error line on bad inputs."""
-    from ravnest_jax.models._merge_files import merge_adapters_into_files
+    from ravnest_jax.models import merge_adapters_into_files
 
     with errors():
         out = merge_adapters_into_files(args.model, args.adapters, args.out)

@@ -23,8 +23,7 @@ def run(args: argparse.Namespace) -> int:
             import jax
 
             jax.config.update("jax_num_cpu_devices", args.devices)
-        from ravnest_jax.models import LoraConfig, load_config
-        from ravnest_jax.models._plan import plan_json, plan_memory
+        from ravnest_jax.models import LoraConfig, load_config, plan_json, plan_memory
 
         cfg = load_config(args.config)  # checked before anything traces
         lora = LoraConfig(
@@ -55,8 +54,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(plan.table())
     if args.device_gib:
-        from ravnest_jax.models import allocator_pool_bytes
-        from ravnest_jax.models._plan import POOL_RESERVE
+        from ravnest_jax.models import POOL_RESERVE, allocator_pool_bytes
 
         card = int(args.device_gib * 1024**3)
         pool = allocator_pool_bytes(card)
@@ -94,8 +92,8 @@ def _plan_stages(args: argparse.Namespace, cfg, lora) -> int:
     import dataclasses
     import json
 
-    from ravnest_jax.models import allocator_pool_bytes
-    from ravnest_jax.pipeline._stage_memory import POOL_RESERVE, plan_stage_memory, pool_message
+    from ravnest_jax.models import POOL_RESERVE, allocator_pool_bytes  # the stage planner's reserve too
+    from ravnest_jax.pipeline import plan_stage_memory, pool_message
 
     if args.devices != 1:
         return fail("--stages plans one device per stage: drop --devices")

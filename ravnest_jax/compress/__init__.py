@@ -32,11 +32,14 @@ from ._decode import decode as decode
 from ._errors import NonFiniteError as NonFiniteError
 from ._errors import WireFormatError as WireFormatError
 from ._formats import CODECS as CODECS
+from ._formats import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE
+from ._formats import DEFAULT_TOPK_FRACTION as DEFAULT_TOPK_FRACTION
 from ._formats import MAX_ABS as MAX_ABS
 from ._formats import dequantize as dequantize
 from ._formats import mean_codec_options as mean_codec_options
 from ._formats import part_dtypes as part_dtypes
 from ._formats import part_lengths as part_lengths
+from ._formats import payload_nbytes as payload_nbytes
 from ._formats import resolve as resolve_codec  # noqa: F401 - public (in __all__)
 from ._formats import topk_count as topk_count
 from ._host import encode as encode
@@ -82,6 +85,8 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = sorted(
     [
         "CODECS",
+        "DEFAULT_BLOCK_SIZE",
+        "DEFAULT_TOPK_FRACTION",
         "DEFAULT_MAX_BYTES",
         "DEFAULT_MAX_DECODED_BYTES",
         "FORMAT_VERSION",
@@ -110,6 +115,7 @@ __all__ = sorted(
         "part_chunks",
         "part_dtypes",
         "part_lengths",
+        "payload_nbytes",
         "payload_ratio",
         "read_header",
         "topk_count",

@@ -35,10 +35,15 @@ from ._loss import chunked_cross_entropy as chunked_cross_entropy
 from ._memory import allocator_pool_bytes as allocator_pool_bytes
 from ._memory import device_bits as device_bits
 from ._memory import nbytes as nbytes
+from ._merge_files import merge_adapters_into_files as merge_adapters_into_files
 from ._peft import save_peft_adapters as save_peft_adapters
 from ._peft_parts import assemble_peft_parts as assemble_peft_parts
 from ._peft_parts import save_peft_part as save_peft_part
+from ._plan import POOL_RESERVE as POOL_RESERVE
+from ._plan import PRESETS as PRESETS
 from ._plan import load_config as load_config
+from ._plan import plan_json as plan_json
+from ._plan import plan_memory as plan_memory
 from ._remat import REMAT as REMAT
 from ._scan import stack_layers as stack_layers
 from ._scan import unstack_layers as unstack_layers
@@ -54,6 +59,8 @@ __all__ = [
     "INDEX",
     "LoraConfig",
     "LoraModel",
+    "POOL_RESERVE",
+    "PRESETS",
     "PROJECTIONS",
     "QUANTIZE",
     "REMAT",
@@ -77,9 +84,12 @@ __all__ = [
     "make_eval_loss",
     "make_train_step",
     "merge_adapters",
+    "merge_adapters_into_files",
     "merge_peft_adapters",
     "nbytes",
     "open_checkpoint",
+    "plan_json",
+    "plan_memory",
     "read_peft_adapters",
     "save_peft_adapters",
     "save_peft_part",

@@ -25,14 +25,16 @@ from ._placement import Placement as Placement
 from ._placement import place as place
 from ._pretrained import pretrained_split as pretrained_split
 from ._schedule import stage_ops as stage_ops
+from ._stage_memory import plan_stage_memory as plan_stage_memory
+from ._stage_memory import pool_message as pool_message
 from ._worker import ASYNC_MODE as ASYNC_MODE
 from ._worker import MODES as MODES
 from ._worker import StageWorker as StageWorker
 
 __all__ = [
     "ASYNC_MODE",
-    "MODES",
     "LayerSplit",
+    "MODES",
     "PipelineBroken",
     "Placement",
     "SimResult",
@@ -43,7 +45,9 @@ __all__ = [
     "StageWorker",
     "balance",
     "place",
+    "plan_stage_memory",
     "plan_stages",
+    "pool_message",
     "pretrained_split",
     "simulate",
     "stage_ops",

@@ -7,7 +7,11 @@ from ._activations import ActivationLink as ActivationLink
 from ._activations import PipelineBroken as PipelineBroken
 from ._activations import encoded_activation as encoded_activation
 from ._codec import available_codecs as available_codecs
+from ._codec import check_codec as check_codec
 from ._codec import decode_activation as decode_activation
+from ._codec import decode_part as decode_part
+from ._codec import encode_part as encode_part
+from ._http import HTTPStatusError as HTTPStatusError
 from ._http import signed_json as signed_json
 from ._peer import Swarm as Swarm
 from ._preflight import check_listen as check_listen
@@ -24,6 +28,7 @@ from ._types import Timeouts as Timeouts
 
 __all__ = [
     "ActivationLink",
+    "HTTPStatusError",
     "ManifestMismatch",
     "PeerInfo",
     "PipelineBroken",
@@ -34,9 +39,12 @@ __all__ = [
     "SwarmError",
     "Timeouts",
     "available_codecs",
+    "check_codec",
     "check_listen",
     "check_rendezvous",
     "decode_activation",
+    "decode_part",
+    "encode_part",
     "encoded_activation",
     "read_token",
     "serve_rendezvous",

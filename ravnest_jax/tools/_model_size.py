@@ -24,7 +24,7 @@ def _hf_sizes(config: str) -> dict[str, Any]:
             raise ValueError(f"--config {config}: not a config.json (a JSON object of the model's sizes)")
         return d
     try:
-        from ravnest_jax.models._plan import PRESETS
+        from ravnest_jax.models import PRESETS
     except ImportError:
         PRESETS = {}
     if config in PRESETS:

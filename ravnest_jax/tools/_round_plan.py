@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from ravnest_jax.compress._formats import CODECS as WIRE_CODECS
-from ravnest_jax.compress._formats import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK_FRACTION, payload_nbytes
+from ravnest_jax.compress import CODECS as WIRE_CODECS
+from ravnest_jax.compress import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK_FRACTION, payload_nbytes
 
 __all__ = [
     "CALIBRATION",
@@ -130,7 +130,7 @@ def message_bytes(params: int, codec: str, block_size: int | None = None) -> int
 def codec_seconds_per_param(codec: str, size: int = 1 << 21, repeats: int = 3) -> float:
     """Encode + decode seconds per parameter of ``codec`` on this host (the swarm's own codec on
     a float32 vector of ``size`` elements; best of ``repeats``)."""
-    from ravnest_jax.swarm._codec import decode_part, encode_part
+    from ravnest_jax.swarm import decode_part, encode_part
 
     v = np.random.default_rng(0).standard_normal(size).astype(np.float32)
     best = math.inf
@@ -303,7 +303,7 @@ def check_codecs(codec: str, mean_codec: str | None = None, block_size: int | No
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if codec not in PLAN_BLOCK_CODECS:
             raise ValueError(f"block_size applies to block codecs ({blocks}), not {codec!r}")
-        from ravnest_jax.swarm._codec import check_codec
+        from ravnest_jax.swarm import check_codec
 
         for c in {codec, codec if mean_codec is None else mean_codec}:
             check_codec(c, {"block_size": block_size})  # ValueError: one the codec cannot take

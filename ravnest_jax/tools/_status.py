@@ -9,7 +9,7 @@ import ssl
 
 import aiohttp
 
-from ravnest_jax.swarm._http import HTTPStatusError
+from ravnest_jax.swarm import HTTPStatusError
 
 _STATUS_WORDS = {
     400: "refused the request",
@@ -44,7 +44,7 @@ def describe_request_error(
     """One line that says why a request to ``url`` failed, in words.
 
     Args:
-      e: what :func:`ravnest_jax.swarm._http.signed_json` (or aiohttp) raised.
+      e: what :func:`ravnest_jax.swarm.signed_json` (or aiohttp) raised.
       url: the base URL that was asked.
       what: the name of the service, for the sentence.
       timeout: the request's total timeout in seconds, to name it when it ran out.
@@ -85,7 +85,7 @@ def fetch_status(url: str, run_id: str, token: bytes, *, timeout: float) -> obje
     """The status of run ``run_id`` from the rendezvous at ``url`` (its JSON answer): live peers,
     membership version, recent rounds. Raises what the request raised (see
     :func:`describe_request_error`)."""
-    from ravnest_jax.swarm._http import signed_json
+    from ravnest_jax.swarm import signed_json
 
     async def fetch() -> object:
         async with aiohttp.ClientSession() as s:

@@ -142,6 +142,20 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
     return bad
 
 
+def private_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of another package's private module (``ravnest_jax.swarm._http`` from outside
+    ``swarm``): a package is used through its ``__init__`` names only. The root's own private
+    modules (``ravnest_jax._version``) are the house's shared leaves."""
+    bad = []
+    for m, targets in sorted(graph.items()):
+        for t in sorted(targets):
+            if t.startswith("!") or package(t) in ("", package(m)):
+                continue
+            if any(part.startswith("_") for part in t.split(".")[2:]):
+                bad.append(f"{m} imports {t}")
+    return bad
+
+
 def test_every_package_has_a_layer():
     assert {package(m) for m in modules()} == set(LAYER), set(LAYER) ^ {package(m) for m in modules()}
 
@@ -156,6 +170,11 @@ def test_packages_import_only_lower_layers():
     assert not bad, "\n".join(bad)
 
 
+def test_no_package_imports_another_packages_private_module():
+    bad = private_imports(import_graph())
+    assert not bad, "\n".join(bad)
+
+
 def test_the_checks_report_an_added_forbidden_import_and_circle():
     graph = import_graph()
     graph["ravnest_jax.compress._bits"].add("ravnest_jax.swarm._http")  # downward layer broken
@@ -164,6 +183,12 @@ def test_the_checks_report_an_added_forbidden_import_and_circle():
         "ravnest_jax.compress._bits (layer 0) imports ravnest_jax.swarm._http (layer 1)",
         "ravnest_jax.swarm._http imports jax",
     ]
+    before = set(private_imports(graph))
+    graph["ravnest_jax.sync._exchange"].add("ravnest_jax.compress._wire")  # private, of another package
+    graph["ravnest_jax.sync._exchange"].add("ravnest_jax.sync._layout")  # its own package's: allowed
+    graph["ravnest_jax.sync._exchange"].add("ravnest_jax._version")  # the root's shared leaf: allowed
+    added = set(private_imports(graph)) - before
+    assert added == {"ravnest_jax.sync._exchange imports ravnest_jax.compress._wire"}, added
     graph["ravnest_jax.compress._bits"].add("ravnest_jax.compress._formats")  # _formats imports _bits
     pair = {"ravnest_jax.compress._bits", "ravnest_jax.compress._formats"}
     assert any(pair <= set(c) for c in circles(graph)), circles(graph)
