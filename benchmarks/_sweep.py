@@ -78,7 +78,7 @@ def parse_codec(spec: str) -> tuple[str, dict, bool, bool]:
     """``"name[:opt]..."`` -> ``(name, codec options, exact, mean_ef)``. Options: a number (topk:
     the fraction; a block codec: the block size), ``exact`` (the mean of the contributions is kept
     as it is: the all-gather sends it losslessly), ``mef`` (the owners' error feedback on the
-    mean, ``rj.Swarm(mean_error_feedback=True)``)."""
+    mean, ``rj.Codec(mean_ef=True)``)."""
     name, *rest = spec.split(":")
     exact, mean_ef = "exact" in rest, "mef" in rest
     nums = [r for r in rest if r not in ("exact", "mef")]
@@ -93,27 +93,18 @@ def _codec(cell: Cell):
     again unless ``exact``."""
     if cell.codec == "fp32":
         return None
-    from ravnest_jax.compress import simulated
+    from ravnest_jax.compress import Codec, simulated
 
-    if "/" in cell.codec:  # "UP[:BLOCK]/DOWN[:BLOCK][:mef]": the mean in its own codec (rj.Swarm(mean_codec=))
+    if "/" in cell.codec:  # "UP[:BLOCK]/DOWN[:BLOCK][:mef]": the mean in its own codec (rj.Codec(mean=))
         up_spec, down_spec = cell.codec.split("/")
         name, options, _, _ = parse_codec(up_spec)
         mean_name, mean_options, exact, mean_ef = parse_codec(down_spec)
         if exact or mean_options.get("block_size", options.get("block_size")) != options.get("block_size"):
             raise ValueError(f"codec {cell.codec!r}: one block size on both sides, and no 'exact'")
-        return simulated(
-            name,
-            error_feedback=True,
-            error_feedback_decay=cell.ef_decay,
-            mean_error_feedback=mean_ef,
-            mean_codec=mean_name,
-            **options,
-        )
+        return simulated(Codec(name, mean=mean_name, mean_ef=mean_ef, error_feedback_decay=cell.ef_decay, **options))
 
     name, options, exact, mean_ef = parse_codec(cell.codec)
-    codec = simulated(
-        name, error_feedback=True, error_feedback_decay=cell.ef_decay, mean_error_feedback=mean_ef, **options
-    )
+    codec = simulated(Codec(name, mean_ef=mean_ef, error_feedback_decay=cell.ef_decay, **options))
     if exact:
         codec.requantize = lambda mean, key: mean
         codec.mean_error_feedback = False

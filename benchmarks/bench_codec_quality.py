@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     t_all = time.perf_counter()
     for codec, ef in runs:
         opts = {"fraction": args.topk_fraction} if codec == "topk" else {}
-        sim = C.simulated(codec, error_feedback=ef, **opts)
+        sim = C.simulated(C.Codec(codec, error_feedback=ef, **opts))
         t = time.perf_counter()
         p, train_loss = char_lm.train_diloco_simulation(graphdef, params0, train, codec=sim, **common)
         loss = evaluate(p)

@@ -7,9 +7,9 @@ one run per configuration, side by side in one invocation.
     python benchmarks/bench_wire_ratio.py --steps 600 --configs fp32 int2:256
 
 A configuration is ``CODEC[/MEAN][:BLOCK][:mef][:plain][:muon]``: the swarm's codec (and the
-codec of the mean, ``rj.Swarm(mean_codec=)``, if another), its block size, ``olrX`` the outer
+codec of the mean, ``rj.Codec(mean=)``, if another), its block size, ``olrX`` the outer
 learning rate X (after ``plain``),
-``mef`` the part owners' error feedback on the mean (``rj.Swarm(mean_error_feedback=True)``),
+``mef`` the part owners' error feedback on the mean (``rj.Codec(mean_ef=True)``),
 ``plain`` the outer SGD without momentum at learning rate 1 (plain averaging) instead of the
 default Nesterov 0.7 / 0.9, ``muon`` Muon as the inner optimizer (the example's ``--inner muon
 --lr 0.02``) instead of AdamW 3e-3. Every peer keeps its own error feedback (``rj.OuterSync``).

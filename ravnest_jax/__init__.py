@@ -19,6 +19,7 @@ _cap_host_arenas()
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     "CheckpointError": "ravnest_jax.checkpoint",
+    "Codec": "ravnest_jax.compress",
     "Checkpointer": "ravnest_jax.checkpoint",
     "CorruptCheckpointWarning": "ravnest_jax.checkpoint",
     "DiLoCo": "ravnest_jax.optim",
@@ -57,6 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .checkpoint import CorruptCheckpointWarning as CorruptCheckpointWarning
     from .checkpoint import Restored as Restored
     from .checkpoint import persistent_peer_id as persistent_peer_id
+    from .compress import Codec as Codec
     from .optim import DiLoCo as DiLoCo
     from .optim import DiLoCoState as DiLoCoState
     from .optim import RoundSnapshot as RoundSnapshot

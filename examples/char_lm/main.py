@@ -168,13 +168,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--mean-codec",
         default=None,
         help="the codec of the mean the part owners send back, if not --codec: a block codec of the same "
-        "block size (--codec sign --mean-codec int2: 1 bit up, 2 down; rj.Swarm(mean_codec=))",
+        "block size (--codec sign --mean-codec int2: 1 bit up, 2 down; rj.Codec(mean=))",
     )
     s.add_argument(
         "--mean-ef",
         choices=["on", "off"],
         default="off",
-        help="the part owners' error feedback on the mean they send (rj.Swarm(mean_error_feedback=))",
+        help="the part owners' error feedback on the mean they send (rj.Codec(mean_ef=))",
     )
     s.add_argument(
         "--ef-decay",
@@ -352,25 +352,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--codec must be one of {', '.join(CODECS)}, got {args.codec!r}")
     if args.topk_fraction is not None and (args.codec != "topk" or not args.topk_fraction <= 1.0):
         p.error(f"--topk-fraction needs --codec topk and a value in (0, 1], got {args.topk_fraction}")
-    if args.block_size is not None:
-        from ravnest_jax.compress._formats import BLOCK_CODECS, resolve
+    from ravnest_jax.compress import Codec
 
+    if args.block_size is not None:
         # the codec the run will use: a swarm's default (int4) is set at the end
         codec = args.codec if args.codec is not None or not (args.local_peers or args.rendezvous) else "int4"
-        if codec not in BLOCK_CODECS:
-            p.error(f"--block-size needs a block codec ({', '.join(BLOCK_CODECS)}), got --codec {codec}")
+        if codec is None:
+            p.error("--block-size needs a block codec: --codec int8, int4, fp4, int2 or sign")
         try:
-            resolve(codec, block_size=args.block_size)
+            Codec(codec, block_size=args.block_size)
         except ValueError as e:
             p.error(f"--block-size: {e}")
     if args.mean_codec is not None:
-        from ravnest_jax.compress._formats import mean_codec_options
-
         if args.codec is None:
             p.error("--mean-codec needs --codec (a block codec: the contributions' codec)")
         try:
-            opts = {} if args.block_size is None else {"block_size": args.block_size}
-            mean_codec_options(args.codec, args.mean_codec, opts)
+            Codec(args.codec, block_size=args.block_size, mean=args.mean_codec)
         except ValueError as e:
             p.error(f"--mean-codec: {e}")
     if not args.staleness_budget < 1.0:

@@ -192,9 +192,14 @@ def run_peer(args: argparse.Namespace) -> dict:
             },
         )
 
-    codec_options = {"fraction": args.topk_fraction} if args.topk_fraction is not None else {}
-    if args.block_size is not None:
-        codec_options["block_size"] = args.block_size
+    codec = rj.Codec(
+        args.codec,
+        block_size=args.block_size,
+        fraction=args.topk_fraction,
+        mean=args.mean_codec,
+        mean_ef=args.mean_ef == "on",
+        error_feedback_decay=args.ef_decay,
+    )
     # the swarm joins the run only once this peer is compiled and ready: a registered peer is in
     # every round's group, and one still compiling would cost the others a timeout
     swarm_class = rj.Swarm if args.adversary is None else _adversary_swarm(args.adversary)
@@ -202,8 +207,7 @@ def run_peer(args: argparse.Namespace) -> dict:
         args.rendezvous,
         run_id=args.run_id,
         token=token,
-        codec=args.codec,
-        codec_options=codec_options,
+        codec=codec,
         listen=None if args.no_inbound else args.listen,
         advertise=args.advertise,
         timeouts=timeouts,
@@ -211,15 +215,11 @@ def run_peer(args: argparse.Namespace) -> dict:
         aggregator=args.aggregator,
         clip_multiple=args.clip_multiple,
         trim=args.trim,
-        mean_error_feedback=args.mean_ef == "on",
-        mean_codec=args.mean_codec,
     )
     mode = "blocking" if args.overlap_steps == 0 and args.mode != "eager" else args.mode
     sync = rj.OuterSync(
         tx,
         swarm,
-        codec_options=codec_options,
-        error_feedback_decay=args.ef_decay,
         mode=mode,
         overlap_steps=args.overlap_steps,
         staleness_budget=args.staleness_budget,
@@ -514,7 +514,7 @@ def _adversary_swarm(spec: str) -> type:
             for c in rj.compress.packed_to_chunks(packed):
                 dec.feed(c)
             leaves = [spoil(x) for x in jax.tree.leaves(dec.finish())]
-            bad, _ = rj.compress.device_encode(leaves, self.codec, **self.codec_options)
+            bad, _ = rj.compress.device_encode(leaves, self.codec.name, **self.codec.options)
             return super().all_reduce_packed_async(jax.device_get(bad), **kw)
 
         def all_reduce_async(self, tree, **kw):  # type: ignore[no-untyped-def]

@@ -142,17 +142,16 @@ def run_simulation(args: argparse.Namespace) -> dict:
     outer = outer_optimizer(args.outer_lr, args.outer_momentum)
     codec = args.codec
     if codec is not None and codec != "fp32":
-        from ravnest_jax.compress import simulated
+        from ravnest_jax import Codec
 
-        opts = {"fraction": args.topk_fraction} if args.topk_fraction is not None else {}
-        if args.block_size is not None:
-            opts["block_size"] = args.block_size
-        codec = simulated(
+        # the value a swarm peer gives rj.Swarm (peer.py), simulated on one machine
+        codec = Codec(
             codec,
+            block_size=args.block_size,
+            fraction=args.topk_fraction,
+            mean=args.mean_codec,
+            mean_ef=args.mean_ef == "on",
             error_feedback_decay=args.ef_decay,
-            mean_error_feedback=args.mean_ef == "on",
-            mean_codec=args.mean_codec,
-            **opts,
         )
     results: dict[str, dict] = {}
     init_loss = evaluate(params0)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._codec_value import Codec as Codec
+from ._codec_value import check_error_feedback_decay as check_error_feedback_decay
 from ._decode import StreamDecoder as StreamDecoder
 from ._decode import decode as decode
 from ._errors import NonFiniteError as NonFiniteError
@@ -68,7 +70,6 @@ from ._wire import read_header as read_header
 _DEVICE = {
     "ErrorFeedbackState",
     "SimulatedCodecImpl",
-    "check_error_feedback_decay",
     "device_encode",
     "init_error_feedback",
     "simulated",
@@ -77,7 +78,6 @@ _DEVICE = {
 if TYPE_CHECKING:  # pragma: no cover
     from ._device import ErrorFeedbackState as ErrorFeedbackState
     from ._device import SimulatedCodecImpl as SimulatedCodecImpl
-    from ._device import check_error_feedback_decay as check_error_feedback_decay
     from ._device import device_encode as device_encode
     from ._device import init_error_feedback as init_error_feedback
     from ._device import simulated as simulated
@@ -85,8 +85,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = sorted(
     [
         "CODECS",
+        "Codec",
         "DEFAULT_BLOCK_SIZE",
         "DEFAULT_TOPK_FRACTION",
+        "check_error_feedback_decay",
         "DEFAULT_MAX_BYTES",
         "DEFAULT_MAX_DECODED_BYTES",
         "FORMAT_VERSION",

@@ -22,6 +22,7 @@ try:  # zero-copy host callback (CPU: numpy views of the XLA buffers)
 except ImportError:  # pragma: no cover - older jax
     _buffer_callback = None
 from . import _tree
+from ._codec_value import Codec
 from ._wire import ALLOWED_DTYPES, LeafSpec, Packed
 
 __all__ = ["ErrorFeedbackState", "SimulatedCodecImpl", "device_encode", "init_error_feedback", "simulated"]
@@ -341,56 +342,33 @@ class SimulatedCodecImpl:
         return dec, state._replace(mean_residual=res)
 
 
-def check_error_feedback_decay(value: Any) -> float:
-    """The error-feedback decay beta as a float; ``ValueError`` unless a number in ``[0, 1]``."""
-    if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
-        raise ValueError(f"error_feedback_decay must be a number in [0, 1], got {value!r}")
-    return float(value)
-
-
-def simulated(
-    codec: str = "int4",
-    *,
-    error_feedback: bool = True,
-    error_feedback_decay: float = 1.0,
-    mean_error_feedback: bool = False,
-    stochastic: bool = False,
-    mean_codec: str | None = None,
-    **options: Any,
-) -> SimulatedCodecImpl:
-    """A codec for ``rj.diloco(..., axis_name=..., codec=...)`` simulations.
+def simulated(codec: Codec | str = "int4") -> SimulatedCodecImpl:
+    """A codec for ``rj.diloco(..., axis_name=..., codec=...)`` simulations: the same
+    :class:`~ravnest_jax.compress.Codec` value a real swarm takes (``rj.Swarm(codec=...)``), on
+    one machine.
 
     Applies the codec as the real swarm does: each replica's pseudo-gradient is encoded and
-    decoded (with error feedback if enabled: the residual lives in ``DiLoCoState.codec_state``),
-    the decoded values are averaged (``pmean``), and the mean is encoded and decoded again.
-    ``"fp32"`` is the identity (bit-exact with no codec).
+    decoded (with ``codec.error_feedback``: the residual, times ``codec.error_feedback_decay``,
+    lives in ``DiLoCoState.codec_state``), the decoded values are averaged (``pmean``), and the
+    mean is encoded and decoded again in ``codec.mean_name`` (with ``codec.mean_ef``: the mean's
+    residual carried too; DoubleSqueeze, arXiv 1905.05957). Stochastic rounding
+    (``codec.stochastic``) uses the round key of diloco. ``"fp32"`` is the identity (bit-exact
+    with no codec).
 
     Args:
-      codec: one of ``CODECS``.
-      error_feedback: carry the quantisation residual into the next round (lossy codecs only).
-      error_feedback_decay: beta in ``[0, 1]``: the residual carried is ``beta * residual``
-        (1.0: classic error feedback; SparseLoCo, arXiv 2508.15706, uses 0.95 with outer SGD
-        and no outer momentum, the decayed residual standing in for it).
-      mean_error_feedback: the owners of the mean carry its quantisation residual into the next
-        round's mean (``rj.Swarm(mean_error_feedback=True)``; bidirectional compression with
-        error feedback, DoubleSqueeze arXiv 1905.05957). Off by default: on the char-LM it made
-        ``sign`` worse, not better (``docs/compression.md``).
-      stochastic: stochastic rounding (bf16, int8, int4, fp4) with the round key of diloco.
-      mean_codec: the codec of the mean (``rj.Swarm(mean_codec=...)``): a block codec with the
-        same ``block_size`` as ``codec``; ``None``: ``codec``. For example ``"sign"`` up and
-        ``"int2"`` down (docs/compression.md).
-      **options: ``block_size`` or ``fraction`` as in ``encode``.
+      codec: an ``rj.Codec``, or a codec name for ``Codec(name)``.
 
     Returns:
       An object with ``init``, ``compress``, ``requantize`` (the ``SimulatedCodec`` protocol).
 
     Raises:
-      ValueError: bad codec or option, ``error_feedback_decay`` outside ``[0, 1]``, a mean codec
-        that does not pair with ``codec``.
+      ValueError: an unknown codec name (a ``Codec`` is checked when made).
+      TypeError: neither a Codec nor a name.
     """
-    check_error_feedback_decay(error_feedback_decay)
-    cfg = F.resolve(codec, stochastic=stochastic, **options)
+    c = Codec.of(codec)
+    cfg = F.resolve(c.name, **c.options)
     mean_cfg = None
-    if mean_codec is not None and mean_codec != codec:
-        mean_cfg = F.resolve(mean_codec, stochastic=stochastic, **F.mean_codec_options(codec, mean_codec, options))
-    return SimulatedCodecImpl(cfg, error_feedback, error_feedback_decay, mean_error_feedback, mean_cfg)
+    if c.mean is not None:
+        opts = F.mean_codec_options(c.name, c.mean, c.options)
+        mean_cfg = F.resolve(c.mean, **opts)
+    return SimulatedCodecImpl(cfg, c.error_feedback, c.error_feedback_decay, c.mean_ef, mean_cfg)

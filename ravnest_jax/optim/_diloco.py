@@ -12,11 +12,14 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import optax
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ravnest_jax.compress import Codec
 
 __all__ = [
     "DiLoCo",
@@ -412,7 +415,7 @@ def diloco(
     *,
     sync_every: int,
     axis_name: Any = None,
-    codec: SimulatedCodec | str | None = None,
+    codec: SimulatedCodec | Codec | str | None = None,
     rng_key: jax.Array | None = None,
     fragments: int = 1,
 ) -> DiLoCo:
@@ -440,9 +443,9 @@ def diloco(
       sync_every: H, inner steps per round (``>= 1``).
       axis_name: name of the replica axis for in-process rounds, or ``None``.
       codec: in the ``axis_name`` mode only, a pseudo-gradient codec applied as the real swarm
-        does (encode, decode, mean, encode, decode), to study compression on one machine: a
-        codec name (``"int4"``, built with ``ravnest_jax.compress.simulated``) or a
-        :class:`SimulatedCodec`. Its state (for example the error-feedback residual) lives in
+        does (encode, decode, mean, encode, decode), to study compression on one machine: the
+        ``rj.Codec`` value a real swarm would take, a codec name (``"int4"``; both built with
+        ``ravnest_jax.compress.simulated``) or a :class:`SimulatedCodec`. Its state (for example the error-feedback residual) lives in
         ``DiLoCoState.codec_state``. For a real swarm, give the codec to ``rj.Swarm``.
       rng_key: PRNG key for stochastic rounding in ``codec`` (folded with the round number and
         the replica index each round); default ``jax.random.key(0)``.
@@ -478,13 +481,14 @@ def diloco(
             "codec applies in diloco only with axis_name set (in-process rounds); "
             "for a real swarm pass the codec to rj.Swarm"
         )
-    if isinstance(codec, str):
-        from ravnest_jax.compress import simulated  # optim -> compress is a downward dependency
+    from ravnest_jax.compress import Codec, simulated  # optim -> compress is a downward dependency
 
+    if isinstance(codec, (str, Codec)):
         codec = simulated(codec)
     if codec is not None and not isinstance(codec, SimulatedCodec):
         raise ValueError(
-            f"codec must be a codec name or a SimulatedCodec (init/compress/requantize), got {type(codec).__name__}"
+            "codec must be an rj.Codec, a codec name or a SimulatedCodec (init/compress/requantize), got "
+            f"{type(codec).__name__}"
         )
     inner = optax.with_extra_args_support(inner)
     outer_tx = outer

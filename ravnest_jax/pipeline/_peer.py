@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 
+from ravnest_jax.compress import Codec
 from ravnest_jax.swarm import PipelineBroken, Swarm, SwarmError, Timeouts
 
 from ._drive import Batches, read_batch, run_stage
@@ -76,7 +77,7 @@ class StagePeer:
       compute_seconds: emulate a slower accelerator: each forward takes at least ``[0]`` and each
         backward ``[1]`` seconds (the last stage's fused forward-backward their sum).
       outer: options of the :class:`rj.OuterSync` (``mode``, ``overlap_steps``, ...).
-      outer_codec: the codec of the stage groups' rounds (default ``"int8"``).
+      outer_codec: the stage groups' round codec, an ``rj.Codec`` or a name (default ``"int8"``).
       group_size: peers each stage group waits for before its first step (default: 1, or the
         placement's cluster count).
       group_listen, group_advertise: the stage group swarm's listen address and advertised URL
@@ -136,7 +137,7 @@ class StagePeer:
         recover: bool = True,
         compute_seconds: tuple[float, float] | None = None,
         outer: dict | None = None,
-        outer_codec: str = "int8",
+        outer_codec: Codec | str = "int8",
         group_size: int | None = None,
         group_listen: str | None = None,
         group_advertise: str | None = None,

@@ -16,6 +16,7 @@ import numpy as np
 from ravnest_jax.compress import (
     CODECS,
     GRID,
+    Codec,
     LeafSpec,
     NonFiniteError,
     Packed,
@@ -35,6 +36,7 @@ from ravnest_jax.compress import (
 
 __all__ = [
     "ActivationDecoder",
+    "Codec",
     "GRID",
     "LeafSpec",
     "NonFiniteError",
@@ -68,28 +70,6 @@ def check_codec(codec: str, options: dict[str, Any] | None = None) -> None:
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; available: {', '.join(CODECS)}")
     encode({"probe": np.zeros(4, np.float32)}, codec=codec, **(options or {}))
-
-
-def check_mean_error_feedback(value: bool, codec: str, algorithm: str) -> bool:
-    """``Swarm(mean_error_feedback=...)`` checked: ``ValueError`` for a non-bool, or ``True``
-    with the ring; off for ``fp32`` (nothing dropped)."""
-    if not isinstance(value, bool):
-        raise ValueError(f"mean_error_feedback must be True or False, got {value!r}")
-    if value and algorithm == "ring":
-        raise ValueError("mean_error_feedback needs algorithm='butterfly' (the ring re-encodes partial sums)")
-    return value and codec != "fp32"
-
-
-def check_mean_codec(mean_codec: str | None, codec: str, options: dict[str, Any], algorithm: str) -> str:
-    """``Swarm(mean_codec=...)`` checked: the mean's codec (``codec`` for ``None``); ``ValueError``
-    for one that does not pair with ``codec`` (:func:`ravnest_jax.compress._formats.mean_codec_options`)
-    or another than ``codec`` with the ring (which sends partial sums, not a mean)."""
-    if mean_codec is None or mean_codec == codec:
-        return codec
-    if algorithm == "ring":
-        raise ValueError("mean_codec needs algorithm='butterfly' (the ring sends partial sums in the one codec)")
-    mean_codec_options(codec, mean_codec, options)
-    return mean_codec
 
 
 def encode_part(name: str, vec: np.ndarray, codec: str, **options: Any) -> bytes:

@@ -40,10 +40,7 @@ def swarm_settings(swarm: Any) -> dict[str, Any]:
     algorithm = swarm.algorithm if swarm.algorithm != "ring" else f"ring:{swarm.ring_segment_bytes}"
     return {
         "protocol": PROTOCOL_VERSION,
-        "codec": swarm.codec,
-        "codec_options": dict(sorted(swarm.codec_options.items())),
-        "mean_codec": swarm.mean_codec,
-        "mean_error_feedback": bool(swarm.mean_error_feedback),
+        **swarm.codec.manifest(),
         "algorithm": algorithm,
         "aggregator": aggregator,
     }

@@ -24,7 +24,7 @@ from ravnest_jax.host_memory import tune_host_allocator
 from ._activations import ActivationLink
 from ._allreduce import RING_SEGMENT_BYTES, check_aggregator, manifest_digest
 from ._butterfly import Butterfly
-from ._codec import check_codec, check_mean_codec, check_mean_error_feedback
+from ._codec import Codec, check_codec
 from ._contrib import Contribution
 from ._manifest import ManifestDeclaration
 from ._membership import heartbeat_loop, join
@@ -56,9 +56,11 @@ class Swarm(ManifestDeclaration):
       rendezvous_url: base URL of the rendezvous, e.g. ``"http://10.0.0.1:8765"``.
       run_id: the run to join; peers of one run average with each other.
       token: the run token (shared secret; non-empty).
-      codec: wire codec of parts and results, one of :func:`available_codecs` (default ``"fp32"``,
-        exact; lossy codecs quantise each part and again the all-gathered mean).
-      codec_options: the codec's options (``{"block_size": 64}``, ``{"fraction": 0.01}``; docs/compression.md).
+      codec: every codec setting of the run as one :class:`~ravnest_jax.Codec` value (the codec
+        of parts, its options, the codec of the mean sent back and both error feedbacks;
+        ``rj.OuterSync`` reads it from here), or a codec name for ``Codec(name)``; default
+        ``"fp32"`` (exact). Lossy codecs quantise each part and again the all-gathered mean
+        (docs/compression.md). In the round manifest: the same on all peers of a run.
       listen: ``"host:port"`` to bind (port 0: a free one, see :attr:`port`); ``None``/``"none"``:
         *client-only* (behind NAT): no inbound port, reached through the rendezvous' relay
         (``docs/swarm.md``; a peer the rendezvous cannot reach turns client-only, with a warning).
@@ -86,16 +88,13 @@ class Swarm(ManifestDeclaration):
         the same one (it is in the round manifest).
       clip_multiple: the clipped mean's bound in multiples of the median norm (>= 1, default 2).
       trim: the trimmed mean's number of values dropped at each end (>= 1, default 1).
-      mean_error_feedback: part owners carry what their encode of the mean dropped into the next
-        round (arXiv 1905.05957; butterfly only; default off; ``docs/compression.md``).
-      mean_codec: the codec of the mean sent back (butterfly; ``None``: ``codec``), a block codec
-        of ``codec``'s block size: ``"sign"`` up, ``"int2"`` down (``docs/compression.md``).
       info: a small JSON-serialisable dict (at most 4096 bytes as JSON) this peer publishes
         through the rendezvous; other peers see it as :attr:`PeerInfo.info`. Used to agree on a
         common checkpoint when a whole swarm restarts. Change it with :meth:`set_info`.
 
     Raises:
-      ValueError: bad arguments (unknown codec or aggregator, a robust aggregator with the ring,
+      ValueError: bad arguments (unknown codec or aggregator, a robust aggregator, ``Codec.mean``
+        or ``Codec.mean_ef`` with the ring,
         empty token, bad listen address), or a required
         one (``rendezvous_url``, ``run_id``, ``token``) neither given nor in the environment.
       SwarmError: on ``__enter__``/``start`` if the rendezvous cannot be reached in time.
@@ -110,8 +109,7 @@ class Swarm(ManifestDeclaration):
         *,
         run_id: str | None = None,
         token: str | bytes | None = None,
-        codec: str | None = None,
-        codec_options: dict[str, Any] | None = None,
+        codec: Codec | str | None = None,
         listen: str | None = "auto",
         advertise: str | None = None,
         timeouts: Timeouts | None = None,
@@ -124,23 +122,20 @@ class Swarm(ManifestDeclaration):
         aggregator: str | None = None,
         clip_multiple: float = 2.0,
         trim: int = 1,
-        mean_error_feedback: bool = False,
-        mean_codec: str | None = None,
     ):
         rendezvous_url, run_id, token, codec, listen, peer_id = from_environment(
             rendezvous_url, run_id, token, codec, listen, peer_id
         )
-        check_codec(codec, codec_options)
+        self.codec = codec = Codec.of(codec)
+        check_codec(codec.name, codec.options)
         aggregator, token_b, bind = _checked(
             algorithm, aggregator, clip_multiple, trim, ring_segment_bytes, run_id, token, listen, advertise
         )
-        self.codec_options = dict(codec_options or {})
-        mean = _mean_settings(mean_error_feedback, mean_codec, codec, self.codec_options, algorithm)
-        self.mean_error_feedback, self.mean_codec = mean["mean_error_feedback"], mean["mean_codec"]
+        mean = _mean_settings(codec, algorithm)
         self.algorithm, self.aggregator, self.ring_segment_bytes = algorithm, aggregator, ring_segment_bytes
         self.clip_multiple, self.trim = clip_multiple, trim
         self._manifest: dict[str, Any] | None = None  # declared: sent with every hello
-        self.rendezvous_url, self.run_id, self.codec = rendezvous_url.rstrip("/"), run_id, codec
+        self.rendezvous_url, self.run_id = rendezvous_url.rstrip("/"), run_id
         self.timeouts = timeouts or Timeouts()
         self.peer_id = peer_id or secrets.token_hex(8)
         tune_host_allocator()  # round buffers reused from the heap, not mapped afresh each round
@@ -156,8 +151,8 @@ class Swarm(ManifestDeclaration):
             advertise=advertise,
         )
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._rounds = Rounds(self.transport, self.timeouts, codec, self._hello, self._spawn)
-        args = (self.transport, self._rounds, codec, self.codec_options, self.timeouts)
+        self._rounds = Rounds(self.transport, self.timeouts, codec.name, self._hello, self._spawn)
+        args = (self.transport, self._rounds, codec.name, codec.options, self.timeouts)
         kw = {"aggregator": aggregator, "clip_multiple": clip_multiple, "trim": trim, **mean}
         self._algorithm: Butterfly | Ring = _algorithm(self.algorithms, algorithm, args, ring_segment_bytes, kw)
         self._rounds.algorithm = self._algorithm
@@ -323,7 +318,7 @@ class Swarm(ManifestDeclaration):
         """
         if self._loop is None or self._closed:
             raise RuntimeError("Swarm is not running (use it as a context manager)")
-        c = Contribution.of(tree, weight, state, codec=self.codec, codec_options=self.codec_options, copy=copy)
+        c = Contribution.of(tree, weight, state, codec=self.codec.name, codec_options=self.codec.options, copy=copy)
         return self._submit(c, round)
 
     def all_reduce_packed_async(
@@ -347,8 +342,10 @@ class Swarm(ManifestDeclaration):
         """
         if self._loop is None or self._closed:
             raise RuntimeError("Swarm is not running (use it as a context manager)")
-        if packed.codec != self.codec:
-            raise ValueError(f"the contribution is encoded with {packed.codec!r}, the swarm's codec is {self.codec!r}")
+        if packed.codec != self.codec.name:
+            raise ValueError(
+                f"the contribution is encoded with {packed.codec!r}, the swarm's codec is {self.codec.name!r}"
+            )
         return self._submit(Contribution.of_packed(packed, weight, state), round)
 
     def _submit(self, c: Contribution, round: int | None) -> concurrent.futures.Future[tuple[Any, RoundRecord]]:
@@ -504,15 +501,14 @@ def forward(
     return out
 
 
-def _mean_settings(
-    mean_error_feedback: bool, mean_codec: str | None, codec: str, options: dict[str, Any], algorithm: str
-) -> dict[str, Any]:
-    """``Swarm(mean_error_feedback=, mean_codec=)`` checked (``ValueError``): the butterfly's
-    keyword arguments for the mean (its error feedback, its codec)."""
-    return {
-        "mean_error_feedback": check_mean_error_feedback(mean_error_feedback, codec, algorithm),
-        "mean_codec": check_mean_codec(mean_codec, codec, options, algorithm),
-    }
+def _mean_settings(codec: Codec, algorithm: str) -> dict[str, Any]:
+    """``codec.mean`` and ``codec.mean_ef`` checked against the algorithm (``ValueError``: the
+    ring sends partial sums in the one codec): the butterfly's keyword arguments for the mean."""
+    if algorithm == "ring" and codec.mean is not None:
+        raise ValueError("Codec.mean needs algorithm='butterfly' (the ring sends partial sums in the one codec)")
+    if algorithm == "ring" and codec.mean_ef:
+        raise ValueError("Codec.mean_ef needs algorithm='butterfly' (the ring re-encodes partial sums)")
+    return {"mean_error_feedback": codec.mean_ef and codec.lossy, "mean_codec": codec.mean_name}
 
 
 def _algorithm(

@@ -45,8 +45,14 @@ def check_options(
         raise ValueError("codec must be given with swarm=None (the codec of process 0's swarm)")
     if swarm is not None and not hasattr(swarm, "all_reduce_async"):
         raise ValueError("swarm must provide all_reduce_async(tree, weight=...) (an rj.Swarm)")
-    if swarm is not None and codec is not None and codec != getattr(swarm, "codec", "fp32"):
-        raise ValueError(f"codec {codec!r} is not the swarm's codec {getattr(swarm, 'codec', 'fp32')!r}")
+    if swarm is not None and codec is not None:
+        from ravnest_jax.compress import Codec
+
+        if Codec.of(codec) != Codec.of(swarm.codec):
+            raise ValueError(
+                f"codec {Codec.of(codec)} is not the swarm's {Codec.of(swarm.codec)}: OuterSync takes the swarm's "
+                "(rj.Swarm(codec=...)); codec= is for swarm=None"
+            )
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     auto = overlap_steps == "auto"

@@ -63,7 +63,10 @@ def exchange(
     kwargs: dict[str, Any] = {} if expected is None else {"round": expected}
     if state is not None:  # the rendezvous compares it with the other peers' (divergence)
         kwargs["state"] = state
-    if getattr(swarm, "all_reduce_packed_async", None) is not None and getattr(swarm, "codec", None) == host.codec:
+    if (
+        getattr(swarm, "all_reduce_packed_async", None) is not None
+        and getattr(getattr(swarm, "codec", None), "name", None) == host.codec
+    ):
         # encode once: the device's message goes on the wire as it is, cut into parts
         fut = swarm.all_reduce_packed_async(host, weight=weight, **kwargs)
         del host

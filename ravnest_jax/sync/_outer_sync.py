@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from ravnest_jax import host_memory
-from ravnest_jax.compress import check_error_feedback_decay
+from ravnest_jax.compress import Codec
 from ravnest_jax.optim import DiLoCo, DiLoCoState
 
 from . import _nnx
@@ -69,7 +69,8 @@ class OuterSync(ManifestDeclaration, StateExchange):
 
     Call it after every train step: ``params, state = sync(params, state)``. On most steps it
     only counts. At a round boundary it takes the pseudo-gradient with the jitted round
-    functions of ``tx``, encodes it on the device with the swarm's codec (with error feedback),
+    functions of ``tx``, encodes it on the device with the swarm's codec (``swarm.codec``, an
+    ``rj.Codec``: its options and error feedback),
     starts a non-blocking device-to-host copy, hands the encoded bytes to the swarm's background
     loop and returns at once. When the averaged result is due it is merged with the jitted merge
     function; if it is not in yet, the step blocks and the stall is counted.
@@ -92,7 +93,9 @@ class OuterSync(ManifestDeclaration, StateExchange):
 
     Args:
       tx: the :func:`rj.diloco` transformation (``axis_name=None``).
-      swarm: an ``rj.Swarm`` (or anything with ``codec`` and ``all_reduce_async(tree, weight)``).
+      swarm: an ``rj.Swarm`` (or anything with ``codec``, an ``rj.Codec``, and
+        ``all_reduce_async(tree, weight)``). Its codec value sets the device-side encode: the
+        codec and its options, error feedback and its decay (``rj.Codec``).
       mode: one of ``"blocking"``, ``"delayed"``, ``"eager"``.
       overlap_steps: tau, inner steps between a round's boundary and its merge; ``0 <= tau <
         sync_every / fragments``. ``"auto"``: chosen per round so that the exchange hides behind
@@ -112,12 +115,6 @@ class OuterSync(ManifestDeclaration, StateExchange):
         (never after one slow round; at most every 50 rounds); it names the tau that would
         have hidden the wait and what to set.
       alpha: mixing weight of the local params at the merge, in ``[0, 1]``.
-      error_feedback: carry the codec's quantisation residual into the fragment's next round.
-      error_feedback_decay: beta in ``[0, 1]``: the residual carried is ``beta * residual``
-        (1.0, classic error feedback; with a sparse codec and an outer SGD without momentum,
-        0.95 is SparseLoCo's accumulator, arXiv 2508.15706; see docs/algorithm.md).
-      codec_options: options of the device-side encode (``block_size``, ``fraction``); must
-        match the swarm's codec options.
       samples_per_step: this peer's samples per inner step (the weight of its contribution is
         samples processed since its last round).
       sync_every_seconds: start a round every this many seconds of wall time instead of every
@@ -129,9 +126,10 @@ class OuterSync(ManifestDeclaration, StateExchange):
       donate: the merge reuses the buffers of the params and state passed to that ``sync`` call
         (XLA buffer donation): a round's device memory drops by their size (about 5x the params
         with Adam inside), and those arrays are deleted: keep only what ``sync`` returns.
-      codec: the swarm's codec. Needed only on the processes of a peer that spans several
-        processes (``jax.distributed``) other than process 0: they pass ``swarm=None`` and
-        encode with process 0 (docs/multi-device.md); elsewhere it must equal ``swarm.codec``.
+      codec: only with ``swarm=None``: the ``rj.Codec`` (or name) of process 0's swarm, on the
+        processes other than 0 of a peer that spans several processes (``jax.distributed``),
+        which encode with process 0 (docs/multi-device.md). With a swarm, its codec is used
+        (``codec`` may be given too, equal to it: one line for every process).
 
     ``metrics`` holds the :class:`RoundMetrics` of the last 10,000 rounds (older ones are
     dropped, so memory stays flat); :meth:`summary` counts every round.
@@ -141,10 +139,10 @@ class OuterSync(ManifestDeclaration, StateExchange):
     state, a failed round is skipped (docs/multi-device.md).
 
     Raises:
-      ValueError: a bad mode, overlap, alpha, samples_per_step, sync_every_seconds,
-        error_feedback_decay, a tx with ``axis_name`` set, a swarm without ``all_reduce_async``
-        (``None`` is accepted only on the processes other than 0 of a multi-process peer, with
-        ``codec``), a ``codec`` that is not the swarm's.
+      ValueError: a bad mode, overlap, alpha, samples_per_step, sync_every_seconds, a tx with
+        ``axis_name`` set, a swarm without ``all_reduce_async`` (``None`` is accepted only on the
+        processes other than 0 of a multi-process peer, with ``codec``), a ``codec`` that is not
+        the swarm's.
     """
 
     def __init__(
@@ -157,18 +155,14 @@ class OuterSync(ManifestDeclaration, StateExchange):
         max_overlap_steps: int | None = None,
         staleness_budget: float = 0.01,
         alpha: float = 0.0,
-        error_feedback: bool = True,
-        error_feedback_decay: float = 1.0,
-        codec_options: dict | None = None,
         samples_per_step: float = 1.0,
         sync_every_seconds: float | None = None,
         on_round: Callable[[RoundMetrics], None] | None = None,
         resync: Callable[[], bytes | None] | None = None,
         seed: int = 0,
-        codec: str | None = None,
+        codec: Codec | str | None = None,
         donate: bool = False,
     ):
-        error_feedback_decay = check_error_feedback_decay(error_feedback_decay)
         self._processes = jax.process_count()
         self._leader = jax.process_index() == 0
         opts = (mode, overlap_steps, max_overlap_steps, alpha, samples_per_step, sync_every_seconds, codec)
@@ -186,18 +180,22 @@ class OuterSync(ManifestDeclaration, StateExchange):
         self._last_state: tuple[int, str] | None = None
         self._state_digest: str | None = None
         self.alpha = float(alpha)
-        self.error_feedback = bool(error_feedback)
-        self.codec = codec if swarm is None else getattr(swarm, "codec", "fp32")
-        self.codec_options = dict(codec_options or {})
+        self.codec = Codec.of(codec if swarm is None else swarm.codec)
         self.samples_per_step = float(samples_per_step)
         self.sync_every_seconds = sync_every_seconds
         self.on_round = on_round
         self._resync_fn = resync if resync is not None else getattr(swarm, "fetch_state", None)
         self._fns = RoundFunctions(
-            tx, self.codec, self.codec_options, mode != "blocking", error_feedback_decay, bool(donate)
+            tx, self.codec.name, self.codec.options, mode != "blocking", self.codec.error_feedback_decay, bool(donate)
         )
         self._rounds = RoundPipeline(
-            tx, swarm, self._fns, alpha=self.alpha, error_feedback=self.error_feedback, eager=mode == "eager", seed=seed
+            tx,
+            swarm,
+            self._fns,
+            alpha=self.alpha,
+            error_feedback=self.codec.error_feedback,
+            eager=mode == "eager",
+            seed=seed,
         )
         self._pending = self._rounds.pending  # rounds in flight, oldest first
 

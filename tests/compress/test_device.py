@@ -196,10 +196,10 @@ def test_diloco_int4_trains_with_error_feedback_state():
 @pytest.mark.parametrize(
     "codec",
     [
-        C.simulated("fp4", stochastic=True),
-        C.simulated("topk", fraction=0.25),
-        C.simulated("int8", error_feedback=False),
-        C.simulated("bf16", block_size=None),
+        C.simulated(C.Codec("fp4", stochastic=True)),
+        C.simulated(C.Codec("topk", fraction=0.25)),
+        C.simulated(C.Codec("int8", error_feedback=False)),
+        C.simulated(C.Codec("bf16", block_size=None)),
     ],
     ids=["fp4-stochastic", "topk", "int8-noef", "bf16"],
 )
@@ -213,7 +213,7 @@ def test_simulated_validates_eagerly():
     with pytest.raises(ValueError, match="unknown codec"):
         C.simulated("int3")
     with pytest.raises(ValueError, match="fraction"):
-        C.simulated("int4", fraction=0.1)
+        C.simulated(C.Codec("int4", fraction=0.1))
     with pytest.raises(ValueError, match="unknown codec"):
         rj.diloco(optax.sgd(0.1), sync_every=2, axis_name="r", codec="int3")
 
@@ -273,7 +273,7 @@ def test_simulated_topk_under_shard_map_equals_vmap():
 
     assert jax.device_count() >= 2, "conftest forces 4 CPU devices"
     mesh = Mesh(np.array(jax.devices()[:2]), ("r",))
-    codec = C.simulated("topk", fraction=0.1)
+    codec = C.simulated(C.Codec("topk", fraction=0.1))
     x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 1000)).astype(np.float32))
 
     def one(v):
@@ -330,7 +330,7 @@ def test_error_feedback_decay_carries_beta_times_the_residual():
     res = C.ErrorFeedbackState({"w": jnp.asarray(rng.standard_normal(256), jnp.float32)})
     key = jax.random.key(0)
     for beta in (0.0, 0.5, 0.95, 1.0):
-        codec = C.simulated("topk", fraction=0.1, error_feedback_decay=beta)
+        codec = C.simulated(C.Codec("topk", fraction=0.1, error_feedback_decay=beta))
         dec, new = codec.compress(delta, res, key)
         x = np.asarray(delta["w"]) + beta * np.asarray(res.residual["w"])
         keep = np.argsort(-np.abs(x))[:26]  # ceil(0.1 * 256) = 26 largest of delta + beta r
@@ -340,7 +340,7 @@ def test_error_feedback_decay_carries_beta_times_the_residual():
         np.testing.assert_allclose(np.asarray(new.residual["w"]), x - want, rtol=1e-6, atol=1e-7)
     for bad in (-0.1, 1.5, True, "0.9"):
         with pytest.raises(ValueError, match="error_feedback_decay"):
-            C.simulated("topk", error_feedback_decay=bad)
+            C.simulated(C.Codec("topk", error_feedback_decay=bad))
 
 
 def test_the_swarm_round_start_decays_the_residual_as_the_simulation_does():
@@ -363,7 +363,7 @@ def test_the_swarm_round_start_decays_the_residual_as_the_simulation_does():
         np.testing.assert_allclose(g, e, rtol=1e-6, err_msg=f"beta={beta}")  # up to a fused multiply-add
         np.testing.assert_allclose(np.asarray(new_res[0]), np.asarray(want_res[0]), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="error_feedback_decay"):
-        rj.OuterSync(tx, None, codec="topk", error_feedback_decay=2.0)
+        rj.OuterSync(tx, None, codec=rj.Codec("topk", error_feedback_decay=2.0))
 
 
 @pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
@@ -378,7 +378,7 @@ def test_sign_mean_error_feedback_in_the_simulation():
     def q(x):
         return C.decode(C.encode({"w": np.asarray(x, np.float32)}, "sign"))["w"]
 
-    codec = C.simulated("sign", mean_error_feedback=True)
+    codec = C.simulated(C.Codec("sign", mean_ef=True))
     assert not C.simulated("sign").mean_error_feedback
     state = codec.init(mean)
     m = np.asarray(mean["w"])
@@ -396,7 +396,7 @@ def test_sign_mean_error_feedback_in_the_simulation():
 
 @pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
 def test_a_mean_codec_of_its_own_in_the_simulation():
-    """``simulated("sign", mean_codec="int2")``: the contributions as ``sign`` encodes them, the
+    """``simulated(Codec("sign", mean="int2"))``: the contributions as ``sign`` encodes them, the
     mean as ``int2`` does (the contribution's block size), its error feedback in ``int2`` too;
     a mean codec that cannot pair with the codec is a ``ValueError``."""
     rng = np.random.default_rng(6)
@@ -406,7 +406,7 @@ def test_a_mean_codec_of_its_own_in_the_simulation():
     def q(codec, v):
         return C.decode(C.encode({"w": np.asarray(v, np.float32)}, codec, block_size=256))["w"]
 
-    codec = C.simulated("sign", mean_codec="int2", mean_error_feedback=True, block_size=256)
+    codec = C.simulated(C.Codec("sign", mean="int2", mean_ef=True, block_size=256))
     state = codec.init(x)
     up, _ = codec.compress(x, state, key)
     np.testing.assert_array_equal(np.asarray(up["w"]), q("sign", x["w"]))
@@ -416,7 +416,7 @@ def test_a_mean_codec_of_its_own_in_the_simulation():
     np.testing.assert_allclose(np.asarray(state.mean_residual["w"]), m - q("int2", m), rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(np.asarray(codec.requantize(x, key)["w"]), q("int2", m))
     assert "mean_codec='int2'" in repr(codec)
-    same = C.simulated("sign", mean_codec="sign")
+    same = C.simulated(C.Codec("sign", mean="sign"))
     np.testing.assert_array_equal(
         np.asarray(same.requantize(x, key)["w"]), np.asarray(C.simulated("sign").requantize(x, key)["w"])
     )
@@ -426,6 +426,6 @@ def test_a_mean_codec_of_its_own_in_the_simulation():
         ("sign", "x", "unknown"),
     ]:
         with pytest.raises(ValueError, match=match):
-            C.simulated(codec_, mean_codec=mean)
+            C.simulated(C.Codec(codec_, mean=mean))
     # the mean takes the contribution's block size, the default one included (fp4's own is 32)
-    assert C.simulated("sign", mean_codec="fp4").mean_cfg.block_size == 64
+    assert C.simulated(C.Codec("sign", mean="fp4")).mean_cfg.block_size == 64

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from ravnest_jax import compress
+from ravnest_jax.compress import Codec
 from ravnest_jax.compress._wire import message_nbytes
 from ravnest_jax.swarm import Swarm, Timeouts
 from ravnest_jax.swarm._codec import PartLayout, part_chunks
+from ravnest_jax.swarm._manifest import swarm_settings
 
 from .conftest import TOKEN
 
@@ -33,7 +35,7 @@ def _trees(ids, seed):
     }
 
 
-def _run(url, run, packed, weights, aggregator="mean", rounds=1, **swarm_kw):
+def _run(url, run, packed, weights, aggregator="mean", rounds=1, codec=None, **swarm_kw):
     ids = sorted(packed)
     swarms = [
         Swarm(
@@ -43,7 +45,7 @@ def _run(url, run, packed, weights, aggregator="mean", rounds=1, **swarm_kw):
             listen="127.0.0.1:0",
             timeouts=T,
             peer_id=p,
-            codec=packed[p].codec,
+            codec=codec or packed[p].codec,
             aggregator=aggregator,
             **swarm_kw,
         ).__enter__()
@@ -134,7 +136,7 @@ def test_a_clipped_member_is_summed_again_from_its_pulled_part(cluster):
 @pytest.mark.timeout(180)
 def test_sign_owners_carry_what_the_encode_of_the_mean_dropped(cluster):
     """The 1-bit ``sign`` codec loses about a third of the mean's energy in the all-gather's
-    encode. With the owners' error feedback (``mean_error_feedback=True``) the residual goes into the
+    encode. With the owners' error feedback (``Codec(mean_ef=True)``) the residual goes into the
     next round's mean: the same contributions, averaged over rounds, converge to their true
     mean (the running error shrinks like 1 / rounds); without it every round repeats the same
     error. Results equal on every peer either way, and round 1 is the same (nothing carried)."""
@@ -148,8 +150,8 @@ def test_sign_owners_carry_what_the_encode_of_the_mean_dropped(cluster):
     rounds = 6
     runs = {}
     for mef in (True, False):
-        kw = {"mean_error_feedback": True} if mef else {}  # off by default
-        res = _run(cluster.rendezvous(), f"sign-{mef}", packed, weights, rounds=rounds, **kw)
+        codec = Codec("sign", mean_ef=mef)  # off by default
+        res = _run(cluster.rendezvous(), f"sign-{mef}", packed, weights, rounds=rounds, codec=codec)
         for r in res:
             assert all(rec.ok for _, rec in r), [rec for _, rec in r]
             assert len({rec.digest for _, rec in r}) == 1, [rec.digest for _, rec in r]
@@ -184,7 +186,7 @@ def test_sign_owners_carry_what_the_encode_of_the_mean_dropped(cluster):
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_the_mean_goes_back_in_its_own_codec(cluster):
-    """``Swarm(codec="sign", mean_codec="int2")``: the parts go up as slices of each peer's
+    """``Swarm(codec=Codec("sign", mean="int2"))``: the parts go up as slices of each peer's
     1-bit message, the owners send the mean back in 2-bit ``int2`` (same block size, so the same
     parts and pieces): the result is the owners' ``int2`` encode of the mean of the decoded
     contributions, equal on every peer, and each peer's bytes are its sign parts plus its int2
@@ -193,9 +195,8 @@ def test_the_mean_goes_back_in_its_own_codec(cluster):
     trees = _trees(ids, 4)
     opts = {"block_size": 256}
     packed = {p: compress.host_pack(trees[p], "sign", **opts) for p in ids}
-    (results,) = _run(
-        cluster.rendezvous(), "enc-mean-codec", packed, dict.fromkeys(ids, 1.0), mean_codec="int2", codec_options=opts
-    )
+    codec = Codec("sign", mean="int2", **opts)
+    (results,) = _run(cluster.rendezvous(), "enc-mean-codec", packed, dict.fromkeys(ids, 1.0), codec=codec)
     means, recs = [m for m, _ in results], [r for _, r in results]
     assert all(r.ok and r.contributors == tuple(ids) for r in recs), recs
     assert len({r.digest for r in recs}) == 1, recs
@@ -230,17 +231,21 @@ def test_a_mean_codec_is_checked_and_in_the_round_manifest():
     url = "http://127.0.0.1:1"
     kw = {"run_id": "r", "token": "t", "listen": None}
     for bad, match in [
-        ({"codec": "fp32", "mean_codec": "int2"}, "block codecs"),
-        ({"codec": "sign", "mean_codec": "topk"}, "block codecs"),
-        ({"codec": "sign", "mean_codec": "nope"}, "unknown mean codec"),
-        ({"codec": "sign", "mean_codec": "int2", "algorithm": "ring"}, "butterfly"),
-        ({"codec": "int8", "mean_codec": "int2", "codec_options": {"block_size": 6}}, "block_size"),
+        ({"name": "fp32", "mean": "int2"}, "block codecs"),
+        ({"name": "sign", "mean": "topk"}, "block codecs"),
+        ({"name": "sign", "mean": "nope"}, "unknown mean codec"),
+        ({"name": "int8", "mean": "int2", "block_size": 6}, "block_size"),
     ]:
         with pytest.raises(ValueError, match=match):
-            Swarm(url, **kw, **bad)
+            Codec(**bad)
+    with pytest.raises(ValueError, match="butterfly"):
+        Swarm(url, **kw, codec=Codec("sign", mean="int2"), algorithm="ring")
+    with pytest.raises(ValueError, match="butterfly"):
+        Swarm(url, **kw, codec=Codec("sign", mean_ef=True), algorithm="ring")
     plain = Swarm(url, **kw, codec="sign")
-    same = Swarm(url, **kw, codec="sign", mean_codec="sign")
-    split = Swarm(url, **kw, codec="sign", mean_codec="int2")
+    same = Swarm(url, **kw, codec=Codec("sign", mean="sign"))
+    split = Swarm(url, **kw, codec=Codec("sign", mean="int2"))
     assert plain._algorithm.wire() == same._algorithm.wire() == "sign/butterfly/clipped_mean:2.0"
     assert split._algorithm.wire() == "sign>int2/butterfly/clipped_mean:2.0"
-    assert split.mean_codec == "int2" and plain.mean_codec == "sign"
+    assert same.codec == plain.codec and split.codec.mean_name == "int2" and plain.codec.mean_name == "sign"
+    assert swarm_settings(split)["mean_codec"] == "int2" != swarm_settings(plain)["mean_codec"]

@@ -494,8 +494,9 @@ def test_sparse_rounds_with_decayed_error_feedback_stay_consistent():
     """SparseLoCo-style rounds over the real swarm (topk codec, error feedback with decay 0.9,
     outer plain SGD): every peer agrees on every round's state, and the anchor moved."""
     tx_kwargs = dict(sync_every=4, outer=rj.default_outer(1.0, 0.0))
-    sync_kwargs = dict(mode="delayed", overlap_steps=1, error_feedback_decay=0.9)
-    results = _run_swarm(3, steps=16, codec="topk", tx_kwargs=tx_kwargs, sync_kwargs=sync_kwargs)
+    sync_kwargs = dict(mode="delayed", overlap_steps=1)
+    codec = rj.Codec("topk", error_feedback_decay=0.9)
+    results = _run_swarm(3, steps=16, codec=codec, tx_kwargs=tx_kwargs, sync_kwargs=sync_kwargs)
     _assert_digests_agree(results, 4)
     moved = [
         float(jnp.abs(a - b).max())
