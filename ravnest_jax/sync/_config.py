@@ -16,18 +16,16 @@ def check_options(
     swarm: Any,
     mode: str,
     overlap_steps: Any,
-    max_overlap_steps: Any,
     alpha: Any,
     samples_per_step: Any,
-    sync_every_seconds: Any,
     codec: str | None,
     *,
     processes: int,
     leader: bool,
     staleness_budget: float = 0.01,
 ) -> int | None:
-    """Checks :class:`OuterSync`'s options (see its docstring); returns ``max_overlap_steps``
-    (its default filled in with ``"auto"``, else ``None``).
+    """Checks :class:`OuterSync`'s options (see its docstring); returns the cap of ``"auto"``
+    (the largest tau within ``staleness_budget``), else ``None``.
 
     Raises:
       ValueError: one line naming the bad option and what it must be.
@@ -69,27 +67,15 @@ def check_options(
             raise ValueError(f"overlap_steps='auto' needs at least 2 steps between rounds, got {gap}")
         if not (isinstance(staleness_budget, (int, float)) and 0 < staleness_budget < 1):
             raise ValueError(f"staleness_budget must be a fraction in (0, 1), got {staleness_budget!r}")
-        if max_overlap_steps is None:
-            max_overlap_steps = overlap_cap(tx.sync_every, gap, float(staleness_budget))
-        if (
-            isinstance(max_overlap_steps, bool)
-            or not isinstance(max_overlap_steps, int)
-            or not 1 <= max_overlap_steps < gap
-        ):
-            raise ValueError(
-                f"max_overlap_steps must be an int in [1, {gap - 1}] (below the steps "
-                f"between rounds), got {max_overlap_steps!r}"
-            )
+        cap = overlap_cap(tx.sync_every, gap, float(staleness_budget))
     else:
         if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or overlap_steps < 0:
             raise ValueError(f"overlap_steps must be an int >= 0 or 'auto', got {overlap_steps!r}")
-        if max_overlap_steps is not None:
-            raise ValueError("max_overlap_steps applies only to overlap_steps='auto'")
         if mode == "blocking" and overlap_steps != 0:
             raise ValueError("overlap_steps must be 0 in mode='blocking'")
         if mode == "eager" and overlap_steps < 1:
             raise ValueError("overlap_steps must be >= 1 in mode='eager' (tau = 0 is 'blocking')")
-        if sync_every_seconds is None and overlap_steps >= gap:
+        if overlap_steps >= gap:
             raise ValueError(
                 f"overlap_steps ({overlap_steps}) must be smaller than the steps between rounds "
                 f"({gap} = sync_every / fragments)"
@@ -98,9 +84,4 @@ def check_options(
         raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
     if not (isinstance(samples_per_step, (int, float)) and math.isfinite(samples_per_step) and samples_per_step > 0):
         raise ValueError(f"samples_per_step must be a finite number > 0, got {samples_per_step!r}")
-    if sync_every_seconds is not None:
-        if not (isinstance(sync_every_seconds, (int, float)) and sync_every_seconds > 0):
-            raise ValueError(f"sync_every_seconds must be > 0, got {sync_every_seconds!r}")
-        if tx.fragments > 1:
-            raise ValueError("sync_every_seconds works with fragments=1 only")
-    return max_overlap_steps if auto else None
+    return cap if auto else None

@@ -88,8 +88,8 @@ class OuterSync(ManifestDeclaration, StateExchange):
       since the boundary is rebased onto it. The global state stays identical on all peers.
 
     With ``tx.fragments > 1`` each fragment has its own rounds (``tx.due_fragments``), in the same
-    order on every peer. With ``sync_every_seconds`` rounds start by wall time instead of every
-    H steps (one fragment only); contributions are weighted by samples processed.
+    order on every peer. Contributions are weighted by samples processed (``samples_per_step``
+    times the steps since this peer's last round).
 
     Args:
       tx: the :func:`rj.diloco` transformation (``axis_name=None``).
@@ -99,12 +99,11 @@ class OuterSync(ManifestDeclaration, StateExchange):
       mode: one of ``"blocking"``, ``"delayed"``, ``"eager"``.
       overlap_steps: tau, inner steps between a round's boundary and its merge; ``0 <= tau <
         sync_every / fragments``. ``"auto"``: chosen per round so that the exchange hides behind
-        the inner steps (``ceil(1.25 * t_x / t_s)`` in ``[1, max_overlap_steps]``, ``t_x`` the
-        longest of the last 4 exchanges, ``t_s`` the inner-step time; see ``_schedule.AutoTau``).
+        the inner steps (``ceil(1.25 * t_x / t_s)`` in ``[1, cap]``, ``t_x`` the longest of the
+        last 4 exchanges, ``t_s`` the inner-step time; see ``_schedule.AutoTau``; ``cap``, the
+        largest tau within ``staleness_budget``, is the attribute ``max_overlap_steps``).
         Peers may then merge at different steps: the global state stays identical, only local
         progress differs (not bit-reproducible). Not for a peer over several processes.
-      max_overlap_steps: upper bound of ``"auto"``, ``1 <= cap <`` the steps between round
-        starts; default: the largest tau within ``staleness_budget``.
       staleness_budget: the eval-loss cost (a fraction, default 0.01) that ``"auto"`` may spend
         on staleness: a larger tau merges staler averages, predicted to cost ``0.00275 + 0.0625
         * tau / H`` (fitted to ``benchmarks/bench_convergence.py``, H = 50: tau = 1 +0.4 %, tau
@@ -117,11 +116,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
       alpha: mixing weight of the local params at the merge, in ``[0, 1]``.
       samples_per_step: this peer's samples per inner step (the weight of its contribution is
         samples processed since its last round).
-      sync_every_seconds: start a round every this many seconds of wall time instead of every
-        ``tx.sync_every`` steps (heterogeneous peers).
       on_round: callback ``f(RoundMetrics)`` after every round (called from the training thread).
-      resync: ``f() -> bytes | None`` that downloads the current state from a live peer, used
-        after a failed round; default: the swarm's ``fetch_state`` when it has one.
       seed: PRNG seed of stochastic rounding.
       donate: the merge reuses the buffers of the params and state passed to that ``sync`` call
         (XLA buffer donation): a round's device memory drops by their size (about 5x the params
@@ -139,7 +134,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
     state, a failed round is skipped (docs/multi-device.md).
 
     Raises:
-      ValueError: a bad mode, overlap, alpha, samples_per_step, sync_every_seconds, a tx with
+      ValueError: a bad mode, overlap, alpha, samples_per_step, a tx with
         ``axis_name`` set, a swarm without ``all_reduce_async`` (``None`` is accepted only on the
         processes other than 0 of a multi-process peer, with ``codec``), a ``codec`` that is not
         the swarm's.
@@ -152,20 +147,17 @@ class OuterSync(ManifestDeclaration, StateExchange):
         *,
         mode: str = "delayed",
         overlap_steps: int | str = 1,
-        max_overlap_steps: int | None = None,
         staleness_budget: float = 0.01,
         alpha: float = 0.0,
         samples_per_step: float = 1.0,
-        sync_every_seconds: float | None = None,
         on_round: Callable[[RoundMetrics], None] | None = None,
-        resync: Callable[[], bytes | None] | None = None,
         seed: int = 0,
         codec: Codec | str | None = None,
         donate: bool = False,
     ):
         self._processes = jax.process_count()
         self._leader = jax.process_index() == 0
-        opts = (mode, overlap_steps, max_overlap_steps, alpha, samples_per_step, sync_every_seconds, codec)
+        opts = (mode, overlap_steps, alpha, samples_per_step, codec)
         cap = check_options(
             tx, swarm, *opts, processes=self._processes, leader=self._leader, staleness_budget=staleness_budget
         )
@@ -174,17 +166,17 @@ class OuterSync(ManifestDeclaration, StateExchange):
         host_memory.tune_host_allocator()  # round buffers reused from the heap (see its docstring)
         self.mode = mode
         self.overlap_steps: int | str = overlap_steps if mode != "blocking" else 0
-        self.max_overlap_steps = cap
-        self._schedule = Schedule(tx, self.overlap_steps, cap or 1, float(samples_per_step), sync_every_seconds)
+        self.max_overlap_steps = cap  # auto tau's cap, from staleness_budget (None: a fixed tau)
+        self._schedule = Schedule(tx, self.overlap_steps, cap or 1, float(samples_per_step))
         # (swarm round, state digest) after the last merged round: sent with the next exchange
         self._last_state: tuple[int, str] | None = None
         self._state_digest: str | None = None
         self.alpha = float(alpha)
         self.codec = Codec.of(codec if swarm is None else swarm.codec)
         self.samples_per_step = float(samples_per_step)
-        self.sync_every_seconds = sync_every_seconds
         self.on_round = on_round
-        self._resync_fn = resync if resync is not None else getattr(swarm, "fetch_state", None)
+        # downloads the current state from a live peer after a failed round (rj.Swarm.fetch_state)
+        self._resync_fn = getattr(swarm, "fetch_state", None)
         self._fns = RoundFunctions(
             tx, self.codec.name, self.codec.options, mode != "blocking", self.codec.error_feedback_decay, bool(donate)
         )
@@ -270,7 +262,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
         step = self.step
         # merge what is due (oldest first), start what is due, merge what is due at once (tau=0)
         params, state = self._merge_due(params, state)
-        for fragment in self._schedule.due(step, idle=not self._pending):
+        for fragment in self._schedule.due(step):
             params, state = self._start(fragment, params, state)
         params, state = self._merge_due(params, state)
         # Serve a requested state only now, with no round in flight: the state of this step
@@ -287,8 +279,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
             or not self._readied
             or self._server.wanted
             or bool(self._pending and self._pending[0].due_step <= nxt)
-            or self._schedule.wall_due(idle=not self._pending)
-            or (self.sync_every_seconds is None and bool(self.tx.due_fragments(nxt)))
+            or bool(self.tx.due_fragments(nxt))
         )
         if not busy:  # most steps: count only, no tree walk
             self.step = nxt

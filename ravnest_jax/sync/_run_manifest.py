@@ -34,13 +34,12 @@ def params_fingerprint(params: Any) -> dict[str, Any]:
 
 def trainer_manifest(sync: Any, params: Any) -> dict[str, Any]:
     """The settings of an ``rj.OuterSync`` and its ``rj.diloco`` that every peer must share:
-    the params' fingerprint, H (``sync_every``, or ``sync_every_seconds``), the fragments and
+    the params' fingerprint, H (``sync_every``), the fragments and
     their schedule (each fragment's step offset), the overlap mode and tau."""
     tx = sync.tx
     return {
         "params": params_fingerprint(params),
         "sync_every": int(tx.sync_every),
-        "sync_every_seconds": sync.sync_every_seconds,
         "fragments": int(tx.fragments),
         "fragment_offsets": [int(tx.fragment_offset(f)) for f in range(tx.fragments)],
         "mode": sync.mode,

@@ -35,8 +35,7 @@ class Plan(NamedTuple):
 class Schedule:
     """The round schedule of one driver.
 
-    Rounds start at ``tx.due_fragments(step)`` or, with ``sync_every_seconds``, every that many
-    seconds of wall time with no round in flight. Exchange ``seq`` is swarm round ``base +
+    Rounds start at ``tx.due_fragments(step)``. Exchange ``seq`` is swarm round ``base +
     (seq - seq_base)`` once :attr:`swarm_base` ``= (base, seq_base)`` is known (learned from the
     first round that ran): a late peer then fails fast instead of mixing an old
     pseudo-gradient into a later round.
@@ -45,22 +44,16 @@ class Schedule:
       tx: the :func:`rj.diloco` transformation.
       overlap_steps: tau (an int) or ``"auto"`` (:class:`AutoTau` with ``cap``).
       samples_per_step: samples per inner step (weights).
-      sync_every_seconds: wall-time rounds, or ``None``.
     """
 
-    def __init__(
-        self, tx: Any, overlap_steps: int | str, cap: int, samples_per_step: float, sync_every_seconds: float | None
-    ):
-        self.tx, self.overlap_steps = tx, overlap_steps
-        self.samples_per_step, self.sync_every_seconds = samples_per_step, sync_every_seconds
+    def __init__(self, tx: Any, overlap_steps: int | str, cap: int, samples_per_step: float):
+        self.tx, self.overlap_steps, self.samples_per_step = tx, overlap_steps, samples_per_step
         gap = tx.sync_every // tx.fragments if tx.fragments > 1 else tx.sync_every
-        # the steps between round starts (unknown when rounds start by wall time)
-        self.tau = AutoTau(cap, tx.sync_every, None if sync_every_seconds is not None else gap)
+        self.tau = AutoTau(cap, tx.sync_every, gap)  # gap: the steps between round starts
         self.rounds_started = 0
         self.swarm_base: tuple[int, int] | None = None
         self._last_round_step: dict[int, int] = {}
         self._first_step = 0
-        self._clock = time.monotonic()
 
     def restart(self, step: int, rounds_started: int | None = None, swarm_base: Any = False) -> None:
         """The step counter is ``step`` now (first call, restore, state download): every
@@ -71,22 +64,10 @@ class Schedule:
             self.rounds_started = rounds_started
         if swarm_base is not False:
             self.swarm_base = swarm_base
-        self._clock = time.monotonic()
         self.tau.reset()
 
-    def wall_due(self, idle: bool) -> bool:
-        """With ``sync_every_seconds``: a round is due (the interval passed, nothing in flight)."""
-        return (
-            self.sync_every_seconds is not None and idle and time.monotonic() - self._clock >= self.sync_every_seconds
-        )
-
-    def due(self, step: int, idle: bool) -> tuple[int, ...]:
-        """The fragments whose round starts at ``step`` (``idle``: no round in flight)."""
-        if self.sync_every_seconds is not None:
-            if self.wall_due(idle):
-                self._clock = time.monotonic()
-                return (0,)
-            return ()
+    def due(self, step: int) -> tuple[int, ...]:
+        """The fragments whose round starts at ``step``."""
         return self.tx.due_fragments(step)
 
     def plan(self, fragment: int, step: int, stall_seconds: float) -> Plan:
@@ -226,7 +207,7 @@ class AutoTau:
                 cost = staleness_cost(hide, self.sync_every)
                 budget = f", or staleness_budget={math.ceil(cost * 1000 - 1e-9) / 1000:g} (predicted eval-loss cost)"
             return (
-                f"The staleness budget caps auto tau at {self.cap}: set max_overlap_steps={hide}{budget}; "
+                f"The staleness budget caps auto tau at {self.cap}: set overlap_steps={hide}{budget}; "
                 "or use a larger H, or a smaller codec"
             )
         return (

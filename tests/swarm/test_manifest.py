@@ -77,7 +77,6 @@ def test_trainer_manifest_fingerprints_structure_shapes_and_dtypes_not_values():
         assert m == {
             "params": fp,
             "sync_every": 12,
-            "sync_every_seconds": None,
             "fragments": 3,
             "fragment_offsets": [0, 4, 8],
             "mode": "delayed",

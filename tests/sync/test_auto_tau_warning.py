@@ -21,6 +21,7 @@ import optax
 import pytest
 
 import ravnest_jax as rj
+from ravnest_jax._staleness import STALENESS_COST
 from ravnest_jax.sync import OuterSync, _schedule
 from ravnest_jax.sync._schedule import AutoTau
 
@@ -101,7 +102,7 @@ def test_three_slow_rounds_of_four_warn_once_with_the_measured_figures(caplog, m
     assert abs(util - (1 - 0.75 / 4.75)) < 0.006, w  # 3 x 0.25 s idle in 4 s of steps + 0.75 s
     # tau = cap = 5 hid 0.05 s of a 0.30 s exchange; hiding the 0.25 s wait takes 5 + 25 = 30 steps
     assert "tau=5 inner steps (0.010 s each)" in w and "tau=30 would" in w, w
-    assert "caps auto tau at 5: set max_overlap_steps=30, or staleness_budget=0.022" in w, w
+    assert "caps auto tau at 5: set overlap_steps=30, or staleness_budget=0.022" in w, w
 
 
 def test_long_exchanges_with_small_measured_stalls_are_not_warned_about(caplog, monkeypatch):
@@ -142,7 +143,9 @@ def _train(swarm, peer, *, h, rounds, cap, work):
 
     params, x, y = _init(), *_batch(peer, 0)
     state = tx.init(params)
-    with OuterSync(tx, swarm, mode="delayed", overlap_steps="auto", max_overlap_steps=cap) as sync:
+    budget = STALENESS_COST[0] + STALENESS_COST[1] * (cap + 0.01) / h  # the budget whose cap is ``cap``
+    with OuterSync(tx, swarm, mode="delayed", overlap_steps="auto", staleness_budget=budget) as sync:
+        assert sync.max_overlap_steps == cap, (budget, sync.max_overlap_steps)
         sync.warmup(params, state)
         for _ in range(h * rounds):
             params, state, _, a = step(params, state, x, y, a)
@@ -177,7 +180,7 @@ def test_real_swarm_warns_when_tau_is_too_small_for_the_exchange_and_not_when_it
     assert warnings, ("no warning", _table(metrics))
     for w in warnings:  # what to set: a larger cap, or (a wait of more steps than H holds) a larger H
         assert "the device waited for the outer rounds" in w, w
-        assert "set max_overlap_steps=" in w or "No tau below the 10 steps" in w, w
+        assert "staleness_budget=" in w or "No tau below the 10 steps" in w, w
     stalls = [float(re.search(r"([0-9.]+) s per round \(median, measured\)", w).group(1)) for w in warnings]
     assert all(s > 0 for s in stalls), warnings
 

@@ -12,7 +12,7 @@ from ravnest_jax.sync._schedule import Schedule
 
 
 def test_the_mapping_follows_a_round_that_ran_as_a_later_number():
-    s = Schedule(rj.diloco(optax.sgd(0.1), sync_every=10), 1, 5, 1.0, None)
+    s = Schedule(rj.diloco(optax.sgd(0.1), sync_every=10), 1, 5, 1.0)
     p = s.plan(0, 10, 0.0)
     assert p.expected is None
     p.learn_round(4, True)  # the first round ran as swarm round 4
