@@ -172,7 +172,8 @@ def run_swarm_mode(mode: str, args, url: str, graphdef, params0, train, seed: in
         sync_mode = "blocking" if mode == "blocking" else ("eager" if mode.startswith("eager") else "delayed")
         tau = 0 if mode == "blocking" else (int(mode.rsplit("_tau", 1)[1]) if "_tau" in mode else 1)
         syncs = [
-            rj.OuterSync(tx, s, mode=sync_mode, overlap_steps=tau, samples_per_step=args.batch_size) for s in swarms
+            rj.OuterSync(tx, s, eager=sync_mode == "eager", overlap_steps=tau, samples_per_step=args.batch_size)
+            for s in swarms
         ]
         for s in syncs[1:]:
             s._fns.cache = syncs[0]._fns.cache

@@ -868,8 +868,7 @@ def overlap_peer(spec: dict[str, Any]) -> dict[str, Any]:
         )
         with swarm:
             swarm.wait_for_peers(2, timeout=120)
-            mode = "blocking" if tau == 0 else "delayed"
-            with rj.OuterSync(tx, swarm, mode=mode, overlap_steps=tau, samples_per_step=spec["batch"]) as sync:
+            with rj.OuterSync(tx, swarm, overlap_steps=tau, samples_per_step=spec["batch"]) as sync:
                 sync.warmup(adapters, state)
                 # one round more than measured: the measured rounds all merge inside the loop
                 # (the summary is read before the flush, which would wait out the last one)

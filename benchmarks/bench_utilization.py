@@ -192,8 +192,8 @@ def _peer_run(i: int, mode: str, args: argparse.Namespace, net: dict, barrier) -
             leaves, treedef = jax.tree.flatten(g)
         else:
             state = tx.init(params)
-            sync_mode = "blocking" if mode == "blocking" else ("eager" if mode.startswith("eager") else "delayed")
-            sync = rj.OuterSync(tx, swarm, mode=sync_mode, overlap_steps=tau, samples_per_step=args.batch_size)
+            eager = mode.startswith("eager")
+            sync = rj.OuterSync(tx, swarm, eager=eager, overlap_steps=tau, samples_per_step=args.batch_size)
             tok = char_lm.sample_batch(train, rng, args.batch_size, args.seq_len)
             train_step.lower(params, state, tok).compile()
             sync.warmup(params, state)

@@ -216,12 +216,11 @@ def run_peer(args: argparse.Namespace) -> dict:
         clip_multiple=args.clip_multiple,
         trim=args.trim,
     )
-    mode = "blocking" if args.overlap_steps == 0 and args.mode != "eager" else args.mode
     sync = rj.OuterSync(
         tx,
         swarm,
-        mode=mode,
-        overlap_steps=args.overlap_steps,
+        eager=args.mode == "eager",
+        overlap_steps=0 if args.mode == "blocking" else args.overlap_steps,
         staleness_budget=args.staleness_budget,
         alpha=args.alpha,
         samples_per_step=args.batch_size,

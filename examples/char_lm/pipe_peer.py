@@ -66,7 +66,6 @@ def run_stage_peer(args: argparse.Namespace) -> dict:
         else inner
     )
     timeouts = Timeouts(part=args.part_timeout, round=max(4 * args.part_timeout, 30.0), heartbeat=1.0, eviction=5.0)
-    mode = "blocking" if args.overlap_steps == 0 and args.mode != "eager" else args.mode
     peer = rj.pipeline.StagePeer(
         split,
         plan,
@@ -88,7 +87,7 @@ def run_stage_peer(args: argparse.Namespace) -> dict:
         compute_seconds=(args.min_step_seconds / 3, 2 * args.min_step_seconds / 3)
         if args.min_step_seconds > 0
         else None,
-        outer={"mode": mode, "overlap_steps": args.overlap_steps if mode != "blocking" else 0},
+        outer={"eager": args.mode == "eager", "overlap_steps": 0 if args.mode == "blocking" else args.overlap_steps},
         outer_codec=args.codec,
         expected_peers=expected,
         clusters=clusters,

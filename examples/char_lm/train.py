@@ -81,10 +81,9 @@ def main(argv: list[str] | None = None) -> dict:
         peer_dir = Path(args.checkpoint_dir) / os.environ.get("RAVNEST_PEER_ID", ".")
         ckpt = rj.Checkpointer(peer_dir, max_to_keep=3, fresh=args.fresh)
     save_every = args.checkpoint_every or args.sync_every
-    mode = "blocking" if args.overlap_steps == 0 else "delayed"
     with (
         rj.Swarm() as swarm,
-        rj.OuterSync(tx, swarm, mode=mode, overlap_steps=args.overlap_steps, samples_per_step=args.batch_size) as sync,
+        rj.OuterSync(tx, swarm, overlap_steps=args.overlap_steps, samples_per_step=args.batch_size) as sync,
     ):
         joined = rj.join_or_resume(swarm, sync, params, state, checkpointer=ckpt)
         params, state = joined.params, joined.state

@@ -38,7 +38,6 @@ def train_stages(
     plan = rj.pipeline.plan_stages(split, args.stages)
     inner = optax.adamw(learning_rate(args), weight_decay=0.0)
     tx = rj.diloco(inner, outer_optimizer(args), sync_every=args.sync_every) if clusters > 1 else inner
-    mode = "blocking" if args.overlap_steps == 0 else "delayed"
     peer = rj.pipeline.StagePeer(
         split,
         plan,
@@ -57,7 +56,7 @@ def train_stages(
         else None,
         checkpoint_every=args.checkpoint_every,
         fresh=args.fresh,
-        outer={"mode": mode, "overlap_steps": args.overlap_steps},
+        outer={"overlap_steps": args.overlap_steps},
         outer_codec=os.environ.get("RAVNEST_CODEC", "int4"),
     )
     with peer:

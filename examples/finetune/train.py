@@ -437,10 +437,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.checkpoint_dir:
         peer_dir = Path(args.checkpoint_dir) / os.environ.get("RAVNEST_PEER_ID", ".")
         ckpt = rj.Checkpointer(peer_dir, max_to_keep=3, fresh=args.fresh)
-    mode = "blocking" if args.overlap_steps == 0 else "delayed"
     with (
         rj.Swarm() as swarm,
-        rj.OuterSync(tx, swarm, mode=mode, overlap_steps=args.overlap_steps, samples_per_step=args.batch_size) as sync,
+        rj.OuterSync(tx, swarm, overlap_steps=args.overlap_steps, samples_per_step=args.batch_size) as sync,
     ):
         joined = rj.join_or_resume(swarm, sync, lm.adapters, state, checkpointer=ckpt, extra={"data": data.state()})
         adapters, state = joined.params, joined.state

@@ -44,6 +44,8 @@ class Codec:
         residual; arXiv 1901.09847). Lossy codecs only.
       error_feedback_decay: beta in ``[0, 1]``: the residual carried is ``beta * residual``
         (1.0: classic error feedback; SparseLoCo, arXiv 2508.15706, uses 0.95).
+      seed: the PRNG seed of a swarm peer's stochastic rounding (``rj.OuterSync`` folds it with
+        the exchange number; the simulation uses ``rj.diloco``'s ``rng_key``). Peer-local.
 
     Raises:
       ValueError: one line naming the bad field: an unknown codec, an option that does not
@@ -59,6 +61,7 @@ class Codec:
     mean_ef: bool = False
     error_feedback: bool = True
     error_feedback_decay: float = 1.0
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or self.name not in CODECS:
@@ -68,6 +71,8 @@ class Codec:
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"Codec.{flag} must be True or False, got {getattr(self, flag)!r}")
         object.__setattr__(self, "error_feedback_decay", check_error_feedback_decay(self.error_feedback_decay))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"Codec.seed must be an int, got {self.seed!r}")
         if self.mean == self.name:
             object.__setattr__(self, "mean", None)
         if self.mean is not None:  # ValueError: it does not pair with name, or takes no option
@@ -135,4 +140,6 @@ class Codec:
             fields.append("error_feedback=False")
         if self.error_feedback_decay != 1.0:
             fields.append(f"error_feedback_decay={self.error_feedback_decay}")
+        if self.seed:
+            fields.append(f"seed={self.seed}")
         return f"Codec({', '.join([repr(self.name), *fields])})"

@@ -8,13 +8,13 @@ from typing import Any
 from ravnest_jax._staleness import overlap_cap
 from ravnest_jax.optim import DiLoCo
 
-MODES = ("blocking", "delayed", "eager")
+MODES = ("blocking", "delayed", "eager")  # what the run manifest and the metrics call them
 
 
 def check_options(
     tx: Any,
     swarm: Any,
-    mode: str,
+    eager: Any,
     overlap_steps: Any,
     alpha: Any,
     samples_per_step: Any,
@@ -51,13 +51,11 @@ def check_options(
                 f"codec {Codec.of(codec)} is not the swarm's {Codec.of(swarm.codec)}: OuterSync takes the swarm's "
                 "(rj.Swarm(codec=...)); codec= is for swarm=None"
             )
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(eager, bool):
+        raise ValueError(f"eager must be True or False, got {eager!r}")
     auto = overlap_steps == "auto"
     gap = tx.sync_every // tx.fragments if tx.fragments > 1 else tx.sync_every
     if auto:
-        if mode == "blocking":
-            raise ValueError("overlap_steps='auto' does not apply to mode='blocking' (tau = 0)")
         if processes > 1:
             raise ValueError(
                 "overlap_steps='auto' needs a peer of one process (every process "
@@ -71,10 +69,8 @@ def check_options(
     else:
         if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or overlap_steps < 0:
             raise ValueError(f"overlap_steps must be an int >= 0 or 'auto', got {overlap_steps!r}")
-        if mode == "blocking" and overlap_steps != 0:
-            raise ValueError("overlap_steps must be 0 in mode='blocking'")
-        if mode == "eager" and overlap_steps < 1:
-            raise ValueError("overlap_steps must be >= 1 in mode='eager' (tau = 0 is 'blocking')")
+        if eager and overlap_steps < 1:
+            raise ValueError("overlap_steps must be >= 1 with eager=True (tau = 0 is a blocking round)")
         if overlap_steps >= gap:
             raise ValueError(
                 f"overlap_steps ({overlap_steps}) must be smaller than the steps between rounds "

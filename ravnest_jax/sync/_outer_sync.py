@@ -75,17 +75,18 @@ class OuterSync(ManifestDeclaration, StateExchange):
     loop and returns at once. When the averaged result is due it is merged with the jitted merge
     function; if it is not in yet, the step blocks and the stall is counted.
 
-    Modes:
+    How a round meets the training (``mode``, as the run manifest and the docs name it):
 
-    - ``"blocking"``: plain DiLoCo; the round is exchanged and applied at the boundary step
-      (``overlap_steps`` must be 0).
-    - ``"delayed"``: Streaming DiLoCo's overlap (arXiv 2501.18512): the result is merged
-      ``overlap_steps`` (tau) inner steps after the boundary, keeping the local progress made
-      meanwhile, mixed with ``alpha``. With tau = 0 it equals ``"blocking"`` exactly.
-    - ``"eager"`` (arXiv 2502.12996): at the boundary the local pseudo-gradient stands in for
-      the average (the params restart from the speculative anchor at once); when the true
-      average arrives tau steps later the anchor is recomputed from it and the local progress
-      since the boundary is rebased onto it. The global state stays identical on all peers.
+    - ``overlap_steps=0`` (``"blocking"``): plain DiLoCo; the round is exchanged and applied at
+      the boundary step.
+    - ``overlap_steps=tau`` (``"delayed"``, the default with tau = 1): Streaming DiLoCo's overlap
+      (arXiv 2501.18512): the result is merged tau inner steps after the boundary, keeping the
+      local progress made meanwhile, mixed with ``alpha``.
+    - ``eager=True`` (``"eager"``, arXiv 2502.12996; tau >= 1): at the boundary the local
+      pseudo-gradient stands in for the average (the params restart from the speculative anchor
+      at once); when the true average arrives tau steps later the anchor is recomputed from it
+      and the local progress since the boundary is rebased onto it. The global state stays
+      identical on all peers.
 
     With ``tx.fragments > 1`` each fragment has its own rounds (``tx.due_fragments``), in the same
     order on every peer. Contributions are weighted by samples processed (``samples_per_step``
@@ -96,7 +97,6 @@ class OuterSync(ManifestDeclaration, StateExchange):
       swarm: an ``rj.Swarm`` (or anything with ``codec``, an ``rj.Codec``, and
         ``all_reduce_async(tree, weight)``). Its codec value sets the device-side encode: the
         codec and its options, error feedback and its decay (``rj.Codec``).
-      mode: one of ``"blocking"``, ``"delayed"``, ``"eager"``.
       overlap_steps: tau, inner steps between a round's boundary and its merge; ``0 <= tau <
         sync_every / fragments``. ``"auto"``: chosen per round so that the exchange hides behind
         the inner steps (``ceil(1.25 * t_x / t_s)`` in ``[1, cap]``, ``t_x`` the longest of the
@@ -113,11 +113,11 @@ class OuterSync(ManifestDeclaration, StateExchange):
         of the last 4 rounds with a utilisation under 0.95, and those rounds together too
         (never after one slow round; at most every 50 rounds); it names the tau that would
         have hidden the wait and what to set.
+      eager: the eager rounds above (default False).
       alpha: mixing weight of the local params at the merge, in ``[0, 1]``.
       samples_per_step: this peer's samples per inner step (the weight of its contribution is
         samples processed since its last round).
       on_round: callback ``f(RoundMetrics)`` after every round (called from the training thread).
-      seed: PRNG seed of stochastic rounding.
       donate: the merge reuses the buffers of the params and state passed to that ``sync`` call
         (XLA buffer donation): a round's device memory drops by their size (about 5x the params
         with Adam inside), and those arrays are deleted: keep only what ``sync`` returns.
@@ -134,7 +134,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
     state, a failed round is skipped (docs/multi-device.md).
 
     Raises:
-      ValueError: a bad mode, overlap, alpha, samples_per_step, a tx with
+      ValueError: a bad eager, overlap, alpha, samples_per_step, a tx with
         ``axis_name`` set, a swarm without ``all_reduce_async`` (``None`` is accepted only on the
         processes other than 0 of a multi-process peer, with ``codec``), a ``codec`` that is not
         the swarm's.
@@ -145,27 +145,27 @@ class OuterSync(ManifestDeclaration, StateExchange):
         tx: DiLoCo,
         swarm: Exchange,
         *,
-        mode: str = "delayed",
         overlap_steps: int | str = 1,
+        eager: bool = False,
         staleness_budget: float = 0.01,
         alpha: float = 0.0,
         samples_per_step: float = 1.0,
         on_round: Callable[[RoundMetrics], None] | None = None,
-        seed: int = 0,
         codec: Codec | str | None = None,
         donate: bool = False,
     ):
         self._processes = jax.process_count()
         self._leader = jax.process_index() == 0
-        opts = (mode, overlap_steps, alpha, samples_per_step, codec)
+        opts = (eager, overlap_steps, alpha, samples_per_step, codec)
         cap = check_options(
             tx, swarm, *opts, processes=self._processes, leader=self._leader, staleness_budget=staleness_budget
         )
         self.tx = tx
         self.swarm = swarm
         host_memory.tune_host_allocator()  # round buffers reused from the heap (see its docstring)
-        self.mode = mode
-        self.overlap_steps: int | str = overlap_steps if mode != "blocking" else 0
+        # "blocking" (tau 0), "delayed" or "eager": the run manifest's and the docs' names
+        self.mode = "eager" if eager else ("blocking" if overlap_steps == 0 else "delayed")
+        self.overlap_steps: int | str = overlap_steps
         self.max_overlap_steps = cap  # auto tau's cap, from staleness_budget (None: a fixed tau)
         self._schedule = Schedule(tx, self.overlap_steps, cap or 1, float(samples_per_step))
         # (swarm round, state digest) after the last merged round: sent with the next exchange
@@ -178,7 +178,12 @@ class OuterSync(ManifestDeclaration, StateExchange):
         # downloads the current state from a live peer after a failed round (rj.Swarm.fetch_state)
         self._resync_fn = getattr(swarm, "fetch_state", None)
         self._fns = RoundFunctions(
-            tx, self.codec.name, self.codec.options, mode != "blocking", self.codec.error_feedback_decay, bool(donate)
+            tx,
+            self.codec.name,
+            self.codec.options,
+            self.mode != "blocking",
+            self.codec.error_feedback_decay,
+            bool(donate),
         )
         self._rounds = RoundPipeline(
             tx,
@@ -186,8 +191,8 @@ class OuterSync(ManifestDeclaration, StateExchange):
             self._fns,
             alpha=self.alpha,
             error_feedback=self.codec.error_feedback,
-            eager=mode == "eager",
-            seed=seed,
+            eager=eager,
+            seed=self.codec.seed,
         )
         self._pending = self._rounds.pending  # rounds in flight, oldest first
 

@@ -30,6 +30,15 @@ def test_swarm_and_outer_sync_stay_under_450_lines():
     assert swarm < 450 and sync < 450, f"Swarm {swarm} lines, OuterSync {sync} lines"
 
 
+def test_the_outer_loop_takes_at_most_10_parameters():
+    """Issue 38: one codec value, no wall-time rounds, one staleness knob, eager instead of a
+    mode string: OuterSync had 17 parameters, optax's MultiSteps takes 5."""
+    import inspect
+
+    names = list(inspect.signature(rj.OuterSync.__init__).parameters)[1:]
+    assert len(names) <= 10, names
+
+
 def test_swarm_fulfils_the_sync_contract():
     swarm = rj.Swarm("http://127.0.0.1:9", run_id="r", token="t")  # not started: no socket
     assert isinstance(swarm, SwarmContract) and isinstance(swarm, Exchange)

@@ -67,7 +67,7 @@ def main() -> None:
             peer_id="multiprocess",
         )
     try:
-        with rj.OuterSync(tx, swarm, mode="delayed", overlap_steps=1, codec="int4") as sync:
+        with rj.OuterSync(tx, swarm, overlap_steps=1, codec="int4") as sync:
             sync.warmup(params, state)  # every process compiles the round functions before round 0
             if swarm is not None:
                 swarm.start()

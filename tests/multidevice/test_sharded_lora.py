@@ -96,9 +96,7 @@ def _batch(peer: int, step: int) -> np.ndarray:
     return np.random.default_rng([peer, step]).integers(0, 96, (BATCH, SEQ + 1), dtype=np.int32)
 
 
-def _run_lora_peer(
-    swarm, data_peer: int, mesh=None, *, mode: str = "blocking", overlap: int = 0, inner=None, ready=None
-) -> dict:
+def _run_lora_peer(swarm, data_peer: int, mesh=None, *, overlap: int = 0, inner=None, ready=None) -> dict:
     """A QLoRA peer (int4 base, rank-4 adapters) as the docs write it: ``H`` steps, then an
     adapters-only round through OuterSync; on ``mesh`` the base and adapters FSDP-style and the
     batch split over the devices."""
@@ -125,7 +123,7 @@ def _run_lora_peer(
 
     train_step = jax.jit(step, out_shardings=layouts)
     jax.block_until_ready(train_step(adapters, state, lm.frozen, put(_batch(data_peer, 0))))  # compile first
-    with OuterSync(tx, swarm, mode=mode, overlap_steps=overlap) as sync:
+    with OuterSync(tx, swarm, overlap_steps=overlap) as sync:
         sync.warmup(adapters, state)
         if ready is not None:  # every peer compiled: their rounds meet in one group
             ready.wait(timeout=240)
@@ -168,7 +166,7 @@ def test_a_sharded_qlora_peer_trains_and_syncs_like_a_one_device_peer():
     ready = threading.Barrier(2)
     with local_swarm(2, codec="fp32", run_id="lora-mixed", timeouts=PATIENT) as peers:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            kw = dict(mode="delayed", overlap=1, inner=inner, ready=ready)
+            kw = dict(overlap=1, inner=inner, ready=ready)
             f0 = pool.submit(_run_lora_peer, peers[0], 0, _mesh(), **kw)
             f1 = pool.submit(_run_lora_peer, peers[1], 0, **kw)
             got, ref = f0.result(timeout=350), f1.result(timeout=350)

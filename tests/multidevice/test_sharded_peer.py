@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration  # real swarms (processes or threads): minu
 H, STEPS = 4, 10  # rounds start at steps 4 and 8 and merge one step later (tau = 1): 2 rounds
 
 
-def _run_peer(swarm, data_peer, *, layout=None, axis_type=AxisType.Explicit, split_batch=True, mode="delayed"):
+def _run_peer(swarm, data_peer, *, layout=None, axis_type=AxisType.Explicit, split_batch=True):
     tx = rj.diloco(optax.adam(2e-2), sync_every=H)
     params = init_params()
     shardings = data_sh = m = None
@@ -41,7 +41,7 @@ def _run_peer(swarm, data_peer, *, layout=None, axis_type=AxisType.Explicit, spl
     if data_sh is not None:
         x0, y0 = jax.device_put(x0, data_sh), jax.device_put(y0, data_sh)
     jax.block_until_ready(step(params, state, x0, y0))  # compile before the first round's clock
-    with OuterSync(tx, swarm, mode=mode, overlap_steps=1) as sync:
+    with OuterSync(tx, swarm, overlap_steps=1) as sync:
         sync.warmup(params, state)
         for t in range(STEPS):
             x, y = batch(data_peer, t)

@@ -76,7 +76,7 @@ def main() -> None:
         expected_peers=args.expected_peers,
         clusters=args.clusters,
         standbys=args.standbys,
-        outer={"mode": "blocking", "overlap_steps": 0},
+        outer={"overlap_steps": 0},
         keep_grads=True,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,

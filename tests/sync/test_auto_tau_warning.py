@@ -144,7 +144,7 @@ def _train(swarm, peer, *, h, rounds, cap, work):
     params, x, y = _init(), *_batch(peer, 0)
     state = tx.init(params)
     budget = STALENESS_COST[0] + STALENESS_COST[1] * (cap + 0.01) / h  # the budget whose cap is ``cap``
-    with OuterSync(tx, swarm, mode="delayed", overlap_steps="auto", staleness_budget=budget) as sync:
+    with OuterSync(tx, swarm, overlap_steps="auto", staleness_budget=budget) as sync:
         assert sync.max_overlap_steps == cap, (budget, sync.max_overlap_steps)
         sync.warmup(params, state)
         for _ in range(h * rounds):

@@ -44,7 +44,7 @@ def test_metrics_keep_the_last_rounds_and_the_summary_counts_all(monkeypatch) ->
     tx = rj.diloco(optax.sgd(0.1), sync_every=1)
     state = tx.init(params)
     seen: list[rj.sync.RoundMetrics] = []
-    sync = rj.OuterSync(tx, Echo(), mode="blocking", overlap_steps=0, on_round=seen.append)
+    sync = rj.OuterSync(tx, Echo(), overlap_steps=0, on_round=seen.append)
 
     @jax.jit
     def step(params, state):

@@ -58,7 +58,11 @@ def _run_peer(swarm, peer, *, steps, tx_kwargs, sync_kwargs):
     params = _init()
     state = tx.init(params)
     losses = []
-    with OuterSync(tx, swarm, **sync_kwargs) as sync:
+    kwargs = dict(sync_kwargs)
+    keep = kwargs.pop("keep_local_progress", None)  # the merge variant, forced (white box)
+    with OuterSync(tx, swarm, **kwargs) as sync:
+        if keep is not None:
+            sync._fns.keep_local_progress = keep
         for t in range(steps):
             params, state, loss = step(params, state, *_batch(peer, t))
             params, state = sync(params, state)
@@ -70,6 +74,7 @@ def _run_peer(swarm, peer, *, steps, tx_kwargs, sync_kwargs):
             "losses": losses,
             "metrics": list(sync.metrics),
             "summary": sync.summary(),
+            "mode": sync.mode,
         }
 
 
@@ -95,10 +100,12 @@ def _assert_digests_agree(results, expected_rounds):
 def test_tau0_equals_blocking_exactly_and_digests_agree():
     """The end-to-end check of the overlapped driver: 3 peers on loopback (real rendezvous and
     peer servers), a tiny model, 3 rounds: the loss goes down, the global-state digests agree
-    after every round, and overlapped rounds with tau=0 equal blocking rounds bit for bit."""
+    after every round, and the overlapped rounds' merge (which keeps the local progress since
+    the boundary) with tau=0 equals the blocking merge (``overlap_steps=0``) bit for bit."""
     common = dict(steps=12, tx_kwargs=dict(sync_every=4))
-    blocking = _run_swarm(3, sync_kwargs=dict(mode="blocking", overlap_steps=0), **common)
-    delayed0 = _run_swarm(3, sync_kwargs=dict(mode="delayed", overlap_steps=0), **common)
+    blocking = _run_swarm(3, sync_kwargs=dict(overlap_steps=0), **common)
+    assert {r["mode"] for r in blocking} == {"blocking"}, [r["mode"] for r in blocking]
+    delayed0 = _run_swarm(3, sync_kwargs=dict(overlap_steps=0, keep_local_progress=True), **common)
     _assert_digests_agree(blocking, 3)
     _assert_digests_agree(delayed0, 3)
     # 3 peers, 3 rounds: the loss of the global params on held-out data goes down
@@ -119,7 +126,7 @@ def test_blocking_swarm_matches_vmap_simulation():
     """2 peers over the swarm (fp32) == 2 replicas under vmap with axis_name (up to the float32
     order of the mean)."""
     n, h, steps = 2, 3, 9
-    swarm = _run_swarm(n, steps=steps, tx_kwargs=dict(sync_every=h), sync_kwargs=dict(mode="blocking", overlap_steps=0))
+    swarm = _run_swarm(n, steps=steps, tx_kwargs=dict(sync_every=h), sync_kwargs=dict(overlap_steps=0))
     tx = rj.diloco(optax.adam(2e-2), sync_every=h, axis_name="replica")
 
     def one(params, state, x, y):
@@ -141,9 +148,9 @@ def test_blocking_swarm_matches_vmap_simulation():
 @pytest.mark.parametrize(
     "tx_kwargs,sync_kwargs,codec,rounds",
     [
-        (dict(sync_every=4), dict(mode="delayed", overlap_steps=1), "fp32", 4),
-        (dict(sync_every=4), dict(mode="eager", overlap_steps=2, alpha=0.0), "int4", 4),
-        (dict(sync_every=4, fragments=2), dict(mode="delayed", overlap_steps=1), "int4", 7),
+        (dict(sync_every=4), dict(overlap_steps=1), "fp32", 4),
+        (dict(sync_every=4), dict(eager=True, overlap_steps=2, alpha=0.0), "int4", 4),
+        (dict(sync_every=4, fragments=2), dict(overlap_steps=1), "int4", 7),
     ],
     ids=["delayed-tau1", "eager-int4", "fragments-int4"],
 )
@@ -173,12 +180,12 @@ def test_bad_config_raises_value_error():
         def all_reduce_async(self, tree, *, weight):  # pragma: no cover - never called
             raise AssertionError
 
-    with pytest.raises(ValueError, match="mode"):
-        OuterSync(tx, Fake(), mode="fast")
+    with pytest.raises(ValueError, match="eager must be True or False"):
+        OuterSync(tx, Fake(), eager="yes")
+    with pytest.raises(ValueError, match="overlap_steps must be >= 1 with eager=True"):
+        OuterSync(tx, Fake(), overlap_steps=0, eager=True)
     with pytest.raises(ValueError, match="overlap_steps"):
-        OuterSync(tx, Fake(), mode="blocking", overlap_steps=1)
-    with pytest.raises(ValueError, match="overlap_steps"):
-        OuterSync(tx, Fake(), mode="delayed", overlap_steps=4)
+        OuterSync(tx, Fake(), overlap_steps=4)
     with pytest.raises(ValueError, match="alpha"):
         OuterSync(tx, Fake(), alpha=2.0)
     with pytest.raises(ValueError, match="axis_name"):
@@ -187,8 +194,6 @@ def test_bad_config_raises_value_error():
         OuterSync(tx, object())
     with pytest.raises(ValueError, match="samples_per_step"):
         OuterSync(tx, Fake(), samples_per_step=0)
-    with pytest.raises(ValueError, match="blocking"):
-        OuterSync(tx, Fake(), mode="blocking", overlap_steps="auto")
     with pytest.raises(ValueError, match="overlap_steps"):
         OuterSync(tx, Fake(), overlap_steps="soon")
     assert OuterSync(tx, Fake(), overlap_steps=1).max_overlap_steps is None  # a fixed tau: no cap
@@ -227,7 +232,7 @@ def test_joining_peer_downloads_state_and_matches_from_its_first_round():
             step = _make_step(tx)
             params = _init()
             state = tx.init(params)
-            with OuterSync(tx, swarm, mode="delayed", overlap_steps=1) as sync:
+            with OuterSync(tx, swarm, overlap_steps=1) as sync:
                 swarm.serve_state(sync.request_state)
                 joined = False
                 if i == 2:
@@ -332,7 +337,7 @@ def test_auto_overlap_hides_the_exchange_and_keeps_the_state_identical():
             state = tx.init(params)
             # the staleness budget whose cap is ``cap`` at H = 10
             budget = STALENESS_COST[0] + STALENESS_COST[1] * (cap + 0.01) / 10
-            with OuterSync(tx, swarm, mode="delayed", overlap_steps="auto", staleness_budget=budget) as sync:
+            with OuterSync(tx, swarm, overlap_steps="auto", staleness_budget=budget) as sync:
                 assert sync.max_overlap_steps == cap, (budget, sync.max_overlap_steps)
                 jax.block_until_ready(step(params, state, *_batch(i, 0)))  # compile outside the clock
                 sync.warmup(params, state)
@@ -385,7 +390,7 @@ def test_a_diverged_peer_is_left_out_and_resyncs():
     def peer(i, swarm):
         params = _init()
         state = tx.init(params)
-        with OuterSync(tx, swarm, mode="delayed", overlap_steps=1) as sync:
+        with OuterSync(tx, swarm, overlap_steps=1) as sync:
             for t in range(40):
                 params, state, _ = step(params, state, *_batch(i, t))
                 time.sleep(0.01)
@@ -437,7 +442,7 @@ def test_served_state_is_the_state_of_the_step_it_was_asked_at():
     tx = rj.diloco(optax.sgd(0.1), sync_every=4)
     params = _init()
     state = tx.init(params)
-    with OuterSync(tx, Fake(), mode="delayed", overlap_steps=1) as sync:
+    with OuterSync(tx, Fake(), overlap_steps=1) as sync:
         sync.step, sync._schedule.rounds_started, sync._schedule.swarm_base = 29, 5, (3, 0)
         gate = threading.Event()
         sync._server._pool.submit(gate.wait, 10)  # the worker is busy ...
@@ -456,7 +461,7 @@ def test_sparse_rounds_with_decayed_error_feedback_stay_consistent():
     """SparseLoCo-style rounds over the real swarm (topk codec, error feedback with decay 0.9,
     outer plain SGD): every peer agrees on every round's state, and the anchor moved."""
     tx_kwargs = dict(sync_every=4, outer=rj.default_outer(1.0, 0.0))
-    sync_kwargs = dict(mode="delayed", overlap_steps=1)
+    sync_kwargs = dict(overlap_steps=1)
     codec = rj.Codec("topk", error_feedback_decay=0.9)
     results = _run_swarm(3, steps=16, codec=codec, tx_kwargs=tx_kwargs, sync_kwargs=sync_kwargs)
     _assert_digests_agree(results, 4)
@@ -469,13 +474,13 @@ def test_sparse_rounds_with_decayed_error_feedback_stay_consistent():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode,tau", [("delayed", 1), ("eager", 2)])
-def test_a_donating_merge_gives_the_same_rounds_bit_for_bit(mode, tau):
+@pytest.mark.parametrize("eager,tau", [(False, 1), (True, 2)])
+def test_a_donating_merge_gives_the_same_rounds_bit_for_bit(eager, tau):
     """OuterSync(donate=True): the merge reuses the buffers of the params and state it is given;
     the rounds, the global state and the params are exactly those of the merge that does not."""
     common = dict(steps=12, tx_kwargs=dict(sync_every=4))
-    plain = _run_swarm(3, sync_kwargs=dict(mode=mode, overlap_steps=tau), **common)
-    donated = _run_swarm(3, sync_kwargs=dict(mode=mode, overlap_steps=tau, donate=True), **common)
+    plain = _run_swarm(3, sync_kwargs=dict(eager=eager, overlap_steps=tau), **common)
+    donated = _run_swarm(3, sync_kwargs=dict(eager=eager, overlap_steps=tau, donate=True), **common)
     _assert_digests_agree(donated, 3)
     for a, b in zip(plain, donated):
         assert [m.state_digest for m in a["metrics"]] == [m.state_digest for m in b["metrics"]]
