@@ -132,12 +132,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mean-codec",
         choices=list(PLAN_CODECS),
-        help="codec of the mean the part owners send back (default: --codec), as rj.Swarm(mean_codec=...)",
+        help="codec of the mean the part owners send back (default: --codec), as rj.Codec(mean=...)",
     )
     p.add_argument(
         "--block-size",
         type=int,
-        help="values per scale of a block codec (int8, int4, int2, sign; default 64), as rj.Swarm(codec_options={'block_size': ...})",
+        help="values per scale of a block codec (int8, int4, int2, sign; default 64), as rj.Codec(block_size=...)",
     )
     p.add_argument("--peers", type=int, default=2, help="peers in a round (default 2)")
     p.add_argument("--mbit", type=positive_float, required=True, help="link rate up, Mbit/s")

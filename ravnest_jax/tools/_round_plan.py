@@ -332,7 +332,7 @@ def plan_rounds(
       codec: the codec of the rows' contributions (:data:`PLAN_CODECS`: ``fp32``, ``bf16``,
         ``int8``, ``int4``, ``int2``, ``sign``).
       mean_codec: the codec of the rows' mean (default ``codec``); another one must pair with
-        ``codec`` as ``rj.Swarm(mean_codec=...)`` requires (both block codecs, e.g. ``sign`` up
+        ``codec`` as ``rj.Codec(mean=...)`` requires (both block codecs, e.g. ``sign`` up
         and ``int2`` down, the 1000x mode of docs/algorithm.md).
       block_size: values per scale of the rows' block codecs (default: each codec's, 64; the
         1000x mode uses 512). The recommendation keeps each codec's default.

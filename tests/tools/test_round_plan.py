@@ -56,7 +56,7 @@ def test_validation_on_the_measured_cells():
 
 
 def test_a_pair_of_codecs_is_planned_with_the_swarms_bytes():
-    """Sign up, int2 down (rj.Swarm(codec="sign", mean_codec="int2")): a peer of 4 sends 3/4 of
+    """Sign up, int2 down (rj.Codec("sign", mean="int2")): a peer of 4 sends 3/4 of
     a sign message as parts and 3/4 of an int2 message as results, as the wire format counts."""
     n = 10_000_000
     plan = plan_rounds(n, codec="sign", mean_codec="int2", peers=4, mbit_up=100, rtt_ms=100, step_s=0.5)
