@@ -8,20 +8,30 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "quickstart_peer.py"
 
 
-@pytest.mark.parametrize(
-    "flag,value",
-    [("--steps", "-5"), ("--steps", "0"), ("--steps", "ten"), ("--sync-every", "0"), ("--sync-every", "2.5")],
-)
-def test_a_bad_count_is_one_usage_error(flag, value):
+BAD = [("--steps", "-5"), ("--steps", "0"), ("--steps", "ten"), ("--sync-every", "0"), ("--sync-every", "2.5")]
+
+
+def test_a_bad_count_is_one_usage_error():
+    """Each bad value in its own process, all started at once (each start imports jax: seconds)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, str(SCRIPT), flag, value], capture_output=True, text=True, timeout=120, env=env)
-    errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
-    assert r.returncode == 2 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-2000:])
-    assert errors == [f"quickstart_peer.py: error: argument {flag}: expected a whole number >= 1, got '{value}'"], (
-        r.stderr
-    )
+    procs = {
+        case: subprocess.Popen(
+            [sys.executable, str(SCRIPT), *case], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for case in BAD
+    }
+    try:
+        for (flag, value), p in procs.items():
+            _, err = p.communicate(timeout=120)
+            errors = [ln for ln in err.splitlines() if "error:" in ln]
+            assert p.returncode == 2 and "Traceback" not in err, (flag, value, p.returncode, err[-2000:])
+            want = f"quickstart_peer.py: error: argument {flag}: expected a whole number >= 1, got '{value}'"
+            assert errors == [want], (flag, value, err)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
