@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from ._formats import CODECS, mean_codec_options, resolve
@@ -77,8 +76,6 @@ class Codec:
             object.__setattr__(self, "mean", None)
         if self.mean is not None:  # ValueError: it does not pair with name, or takes no option
             resolve(self.mean, **mean_codec_options(self.name, self.mean, self.options))
-        if self.fraction is not None and not math.isfinite(float(self.fraction)):
-            raise ValueError(f"option 'fraction' must be a number in (0, 1], got {self.fraction!r}")
 
     @classmethod
     def of(cls, value: Codec | str | None, default: str = "fp32") -> Codec:
