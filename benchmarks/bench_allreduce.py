@@ -64,7 +64,7 @@ def reset_peak_rss() -> None:
 
 # ----------------------------------------------------------------------------- child modes
 def worker(args: argparse.Namespace) -> None:
-    from ravnest_jax.swarm import Swarm, Timeouts
+    from ravnest_jax.swarm import AllReduce, Swarm, Timeouts
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     n = args.payload // 4
@@ -79,10 +79,12 @@ def worker(args: argparse.Namespace) -> None:
         timeouts=t,
         peer_id=args.peer_id,
         codec=args.codec,
-        algorithm=args.algorithm,
+        algorithm=AllReduce(
+            args.algorithm,
+            segment_bytes=(args.ring_segment_bytes or None) if args.algorithm == "ring" else None,
+            aggregator=args.aggregator if args.algorithm == "butterfly" else None,
+        ),
         advertise=args.advertise,
-        **({"ring_segment_bytes": args.ring_segment_bytes} if args.ring_segment_bytes else {}),
-        **({"aggregator": args.aggregator} if args.aggregator else {}),
     ) as sw:
         sw.wait_for_peers(args.peers, timeout=120)
         # the input is not modified during the round: used in place, not copied (a library
@@ -413,7 +415,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the JSON")
     ap.add_argument(
-        "--aggregator", default=None, help="Swarm(aggregator=...) of the butterfly runs (default: its default)"
+        "--aggregator", default=None, help="AllReduce(aggregator=...) of the butterfly runs (default: its default)"
     )
     # child arguments
     ap.add_argument("--url")
@@ -436,7 +438,7 @@ def main() -> None:
         "--ring-segment-bytes",
         type=int,
         default=0,
-        help="Swarm(ring_segment_bytes=...) of the ring runs (0: the default)",
+        help="AllReduce('ring', segment_bytes=...) of the ring runs (0: the default)",
     )
     args = ap.parse_args()
     global RING_SEGMENT, AGGREGATOR
@@ -451,10 +453,9 @@ def main() -> None:
     if args.mode == "gloo":
         return gloo_worker(args)
 
-    try:
-        from ravnest_jax.swarm._allreduce import RING_SEGMENT_BYTES
-    except ImportError:  # an older library (A/B runs): the unpipelined ring
-        RING_SEGMENT_BYTES = None
+    from ravnest_jax.swarm import AllReduce
+
+    RING_SEGMENT_BYTES = AllReduce("ring").segment_bytes
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,8 @@ _EXPORTS: dict[str, str] = {
     "replicate": "ravnest_jax.optim",
     "unreplicate": "ravnest_jax.optim",
     "Swarm": "ravnest_jax.swarm",
+    "AllReduce": "ravnest_jax.swarm",
+    "TLS": "ravnest_jax.swarm",
     "Timeouts": "ravnest_jax.swarm",
     "RoundRecord": "ravnest_jax.swarm",
     "RoundFailed": "ravnest_jax.swarm",
@@ -67,6 +69,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .optim import diloco as diloco
     from .optim import replicate as replicate
     from .optim import unreplicate as unreplicate
+    from .swarm import TLS as TLS
+    from .swarm import AllReduce as AllReduce
     from .swarm import ManifestMismatch as ManifestMismatch
     from .swarm import PeerInfo as PeerInfo
     from .swarm import RoundFailed as RoundFailed

@@ -40,7 +40,6 @@ _FORWARD = (
     "mode",
     "aggregator",
     "clip_multiple",
-    "trim",
     "alpha",
     "fragments",
     "eval_batches",

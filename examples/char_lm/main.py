@@ -199,7 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--mode", choices=["delayed", "eager", "blocking"], default="delayed", help="outer-sync mode")
     s.add_argument(
         "--aggregator",
-        choices=["mean", "clipped_mean", "trimmed_mean"],
+        choices=["mean", "clipped_mean"],
         default=None,
         help="how a round combines the peers' pseudo-gradients (default clipped_mean: it bounds what one "
         "faulty peer can do, and equals the plain mean when no peer is far off; docs/swarm.md)",
@@ -209,9 +209,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=2.0,
         help="clipped_mean: bound a contribution's norm at this many times the round's median norm",
-    )
-    s.add_argument(
-        "--trim", type=_positive_int, default=1, help="trimmed_mean: values dropped at each end per coordinate"
     )
     s.add_argument(
         "--adversary",
@@ -456,7 +453,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ("--ef-decay", args.ef_decay != 1.0),
             ("--aggregator", args.aggregator not in (None, "clipped_mean")),
             ("--clip-multiple", args.clip_multiple != 2.0),
-            ("--trim", args.trim != 1),
         ):
             if bad:
                 p.error(f"{flag} is not supported with --stages yet (docs/pipeline.md, limits)")

@@ -212,9 +212,10 @@ def run_peer(args: argparse.Namespace) -> dict:
         advertise=args.advertise,
         timeouts=timeouts,
         peer_id=peer_id,
-        aggregator=args.aggregator,
-        clip_multiple=args.clip_multiple,
-        trim=args.trim,
+        algorithm=rj.AllReduce(
+            aggregator=args.aggregator,
+            clip_multiple=None if args.aggregator == "mean" else args.clip_multiple,
+        ),
     )
     sync = rj.OuterSync(
         tx,

@@ -210,8 +210,8 @@ class StagePeer:
             advertise=advertise,
             peer_id=peer_id,
             timeouts=timeouts,
-            info={INFO_KEY: self._info()},
         )
+        self.swarm.set_info({INFO_KEY: self._info()})
         self.link = self.swarm.activation_link()
         self.worker: StageWorker | None = None
         self.metrics = StageMetrics()

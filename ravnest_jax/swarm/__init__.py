@@ -6,6 +6,7 @@ This package never imports jax: it moves numpy float32 buffers and bytes.
 from ._activations import ActivationLink as ActivationLink
 from ._activations import PipelineBroken as PipelineBroken
 from ._activations import encoded_activation as encoded_activation
+from ._allreduce import AllReduce as AllReduce
 from ._codec import available_codecs as available_codecs
 from ._codec import check_codec as check_codec
 from ._codec import decode_activation as decode_activation
@@ -19,6 +20,7 @@ from ._preflight import check_rendezvous as check_rendezvous
 from ._preflight import read_token as read_token
 from ._rendezvous import Rendezvous as Rendezvous
 from ._rendezvous_serve import serve as serve_rendezvous
+from ._types import TLS as TLS
 from ._types import ManifestMismatch as ManifestMismatch
 from ._types import PeerInfo as PeerInfo
 from ._types import RoundFailed as RoundFailed
@@ -27,7 +29,9 @@ from ._types import SwarmError as SwarmError
 from ._types import Timeouts as Timeouts
 
 __all__ = [
+    "TLS",
     "ActivationLink",
+    "AllReduce",
     "HTTPStatusError",
     "ManifestMismatch",
     "PeerInfo",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
 
@@ -104,8 +105,8 @@ def ring_segments(
 
 
 # ---------------------------------------------------------------------- robust aggregation
-AGGREGATORS = ("mean", "clipped_mean", "trimmed_mean")
-ABSTAIN_BELOW = 1e-20  # weights under this are abstainers (zeros from a peer that missed its round)
+ALGORITHMS = ("butterfly", "ring")
+AGGREGATORS = ("mean", "clipped_mean")
 
 
 def squared_norm(vec: np.ndarray, chunk: int = 1 << 18) -> float:
@@ -123,14 +124,94 @@ def squared_norm(vec: np.ndarray, chunk: int = 1 << 18) -> float:
     return total
 
 
-def check_aggregator(aggregator: str, clip_multiple: float, trim: int) -> None:
-    """Raise ``ValueError`` (one line) for an unknown aggregator or a bad ``clip_multiple``/``trim``."""
-    if aggregator not in AGGREGATORS:
-        raise ValueError(f"aggregator must be one of {AGGREGATORS}, got {aggregator!r}")
-    if not (isinstance(clip_multiple, (int, float)) and np.isfinite(clip_multiple) and clip_multiple >= 1.0):
-        raise ValueError(f"clip_multiple must be a finite number >= 1, got {clip_multiple!r}")
-    if not (isinstance(trim, int) and not isinstance(trim, bool) and trim >= 1):
-        raise ValueError(f"trim must be an int >= 1, got {trim!r}")
+@dataclasses.dataclass(frozen=True)
+class AllReduce:
+    """How a round combines the peers' contributions: the algorithm and its knobs, one value.
+
+    ``rj.Swarm(algorithm=rj.AllReduce("butterfly", aggregator="mean"))``; a name alone
+    (``algorithm="ring"``) is ``AllReduce(name)``. Every peer of a run must use the same one
+    (it is in the round manifest: a peer with another one is refused).
+
+    Args:
+      name: ``"butterfly"`` (default): a reduce-scatter to part owners, then an all-gather of
+        the reduced parts (the butterfly all-reduce of hivemind/Moshpit SGD, arXiv 2103.03239);
+        a failed owner retries the attempt without it. ``"ring"``: the pipelined ring
+        all-reduce (2(n - 1) neighbour steps of segments; Patarasuk & Yuan 2009), which sums
+        partial results hop by hop.
+      aggregator: the butterfly's rule: ``"clipped_mean"`` (default: the weighted mean after a
+        contribution whose L2 norm exceeds ``clip_multiple`` times the round's median norm is
+        scaled down to that bound; the plain mean bit for bit while nobody is over it;
+        centered clipping, arXiv 2012.10333) or ``"mean"`` (the weighted mean). The ring never
+        holds one contributor's part: ``"mean"`` only.
+      clip_multiple: the clipped mean's bound in multiples of the median norm (>= 1, default 2).
+      segment_bytes: the ring's message size: every part is cut into segments of about this
+        many float32 bytes (>= 4, default 1 MiB).
+
+    Raises:
+      ValueError: an unknown name or aggregator, a knob out of range, or a knob of the other
+        algorithm (``segment_bytes`` with the butterfly; a robust aggregator or
+        ``clip_multiple`` with the ring; ``clip_multiple`` with ``aggregator="mean"``).
+    """
+
+    name: str = "butterfly"
+    aggregator: str | None = None
+    clip_multiple: float | None = None
+    segment_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        name, agg, k, seg = self.name, self.aggregator, self.clip_multiple, self.segment_bytes
+        if name not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {name!r}")
+        if agg is not None and agg not in AGGREGATORS:
+            raise ValueError(f"aggregator must be one of {AGGREGATORS}, got {agg!r}")
+        if k is not None and not (
+            isinstance(k, (int, float)) and not isinstance(k, bool) and np.isfinite(k) and k >= 1.0
+        ):
+            raise ValueError(f"clip_multiple must be a finite number >= 1, got {k!r}")
+        if name == "ring":
+            if agg not in (None, "mean") or k is not None:
+                raise ValueError(
+                    f"aggregator={agg or 'clipped_mean'!r} needs algorithm='butterfly': the ring sums partial "
+                    "results hop by hop and never holds one contributor's part"
+                )
+            if seg is None:
+                seg = RING_SEGMENT_BYTES
+            elif not (isinstance(seg, int) and not isinstance(seg, bool) and seg >= 4):
+                raise ValueError(f"segment_bytes must be an int >= 4, got {seg!r}")
+            agg = "mean"
+        else:
+            if seg is not None:
+                raise ValueError("segment_bytes is the ring's knob (AllReduce('ring', segment_bytes=...))")
+            agg = agg or "clipped_mean"
+            if agg == "mean" and k is not None:
+                raise ValueError("clip_multiple is the clipped mean's knob, not aggregator='mean''s")
+            if agg == "clipped_mean":
+                k = float(2.0 if k is None else k)
+        object.__setattr__(self, "aggregator", agg)
+        object.__setattr__(self, "clip_multiple", k)
+        object.__setattr__(self, "segment_bytes", seg)
+
+    @classmethod
+    def of(cls, value: AllReduce | str | None) -> AllReduce:
+        """``value`` as an :class:`AllReduce`: itself, ``AllReduce(name)`` for a name, the
+        default (the butterfly with the clipped mean) for ``None``. Raises ``ValueError``/
+        ``TypeError`` for anything else."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls(value)
+        raise TypeError(f"algorithm must be an rj.AllReduce or one of {ALGORITHMS}, got {type(value).__name__}")
+
+    def manifest(self) -> tuple[str, str]:
+        """``(algorithm, aggregator)`` as the round manifest names them, each with its knob:
+        ``("ring:1048576", "mean")``, ``("butterfly", "clipped_mean:2.0")``."""
+        algorithm = f"ring:{self.segment_bytes}" if self.name == "ring" else self.name
+        aggregator = (
+            f"clipped_mean:{self.clip_multiple!r}" if self.aggregator == "clipped_mean" else str(self.aggregator)
+        )
+        return algorithm, aggregator
 
 
 def clip_scales(norms: Mapping[str, float], contributors: Sequence[str], clip_multiple: float) -> dict[str, float]:
@@ -151,37 +232,3 @@ def clip_scales(norms: Mapping[str, float], contributors: Sequence[str], clip_mu
         return {}
     bound = float(clip_multiple) * real[(len(real) - 1) // 2]
     return {c: bound / float(norms[c]) for c in sorted(contributors) if float(norms[c]) > bound}
-
-
-def trimmed_mean(
-    parts: Mapping[str, tuple[np.float32, np.ndarray]], contributors: Sequence[str], trim: int
-) -> tuple[np.ndarray, dict[str, int]]:
-    """Coordinate-wise trimmed mean of the unweighted parts ``parts[c] = (w_c, x_c)``.
-
-    Per coordinate, the ``b`` largest and ``b`` smallest values among the contributors that are
-    not abstainers (weight >= ``ABSTAIN_BELOW``) are dropped and the rest averaged (unweighted),
-    ``b = min(trim, (n - 1) // 2)``: 2 contributors give their mean, 3 with ``trim=1`` their
-    median. Abstainers only count when every contributor is one (then their plain mean, zeros).
-    Float32, order-independent (values are sorted), so the result is the same wherever it is
-    computed. Yin et al., "Byzantine-robust distributed learning", arXiv 1803.01498.
-
-    Returns:
-      ``(mean, dropped)``: float32 of the parts' shape, and ``dropped[c]``: the number of
-      coordinates where contributor ``c``'s value was dropped (only contributors dropped at
-      least once).
-    """
-    order = [c for c in sorted(contributors) if float(parts[c][0]) >= ABSTAIN_BELOW] or sorted(contributors)
-    n = len(order)
-    b = min(int(trim), (n - 1) // 2)
-    if b == 0:
-        acc = np.array(parts[order[0]][1], dtype=np.float32)
-        for c in order[1:]:
-            np.add(acc, parts[c][1], out=acc)
-        return np.divide(acc, np.float32(n), out=acc), {}
-    stack = np.stack([parts[c][1] for c in order])  # (n, P) float32
-    idx = np.argsort(stack, axis=0, kind="stable")
-    kept = np.take_along_axis(stack, idx[b : n - b], axis=0)
-    del stack
-    mean = np.divide(kept.sum(axis=0, dtype=np.float32), np.float32(n - 2 * b)).astype(np.float32)
-    counts = np.bincount(np.concatenate([idx[:b].ravel(), idx[n - b :].ravel()]), minlength=n)
-    return mean, {order[i]: int(k) for i, k in enumerate(counts) if k}

@@ -44,7 +44,6 @@ class Attempt:
         self.own_chunk: Any = None  # (a, b) -> this peer's values of its own part's chunk
         self.out: np.ndarray | None = None  # the round's output buffer (float32, n_elements)
         self.fold: Any = None  # the running sum of this peer's part (a Fold)
-        self.kept: dict[str, tuple[np.float32, np.ndarray]] = {}  # trimmed mean: whole parts
         self.sent_parts: dict[int, tuple[Any, str]] = {}  # owner index -> (message, digest) sent
         self.n_elements = 0  # the whole vector's length
         self.pullers: frozenset[str] = frozenset()  # client-only members: own no part, pull results
@@ -70,7 +69,6 @@ class Attempt:
         """Refuse everything from now on and drop the buffers (wakes every waiter)."""
         self.closed = self.gather_closed = True
         self.received.clear()
-        self.kept.clear()
         self.sent_parts.clear()
         self.fold = self.out = self.contrib = self.own_chunk = None
         for fut in self.my_results.values():
@@ -114,7 +112,6 @@ class Reduced:
       diverged: peers whose global state digest differed from the majority's.
       next: the next round's group when the rendezvous handed it out with the commit.
       clipped: clipped mean: contributor -> the factor (< 1) its contribution was scaled by.
-      trimmed: trimmed mean: contributor -> the fraction of coordinates where it was dropped.
     """
 
     out: np.ndarray
@@ -124,7 +121,6 @@ class Reduced:
     diverged: tuple[str, ...]
     next: dict[str, Any] | None = None
     clipped: dict[str, float] = dataclasses.field(default_factory=dict)
-    trimmed: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

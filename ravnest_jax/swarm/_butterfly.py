@@ -15,15 +15,14 @@ When the gather decision needs another sum than the one made on the fly (a membe
 its part arrived here, a member clipped, a part that failed half-way), the owner pulls the kept
 members' parts again (``GET .../contrib/{part}``, served from their contributions).
 
-Aggregators (``aggregator=``): ``"mean"``, the weighted mean; ``"clipped_mean"``, the weighted
-mean after scaling down every contribution whose L2 norm exceeds ``clip_multiple`` times the
-round's median contribution norm (each owner reports the squared norm of every part it received
-with its gather vote; the rendezvous sums them per contributor into whole-vector norms, which
-the gather decision carries to every owner); ``"trimmed_mean"``, the coordinate-wise trimmed
-mean (unweighted). Both need the owners to see every contribution of their part, which is why
-they exist only here and not in the ring. The clipped mean reduces optimistically as if nobody
-were clipped (the tag covers the clip factors) and again only when the decision clips someone;
-the trimmed mean reduces after the gather decision.
+Aggregators (``AllReduce.aggregator``): ``"mean"``, the weighted mean; ``"clipped_mean"``, the
+weighted mean after scaling down every contribution whose L2 norm exceeds ``clip_multiple`` times
+the round's median contribution norm (each owner reports the squared norm of every part it
+received with its gather vote; the rendezvous sums them per contributor into whole-vector norms,
+which the gather decision carries to every owner). Clipping needs the owners to see every
+contribution of their part, which is why it exists only here and not in the ring. The clipped
+mean reduces optimistically as if nobody were clipped (the tag covers the clip factors) and
+again only when the decision clips someone.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ from aiohttp import web
 
 from ._allreduce import (
     CHUNK,
-    check_aggregator,
     clip_scales,
     contributors_tag,
 )
@@ -76,9 +74,9 @@ class Butterfly:
       rounds: the round driver (votes, attempts, members that left).
       codec, codec_options: the wire codec of parts and results.
       timeouts: the part deadline (seconds) of each phase.
-      aggregator: ``"mean"``, ``"clipped_mean"`` or ``"trimmed_mean"`` (module docstring).
-      clip_multiple: the clipped mean's bound, in multiples of the median norm (>= 1).
-      trim: the trimmed mean drops this many values at each end of every coordinate (>= 1).
+      aggregator: ``"mean"`` or ``"clipped_mean"`` (module docstring).
+      clip_multiple: the clipped mean's bound, in multiples of the median norm (>= 1; checked
+        by :class:`~ravnest_jax.swarm.AllReduce`).
       mean_error_feedback: each part owner carries what its encode of the mean dropped into the
         next round's mean (``_gather.MeanResidual``).
       mean_codec: the codec of the mean (the result parts); ``None``: ``codec``.
@@ -94,13 +92,11 @@ class Butterfly:
         codec_options: dict[str, Any],
         timeouts: Timeouts,
         aggregator: str = "mean",
-        clip_multiple: float = 2.0,
-        trim: int = 1,
+        clip_multiple: float | None = 2.0,
         mean_error_feedback: bool = False,
         mean_codec: str | None = None,
     ):
-        check_aggregator(aggregator, clip_multiple, trim)
-        self.aggregator, self.clip_multiple, self.trim = aggregator, float(clip_multiple), int(trim)
+        self.aggregator, self.clip_multiple = aggregator, clip_multiple
         self.transport, self.rounds = transport, rounds
         self.codec, self.codec_options, self.timeouts = codec, codec_options, timeouts
         self.peer_id = transport.peer_id
@@ -108,7 +104,7 @@ class Butterfly:
         transport.route("PUT", PARTS, self._h_put_part)
         transport.route("GET", CONTRIB, self._h_get_contrib)
         self.gather = AllGather(
-            transport, rounds, codec, codec_options, timeouts, aggregator, trim, mean_error_feedback, mean_codec
+            transport, rounds, codec, codec_options, timeouts, aggregator, mean_error_feedback, mean_codec
         )
 
     def wire(self) -> str:
@@ -117,8 +113,6 @@ class Butterfly:
         codec = self.codec if self.gather.mean_codec == self.codec else f"{self.codec}>{self.gather.mean_codec}"
         if self.aggregator == "clipped_mean":
             return f"{codec}/butterfly/clipped_mean:{self.clip_multiple!r}"
-        if self.aggregator == "trimmed_mean":
-            return f"{codec}/butterfly/trimmed_mean:{self.trim}"
         return f"{codec}/butterfly"
 
     def prepare(self, st: Attempt, layout: PartLayout, relayed: frozenset[str] = frozenset()) -> None:
@@ -140,7 +134,7 @@ class Butterfly:
     # ------------------------------------------------------------------ server side
     async def _h_put_part(self, request: web.Request) -> web.Response:
         """Reduce-scatter: a member's part of the part this peer owns, added into the sum as it
-        streams in (or kept whole, for the trimmed mean)."""
+        streams in."""
         weight_s = request.headers.get(H_WEIGHT, "")
         manifest = request.headers.get(H_MANIFEST, "")
         sender, claimed = self.transport.verify(request, extra=f"{weight_s}|{manifest}")
@@ -167,15 +161,10 @@ class Butterfly:
         if request.content_length is not None and request.content_length > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
         st.receiving.add(sender)
-        fold, kept = st.fold, None
+        fold = st.fold
         try:
-            if fold is None:  # the trimmed mean: the whole (unweighted) part, kept
-                kept = np.empty(st.hi - st.lo, np.float32)
-                grid = st.grid
-                dec = RangeDecoder(st.layout, st.lo, st.hi, lambda j, v: kept.__setitem__(slice(*grid[j]), v))
-            else:
-                fold.expect(sender, w)
-                dec = RangeDecoder(st.layout, st.lo, st.hi, lambda j, v: fold.add(sender, j, v))
+            fold.expect(sender, w)
+            dec = RangeDecoder(st.layout, st.lo, st.hi, lambda j, v: fold.add(sender, j, v))
             await self.transport.read_stream(request, dec.feed, claimed, limit, lambda: st.closed)
             try:
                 dec.finish()
@@ -183,14 +172,12 @@ class Butterfly:
                 raise web.HTTPBadRequest(text=f"bad part: {e}") from None
             if st.closed:
                 raise web.HTTPConflict(text="too late: the reduce-scatter of this attempt is over")
-            if kept is not None:
-                st.kept[sender] = (w, kept)
             st.received[sender] = w
             st.bytes_in += dec.nbytes
             if len(st.received) == len(st.group):
                 st.complete.set()
         except BaseException:
-            if fold is not None and sender not in st.received:
+            if sender not in st.received:
                 fold.failed(sender)  # what it added (if anything) is no longer a valid sum
             raise
         finally:
@@ -219,7 +206,7 @@ class Butterfly:
     # ------------------------------------------------------------------ client side
     def _enter(self, st: Attempt, inp: AttemptInput) -> bool:
         """This peer's side of the attempt before anything is sent: the output buffer, the sum
-        of its own part (with its own values in it), the own part kept for the trimmed mean.
+        of its own part (with its own values in it).
         Returns whether this peer is a puller (owns nothing)."""
         contrib = inp.contrib
         puller = self.peer_id in st.pullers
@@ -228,14 +215,7 @@ class Butterfly:
         st.grid = st.layout.chunk_grid(st.lo, st.hi)
         own = contrib.chunk_reader(st.lo, st.hi)
         st.own_chunk = own
-        if puller:
-            pass
-        elif self.aggregator == "trimmed_mean":
-            mine = np.empty(st.hi - st.lo, np.float32)
-            for a, b in st.grid:
-                mine[a:b] = own(a, b)
-            st.kept[self.peer_id] = (inp.weight, mine)
-        else:
+        if not puller:
             st.fold = Fold(
                 st.out[st.lo : st.hi],
                 st.grid,
@@ -373,7 +353,7 @@ class Butterfly:
             for t in mine.get("pushes", ()):
                 if not t.done():
                     t.cancel()
-            st.fold, st.kept, st.sent_parts = None, {}, {}
+            st.fold, st.sent_parts = None, {}
             if not reduced:
                 st.out = None  # a retry starts from a new buffer; a failure keeps nothing
 
@@ -385,8 +365,6 @@ class Butterfly:
         is exactly that one; else the contributors' parts are pulled again (each from its
         member) and summed anew. Returns False when that failed (a member did not answer in
         time): this owner then delivers no result and the commit vote leaves it out."""
-        if self.aggregator == "trimmed_mean":
-            return True
         fold = st.fold
         assert fold is not None
         if not scales and fold.complete and set(fold.order) == set(contributors):

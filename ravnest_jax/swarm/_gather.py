@@ -15,7 +15,7 @@ import numpy as np
 from aiohttp import web
 
 from . import _auth
-from ._allreduce import CHUNK, trimmed_mean
+from ._allreduce import CHUNK
 from ._attempt import Attempt, AttemptInput, Reduced, Retry, RoundFail, Voter, decided, route_ints
 from ._codec import PartLayout, RangeDecoder, WireFormatError, host_pack, mean_codec_options, packed_to_chunks
 from ._http import serve_body
@@ -104,7 +104,7 @@ class AllGather:
     """The all-gather of one peer's butterfly (see the module docstring).
 
     Args:
-      transport, rounds, codec, codec_options, timeouts, aggregator, trim: the butterfly's.
+      transport, rounds, codec, codec_options, timeouts, aggregator: the butterfly's.
       mean_error_feedback: keep a :class:`MeanResidual` of this peer's part (lossy codecs).
       mean_codec: the codec of the result parts (the mean), ``None``: ``codec``; a block codec
         of the same block size as a block ``codec`` (checked by the swarm).
@@ -118,7 +118,6 @@ class AllGather:
         codec_options: dict[str, Any],
         timeouts: Timeouts,
         aggregator: str,
-        trim: int,
         mean_error_feedback: bool = False,
         mean_codec: str | None = None,
     ):
@@ -126,7 +125,7 @@ class AllGather:
         self.codec, self.codec_options, self.timeouts = codec, codec_options, timeouts
         self.mean_codec = mean_codec or codec
         self.mean_options = mean_codec_options(codec, self.mean_codec, codec_options)
-        self.aggregator, self.trim = aggregator, trim
+        self.aggregator = aggregator
         self.mean_residual = MeanResidual() if mean_error_feedback and self.mean_codec != "fp32" else None
         self.peer_id = transport.peer_id
         self.name = "butterfly"
@@ -237,8 +236,6 @@ class AllGather:
         # client-only member's empty part counts as "")
         digest = result_digest([shas.get(k, "") for k in range(n)]) if ok else ""
         commit_vote: dict[str, Any] = {"ok": ok, "digest": digest, "failed_owners": failed_owners}
-        if self.aggregator == "trimmed_mean":
-            commit_vote["trimmed"] = mine.get("trimmed", {})
         commit = await self.rounds.vote(r, inp.epoch, a, "commit", commit_vote, inp.deadline)
         # the pushes of this peer's result: by a commit every member has them (a push whose
         # answer is still on its way is waited for briefly); counted before, one still in
@@ -258,15 +255,8 @@ class AllGather:
             raise RoundFail("all-gather failed here")
         if self.mean_residual is not None:
             self.mean_residual.commit(r, tag)
-        robust: dict[str, dict[str, float]] = {}
-        if self.aggregator == "clipped_mean":
-            robust["clipped"] = mine.get("clipped", {})
-        elif self.aggregator == "trimmed_mean":  # fraction of all coordinates dropped, per contributor
-            tally = commit.get("trimmed") or {}
-            robust["trimmed"] = {
-                str(c): float(k) / max(1, st.n_elements) for c, k in sorted(tally.items()) if c in contributors
-            }
-        return Reduced(out, contributors, float(mine["total"]), digest, diverged, commit.get("next"), **robust)
+        clipped = mine.get("clipped", {}) if self.aggregator == "clipped_mean" else {}
+        return Reduced(out, contributors, float(mine["total"]), digest, diverged, commit.get("next"), clipped=clipped)
 
     async def _wait_results(self, st: Attempt, others: list[int], tag: str, t_gather: float) -> list[int]:
         """Waits until every result part of ``others`` with ``tag`` is in, the deadline, or the
@@ -358,9 +348,9 @@ class AllGather:
         mine: dict[str, Any],
         tag: str,
     ) -> None:
-        """This owner's mean over ``contributors`` (its sum divided by their total weight, or the
-        trimmed mean), encoded once with the mean's codec in the pieces of the part, decoded
-        back into the output buffer as every member decodes it, and pushed to every other member
+        """This owner's mean over ``contributors`` (its sum, of the clipped contributions for the
+        clipped mean, divided by their total weight), encoded once with the mean's codec in the
+        pieces of the part, decoded back into the output buffer as every member decodes it, and pushed to every other member
         tagged ``tag`` (tasks in ``mine["pushes"]``); ``mine`` also gets the tag, digest and
         total weight."""
         out = st.out
@@ -369,12 +359,7 @@ class AllGather:
         total = np.float32(0.0)
         for c in sorted(contributors):
             total = np.float32(total + np.float32(st.received[c]))
-        if self.aggregator == "trimmed_mean":
-            mean, mine["trimmed"] = trimmed_mean(st.kept, contributors, self.trim)
-            np.copyto(acc, mean)
-            del mean
-        else:  # mean, or the clipped mean (the sum holds the clipped contributions)
-            np.divide(acc, total, out=acc)
+        np.divide(acc, total, out=acc)  # the sum of the clipped mean holds the clipped contributions
         target = None
         if self.mean_residual is not None:
             ef_key = (st.layout.key(), st.lo, st.hi)

@@ -32,12 +32,7 @@ def swarm_settings(swarm: Any) -> dict[str, Any]:
     """The part of the manifest a swarm knows by itself: the protocol version, the codec value
     (name and options), the mean codec and its error feedback, the algorithm (the ring with its
     segment size) and the aggregator (with its knob)."""
-    aggregator = swarm.aggregator
-    if aggregator == "clipped_mean":
-        aggregator = f"clipped_mean:{swarm.clip_multiple!r}"
-    elif aggregator == "trimmed_mean":
-        aggregator = f"trimmed_mean:{swarm.trim}"
-    algorithm = swarm.algorithm if swarm.algorithm != "ring" else f"ring:{swarm.ring_segment_bytes}"
+    algorithm, aggregator = swarm.algorithm.manifest()
     return {
         "protocol": PROTOCOL_VERSION,
         **swarm.codec.manifest(),

@@ -12,7 +12,6 @@ import asyncio
 import concurrent.futures
 import logging
 import secrets
-import ssl as _ssl
 import threading
 import time
 from typing import Any
@@ -22,7 +21,7 @@ import numpy as np
 from ravnest_jax.host_memory import tune_host_allocator
 
 from ._activations import ActivationLink
-from ._allreduce import RING_SEGMENT_BYTES, check_aggregator, manifest_digest
+from ._allreduce import AllReduce, manifest_digest
 from ._butterfly import Butterfly
 from ._codec import Codec, check_codec
 from ._contrib import Contribution
@@ -33,11 +32,9 @@ from ._ring import Ring
 from ._rounds import Rounds
 from ._state import StateProvider, StateTransfer
 from ._transport import Transport
-from ._types import PeerInfo, RoundRecord, SwarmError, Timeouts, check_info
+from ._types import TLS, PeerInfo, RoundRecord, SwarmError, Timeouts, check_info
 
 log = logging.getLogger("ravnest_jax.swarm")
-
-ALGORITHMS = ("butterfly", "ring")  # one class each: Swarm.algorithms
 
 
 class Swarm(ManifestDeclaration):
@@ -68,35 +65,25 @@ class Swarm(ManifestDeclaration):
       advertise: base URL other peers use to reach this one (default: ``http://`` + the local
         address that routes to the rendezvous + the bound port). Set it behind NAT.
       timeouts: deadlines, see :class:`Timeouts`.
-      algorithm: ``"butterfly"`` (default: reduce-scatter to part owners, then all-gather) or
-        ``"ring"`` (2(n - 1) neighbour steps; a failure retries the attempt without the peers
-        that did not vote); the same on all peers of a run.
-      ring_segment_bytes: the ring cuts every part into messages of about this many float32
-        bytes (default 1 MiB); in the ring's round manifest: the same on all peers of a run.
       peer_id: this peer's id (default: random); rounds order peers by id.
-      ssl: server-side ``ssl.SSLContext`` (serve HTTPS; then advertise an ``https://`` URL).
-      client_ssl: passed to aiohttp as ``ssl=`` for outgoing requests (an ``SSLContext`` that
-        trusts the peers' certificates, or ``None`` for the defaults).
-      aggregator: how a round combines the contributions: ``"clipped_mean"`` (the weighted
-        mean, after a contribution whose L2 norm exceeds ``clip_multiple`` times the round's
-        median norm is scaled down to that bound: bounds what one faulty or malicious peer can
-        do to the model; a round where nobody is over the bound gives the plain mean bit for
-        bit), ``"mean"`` (the plain weighted mean) or ``"trimmed_mean"`` (per coordinate, drop
-        the ``trim`` largest and smallest values, average the rest, unweighted). Default
-        ``None``: ``"clipped_mean"`` with the butterfly, ``"mean"`` with the ring (which sums
-        partial results and cannot clip). See ``docs/swarm.md``. All peers of a run must use
-        the same one (it is in the round manifest).
-      clip_multiple: the clipped mean's bound in multiples of the median norm (>= 1, default 2).
-      trim: the trimmed mean's number of values dropped at each end (>= 1, default 1).
-      info: a small JSON-serialisable dict (at most 4096 bytes as JSON) this peer publishes
-        through the rendezvous; other peers see it as :attr:`PeerInfo.info`. Used to agree on a
-        common checkpoint when a whole swarm restarts. Change it with :meth:`set_info`.
+      algorithm: how a round combines the contributions, one :class:`~ravnest_jax.AllReduce`
+        value (the algorithm, its aggregator and knobs) or a name for ``AllReduce(name)``:
+        ``"butterfly"`` (default, with the clipped mean: bounds what one faulty or malicious
+        peer can do to the model, the plain mean bit for bit while nobody is over the bound)
+        or ``"ring"`` (the plain mean). See ``docs/swarm.md``. In the round manifest: the same
+        on all peers of a run.
+      tls: HTTPS between the peers (:class:`~ravnest_jax.swarm.TLS`: the server context and
+        the ``ssl=`` of outgoing requests); ``None``: plain HTTP.
+
+    The small JSON object a peer publishes through the rendezvous (other peers see it as
+    :attr:`PeerInfo.info`; a whole-swarm restart agrees on a checkpoint with it) is set with
+    :meth:`set_info`.
 
     Raises:
-      ValueError: bad arguments (unknown codec or aggregator, a robust aggregator, ``Codec.mean``
-        or ``Codec.mean_ef`` with the ring,
-        empty token, bad listen address), or a required
-        one (``rendezvous_url``, ``run_id``, ``token``) neither given nor in the environment.
+      ValueError: bad arguments (unknown codec or algorithm, ``Codec.mean`` or
+        ``Codec.mean_ef`` with the ring, empty token, bad listen address), or a required one
+        (``rendezvous_url``, ``run_id``, ``token``) neither given nor in the environment.
+      TypeError: ``algorithm`` or ``tls`` of the wrong type.
       SwarmError: on ``__enter__``/``start`` if the rendezvous cannot be reached in time.
     """
 
@@ -114,26 +101,20 @@ class Swarm(ManifestDeclaration):
         advertise: str | None = None,
         timeouts: Timeouts | None = None,
         peer_id: str | None = None,
-        algorithm: str = "butterfly",
-        ring_segment_bytes: int = RING_SEGMENT_BYTES,
-        ssl: _ssl.SSLContext | None = None,
-        client_ssl: Any = None,
-        info: dict[str, Any] | None = None,
-        aggregator: str | None = None,
-        clip_multiple: float = 2.0,
-        trim: int = 1,
+        algorithm: AllReduce | str = "butterfly",
+        tls: TLS | None = None,
     ):
         rendezvous_url, run_id, token, codec, listen, peer_id = from_environment(
             rendezvous_url, run_id, token, codec, listen, peer_id
         )
         self.codec = codec = Codec.of(codec)
         check_codec(codec.name, codec.options)
-        aggregator, token_b, bind = _checked(
-            algorithm, aggregator, clip_multiple, trim, ring_segment_bytes, run_id, token, listen, advertise
-        )
-        mean = _mean_settings(codec, algorithm)
-        self.algorithm, self.aggregator, self.ring_segment_bytes = algorithm, aggregator, ring_segment_bytes
-        self.clip_multiple, self.trim = clip_multiple, trim
+        self.algorithm = algorithm = AllReduce.of(algorithm)
+        if not isinstance(tls, (TLS, type(None))):
+            raise TypeError(f"tls must be an rj.swarm.TLS or None, got {type(tls).__name__}")
+        tls = tls or TLS()
+        token_b, bind = _checked(run_id, token, listen, advertise)
+        mean = _mean_settings(codec, algorithm.name)
         self._manifest: dict[str, Any] | None = None  # declared: sent with every hello
         self.rendezvous_url, self.run_id = rendezvous_url.rstrip("/"), run_id
         self.timeouts = timeouts or Timeouts()
@@ -146,22 +127,24 @@ class Swarm(ManifestDeclaration):
             peer_id=self.peer_id,
             timeouts=self.timeouts,
             listen=bind,
-            ssl=ssl,
-            client_ssl=client_ssl,
+            ssl=tls.server,
+            client_ssl=tls.client,
             advertise=advertise,
         )
         self._tasks: set[asyncio.Task[Any]] = set()
         self._rounds = Rounds(self.transport, self.timeouts, codec.name, self._hello, self._spawn)
         args = (self.transport, self._rounds, codec.name, codec.options, self.timeouts)
-        kw = {"aggregator": aggregator, "clip_multiple": clip_multiple, "trim": trim, **mean}
-        self._algorithm: Butterfly | Ring = _algorithm(self.algorithms, algorithm, args, ring_segment_bytes, kw)
+        self._algorithm: Butterfly | Ring = (
+            self.algorithms["ring"](*args, algorithm.segment_bytes)
+            if algorithm.name == "ring"
+            else self.algorithms["butterfly"](*args, algorithm.aggregator, algorithm.clip_multiple, **mean)
+        )
         self._rounds.algorithm = self._algorithm
         self._state = StateTransfer(self.transport, lambda: self._rounds.diverged, self.timeouts.round)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
         self._info: dict[str, Any] = {}
-        self.set_info(info or {})
         self._link: ActivationLink | None = None
 
     @property
@@ -192,12 +175,14 @@ class Swarm(ManifestDeclaration):
 
     @property
     def info(self) -> dict[str, Any]:
-        """A copy of the JSON object this peer publishes (see ``info`` and :meth:`set_info`)."""
+        """A copy of the JSON object this peer publishes (:meth:`set_info`; ``{}`` until then)."""
         return dict(self._info)
 
     def set_info(self, info: dict[str, Any]) -> None:
-        """Replaces the JSON object this peer publishes (see ``info``); the rendezvous has it
-        after the next heartbeat (at once when called before the swarm starts).
+        """Replaces the small JSON object this peer publishes through the rendezvous (other peers
+        see it as :attr:`PeerInfo.info`; a whole-swarm restart agrees on a common checkpoint with
+        it); the rendezvous has it after the next heartbeat (at once when called before the
+        swarm starts).
 
         Raises:
           ValueError: ``info`` is not a dict that serialises to at most 4096 bytes of JSON.
@@ -282,8 +267,8 @@ class Swarm(ManifestDeclaration):
           ``(mean_tree, record)``: a tree of float32 arrays with the input's structure and
           shapes, holding ``sum_i w_i s_i x_i / sum_i w_i`` over ``record.contributors``,
           where ``s_i`` is 1 except for a contribution the clipped mean scaled down
-          (``record.clipped``; ``aggregator="mean"``: always 1; ``"trimmed_mean"``: see
-          ``aggregator``); it is bit-identical on every peer that gets it (``record.digest``).
+          (``record.clipped``; ``aggregator="mean"``: always 1); it is bit-identical on
+          every peer that gets it (``record.digest``).
 
         Raises:
           RoundFailed: the round could not complete on this peer (``.record.ok`` is False).
@@ -511,41 +496,11 @@ def _mean_settings(codec: Codec, algorithm: str) -> dict[str, Any]:
     return {"mean_error_feedback": codec.mean_ef and codec.lossy, "mean_codec": codec.mean_name}
 
 
-def _algorithm(
-    algorithms: dict[str, Any], algorithm: str, args: tuple, ring_segment_bytes: int, kw: dict[str, Any]
-) -> Butterfly | Ring:
-    """The swarm's all-reduce algorithm: the ring (which takes no aggregator or mean settings) or
-    the butterfly."""
-    if algorithm == "ring":
-        return algorithms["ring"](*args, ring_segment_bytes)
-    return algorithms["butterfly"](*args, **kw)
-
-
 def _checked(
-    algorithm: str,
-    aggregator: str | None,
-    clip_multiple: float,
-    trim: int,
-    ring_segment_bytes: int,
-    run_id: str,
-    token: str | bytes,
-    listen: str | None,
-    advertise: str | None,
-) -> tuple[str, bytes, tuple[str, int] | None]:
-    """The checks of :class:`Swarm`'s arguments; returns ``(aggregator, token bytes, bind
-    address or None)``. Raises ``ValueError`` (one line) for a bad one."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    if aggregator is None:
-        aggregator = "mean" if algorithm == "ring" else "clipped_mean"
-    check_aggregator(aggregator, clip_multiple, trim)
-    if algorithm == "ring" and aggregator != "mean":
-        raise ValueError(
-            f"aggregator={aggregator!r} needs algorithm='butterfly': the ring sums partial results "
-            "hop by hop and never holds one contributor's part"
-        )
-    if not (isinstance(ring_segment_bytes, int) and ring_segment_bytes >= 4):
-        raise ValueError(f"ring_segment_bytes must be an int >= 4, got {ring_segment_bytes!r}")
+    run_id: str, token: str | bytes, listen: str | None, advertise: str | None
+) -> tuple[bytes, tuple[str, int] | None]:
+    """The checks of :class:`Swarm`'s other arguments; returns ``(token bytes, bind address or
+    None)``. Raises ``ValueError`` (one line) for a bad one."""
     if not run_id or "/" in run_id:
         raise ValueError("run_id must be non-empty and contain no '/'")
     token_b = token.encode() if isinstance(token, str) else bytes(token)
@@ -559,4 +514,4 @@ def _checked(
         bind = (host.strip("[]"), int(port))
     elif advertise is not None:
         raise ValueError("advertise needs a listen address (a client-only peer is reached through the relay)")
-    return aggregator, token_b, bind
+    return token_b, bind

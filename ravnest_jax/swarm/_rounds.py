@@ -360,7 +360,6 @@ class Rounds:
                             total_weight=out.total,
                             digest=out.digest,
                             clipped=dict(out.clipped),
-                            trimmed=dict(out.trimmed),
                         )
                         return out.out, rec
                     # The rendezvous restarted (a new epoch) and does not know round r: the

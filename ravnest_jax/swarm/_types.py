@@ -12,6 +12,22 @@ import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
+class TLS:
+    """HTTPS between the peers of a run: ``rj.Swarm(..., tls=rj.TLS(server=ctx, client=ca_ctx))``.
+
+    Attributes:
+      server: the ``ssl.SSLContext`` this peer serves HTTPS with (its certificate and key);
+        then it advertises an ``https://`` URL. ``None``: plain HTTP.
+      client: aiohttp's ``ssl=`` for this peer's outgoing requests: an ``ssl.SSLContext`` that
+        trusts the other peers' certificates (a private CA), ``False`` to skip verification
+        (testing only), or ``None`` for aiohttp's defaults (the system's CAs).
+    """
+
+    server: Any = None
+    client: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Timeouts:
     """Deadlines of the swarm, all in seconds.
 
@@ -53,7 +69,7 @@ class PeerInfo:
       address: the advertised base URL, e.g. ``"http://10.0.0.5:7000"``.
       last_round: the last round the peer finished (``-1`` before its first).
       seconds_since_heartbeat: age of its last heartbeat, seconds.
-      info: the small JSON object the peer publishes (``Swarm(info=...)``, ``Swarm.set_info``),
+      info: the small JSON object the peer publishes (``Swarm.set_info``),
         for example the steps of its checkpoints; ``{}`` if none.
       relayed: the peer is client-only: it is reached through the rendezvous' relay.
     """
@@ -101,10 +117,8 @@ class RoundRecord:
       diverged: peers whose reported global state (``all_reduce_async(..., state=...)``)
         differed from the swarm's in this round: their contributions were left out
         (butterfly) and their own round failed, so that they download the state again.
-      clipped: ``aggregator="clipped_mean"``: contributor -> the factor (< 1) its contribution
+      clipped: the clipped mean (``AllReduce.aggregator``): contributor -> the factor (< 1) its contribution
         was scaled by (its norm was over the bound); empty when nobody was clipped.
-      trimmed: ``aggregator="trimmed_mean"``: contributor -> the fraction of all coordinates
-        (0-1) where its value was among the dropped extremes.
     """
 
     round: int
@@ -122,7 +136,6 @@ class RoundRecord:
     error: str | None = None
     diverged: tuple[str, ...] = ()
     clipped: dict[str, float] = dataclasses.field(default_factory=dict)
-    trimmed: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class RoundFailed(RuntimeError):

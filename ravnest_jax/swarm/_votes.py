@@ -196,8 +196,6 @@ def decide(run: _Run, rnd: _Round, att: _Attempt, phase: str, ahead: Callable[[]
         rnd.diverged = tuple(diverged)
     if phase == "gather" and decision["decision"] == "ok" and any("sqnorms" in v for v in votes.values()):
         decision["norms"] = summed(votes, "sqnorms", decision["contributors"], root=True)
-    if phase == "commit" and decision["decision"] == "commit" and any("trimmed" in v for v in votes.values()):
-        decision["trimmed"] = summed(votes, "trimmed", list(att.decisions["gather"]["contributors"]))
     if decision["decision"] == "fail" and not att.started and att.left >= set(att.group):
         # created ahead at the last commit, and every member left before it began (the end of
         # a run, or a lone peer's process that died): nothing was lost in it
@@ -207,8 +205,7 @@ def decide(run: _Run, rnd: _Round, att: _Attempt, phase: str, ahead: Callable[[]
 
 def summed(votes: dict[str, dict[str, Any]], key: str, contributors: list[str], root: bool = False) -> dict[str, float]:
     """Per contributor, the sum over the voters of ``vote[key][contributor]`` (the clipped
-    mean's squared part norms, ``root=True`` for the whole-vector L2 norm; the trimmed mean's
-    dropped-coordinate counts). A value that is not a finite number >= 0 counts as 0."""
+    mean's squared part norms, ``root=True`` for the whole-vector L2 norm). A value that is not a finite number >= 0 counts as 0."""
     out = {}
     for c in contributors:
         total = 0.0

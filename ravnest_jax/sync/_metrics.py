@@ -40,10 +40,8 @@ class RoundMetrics:
       needed_overlap_steps: with ``overlap_steps="auto"``: the tau this exchange would have
         needed to hide completely (``ceil(1.25 * t_x / t_s)``, uncapped; above ``overlap_steps``
         when the staleness budget's cap binds), else 0.
-      clipped: with ``rj.Swarm(aggregator="clipped_mean")``: contributor -> the factor (< 1) its
-        pseudo-gradient was scaled by (its norm exceeded the round's bound).
-      trimmed: with ``aggregator="trimmed_mean"``: contributor -> the fraction of coordinates
-        where its value was dropped as an extreme.
+      clipped: with the clipped mean (``rj.AllReduce``'s default aggregator): contributor -> the
+        factor (< 1) its pseudo-gradient was scaled by (its norm exceeded the round's bound).
     """
 
     round: int
@@ -66,7 +64,6 @@ class RoundMetrics:
     overlap_steps: int = 0
     needed_overlap_steps: int = 0
     clipped: dict[str, float] = dataclasses.field(default_factory=dict)
-    trimmed: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def round_metrics(
@@ -109,7 +106,6 @@ def round_metrics(
         overlap_steps=merged_at_step - step,
         needed_overlap_steps=needed_overlap_steps,
         clipped=dict(getattr(record, "clipped", None) or {}) if ok else {},
-        trimmed=dict(getattr(record, "trimmed", None) or {}) if ok else {},
     )
 
 

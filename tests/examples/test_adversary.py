@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from char_lm.peer import _adversary_swarm  # noqa: E402
 from ravnest_jax import compress  # noqa: E402
-from ravnest_jax.swarm import Swarm  # noqa: E402
+from ravnest_jax.swarm import AllReduce, Swarm  # noqa: E402
 from ravnest_jax.sync._exchange import exchange  # noqa: E402
 from tests.sync._local import FAST, TOKEN, rendezvous_thread  # noqa: E402
 
@@ -29,7 +29,8 @@ def test_a_scaling_adversary_moves_the_plain_mean(codec):
     n = 4096
     honest = np.full(n, 1.0, np.float32)
     with rendezvous_thread(FAST) as url, contextlib.ExitStack() as stack:
-        kw = dict(run_id="adv", token=TOKEN, codec=codec, listen="127.0.0.1:0", timeouts=FAST, aggregator="mean")
+        kw = dict(run_id="adv", token=TOKEN, codec=codec, listen="127.0.0.1:0", timeouts=FAST)
+        kw["algorithm"] = AllReduce(aggregator="mean")
         a = stack.enter_context(Swarm(url, peer_id="p0", **kw))
         b = stack.enter_context(_adversary_swarm("scale:1000")(url, peer_id="p1", **kw))
         a.wait_for_peers(2, timeout=20)

@@ -39,6 +39,15 @@ def test_the_outer_loop_takes_at_most_10_parameters():
     assert len(names) <= 10, names
 
 
+def test_the_swarm_takes_at_most_10_parameters():
+    """Issue 38: the algorithm and its knobs one value (rj.AllReduce), TLS one value (rj.TLS),
+    the published info through set_info: Swarm had 19 parameters."""
+    import inspect
+
+    names = list(inspect.signature(rj.Swarm.__init__).parameters)[1:]
+    assert len(names) <= 10, names
+
+
 def test_swarm_fulfils_the_sync_contract():
     swarm = rj.Swarm("http://127.0.0.1:9", run_id="r", token="t")  # not started: no socket
     assert isinstance(swarm, SwarmContract) and isinstance(swarm, Exchange)

@@ -88,7 +88,7 @@ def main() -> None:
     import logging
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    from ravnest_jax.swarm import RoundFailed, Swarm, Timeouts
+    from ravnest_jax.swarm import AllReduce, RoundFailed, Swarm, Timeouts
 
     class _Events(logging.Handler):
         """The swarm's debug records that tests wait on, as events on stdout."""
@@ -132,8 +132,9 @@ def main() -> None:
         timeouts=t,
         peer_id=args.peer_id,
         advertise=args.advertise,
-        algorithm=args.algorithm,
-        ring_segment_bytes=args.ring_segment_bytes,
+        algorithm=AllReduce(
+            args.algorithm, segment_bytes=args.ring_segment_bytes if args.algorithm == "ring" else None
+        ),
     ) as sw:
         print(
             json.dumps(

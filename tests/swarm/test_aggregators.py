@@ -1,4 +1,5 @@
-"""Robust aggregators: the clipped and the trimmed mean (math, then real swarms in threads)."""
+"""Robust aggregation: the clipped mean, and the AllReduce value that selects it (math, then real
+swarms in threads)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,10 @@ import concurrent.futures
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from ravnest_jax.swarm import Swarm, Timeouts
-from ravnest_jax.swarm._allreduce import (
-    ABSTAIN_BELOW,
-    check_aggregator,
-    clip_scales,
-    squared_norm,
-    trimmed_mean,
-)
+import ravnest_jax as rj
+from ravnest_jax.swarm import AllReduce, Swarm, Timeouts
+from ravnest_jax.swarm._allreduce import clip_scales, squared_norm
 from ravnest_jax.swarm._votes import summed
 
 
@@ -34,17 +28,32 @@ def test_clip_scales_bounds_the_outlier_by_k_times_the_lower_median():
     assert clip_scales({"a": 0.0}, ["a"], 2.0) == {}
 
 
-def test_check_aggregator_refuses_bad_knobs():
-    check_aggregator("clipped_mean", 2.0, 1)
-    for args in [
-        ("median", 2.0, 1),
-        ("mean", 0.5, 1),
-        ("mean", float("nan"), 1),
-        ("mean", 2.0, 0),
-        ("mean", 2.0, True),
+def test_allreduce_value_resolves_defaults_and_refuses_bad_knobs():
+    assert AllReduce() == AllReduce("butterfly", aggregator="clipped_mean", clip_multiple=2.0)
+    assert AllReduce.of(None) == AllReduce() and AllReduce.of("ring") == AllReduce("ring")
+    assert AllReduce("ring") == AllReduce("ring", aggregator="mean", segment_bytes=1 << 20)
+    assert AllReduce(clip_multiple=3).clip_multiple == 3.0 and AllReduce(aggregator="mean").clip_multiple is None
+    assert AllReduce().manifest() == ("butterfly", "clipped_mean:2.0")
+    assert AllReduce("ring", segment_bytes=4096).manifest() == ("ring:4096", "mean")
+    assert rj.AllReduce is AllReduce
+    for kw, match in [
+        (dict(name="tree"), "algorithm must be one of"),
+        (dict(aggregator="median"), "aggregator must be one of"),
+        (dict(aggregator="trimmed_mean"), "aggregator must be one of"),
+        (dict(clip_multiple=0.5), "clip_multiple"),
+        (dict(clip_multiple=float("nan")), "clip_multiple"),
+        (dict(clip_multiple=True), "clip_multiple"),
+        (dict(aggregator="mean", clip_multiple=3.0), "clipped mean's knob"),
+        (dict(segment_bytes=4096), "the ring's knob"),
+        (dict(name="ring", aggregator="clipped_mean"), "needs algorithm='butterfly'"),
+        (dict(name="ring", clip_multiple=2.0), "needs algorithm='butterfly'"),
+        (dict(name="ring", segment_bytes=0), "segment_bytes must be an int >= 4"),
+        (dict(name="ring", segment_bytes=True), "segment_bytes must be an int >= 4"),
     ]:
-        with pytest.raises(ValueError):
-            check_aggregator(*args)
+        with pytest.raises(ValueError, match=match):
+            AllReduce(**kw)
+    with pytest.raises(TypeError, match="rj.AllReduce"):
+        AllReduce.of(3)
 
 
 def test_squared_norm_is_float64_and_does_not_overflow():
@@ -54,35 +63,6 @@ def test_squared_norm_is_float64_and_does_not_overflow():
     assert squared_norm(x, chunk=1000) == pytest.approx(float(np.dot(x.astype(np.float64), x)), rel=1e-5)
 
 
-@settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 7), trim=st.integers(1, 3), seed=st.integers(0, 10_000))
-def test_trimmed_mean_matches_a_sort_per_coordinate(n, trim, seed):
-    rng = np.random.default_rng(seed)
-    ids = [f"p{i}" for i in range(n)]
-    parts = {c: (np.float32(1.0), rng.standard_normal(5).astype(np.float32)) for c in ids}
-    mean, dropped = trimmed_mean(parts, ids, trim)
-    b = min(trim, (n - 1) // 2)
-    x = np.sort(np.stack([parts[c][1] for c in ids]).astype(np.float64), axis=0)
-    np.testing.assert_allclose(mean, x[b : n - b].mean(axis=0), rtol=1e-5, atol=1e-6)
-    assert mean.dtype == np.float32 and mean.shape == (5,)
-    assert sum(dropped.values()) == 2 * b * 5, dropped
-
-
-def test_trimmed_mean_leaves_abstainers_out_and_names_the_dropped():
-    parts = {
-        "a": (np.float32(1.0), np.array([1.0, 1.0], np.float32)),
-        "b": (np.float32(1.0), np.array([2.0, 2.0], np.float32)),
-        "c": (np.float32(1.0), np.array([3.0, 1e6], np.float32)),
-        "z": (np.float32(1e-30), np.zeros(2, np.float32)),  # missed its round
-    }
-    assert 1e-30 < ABSTAIN_BELOW
-    mean, dropped = trimmed_mean(parts, sorted(parts), 1)
-    assert mean.tolist() == [2.0, 2.0], mean  # the median of a, b, c per coordinate
-    assert dropped == {"a": 2, "c": 2}, dropped
-    only_abstainers = {"z": parts["z"]}
-    assert trimmed_mean(only_abstainers, ["z"], 1)[0].tolist() == [0.0, 0.0]
-
-
 def test_rendezvous_sums_norms_over_owners():
     votes = {
         "a": {"sqnorms": {"a": 9.0, "b": 1.0}},
@@ -90,14 +70,20 @@ def test_rendezvous_sums_norms_over_owners():
         "c": {"sqnorms": {"a": "junk", "b": float("inf")}},  # not a finite number >= 0: 0
     }
     assert summed(votes, "sqnorms", ["a", "b"], root=True) == {"a": 5.0, "b": 2.0}
-    assert summed({"a": {"trimmed": {"a": 3}}, "b": {"trimmed": {"a": 4}}}, "trimmed", ["a"]) == {"a": 7.0}
+    assert summed({"a": {"sqnorms": {"a": 3}}, "b": {"sqnorms": {"a": 4}}}, "sqnorms", ["a"]) == {"a": 7.0}
 
 
-def test_ring_refuses_robust_aggregators():
-    with pytest.raises(ValueError, match="butterfly"):
-        Swarm("http://127.0.0.1:1", run_id="r", token="t", algorithm="ring", aggregator="clipped_mean")
-    with pytest.raises(ValueError, match="aggregator"):
-        Swarm("http://127.0.0.1:1", run_id="r", token="t", aggregator="median")
+def test_swarm_takes_the_allreduce_value_or_a_name():
+    s = Swarm("http://127.0.0.1:1", run_id="r", token="t", algorithm="ring")
+    assert s.algorithm == AllReduce("ring") and s._algorithm.segment_bytes == 1 << 20
+    s = Swarm("http://127.0.0.1:1", run_id="r", token="t", algorithm=AllReduce(clip_multiple=3.0))
+    assert (s._algorithm.aggregator, s._algorithm.clip_multiple) == ("clipped_mean", 3.0)
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        Swarm("http://127.0.0.1:1", run_id="r", token="t", algorithm="tree")
+    with pytest.raises(TypeError, match="rj.AllReduce"):
+        Swarm("http://127.0.0.1:1", run_id="r", token="t", algorithm=("ring",))
+    with pytest.raises(TypeError):  # the knobs are the value's, not the swarm's
+        Swarm("http://127.0.0.1:1", run_id="r", token="t", aggregator="mean")
 
 
 # ---------------------------------------------------------------------- real swarms (threads)
@@ -129,7 +115,7 @@ def test_clipped_mean_over_a_real_butterfly_bounds_a_wild_peer(cluster):
     vec = {p: rng.standard_normal(n).astype(np.float32) for p in "abc"}
     vec["d"] = 1000 * rng.standard_normal(n).astype(np.float32)
     w = {"a": 1.0, "b": 2.0, "c": 1.0, "d": 1.0}
-    out = _round(url, "clip", vec, w, aggregator="clipped_mean", clip_multiple=2.0)
+    out = _round(url, "clip", vec, w, algorithm=AllReduce(aggregator="clipped_mean", clip_multiple=2.0))
     recs = [r for _, r in out]
     assert all(r.ok for r in recs) and len({r.digest for r in recs}) == 1, recs
     norms = {p: float(np.linalg.norm(v.astype(np.float64))) for p, v in vec.items()}
@@ -142,22 +128,6 @@ def test_clipped_mean_over_a_real_butterfly_bounds_a_wild_peer(cluster):
     got = out[0][0]["x"]
     assert float(np.linalg.norm(got)) < 2.0 * bound, (float(np.linalg.norm(got)), bound)
     # the plain mean of the same contributions is dominated by d
-    plain = _round(url, "plain", vec, w, aggregator="mean")
+    plain = _round(url, "plain", vec, w, algorithm=AllReduce(aggregator="mean"))
     assert float(np.linalg.norm(plain[0][0]["x"])) > 100 * float(np.linalg.norm(got))
     assert plain[0][1].clipped == {} and plain[0][1].ok
-
-
-@pytest.mark.integration
-@pytest.mark.timeout(90)
-def test_trimmed_mean_over_a_real_butterfly(cluster):
-    url = cluster.rendezvous()
-    rng = np.random.default_rng(2)
-    vec = {p: rng.standard_normal(257).astype(np.float32) for p in "abcd"}
-    vec["c"][:10] = 1e4  # one peer wild on a few coordinates
-    out = _round(url, "trim", vec, dict.fromkeys("abcd", 1.0), aggregator="trimmed_mean", trim=1)
-    recs = [r for _, r in out]
-    assert all(r.ok for r in recs) and len({r.digest for r in recs}) == 1, recs
-    x = np.sort(np.stack([vec[p] for p in "abcd"]).astype(np.float64), axis=0)
-    np.testing.assert_allclose(out[2][0]["x"], x[1:3].mean(axis=0), rtol=1e-5, atol=1e-6)
-    t = recs[0].trimmed
-    assert t["c"] >= 10 / 257 and abs(sum(t.values()) - 2.0) < 1e-9, t  # 2 dropped per coordinate

@@ -122,7 +122,7 @@ def test_tls_between_peers_and_to_the_rendezvous(cluster, tmp_path):
     server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server.load_cert_chain(cert, key)
     client = ssl.create_default_context(cafile=str(cert))
-    tls = dict(ssl=server, client_ssl=client, aggregator="mean")  # the exact mean of unlike vectors
+    tls = dict(tls=rj.TLS(server=server, client=client), algorithm=rj.AllReduce(aggregator="mean"))  # exact mean
     with _swarm(url, "a", **tls) as a, _swarm(url, "b", **tls) as b:
         assert a.address.startswith("https://127.0.0.1:")
         a.wait_for_peers(2, timeout=10)
@@ -153,11 +153,14 @@ def test_a_new_process_that_begins_its_round_late_is_not_dropped(cluster):
 
     url = cluster.rendezvous()
     x = {"x": np.ones(1024, np.float32)}
-    with _swarm(url, "a", aggregator="mean") as a:
+    with _swarm(url, "a", algorithm=rj.AllReduce(aggregator="mean")) as a:
         for _ in range(4):  # the run is at round 3 or later: far ahead of a new process's -1
             assert a.all_reduce(x)[1].ok
     # (the plain mean: the clipped one would scale b's 3x larger part down to twice a's)
-    with _swarm(url, "a", aggregator="mean") as a, _swarm(url, "b", aggregator="mean") as b:  # restarted
+    with (
+        _swarm(url, "a", algorithm=rj.AllReduce(aggregator="mean")) as a,
+        _swarm(url, "b", algorithm=rj.AllReduce(aggregator="mean")) as b,
+    ):  # restarted
         a.wait_for_peers(2, timeout=10)
         fa = a.all_reduce_async({"x": np.full(1024, 1.0, np.float32)})
         time.sleep(1.0)  # a is in the round and has pushed b's part before b begins
@@ -222,9 +225,9 @@ def test_a_restarted_lone_process_runs_in_the_round_after_one_that_failed_for_ev
     the same: it is the round's only member."""
     url = cluster.rendezvous()
     x = {"x": np.full(64, 2.0, np.float32)}
-    with _swarm(url, "lone", aggregator="mean") as a:
+    with _swarm(url, "lone", algorithm=rj.AllReduce(aggregator="mean")) as a:
         assert [a.all_reduce(x)[1].round for _ in range(2)] == [0, 1]
-    with _swarm(url, "lone", aggregator="mean") as b:
+    with _swarm(url, "lone", algorithm=rj.AllReduce(aggregator="mean")) as b:
         outcomes = {r["round"]: r["outcome"] for r in b.status()["rounds"]}
         assert outcomes.get(2) == "failed", outcomes  # created ahead for the first process
         out, rec = b.all_reduce_async(x, round=2).result(20)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ravnest_jax as rj
-from ravnest_jax.swarm import ManifestMismatch, Swarm, SwarmError, Timeouts
+from ravnest_jax.swarm import AllReduce, ManifestMismatch, Swarm, SwarmError, Timeouts
 from ravnest_jax.swarm._manifest import Manifests, differences, refusal_differences, refusal_line
 
 from .conftest import TOKEN
@@ -97,14 +97,14 @@ def test_a_peer_with_other_settings_is_refused_and_the_run_is_untouched(cluster)
     with _swarm(url, "a", codec="int4") as a:
         a.declare_manifest(trainer)
         # refused before it starts (a check: nothing registered), in one line with both values
-        early = _swarm(url, "b", codec="int8", aggregator="trimmed_mean")
+        early = _swarm(url, "b", codec="int8", algorithm=AllReduce(aggregator="mean"))
         with pytest.raises(ManifestMismatch) as e:
             early.declare_manifest({**trainer, "sync_every": 20})
         msg = str(e.value)
         assert "\n" not in msg, msg
         for want in (
             "codec: this peer int8, the run int4",
-            "aggregator: this peer trimmed_mean:1, the run clipped_mean:2.0",
+            "aggregator: this peer mean, the run clipped_mean:2.0",
             "sync_every: this peer 20, the run 10",
         ):
             assert want in msg, (want, msg)

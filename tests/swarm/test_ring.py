@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ravnest_jax.swarm import RoundFailed, Swarm, Timeouts
+from ravnest_jax.swarm import AllReduce, RoundFailed, Swarm, Timeouts
 from ravnest_jax.swarm._allreduce import part_bounds, ring_segments
 from ravnest_jax.swarm._http import HTTPStatusError
 from ravnest_jax.swarm._ring import Ring
@@ -44,9 +44,8 @@ def _run(url, n, size, cls=Swarm, codec="fp32", run_id=None, algorithm="ring", *
             listen="127.0.0.1:0",
             timeouts=T,
             peer_id=f"p{i}",
-            algorithm=algorithm,
+            algorithm=AllReduce(algorithm, segment_bytes=SEG if algorithm == "ring" else None),
             codec=codec,
-            ring_segment_bytes=SEG,
             **kw,
         )
         for i in range(n)
@@ -171,8 +170,7 @@ def test_ring_peers_with_another_segment_size_refuse_each_other(cluster):
         listen="127.0.0.1:0",
         timeouts=t,
         peer_id="a",
-        algorithm="ring",
-        ring_segment_bytes=SEG,
+        algorithm=AllReduce("ring", segment_bytes=SEG),
     )
     b = Swarm(
         url,
@@ -181,8 +179,7 @@ def test_ring_peers_with_another_segment_size_refuse_each_other(cluster):
         listen="127.0.0.1:0",
         timeouts=t,
         peer_id="b",
-        algorithm="ring",
-        ring_segment_bytes=2 * SEG,
+        algorithm=AllReduce("ring", segment_bytes=2 * SEG),
     )
     with a, b:
         a.wait_for_peers(2, timeout=10)
@@ -192,7 +189,7 @@ def test_ring_peers_with_another_segment_size_refuse_each_other(cluster):
             with pytest.raises(RoundFailed):
                 f.result(30)
     with pytest.raises(ValueError):
-        Swarm(url, run_id="segs", token=TOKEN, algorithm="ring", ring_segment_bytes=0)
+        AllReduce("ring", segment_bytes=0)
 
 
 class _Probe(Ring):
