@@ -63,7 +63,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--size", type=int, default=1 << 24, help="float32 elements (default 2**24 = 64 MiB)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--all-cores", action="store_true", help="do not pin to one core")
-    p.add_argument("--codecs", default="fp32,fp16,bf16,int8,int4,fp4,topk")
+    p.add_argument("--codecs", default="fp32,bf16,int8,int4,fp4,topk")
     p.add_argument(
         "--keep-malloc",
         action="store_true",

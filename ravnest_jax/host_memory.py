@@ -91,11 +91,11 @@ def tune_host_allocator(
     ``M_TRIM_THRESHOLD`` (up to this many free bytes stay at the top of the heap) with
     ``mallopt(3)``, once per process; :class:`ravnest_jax.OuterSync` and
     :class:`ravnest_jax.Swarm` call it when they are created. Measured on one core with a 64 MiB
-    float32 pseudo-gradient: a jitted fp16 encode 18 ms with the settings, 27 ms without
-    (``benchmarks/bench_codecs.py --keep-malloc`` runs without). The cost is memory: up to
-    ``trim_threshold`` bytes of freed heap stay mapped (counted in RSS). Setting the environment
-    variable ``RAVNEST_JAX_KEEP_MALLOC=1`` leaves the allocator alone. The arena cap
-    (:func:`cap_host_arenas`) is applied too if ``import ravnest_jax`` has not yet.
+    float32 pseudo-gradient: a jitted encode to 2-byte values (the fp16 codec, since dropped) 18 ms
+    with the settings, 27 ms without (``benchmarks/bench_codecs.py --keep-malloc`` runs without).
+    The cost is memory: up to ``trim_threshold`` bytes of freed heap stay mapped (counted in RSS).
+    Setting the environment variable ``RAVNEST_JAX_KEEP_MALLOC=1`` leaves the allocator alone. The
+    arena cap (:func:`cap_host_arenas`) is applied too if ``import ravnest_jax`` has not yet.
 
     Args:
       mmap_threshold: bytes, at most 32 MiB (glibc's limit on 64-bit).

@@ -53,8 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--codec",
         default=None,
         metavar="CODEC",
-        help="sets RAVNEST_CODEC, the wire codec of a script that leaves rj.Swarm(codec=) out: fp32, fp16, "
-        "bf16, int8, int4, fp4, int2, sign or topk (default: what the script sets, else fp32)",
+        help="sets RAVNEST_CODEC, the wire codec of a script that leaves rj.Swarm(codec=) out: fp32, bf16, "
+        "int8, int4, fp4, int2, sign or topk (default: what the script sets, else fp32)",
     )
     p.add_argument("--run-id", default=None, help="run id (default: local- and 6 random hex digits)")
     p.add_argument(

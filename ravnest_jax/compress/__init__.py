@@ -11,7 +11,6 @@ Codecs (see ``docs/compression.md`` for byte costs, error bounds and when to use
 name    format                                          bytes per float32 (large leaf)
 ======  =============================================  ==================================
 fp32    IEEE float32, lossless                          1
-fp16    IEEE half, round-to-nearest, saturating         0.5
 bf16    bfloat16, round-to-nearest (or stochastic)      0.5
 int8    blockwise absmax int8, bf16 scale per block     (B + 2) / (4 B)   (0.258 at B = 64)
 int4    blockwise absmax int4, two a byte, bf16 scale   (B / 2 + 2) / (4 B) (0.133 at B = 64)

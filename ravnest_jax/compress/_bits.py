@@ -1,5 +1,5 @@
 """The bit-level primitives of the codecs, against an array namespace ``xp`` (``numpy`` or
-``jax.numpy``): bfloat16 / half bits, nibble packing, the code-value tables, the block absmax
+``jax.numpy``): bfloat16 bits, nibble packing, the code-value tables, the block absmax
 and the input bounds. The leaf of ``compress``: it imports no other module of the package, and
 neither jax nor anything that does (``_materialize`` imports ``jax.lax`` only when called with
 ``xp = jax.numpy``). :mod:`._formats` (every codec's math) and :mod:`._coarse` (int2, sign) build
@@ -41,25 +41,6 @@ def bf16_bits_ceil(xp: Any, x: Any) -> Any:
 def bf16_bits_to_f32(xp: Any, bits: Any) -> Any:
     """bfloat16 bits (uint16) -> float32 (exact)."""
     return (bits.astype(xp.uint32) << 16).view(xp.float32)
-
-
-_F16_TO_F32_SCALE = 2.0**112  # 2**(127 - 15): float32 exponent bias minus the half's
-
-
-def fp16_bits_to_f32(xp: Any, bits: Any) -> Any:
-    """IEEE half bits (uint16) -> float32 by integer and float bit arithmetic (the host decoder's
-    fast path; exact for every finite half, subnormals included).
-
-    The sign goes to bit 31 and the 15 exponent and mantissa bits to bits 13..27 (the float32
-    whose bits those are is the half's value times ``2**-112``, exactly: a normal half keeps its
-    exponent field, a subnormal becomes a float32 subnormal), then one multiply by ``2**112``
-    (exact) rescales it. Halves with exponent 31 (Inf, NaN) come out *finite*, as
-    ``+-2**16 * (1 + m / 1024)`` with magnitude ``>= 65536 > FP16_MAX``: a caller must reject
-    ``|v| > FP16_MAX`` (the decoder does; no valid encode produces those bits). Assumes
-    subnormal float32 operands are not flushed to zero (numpy never sets DAZ/FTZ).
-    """
-    u = (bits.view(xp.int16).astype(xp.int32) << 13) & xp.int32(-0x70000001)  # 0x8FFFFFFF
-    return u.view(xp.float32) * xp.float32(_F16_TO_F32_SCALE)
 
 
 def pack_nibbles(xp: Any, codes: Any) -> Any:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _bits, _coarse, _tree
+from . import _coarse, _tree
 from . import _formats as F
 from ._errors import WireFormatError
 from ._wire import (
@@ -95,11 +95,6 @@ _MULTI_LUT = {
 }
 """(256, 8) / (256, 4) float32: a sign / int2 byte -> its unscaled values, first element first."""
 
-_F16_SCALE = np.float32(_bits._F16_TO_F32_SCALE)
-_F16_MASK = np.int32(-0x70000001)  # 0x8FFFFFFF: the sign and bits 0..27
-_F16_MAX = float(F.FP16_MAX)
-
-
 # Largest valid scales: q * s stays finite (the encoder stays below these for |x| <= 2**127).
 _MAX_INT_SCALE = {
     "int8": 1.5 * F.MAX_ABS / 127,
@@ -131,19 +126,15 @@ def _check_finite(name: str, a: np.ndarray) -> None:
 
 
 def _decode_dense(codec: str, leaf: LeafInfo, src: np.ndarray) -> np.ndarray:
-    """fp32 / fp16 / bf16 payload -> new float32 array, chunk by chunk, each chunk checked finite.
+    """fp32 / bf16 payload -> new float32 array, chunk by chunk, each chunk checked finite.
 
-    fp32 is a copy; fp16 is :func:`._formats.fp16_bits_to_f32` computed in place in the output
-    (the half bits sign-extended into int32, shifted, masked, then one float multiply; exact;
-    Inf/NaN halves come out as ``|v| >= 65536`` and fail the check against ``FP16_MAX``); bf16
-    the bits shifted into the high half of a uint32 (``_formats.bf16_bits_to_f32``, in place).
-    Inf and NaN (possible in fp16/bf16 bits of a malformed message) fail the finiteness check.
+    fp32 is a copy; bf16 the bits shifted into the high half of a uint32
+    (``_formats.bf16_bits_to_f32``, in place). Inf and NaN (possible in bf16 bits of a malformed
+    message) fail the finiteness check.
     """
     n = src.shape[0]
     out = np.empty(n, np.float32)
     out_bits = out.view(np.uint32)
-    out_ints = out.view(np.int32)
-    src_signed = src.view(np.int16) if codec == "fp16" else src
     for a in range(0, n, _CHUNK):
         b = min(n, a + _CHUNK)
         o = out[a:b]
@@ -151,15 +142,6 @@ def _decode_dense(codec: str, leaf: LeafInfo, src: np.ndarray) -> np.ndarray:
             u = out_bits[a:b]
             np.copyto(u, src[a:b])  # uint16 -> uint32, zero-extended
             np.left_shift(u, 16, out=u)
-        elif codec == "fp16":
-            i = out_ints[a:b]
-            np.copyto(i, src_signed[a:b])  # int16 -> int32, sign-extended: the sign fills 16..31
-            np.left_shift(i, 13, out=i)
-            np.bitwise_and(i, _F16_MASK, out=i)
-            np.multiply(o, _F16_SCALE, out=o)
-            if o.size and not (float(o.max()) <= _F16_MAX and float(o.min()) >= -_F16_MAX):
-                raise WireFormatError(f"leaf {leaf.name!r} decodes to non-finite values")
-            continue
         else:
             np.copyto(o, src[a:b])
         _check_finite(leaf.name, o)
@@ -211,7 +193,7 @@ def _decode_leaf(codec: str, leaf: LeafInfo, buf: memoryview, owned: bool = Fals
     for length, dt in zip(lens, F.part_dtypes(codec)):
         parts.append(np.frombuffer(buf, dt, length, off))
         off += length * dt.itemsize
-    if codec in ("fp32", "fp16", "bf16"):
+    if codec in ("fp32", "bf16"):
         if owned and codec == "fp32" and parts[0].dtype.isnative and parts[0].flags.writeable:
             # the decoder's own buffer: the float32 values are already where they can stay
             _check_finite(leaf.name, parts[0])
@@ -246,7 +228,7 @@ def leaf_parts(codec: str, leaf: LeafInfo, buf: memoryview) -> tuple[np.ndarray,
     on an accelerator with ``_formats.dequantize(jax.numpy, ...)``, which then gives the same
     float32 values as the host decode, and finite ones.
 
-    Checks: fp32 and topk values finite; fp16 and bf16 bits not Inf or NaN (exponent all ones);
+    Checks: fp32 and topk values finite; bf16 bits not Inf or NaN (exponent all ones);
     int8 / int4 / int2 / sign scales in ``[0, max]``; fp4 scale codes at most 252; topk indices
     strictly increasing below the size.
 
@@ -261,9 +243,8 @@ def leaf_parts(codec: str, leaf: LeafInfo, buf: memoryview) -> tuple[np.ndarray,
         off += length * dt.itemsize
     if codec == "fp32":
         _check_finite(leaf.name, parts[0].view(np.float32))
-    elif codec in ("fp16", "bf16"):
-        exp = 0x7C00 if codec == "fp16" else 0x7F80
-        if parts[0].size and bool(np.any((parts[0] & exp) == exp)):
+    elif codec == "bf16":
+        if parts[0].size and bool(np.any((parts[0] & 0x7F80) == 0x7F80)):  # exponent all ones
             raise WireFormatError(f"leaf {leaf.name!r} decodes to non-finite values")
     elif codec == "topk":
         idx, vals = parts

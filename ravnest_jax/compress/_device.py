@@ -226,10 +226,10 @@ SEGMENT_BYTES = 8 << 20
 """Encoded parts above this size (bytes) leave the jitted encode as a tuple of consecutive 1-D
 slices of at most this size. Each output is its own buffer: glibc serves allocations above its
 mmap threshold (32 MiB at most) with fresh ``mmap``s, faulted in 4 KiB pages on every call, while
-buffers of a few MiB are reused from the heap. On the jax CPU backend a whole 32 MiB fp16 part
-costs about 26 ms per call, the same part as four 8 MiB slices 4.6 ms (the XLA fusion writes
-each slice directly). The message bytes are the same (:func:`packed_to_chunks` writes the
-slices in order)."""
+buffers of a few MiB are reused from the heap. On the jax CPU backend a whole 32 MiB part
+(measured with the 2-byte fp16 codec, since dropped) costs about 26 ms per call, the same part as
+four 8 MiB slices 4.6 ms (the XLA fusion writes each slice directly). The message bytes are the
+same (:func:`packed_to_chunks` writes the slices in order)."""
 
 
 def _segments(f: jax.Array) -> Any:

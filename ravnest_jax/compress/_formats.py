@@ -16,7 +16,6 @@ order, are:
 codec     parts (dtype, length)                       payload bytes
 ========  ==========================================  ======================================
 fp32      values ``<f4`` (n)                          ``4 n``
-fp16      values ``<u2`` IEEE half bits (n)           ``2 n``
 bf16      values ``<u2`` bfloat16 bits (n)            ``2 n``
 int8      scales ``<u2`` bf16 (nb), codes ``u1`` (nb B)  ``2 nb + nb B``
 int4      scales ``<u2`` bf16 (nb), codes ``u1`` (nb B / 2)  ``2 nb + nb B / 2``
@@ -44,7 +43,6 @@ from ._bits import bf16_bits_to_f32 as bf16_bits_to_f32
 from ._bits import e2m1_code_values as e2m1_code_values
 from ._bits import e8m0_scale_values as e8m0_scale_values
 from ._bits import f32_to_bf16_bits as f32_to_bf16_bits
-from ._bits import fp16_bits_to_f32 as fp16_bits_to_f32
 from ._bits import int_code_values as int_code_values
 from ._bits import pack_nibbles as pack_nibbles
 from ._bits import unpack_nibbles as unpack_nibbles
@@ -69,12 +67,12 @@ __all__ = [
     "topk_count",
 ]
 
-CODECS: tuple[str, ...] = ("fp32", "fp16", "bf16", "int8", "int4", "fp4", "int2", "sign", "topk")
+CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "fp4", "int2", "sign", "topk")
 """Names of the codecs, as accepted by ``codec=`` everywhere."""
 
 BLOCK_CODECS = ("int8", "int4", "fp4", "int2", "sign")
 STOCHASTIC_CODECS = ("bf16", "int8", "int4", "fp4")
-LOSSY_CODECS = ("fp16", "bf16", "int8", "int4", "fp4", "int2", "sign", "topk")
+LOSSY_CODECS = ("bf16", "int8", "int4", "fp4", "int2", "sign", "topk")
 DEFAULT_BLOCK_SIZE = {"int8": 64, "int4": 64, "fp4": 32, "int2": 64, "sign": 64}
 CODES_PER_BYTE = {"int8": 1, "int4": 2, "fp4": 2, "int2": 4, "sign": 8}
 MEAN_SCALED = ("int2", "sign")
@@ -84,7 +82,6 @@ MAX_BLOCK_SIZE = 1 << 16
 DEFAULT_TOPK_FRACTION = 0.01
 
 
-FP16_MAX = 65504.0
 _QMAX = {"int8": 127, "int4": 7}
 
 
@@ -215,7 +212,7 @@ def topk_count(n: int, fraction: float) -> int:
 
 def part_lengths(codec: str, n: int, block_size: int, k: int) -> tuple[int, ...]:
     """Element counts of the parts of one leaf (see the module docstring)."""
-    if codec in ("fp32", "fp16", "bf16"):
+    if codec in ("fp32", "bf16"):
         return (n,)
     if codec == "topk":
         return (k, k)
@@ -230,7 +227,6 @@ def part_dtypes(codec: str) -> tuple[np.dtype, ...]:
 
 _PART_DTYPES = {
     "fp32": (np.dtype("<f4"),),
-    "fp16": (np.dtype("<u2"),),
     "bf16": (np.dtype("<u2"),),
     "int8": (np.dtype("<u2"), np.dtype("u1")),
     "int4": (np.dtype("<u2"), np.dtype("u1")),
@@ -398,8 +394,6 @@ def quantize(
     codec = cfg.codec
     if codec == "fp32":
         return in_range(xp, x), (x,)
-    if codec == "fp16":
-        return in_range(xp, x), (xp.clip(x, -FP16_MAX, FP16_MAX).astype(xp.float16).view(xp.uint16),)
     if codec == "bf16":
         nbits = None
         if cfg.stochastic and noise is not None:
@@ -431,14 +425,11 @@ def dequantize(xp: Any, cfg: CodecConfig, parts: tuple[Any, ...], n: int) -> Any
 
     The host decoder (:mod:`._wire`) computes the same values with lookup tables built from the
     functions used here (:func:`int_code_values`, :func:`e2m1_code_values`,
-    :func:`unpack_nibbles`), so the math exists once; its fp16 decode is
-    :func:`fp16_bits_to_f32` (tested equal to the half cast on all 65536 bit patterns).
+    :func:`unpack_nibbles`), so the math exists once.
     """
     codec = cfg.codec
     if codec == "fp32":
         return parts[0].astype(xp.float32)
-    if codec == "fp16":
-        return parts[0].view(xp.float16).astype(xp.float32)
     if codec == "bf16":
         return bf16_bits_to_f32(xp, parts[0])
     if codec == "topk":

@@ -26,70 +26,12 @@ def _leaf_array(leaf: Any, name: str) -> tuple[np.ndarray, str]:
 
 
 _CHUNK = 1 << 17  # elements per numpy pass, so that the temporaries stay in the CPU caches
-_F16_CHUNK = 1 << 16
-
-_MAX_ABS_BITS = np.uint32(np.float32(F.MAX_ABS).view(np.uint32))
-_HALF_MIN_NORMAL = np.float32(2.0**-14)
-_HALF_MAX = np.float32(F.FP16_MAX)
-_HALF_REBIAS = np.uint32((((15 - 127) << 23) + 0xFFF) & 0xFFFFFFFF)  # exponent 127 -> 15, + 0xfff
-_HALF_SUB_OFFSET = np.uint32(0x3F000000 + 0x400)  # bits(0.5) + the min normal half's bits
-
-
-def _host_fp16(x: np.ndarray) -> tuple[bool, np.ndarray]:
-    """fp16 parts of a flat float32 leaf: ``F.quantize``'s ``clip(x, -65504, 65504)`` cast to
-    IEEE half bits (round half to even), by arithmetic on the float32 bits in chunks of 2**16
-    elements with reused scratch arrays (numpy's own float32 -> float16 cast runs at ~0.45 GB/s
-    on one core; this ~2.5x faster). The same bits as the cast (tested on every half, every
-    midpoint between two halves and their neighbours, and random bit patterns).
-
-    ``|x|`` is split into a normal part ``clip(|x|, 2**-14, 65504)``, rounded by integer
-    arithmetic (exponent rebiased, ``0xfff`` plus the lowest kept mantissa bit added before the
-    shift by 13: half to even), and a subnormal part ``min(|x|, 2**-14)``, rounded to a multiple
-    of the half subnormal spacing ``2**-24`` by a float32 add of 0.5. Each part is exact where
-    ``|x|`` lies in its range and contributes the smallest normal half's bits ``0x400`` where it
-    does not, so their sum minus ``0x400`` is the magnitude's half bits; then the sign. No
-    selects (numpy's masked copy is ~10x slower than an arithmetic pass). Needs float32
-    subnormals not flushed to zero (numpy's default).
-
-    Returns ``(ok, bits)``: ``ok`` False for NaN, Inf or ``|x| > 2**127`` (checked on the same
-    ``|x|`` bits; then ``bits`` is garbage), ``bits`` a ``(n,)`` ``<u2`` array.
-    """
-    n = x.shape[0]
-    out = np.empty(n, np.dtype("<u2"))
-    m = min(n, _F16_CHUNK)
-    a_buf, t_buf, l_buf = (np.empty(m, np.uint32) for _ in range(3))
-    u = x.view(np.uint32)
-    for i in range(0, n, _F16_CHUNK):
-        j = min(n, i + _F16_CHUNK)
-        k = j - i
-        a, t, lo, ub, o = a_buf[:k], t_buf[:k], l_buf[:k], u[i:j], out[i:j]
-        np.bitwise_and(ub, np.uint32(0x7FFFFFFF), out=a)  # |x|
-        if int(a.max()) > _MAX_ABS_BITS:  # NaN bits lie above Inf's
-            return False, out
-        af, lof = a.view(np.float32), lo.view(np.float32)  # non-negative floats order as their bits
-        np.minimum(af, _HALF_MIN_NORMAL, out=lof)  # the subnormal part
-        np.add(lof, np.float32(0.5), out=lof)  # rounded to a multiple of 2**-24, half to even
-        np.subtract(lo, _HALF_SUB_OFFSET, out=lo)  # its half bits minus 0x400
-        np.clip(af, _HALF_MIN_NORMAL, _HALF_MAX, out=af)  # the normal part, saturated at 65504
-        np.right_shift(a, np.uint32(13), out=t)
-        np.bitwise_and(t, np.uint32(1), out=t)  # the lowest kept mantissa bit: ties to even
-        np.add(t, a, out=t)
-        np.add(t, _HALF_REBIAS, out=t)
-        np.right_shift(t, np.uint32(13), out=t)  # its half bits (0x400 below 2**-14)
-        np.add(t, lo, out=t)
-        np.right_shift(ub, np.uint32(16), out=o, casting="unsafe")
-        np.bitwise_and(o, np.uint16(0x8000), out=o)  # the sign
-        np.bitwise_or(o, t, out=o, casting="unsafe")  # t < 2**15
-    return True, out
 
 
 def _host_quantize(cfg: F.CodecConfig, x: np.ndarray, noise: Any) -> tuple[bool, tuple[np.ndarray, ...]]:
     """``F.quantize`` with numpy, chunk by chunk for long leaves (blocks are independent, so the
     parts are the same as in one pass; only the stochastic noise is drawn chunk by chunk)."""
     n = x.shape[0]
-    if cfg.codec == "fp16":
-        ok, bits = _host_fp16(x)
-        return ok, (bits,)
     if cfg.codec in ("fp32", "topk") or n <= 2 * _CHUNK:
         ok, parts = F.quantize(np, cfg, x, noise=noise, topk_indices=F.np_topk_indices)
         return bool(ok), tuple(parts)
@@ -154,8 +96,8 @@ def encode(
       tree: nested dicts (str keys), lists and tuples of array-likes (numpy arrays, jax arrays,
         scalars) with a float dtype: float32, bfloat16, float16 or float64 (cast to float32).
         Leaf names in the header are the ``/``-joined paths (``"layer0/w"``).
-      codec: one of ``CODECS``: ``"fp32"``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"int4"``,
-        ``"fp4"``, ``"int2"``, ``"sign"``, ``"topk"``.
+      codec: one of ``CODECS``: ``"fp32"``, ``"bf16"``, ``"int8"``, ``"int4"``, ``"fp4"``,
+        ``"int2"``, ``"sign"``, ``"topk"``.
       max_bytes: refuse to build a larger message (bytes).
       seed: seed of numpy's PRNG for stochastic rounding (``stochastic=True``).
       **options: ``block_size`` (int8/int4/fp4/int2/sign; default 64/64/32/64/64; int2 and sign

@@ -52,7 +52,7 @@ GRID = 1 << 16
 """Elements of one grid chunk (at most; 256 KiB of float32): small enough to stay in the CPU
 caches while a chunk is decoded, checked, weighted and added."""
 
-_DENSE = ("fp32", "fp16", "bf16")
+_DENSE = ("fp32", "bf16")
 
 
 class _Segments:

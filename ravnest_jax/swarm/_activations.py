@@ -89,8 +89,8 @@ class EncodedActivation(NamedTuple):
       block_size: elements per scale block (block codecs), else 0.
       k: elements sent (topk), else 0.
       parts: the leaf's wire parts, little-endian numpy arrays (``_formats.part_dtypes``):
-        int8 ``(uint16 bf16 scale bits (blocks,), uint8 codes (blocks * block_size,))``, bf16 /
-        fp16 ``(uint16 bits (n,),)``, fp32 ``(float32 (n,),)``.
+        int8 ``(uint16 bf16 scale bits (blocks,), uint8 codes (blocks * block_size,))``, bf16
+        ``(uint16 bits (n,),)``, fp32 ``(float32 (n,),)``.
     """
 
     codec: str

@@ -13,6 +13,7 @@ from ravnest_jax.compress import Codec
     "fields, match",
     [
         ({"name": "int3"}, "unknown codec 'int3'"),
+        ({"name": "fp16"}, "unknown codec 'fp16'; available: fp32, bf16, int8, int4, fp4, int2, sign, topk$"),
         ({"name": "int8", "fraction": 0.1}, "'fraction' does not apply to codec 'int8'"),
         ({"name": "bf16", "block_size": 64}, "'block_size' does not apply to codec 'bf16'"),
         ({"name": "sign", "block_size": 48}, "power of two"),
@@ -30,6 +31,20 @@ from ravnest_jax.compress import Codec
 def test_a_bad_setting_is_one_line_naming_it(fields, match):
     with pytest.raises(ValueError, match=match) as e:
         Codec(**fields)
+    assert "\n" not in str(e.value)
+
+
+def test_fp16_is_refused_by_the_swarm_and_by_ravnest_codec(monkeypatch):
+    # fp16 was dropped (bf16 is the half-precision codec): rj.Swarm(codec=) and $RAVNEST_CODEC (what
+    # `ravnest-jax local --codec` sets) refuse it in one line naming the valid codecs
+    valid = "fp32, bf16, int8, int4, fp4, int2, sign, topk"
+    assert ", ".join(rj.compress.CODECS) == valid
+    monkeypatch.delenv("RAVNEST_CODEC", raising=False)
+    with pytest.raises(ValueError, match=f"unknown codec 'fp16'; available: {valid}$"):
+        rj.Swarm("http://127.0.0.1:1", run_id="r", token="t", codec="fp16", listen=None)
+    monkeypatch.setenv("RAVNEST_CODEC", "fp16")
+    with pytest.raises(ValueError, match=f"RAVNEST_CODEC='fp16': unknown codec; available: {valid}$") as e:
+        rj.Swarm("http://127.0.0.1:1", run_id="r", token="t", listen=None)
     assert "\n" not in str(e.value)
 
 

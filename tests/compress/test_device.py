@@ -218,7 +218,7 @@ def test_simulated_validates_eagerly():
         rj.diloco(optax.sgd(0.1), sync_every=2, axis_name="r", codec="int3")
 
 
-@pytest.mark.parametrize("codec", ["fp16", "bf16", "int8", "int4", "fp4", "int2", "sign"])
+@pytest.mark.parametrize("codec", ["bf16", "int8", "int4", "fp4", "int2", "sign"])
 def test_chunked_host_encode_equals_device_for_long_leaves(codec):
     # the host encoder works in chunks of 2**17 elements for long leaves: same bytes as one pass
     rng = np.random.default_rng(5)

@@ -38,7 +38,6 @@ def test_all_reduce_matches_numpy_weighted_mean(cluster, n, algorithm):
 # worst-case |result - exact mean| / max|input| after two quantisations (parts, then the
 # all-gathered mean), from the per-codec bounds of docs/compression.md
 LOSSY_BOUND = {
-    "fp16": 2 * 2.0**-11,
     "bf16": 2 * 2.0**-8,
     "int8": 2 / 254 * 1.02,
     "int4": 2 / 14 * 1.02,
