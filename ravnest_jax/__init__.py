@@ -47,13 +47,25 @@ _EXPORTS: dict[str, str] = {
     "persistent_peer_id": "ravnest_jax.checkpoint",
     "enable_compilation_cache": "ravnest_jax._compile_cache",
 }
-_SUBMODULES = {"optim", "compress", "swarm", "sync", "checkpoint", "models", "data", "pipeline", "host_memory"}
+_SUBMODULES = {
+    "optim",
+    "compress",
+    "swarm",
+    "sync",
+    "checkpoint",
+    "models",
+    "data",
+    "pipeline",
+    "host_memory",
+    "testing",
+}
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from . import checkpoint as checkpoint
     from . import host_memory as host_memory
     from . import optim as optim
     from . import pipeline as pipeline
+    from . import testing as testing
     from ._compile_cache import enable_compilation_cache as enable_compilation_cache
     from .checkpoint import Checkpointer as Checkpointer
     from .checkpoint import CheckpointError as CheckpointError

@@ -27,6 +27,7 @@ from ._types import RoundFailed as RoundFailed
 from ._types import RoundRecord as RoundRecord
 from ._types import SwarmError as SwarmError
 from ._types import Timeouts as Timeouts
+from ._votes import diverged_peers as diverged_peers
 
 __all__ = [
     "TLS",
@@ -48,6 +49,7 @@ __all__ = [
     "check_rendezvous",
     "decode_activation",
     "decode_part",
+    "diverged_peers",
     "encode_part",
     "encoded_activation",
     "read_token",

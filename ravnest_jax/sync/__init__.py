@@ -1,5 +1,6 @@
 """Host-side driver: starts rounds, overlaps them with inner steps, applies results."""
 
+from ._contract import SwarmContract as SwarmContract
 from ._digest import device_digest as device_digest
 from ._digest import digest_hex as digest_hex
 from ._join import Joined as Joined

@@ -8,6 +8,8 @@ from typing import Any
 from ravnest_jax._staleness import overlap_cap
 from ravnest_jax.optim import DiLoCo
 
+from ._contract import check_contract
+
 MODES = ("blocking", "delayed", "eager")  # what the run manifest and the metrics call them
 
 
@@ -41,8 +43,8 @@ def check_options(
         )
     if swarm is None and codec is None:
         raise ValueError("codec must be given with swarm=None (the codec of process 0's swarm)")
-    if swarm is not None and not hasattr(swarm, "all_reduce_async"):
-        raise ValueError("swarm must provide all_reduce_async(tree, weight=...) (an rj.Swarm)")
+    if swarm is not None:
+        check_contract(swarm)
     if swarm is not None and codec is not None:
         from ravnest_jax.compress import Codec
 

@@ -15,6 +15,7 @@ from jax.experimental import multihost_utils
 
 from ravnest_jax import compress
 from ravnest_jax.compress import message_nbytes
+from ravnest_jax.swarm import RoundFailed
 
 
 def exchange(
@@ -29,11 +30,10 @@ def exchange(
 
     Encode once: the packed parts (each device's slices, copied to the host once) are the
     contribution the swarm cuts into parts and sends as they are (``Swarm.all_reduce_packed_async``);
-    nothing is decoded or encoded again on the host. A swarm without that method (a test
-    double) gets the message decoded as every receiver decodes it, as one float32 vector.
+    nothing is decoded or encoded again on the host.
 
     Args:
-      swarm: the :class:`~ravnest_jax.sync._contract.Exchange`.
+      swarm: the :class:`~ravnest_jax.sync.SwarmContract` (its codec is the one ``packed`` has).
       packed: the ``Packed`` parts from the device encode (their host copies already started).
       weight: this peer's weight (samples since its last round).
       expected: the swarm round this exchange belongs to, or ``None`` (not known yet).
@@ -63,29 +63,10 @@ def exchange(
     kwargs: dict[str, Any] = {} if expected is None else {"round": expected}
     if state is not None:  # the rendezvous compares it with the other peers' (divergence)
         kwargs["state"] = state
-    if (
-        getattr(swarm, "all_reduce_packed_async", None) is not None
-        and getattr(getattr(swarm, "codec", None), "name", None) == host.codec
-    ):
-        # encode once: the device's message goes on the wire as it is, cut into parts
-        fut = swarm.all_reduce_packed_async(host, weight=weight, **kwargs)
-        del host
-        return _result(fut, learn_round, nbytes, n, t0)
-    vec = _decoded(host)  # a swarm that takes float32 vectors only (a test double)
+    # encode once: the device's message goes on the wire as it is, cut into parts
+    fut = swarm.all_reduce_packed_async(host, weight=weight, **kwargs)
     del host
-    fut = swarm.all_reduce_async({"pg": vec}, weight=weight, **kwargs)
     return _result(fut, learn_round, nbytes, n, t0)
-
-
-def _decoded(host: Any) -> np.ndarray:
-    """The encoded contribution decoded as every receiver decodes it, flat float32."""
-    dec = compress.StreamDecoder()
-    for c in compress.packed_to_chunks(host):
-        dec.feed(c)
-    leaves = jax.tree.leaves(dec.finish())
-    if len(leaves) == 1:  # one leaf: its flat view (fp32 leaves are views of the payload)
-        return np.ravel(leaves[0])
-    return np.concatenate([np.ravel(a) for a in leaves]) if leaves else np.zeros((0,), np.float32)
 
 
 def _result(
@@ -94,13 +75,10 @@ def _result(
     try:
         mean, record = fut.result()
     except Exception as e:
-        r = getattr(getattr(e, "record", None), "round", -1)
-        if r is not None:
-            learn_round(int(r), False)
+        if isinstance(e, RoundFailed):  # the swarm round it ran as
+            learn_round(int(e.record.round), False)
         raise
-    learn_round(int(getattr(record, "round", -1)), True)
-    if isinstance(mean, dict):
-        mean = mean["pg"]
+    learn_round(int(record.round), True)
     return np.asarray(mean, np.float32).reshape(-1), record, nbytes, 4 * n, time.perf_counter() - t0
 
 
@@ -123,11 +101,9 @@ def needs_resync(swarm: Any, exc: BaseException | None) -> bool:
     (then nobody applied it and the local state is still the swarm's)."""
     if isinstance(exc, compress.NonFiniteError):
         return True  # this peer diverged
-    record = getattr(exc, "record", None)
-    outcome = getattr(swarm, "round_outcome", None)
-    if record is None or outcome is None or getattr(record, "round", -1) < 0:
+    if not isinstance(exc, RoundFailed) or exc.record.round < 0:
         return True
     try:
-        return outcome(record.round) != "failed"
+        return swarm.round_outcome(exc.record.round) != "failed"
     except Exception:  # noqa: BLE001 - rendezvous unreachable: try to resync
         return True

@@ -85,27 +85,28 @@ def round_metrics(
     """The :class:`RoundMetrics` of a merged round (``error`` None, with the swarm's ``record``)
     or of a failed one (``error`` set: no bytes, no digests, ``codec_ratio`` NaN)."""
     ok = error is None
+    rec = record if ok else None  # None also on the processes other than 0 of a peer
     return RoundMetrics(
         round=seq,
         fragment=fragment,
         step=step,
         merged_at_step=merged_at_step,
         ok=ok,
-        swarm_round=int(getattr(record, "round", -1)) if ok else -1,
-        group_size=len(getattr(record, "contributors", ()) or ()) if ok else 0,
-        bytes_sent=int(getattr(record, "bytes_sent", 0)) if ok else 0,
-        bytes_received=int(getattr(record, "bytes_received", 0)) if ok else 0,
+        swarm_round=int(rec.round) if rec is not None else -1,
+        group_size=len(rec.contributors) if rec is not None else 0,
+        bytes_sent=int(rec.bytes_sent) if rec is not None else 0,
+        bytes_received=int(rec.bytes_received) if rec is not None else 0,
         payload_bytes=payload_bytes if ok else 0,
         codec_ratio=payload_bytes / max(float_bytes, 1) if ok else math.nan,
         exchange_seconds=exchange_seconds,
         stall_seconds=stall_seconds,
         compute_utilisation=utilisation,
-        result_digest=str(getattr(record, "digest", "")) if ok else "",
+        result_digest=str(rec.digest) if rec is not None else "",
         state_digest=state_digest if ok else "",
         error=error,
         overlap_steps=merged_at_step - step,
         needed_overlap_steps=needed_overlap_steps,
-        clipped=dict(getattr(record, "clipped", None) or {}) if ok else {},
+        clipped=dict(rec.clipped) if rec is not None else {},
     )
 
 

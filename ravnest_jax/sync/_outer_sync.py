@@ -29,7 +29,7 @@ from ravnest_jax.optim import DiLoCo, DiLoCoState
 
 from . import _nnx
 from ._config import MODES, check_options
-from ._contract import Exchange
+from ._contract import SwarmContract
 from ._metrics import RoundMetrics, Totals, report_summary, round_metrics, summarize
 from ._pipeline import Pending, RoundPipeline
 from ._recovery import after_failure, taken_again
@@ -143,7 +143,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
     def __init__(
         self,
         tx: DiLoCo,
-        swarm: Exchange,
+        swarm: SwarmContract | None,
         *,
         overlap_steps: int | str = 1,
         eager: bool = False,
@@ -176,7 +176,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
         self.samples_per_step = float(samples_per_step)
         self.on_round = on_round
         # downloads the current state from a live peer after a failed round (rj.Swarm.fetch_state)
-        self._resync_fn = getattr(swarm, "fetch_state", None)
+        self._resync_fn = swarm.fetch_state if swarm is not None else None
         self._fns = RoundFunctions(
             tx,
             self.codec.name,
@@ -215,8 +215,8 @@ class OuterSync(ManifestDeclaration, StateExchange):
         self.initial_digest: str | None = None
         # this driver serves its own state to peers that join or resync (a multi-process peer
         # does not: its state lives on several hosts)
-        self._serving = self._processes == 1 and callable(getattr(swarm, "serve_state", None))
-        if self._serving:
+        self._serving = self._processes == 1 and swarm is not None
+        if swarm is not None and self._serving:
             swarm.serve_state(self.request_state)
 
     # ------------------------------------------------------------------ public API
@@ -298,8 +298,10 @@ class OuterSync(ManifestDeclaration, StateExchange):
         """The first step: tell the swarm this peer trains (ends a joiner's standby at once, so
         that the next round created includes it). Non-blocking."""
         self._readied = True
+        if self.swarm is None:  # a process other than 0 of a peer: process 0 tells it
+            return
         with contextlib.suppress(RuntimeError):  # a swarm that is not running: nothing to tell
-            self._ready = getattr(self.swarm, "ready", lambda: None)()
+            self._ready = self.swarm.ready()
 
     def _merge_due(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
         while self._pending and self._pending[0].due_step <= self.step:
@@ -360,7 +362,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
         mean overlap tau (steps), the swarm's ``run_id``. Means over no round are ``None`` (the
         dict is strict JSON)."""
         out = summarize(self._totals, self.failed_rounds, self.resyncs, self.stall_seconds)
-        out["run_id"] = getattr(self.swarm, "run_id", None)
+        out["run_id"] = self.swarm.run_id if self.swarm is not None else None
         return out
 
     def state_dict(self, params: Any) -> dict:

@@ -66,11 +66,11 @@ def taken_again(sync: Any, params: Any, state: DiLoCoState) -> bytes | None:
     downloaded), the state past that round, downloaded now: before this peer's first round,
     instead of a missed round and a resync. ``None``: nothing ran without it (or nothing to
     ask: no round mapping yet, no rendezvous status, a peer over several processes)."""
-    base, status = sync._schedule.swarm_base, getattr(sync.swarm, "status", None)
-    if base is None or status is None or sync._resync_fn is None or sync._processes != 1:
+    base = sync._schedule.swarm_base
+    if base is None or sync.swarm is None or sync._resync_fn is None or sync._processes != 1:
         return None
+    status, me = sync.swarm.status, sync.swarm.peer_id
     expected = base[0] + (sync._schedule.rounds_started - base[1])
-    me = getattr(sync.swarm, "peer_id", None)
     try:
         if sync._ready is not None:
             sync._ready.result(timeout=10.0)  # the rendezvous has this peer out of standby

@@ -61,16 +61,16 @@ def declare(sync: Any, params: Any) -> tuple[bool, dict[str, Any] | None, str | 
     """Declares ``sync``'s manifest, and the digest of ``params`` as its initial state, with
     its swarm. Returns ``(declared, the run's reference initial state, this peer's digest)``:
     ``declared`` is False for a check only (the swarm has not started: declare again once it
-    has); a swarm without ``declare_manifest`` (or none, on a multi-process peer's other
-    processes) declares nothing and counts as declared.
+    has); without a swarm (a multi-process peer's other processes) nothing is declared and it
+    counts as declared.
 
     Raises:
       ManifestMismatch: the rendezvous refused this peer (one line naming every difference).
     """
-    declare_fn = getattr(sync.swarm, "declare_manifest", None)
-    if declare_fn is None:
+    if sync.swarm is None:  # a process other than 0 of a peer: process 0 declares
         return True, None, None
-    if getattr(sync.swarm, "started", True) is False:  # a check only: no digest (a compile) yet
+    declare_fn = sync.swarm.declare_manifest
+    if not sync.swarm.started:  # a check only: no digest (a compile) yet
         declare_fn(trainer_manifest(sync, params))
         return False, None, None
     # a peer over several processes declares on process 0 alone: a jitted digest there would wait

@@ -64,12 +64,12 @@ class PeerStats:
                 self.reported[name] = value
 
     def publish(self, swarm: Any, m: RoundMetrics, sync: Any) -> dict[str, Any] | None:
-        """Writes the stats after round ``m`` into ``swarm``'s info (when it has ``set_info``);
-        returns them. A device scalar reported since was computed steps ago: reading it here
+        """Writes the stats after round ``m`` into ``swarm``'s info (``set_info``; nothing
+        without a swarm: the processes other than 0 of a peer); returns them. A device scalar reported since was computed steps ago: reading it here
         does not wait for the accelerator."""
-        set_info = getattr(swarm, "set_info", None)
-        if not callable(set_info):
+        if swarm is None:
             return None
+        set_info = swarm.set_info
         if not m.ok and m.error:
             self.last_error = m.error[:_ERROR_CHARS]
         summary = sync.summary()

@@ -23,6 +23,7 @@ LAYER = {
     "optim": 1,  # DiLoCo's math
     "checkpoint": 1,
     "sync": 2,  # the outer loop: optim over swarm
+    "testing": 2,  # LocalSwarm: the sync contract in memory (compress, swarm)
     "models": 2,
     "launch": 2,
     "_recipe_schema": 2,

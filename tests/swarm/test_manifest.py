@@ -64,13 +64,8 @@ def test_trainer_manifest_fingerprints_structure_shapes_and_dtypes_not_values():
     assert params_fingerprint({"w": jnp.zeros((3, 4), jnp.bfloat16), "b": jnp.zeros(4)})["sha256"] != fp["sha256"]
     assert params_fingerprint({"v": jnp.zeros((3, 4)), "b": jnp.zeros(4)})["sha256"] != fp["sha256"]
 
-    class Exchange:  # OuterSync's minimum swarm; it has no declare_manifest: nothing is declared
-        codec = "fp32"
-
-        def all_reduce_async(self, tree, *, weight, **kw): ...
-
     tx = rj.diloco(optax.sgd(0.1), sync_every=12, fragments=3)
-    with rj.OuterSync(tx, Exchange(), overlap_steps=2) as sync:
+    with rj.OuterSync(tx, rj.testing.LocalRun().swarm("p0"), overlap_steps=2) as sync:
         from ravnest_jax.sync._run_manifest import trainer_manifest
 
         m = trainer_manifest(sync, p)

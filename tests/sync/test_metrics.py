@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import types
 
 import jax
 import jax.numpy as jnp
@@ -15,36 +14,16 @@ import ravnest_jax as rj
 from ravnest_jax.sync import _metrics
 
 
-class Echo:
-    """An exchange of one peer: the mean is its own contribution; every round moves 100 bytes
-    out and 60 in. It publishes info like a swarm (the driver's round stats)."""
-
-    codec = "fp32"
-
-    def __init__(self) -> None:
-        self.rounds = 0
-        self.info: dict = {}
-
-    def set_info(self, info: dict) -> None:
-        self.info = dict(info)
-
-    def all_reduce_async(self, tree, *, weight, **kw):
-        rec = types.SimpleNamespace(
-            round=self.rounds, contributors=("me",), bytes_sent=100, bytes_received=60, digest="d", clipped={}
-        )
-        self.rounds += 1
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        fut.set_result((tree, rec))
-        return fut
-
-
 def test_metrics_keep_the_last_rounds_and_the_summary_counts_all(monkeypatch) -> None:
     monkeypatch.setattr(_metrics, "METRICS_KEPT", 5)
     params = {"w": jnp.ones(4)}
     tx = rj.diloco(optax.sgd(0.1), sync_every=1)
     state = tx.init(params)
     seen: list[rj.sync.RoundMetrics] = []
-    sync = rj.OuterSync(tx, Echo(), overlap_steps=0, on_round=seen.append)
+    # a run of one in-process peer: the mean is its own contribution, 4 float32 (16 bytes) a round
+    swarm = rj.testing.LocalRun().swarm("me")
+    swarm.start()
+    sync = rj.OuterSync(tx, swarm, overlap_steps=0, on_round=seen.append)
 
     @jax.jit
     def step(params, state):
@@ -58,13 +37,14 @@ def test_metrics_keep_the_last_rounds_and_the_summary_counts_all(monkeypatch) ->
     assert len(seen) == 12 and all(m.ok for m in seen), [m.error for m in seen]
     assert [m.round for m in sync.metrics] == [m.round for m in seen[-5:]], (sync.metrics, seen)
     assert summary["rounds"] == 12 and summary["failed_rounds"] == 0, summary
-    assert summary["bytes_sent"] == 12 * 100 and summary["bytes_received"] == 12 * 60, summary
+    assert summary["bytes_sent"] == 12 * 16 and summary["bytes_received"] == 12 * 16, summary
     assert summary["last_state_digest"] == seen[-1].state_digest != "", summary
     want_util = sum(m.compute_utilisation for m in seen) / 12
     assert abs(summary["compute_utilisation"] - want_util) < 1e-12, (summary, want_util)
     assert summary["mean_overlap_steps"] == 0.0 and summary["clipped_rounds"] == 0, summary
     stats = sync.swarm.info["stats"]  # published after every round, from the totals
-    assert stats["rounds_ok"] == 12 and stats["round"] == 11 and stats["bytes_sent"] == 1200, stats
+    assert stats["rounds_ok"] == 12 and stats["round"] == 11 and stats["bytes_sent"] == 12 * 16, stats
+    swarm.close()
 
 
 def test_totals_match_the_rounds_they_counted() -> None:

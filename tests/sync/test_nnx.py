@@ -95,11 +95,8 @@ def test_nnx_state_next_to_an_optimizer_state_is_refused_with_what_to_pass():
     tx = rj.diloco(optax.adam(1e-2), sync_every=H)
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
-    class NoNetwork:
-        codec = "fp32"
-
-        def all_reduce_async(self, tree, *, weight):  # pragma: no cover - never reached
-            raise AssertionError
-
-    with rj.OuterSync(tx, NoNetwork()) as sync, pytest.raises(TypeError, match=r"sync\(model, optimizer\)"):
+    with (
+        rj.OuterSync(tx, rj.testing.LocalRun().swarm("p0")) as sync,
+        pytest.raises(TypeError, match=r"sync\(model, optimizer\)"),
+    ):
         sync(nnx.state(model, nnx.Param), opt.opt_state)
