@@ -10,9 +10,11 @@ the total weight; with a lossy mean codec, encoded and decoded as every receiver
 the state-digest check that leaves a diverged peer out (the rendezvous' own rule), a joiner on
 standby until it is ready, the state download from a live peer, and round outcomes.
 
-What it does not model: the network (bytes are counted, not sent), deadlines (a round waits
-for every active member; a member that closes is left out), the clipped mean (the plain weighted
-mean), the mean's error feedback, retries. Use a real :class:`~ravnest_jax.Swarm` for those.
+A round waits for every active member until ``timeouts.part`` seconds after its first
+contribution; members missing then are left out (a contribution that comes later fails, as on
+the real swarm), and a member that closes is left out at once. What it does not model: the
+network (bytes are counted, not sent), the clipped mean (the plain weighted mean), the mean's
+error feedback, retries. Use a real :class:`~ravnest_jax.Swarm` for those.
 
     run = rj.testing.LocalRun(codec="int8")
     with run.swarm("p0") as a, run.swarm("p1") as b:
@@ -47,9 +49,10 @@ class _Round:
         default_factory=dict
     )  # peer -> (flat float32, weight, state, future, specs)
     outcome: str = "running"
-    group: tuple[str, ...] = ()
+    group: tuple[str, ...] = ()  # the active members when it was created (and who joined it)
     contributors: tuple[str, ...] = ()
     digest: str = ""
+    deadline: threading.Timer | None = None  # timeouts.part after the first contribution
 
 
 class LocalRun:
@@ -59,8 +62,8 @@ class LocalRun:
       codec: the run's :class:`~ravnest_jax.Codec` (or a codec name), taken by every peer;
         ``Codec.mean_ef`` is not modelled (``ValueError``).
       run_id: the run's id (``summary()["run_id"]``).
-      timeouts: the deadlines the peers report (``swarm.timeouts``; nothing here waits on them
-        but :meth:`LocalSwarm.wait_for_peers` and :meth:`LocalSwarm.fetch_state`).
+      timeouts: the peers' deadlines (``swarm.timeouts``): a round leaves out the members that
+        did not contribute ``timeouts.part`` seconds after its first contribution.
 
     Raises:
       ValueError: a bad codec, or ``mean_ef``.
@@ -117,23 +120,43 @@ class LocalRun:
                 fut.set_exception(RoundFailed(rec))
                 return fut
             if rnd is None:
-                rnd = self.rounds[number] = _Round(number)
+                rnd = self.rounds[number] = _Round(number, group=tuple(sorted({*self._active(), me})))
+                rnd.deadline = threading.Timer(self.timeouts.part, self._expire, (rnd,))
+                rnd.deadline.daemon = True
+                rnd.deadline.start()
+            if me not in rnd.group:
+                rnd.group = tuple(sorted({*rnd.group, me}))
             rnd.entries[me] = (flat, float(weight), state, fut, specs)
             s.last_round = number
             self._complete_ready()
         return fut
 
     def _complete_ready(self) -> None:
-        """Completes every running round that every active member contributed to (held: cond)."""
-        active = set(self._active())
+        """Completes every running round that every member of its group still in the run
+        contributed to (held: cond)."""
         for rnd in sorted(self.rounds.values(), key=lambda r: r.number):
-            if rnd.outcome == "running" and rnd.entries and active <= set(rnd.entries):
+            if rnd.outcome == "running" and rnd.entries and set(rnd.group) & set(self.members) <= set(rnd.entries):
                 self._finish(rnd)
         self.cond.notify_all()
 
+    def _expire(self, rnd: _Round) -> None:
+        """The part deadline of ``rnd``: it completes with the members that contributed."""
+        with self.cond:
+            if rnd.outcome == "running" and rnd.entries:
+                self._finish(rnd)
+                self.cond.notify_all()
+
+    def close(self) -> None:
+        """Cancels the deadlines of rounds still running (their timer threads end at once)."""
+        with self.cond:
+            for rnd in self.rounds.values():
+                if rnd.deadline is not None:
+                    rnd.deadline.cancel()
+
     def _finish(self, rnd: _Round) -> None:
+        if rnd.deadline is not None:
+            rnd.deadline.cancel()
         ids = sorted(rnd.entries)
-        rnd.group = tuple(ids)
         states = {p: rnd.entries[p][2] for p in ids}
         diverged = tuple(diverged_peers({p: list(s) if s is not None else None for p, s in states.items()}))
         left: set[str] = set(diverged)
@@ -202,7 +225,7 @@ class LocalRun:
             round=rnd.number,
             ok=ok,
             attempts=1,
-            group=rnd.group or tuple(sorted(rnd.entries)),
+            group=rnd.group,
             contributors=rnd.contributors if ok else (),
             total_weight=total,
             bytes_sent=4 * n,
@@ -253,12 +276,15 @@ class LocalSwarm:
             self.run.cond.notify_all()
 
     def close(self) -> None:
-        """Leaves the run; rounds waiting for this peer complete without it. Safe to call twice."""
+        """Leaves the run; rounds waiting for this peer complete without it (the last peer to
+        leave cancels the run's deadlines). Safe to call twice."""
         with self.run.cond:
             if self.run.members.get(self.peer_id) is self:
                 del self.run.members[self.peer_id]
                 self.started = False
                 self.run._complete_ready()
+                if not self.run.members:
+                    self.run.close()
 
     def _running(self) -> None:
         if not self.started:
@@ -283,7 +309,7 @@ class LocalSwarm:
         return self.run._contribute(self.peer_id, flat, weight, state, round, list(packed.specs))
 
     def ready(self) -> concurrent.futures.Future[Any]:
-        """Ends the standby: the next round waits for this peer. A done future."""
+        """Ends the standby: the next round created waits for this peer. A done future."""
         self._running()
         with self.run.cond:
             self.standby = False

@@ -151,3 +151,14 @@ def test_bad_input_is_refused_at_once():
             s.all_reduce_packed_async(_packed(np.ones(4, np.float32), "int8"), weight=0.0)
         with pytest.raises(RuntimeError, match="already in the run"):
             run.swarm("a").start()
+
+
+def test_a_member_missing_at_the_part_deadline_is_left_out_and_its_late_part_refused():
+    run = LocalRun(timeouts=rj.Timeouts(part=0.2))
+    with run.swarm("a") as a, run.swarm("b") as b:
+        fa = a.all_reduce_packed_async(_packed(np.ones(4, np.float32)), weight=1.0)
+        mean, rec = fa.result(timeout=10)  # b never came: the deadline ended the round
+        assert rec.contributors == ("a",) and mean.tolist() == [1.0] * 4, rec
+        late = b.all_reduce_packed_async(_packed(np.ones(4, np.float32)), weight=1.0, round=0)
+        with pytest.raises(rj.RoundFailed, match="past this round"):
+            late.result(timeout=10)

@@ -4,6 +4,7 @@ device-side encode and the state digest, compiled once per fragment and params/s
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,13 @@ from ravnest_jax.optim import DiLoCo
 
 from ._digest import CHUNK, device_digest
 from ._layout import encode_on_mesh
+
+#: jitted round functions shared by the drivers of one ``tx`` in a process (peers in threads of
+#: one test, a driver rebuilt after a restart): the same function object, so jax traces and
+#: compiles it once; the oldest entries go beyond _SHARED_MAX
+_SHARED: dict[tuple, Callable] = {}
+_SHARED_LOCK = threading.Lock()
+_SHARED_MAX = 64
 
 
 class RoundFunctions:
@@ -61,7 +69,15 @@ class RoundFunctions:
         key = (kind, fragment, layout)
         fn = self.cache.get(key)
         if fn is None:
-            fn = self.cache[key] = build()
+            shared = (self.tx, self.codec, tuple(sorted(self.codec_options.items())), self.keep_local_progress,
+                      self.error_feedback_decay, self.donate, key)  # fmt: skip
+            with _SHARED_LOCK:
+                fn = _SHARED.get(shared)
+                if fn is None:
+                    fn = _SHARED[shared] = build()
+                    while len(_SHARED) > _SHARED_MAX:
+                        _SHARED.pop(next(iter(_SHARED)))
+            self.cache[key] = fn
         return fn
 
     def start(self, fragment: int, layout: tuple | None) -> Callable:

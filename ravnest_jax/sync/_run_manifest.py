@@ -54,7 +54,7 @@ def initial_digest(params: Any) -> str:
     from ._layout import mesh_of
 
     chunk = 0 if mesh_of(params) is not None else CHUNK  # a sharded leaf hashed whole, not gathered
-    return digest_hex(jax.jit(lambda t: device_digest(t, chunk))(params))
+    return digest_hex(device_digest(params, chunk=chunk))  # jitted once per params layout
 
 
 def declare(sync: Any, params: Any) -> tuple[bool, dict[str, Any] | None, str | None]:

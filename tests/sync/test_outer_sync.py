@@ -1,8 +1,12 @@
-"""rj.OuterSync over a real swarm (rendezvous + peers on 127.0.0.1, in-process threads)."""
+"""rj.OuterSync's behaviour: peers in threads of this process, over the in-process swarm
+(``ravnest_jax.testing.LocalSwarm``: the unit tier) and, end to end, over real swarms
+(rendezvous and peers on 127.0.0.1: the integration tier)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +19,6 @@ from ravnest_jax._staleness import STALENESS_COST
 from ravnest_jax.sync import OuterSync
 
 from ._local import local_swarm
-
-pytestmark = pytest.mark.integration  # real swarms (processes or threads): minutes in all
 
 DIM = 6
 
@@ -52,9 +54,16 @@ def _make_step(tx):
     return step
 
 
+@functools.cache
+def _tx_and_step(tx_items: tuple):
+    """One ``tx`` and jitted step per setting, shared by the peers and the tests of a process:
+    jax traces and compiles the step and the driver's round functions once (they are pure)."""
+    tx = rj.diloco(optax.adam(2e-2), **dict(tx_items))
+    return tx, _make_step(tx)
+
+
 def _run_peer(swarm, peer, *, steps, tx_kwargs, sync_kwargs):
-    tx = rj.diloco(optax.adam(2e-2), **tx_kwargs)
-    step = _make_step(tx)
+    tx, step = _tx_and_step(tuple(sorted(tx_kwargs.items())))
     params = _init()
     state = tx.init(params)
     losses = []
@@ -78,8 +87,17 @@ def _run_peer(swarm, peer, *, steps, tx_kwargs, sync_kwargs):
         }
 
 
-def _run_swarm(n, *, steps, codec="fp32", tx_kwargs, sync_kwargs):
-    with local_swarm(n, codec=codec) as peers:
+@contextlib.contextmanager
+def _in_process(n, codec="fp32", part=60.0):
+    """``n`` started in-process peers (p0, p1, ...) of one run; ``part``: a round's deadline
+    (seconds after its first contribution) for members that do not contribute."""
+    run = rj.testing.LocalRun(codec, timeouts=rj.Timeouts(part=part))
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(run.swarm(f"p{i}")) for i in range(n)]
+
+
+def _run_swarm(n, *, steps, codec="fp32", tx_kwargs, sync_kwargs, real=False):
+    with local_swarm(n, codec=codec) if real else _in_process(n, codec) as peers:
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
             futs = [
                 pool.submit(_run_peer, s, i, steps=steps, tx_kwargs=tx_kwargs, sync_kwargs=sync_kwargs)
@@ -96,6 +114,7 @@ def _assert_digests_agree(results, expected_rounds):
     assert all(m.group_size == len(results) for r in results for m in r["metrics"])
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_tau0_equals_blocking_exactly_and_digests_agree():
     """The end-to-end check of the overlapped driver: 3 peers on loopback (real rendezvous and
@@ -103,9 +122,9 @@ def test_tau0_equals_blocking_exactly_and_digests_agree():
     after every round, and the overlapped rounds' merge (which keeps the local progress since
     the boundary) with tau=0 equals the blocking merge (``overlap_steps=0``) bit for bit."""
     common = dict(steps=12, tx_kwargs=dict(sync_every=4))
-    blocking = _run_swarm(3, sync_kwargs=dict(overlap_steps=0), **common)
+    blocking = _run_swarm(3, sync_kwargs=dict(overlap_steps=0), real=True, **common)
     assert {r["mode"] for r in blocking} == {"blocking"}, [r["mode"] for r in blocking]
-    delayed0 = _run_swarm(3, sync_kwargs=dict(overlap_steps=0, keep_local_progress=True), **common)
+    delayed0 = _run_swarm(3, sync_kwargs=dict(overlap_steps=0, keep_local_progress=True), real=True, **common)
     _assert_digests_agree(blocking, 3)
     _assert_digests_agree(delayed0, 3)
     # 3 peers, 3 rounds: the loss of the global params on held-out data goes down
@@ -210,6 +229,7 @@ def test_bad_config_raises_value_error():
     assert OuterSync(tx, Fake(), overlap_steps="auto").max_overlap_steps == 1
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_joining_peer_downloads_state_and_matches_from_its_first_round():
     """Two peers train; a third joins mid-run: it downloads the global state from a live peer,
@@ -316,6 +336,7 @@ def test_a_contribution_weighs_the_samples_since_the_peers_last_round():
     assert weights == [(0, 4, 32.0), (1, 6, 64.0), (0, 8, 64.0), (1, 10, 64.0), (0, 12, 64.0)], weights
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_auto_overlap_hides_the_exchange_and_keeps_the_state_identical():
     """overlap_steps="auto": each peer picks tau from its own exchange and step times (here
@@ -381,8 +402,7 @@ def test_a_diverged_peer_is_left_out_and_resyncs():
     and fails on it, and it downloads the state from a live peer; from then on it agrees."""
     import time
 
-    tx = rj.diloco(optax.adam(2e-2), sync_every=4)
-    step = _make_step(tx)
+    tx, step = _tx_and_step((("sync_every", 4),))
 
     def peer(i, swarm):
         params = _init()
@@ -399,7 +419,7 @@ def test_a_diverged_peer_is_left_out_and_resyncs():
             params, state = sync.flush(params, state)
             return {"metrics": list(sync.metrics), "resyncs": sync.resyncs}
 
-    with local_swarm(3) as peers:
+    with _in_process(3) as peers:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             res = [f.result(timeout=150) for f in [pool.submit(peer, i, s) for i, s in enumerate(peers)]]
     bad = res[2]["metrics"]
