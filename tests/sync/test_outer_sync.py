@@ -108,10 +108,18 @@ def _run_swarm(n, *, steps, codec="fp32", tx_kwargs, sync_kwargs, real=False):
 
 def _assert_digests_agree(results, expected_rounds):
     per_peer = [[m.state_digest for m in r["metrics"] if m.ok] for r in results]
-    assert all(len(d) == expected_rounds for d in per_peer), [len(d) for d in per_peer]
+    # on failure, every round of every peer: which one differs, and whether its mean did
+    log = [
+        [
+            (m.round, m.swarm_round, m.ok, m.error, m.group_size, m.result_digest[:8], m.state_digest[:8])
+            for m in r["metrics"]
+        ]
+        for r in results
+    ]
+    assert all(len(d) == expected_rounds for d in per_peer), ([len(d) for d in per_peer], log)
     for d in per_peer[1:]:
-        assert d == per_peer[0]
-    assert all(m.group_size == len(results) for r in results for m in r["metrics"])
+        assert d == per_peer[0], log
+    assert all(m.group_size == len(results) for r in results for m in r["metrics"]), log
 
 
 @pytest.mark.integration
