@@ -12,7 +12,7 @@ import pytest
 from ravnest_jax import compress
 from ravnest_jax.compress import Codec
 from ravnest_jax.compress._wire import message_nbytes
-from ravnest_jax.swarm import Swarm, Timeouts
+from ravnest_jax.swarm import AllReduce, Swarm, Timeouts
 from ravnest_jax.swarm._codec import PartLayout, part_chunks
 from ravnest_jax.swarm._manifest import swarm_settings
 
@@ -46,7 +46,7 @@ def _run(url, run, packed, weights, aggregator="mean", rounds=1, codec=None, **s
             timeouts=T,
             peer_id=p,
             codec=codec or packed[p].codec,
-            aggregator=aggregator,
+            algorithm=AllReduce(aggregator=aggregator),
             **swarm_kw,
         ).__enter__()
         for p in ids
