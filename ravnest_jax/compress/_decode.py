@@ -1,5 +1,6 @@
 """Decoding messages of the wire format (``_wire.py``) on the host, numpy only: whole messages
-(:func:`decode`) and streams fed chunk by chunk as a socket delivers them (:class:`StreamDecoder`).
+(:func:`decode`) and streams fed chunk by chunk as a socket delivers them (:class:`StreamDecoder`, a
+sink of the one streaming reader, ``_reader.py``).
 
 Every leaf is decoded in chunks of :data:`_CHUNK` elements with lookup tables built from the
 same ``_formats`` functions as the device-side math, and checked finite; see ``_wire.py`` for
@@ -8,6 +9,8 @@ the layout and the validation that runs before any buffer is allocated.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -15,17 +18,14 @@ import numpy as np
 from . import _coarse, _tree
 from . import _formats as F
 from ._errors import WireFormatError
+from ._reader import Reader
 from ._wire import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_DECODED_BYTES,
-    PREFIX_NBYTES,
     LeafInfo,
     Manifest,
     _as_view,
-    _check_limit,
     _crc32,
-    _parse_header,
-    _parse_prefix,
     read_header,
 )
 
@@ -125,7 +125,7 @@ def _check_finite(name: str, a: np.ndarray) -> None:
         raise WireFormatError(f"leaf {name!r} decodes to non-finite values")
 
 
-def _decode_dense(codec: str, leaf: LeafInfo, src: np.ndarray) -> np.ndarray:
+def _decode_dense(codec: str, name: str, src: np.ndarray) -> np.ndarray:
     """fp32 / bf16 payload -> new float32 array, chunk by chunk, each chunk checked finite.
 
     fp32 is a copy; bf16 the bits shifted into the high half of a uint32
@@ -144,11 +144,11 @@ def _decode_dense(codec: str, leaf: LeafInfo, src: np.ndarray) -> np.ndarray:
             np.left_shift(u, 16, out=u)
         else:
             np.copyto(o, src[a:b])
-        _check_finite(leaf.name, o)
+        _check_finite(name, o)
     return out
 
 
-def _decode_blocks(codec: str, leaf: LeafInfo, s: np.ndarray, codes: np.ndarray) -> np.ndarray:
+def _decode_blocks(codec: str, B: int, s: np.ndarray, codes: np.ndarray) -> np.ndarray:
     """int8 / int4 / fp4 / int2 / sign payload -> new float32 array of ``nb * B`` values (block padding
     included): the code values times their block's scale, chunk by chunk.
 
@@ -158,7 +158,6 @@ def _decode_blocks(codec: str, leaf: LeafInfo, s: np.ndarray, codes: np.ndarray)
     Then one in-place multiply by the scales.
     The scales were checked, so every product is finite.
     """
-    B = leaf.block_size
     total = s.shape[0] * B
     out = np.empty(total, np.float32)
     step = B * max(1, _CHUNK // B)
@@ -185,41 +184,56 @@ def _decode_blocks(codec: str, leaf: LeafInfo, s: np.ndarray, codes: np.ndarray)
     return out
 
 
-def _decode_leaf(codec: str, leaf: LeafInfo, buf: memoryview, owned: bool = False) -> np.ndarray:
-    n = leaf.size
-    lens = F.part_lengths(codec, n, leaf.block_size, leaf.k)
+def scales(codec: str, name: str, raw: np.ndarray) -> np.ndarray:
+    """The block scales of a non-empty leaf as float32, checked: bf16 bits in ``[0, max]`` (int8 /
+    int4 / int2 / sign), E8M0 codes at most 252 (fp4)."""
+    if codec == "fp4":
+        if int(raw.max()) > _MAX_E8M0:
+            raise WireFormatError(f"leaf {name!r}: E8M0 scale code above {_MAX_E8M0}")
+        return _E8M0_LUT[raw]
+    s = F.bf16_bits_to_f32(np, raw)
+    if not (bool(np.all(s >= 0)) and float(s.max()) <= _MAX_INT_SCALE[codec]):
+        raise WireFormatError(f"leaf {name!r}: block scales negative, non-finite or too large")
+    return s
+
+
+def check_topk(name: str, idx: np.ndarray, vals: np.ndarray, n: int) -> None:
+    """topk indices strictly increasing below ``n``, values finite."""
+    if idx.size:
+        if int(idx[-1]) >= n or (idx.size > 1 and not bool(np.all(idx[1:] > idx[:-1]))):
+            raise WireFormatError(f"leaf {name!r}: topk indices not strictly increasing below {n}")
+        _check_finite(name, vals)
+
+
+def _views(codec: str, leaf: LeafInfo, buf: memoryview) -> list[np.ndarray]:
+    """The wire parts of one leaf (``_formats.part_dtypes`` / ``part_lengths``) as views of ``buf``."""
     parts = []
     off = leaf.offset
-    for length, dt in zip(lens, F.part_dtypes(codec)):
+    for length, dt in zip(F.part_lengths(codec, leaf.size, leaf.block_size, leaf.k), F.part_dtypes(codec)):
         parts.append(np.frombuffer(buf, dt, length, off))
         off += length * dt.itemsize
+    return parts
+
+
+def _decode_leaf(codec: str, leaf: LeafInfo, buf: memoryview, owned: bool = False) -> np.ndarray:
+    n = leaf.size
+    parts = _views(codec, leaf, buf)
     if codec in ("fp32", "bf16"):
         if owned and codec == "fp32" and parts[0].dtype.isnative and parts[0].flags.writeable:
             # the decoder's own buffer: the float32 values are already where they can stay
             _check_finite(leaf.name, parts[0])
             return parts[0].view(np.float32).reshape(leaf.shape)
-        return _decode_dense(codec, leaf, parts[0]).reshape(leaf.shape)
+        return _decode_dense(codec, leaf.name, parts[0]).reshape(leaf.shape)
     if codec == "topk":
         idx, vals = parts
-        if leaf.k:
-            if int(idx[-1]) >= n or (leaf.k > 1 and not bool(np.all(idx[1:] > idx[:-1]))):
-                raise WireFormatError(f"leaf {leaf.name!r}: topk indices not strictly increasing below {n}")
-            _check_finite(leaf.name, vals)
+        check_topk(leaf.name, idx, vals, n)
         out = np.zeros(n, np.float32)
         out[idx.astype(np.intp)] = vals
         return out.reshape(leaf.shape)
     if n == 0:
         return np.zeros(leaf.shape, np.float32)
-    s_raw, codes = parts
-    if codec == "fp4":
-        if int(s_raw.max()) > _MAX_E8M0:
-            raise WireFormatError(f"leaf {leaf.name!r}: E8M0 scale code above {_MAX_E8M0}")
-        s = _E8M0_LUT[s_raw]
-    else:
-        s = F.bf16_bits_to_f32(np, s_raw)
-        if not (bool(np.all(s >= 0)) and float(s.max()) <= _MAX_INT_SCALE[codec]):
-            raise WireFormatError(f"leaf {leaf.name!r}: block scales negative, non-finite or too large")
-    return _decode_blocks(codec, leaf, s, codes)[:n].reshape(leaf.shape)
+    s = scales(codec, leaf.name, parts[0])
+    return _decode_blocks(codec, leaf.block_size, s, parts[1])[:n].reshape(leaf.shape)
 
 
 def leaf_parts(codec: str, leaf: LeafInfo, buf: memoryview) -> tuple[np.ndarray, ...]:
@@ -235,30 +249,16 @@ def leaf_parts(codec: str, leaf: LeafInfo, buf: memoryview) -> tuple[np.ndarray,
     Raises:
       WireFormatError: a check failed.
     """
-    n = leaf.size
-    parts = []
-    off = leaf.offset
-    for length, dt in zip(F.part_lengths(codec, n, leaf.block_size, leaf.k), F.part_dtypes(codec)):
-        parts.append(np.frombuffer(buf, dt, length, off))
-        off += length * dt.itemsize
+    parts = _views(codec, leaf, buf)
     if codec == "fp32":
         _check_finite(leaf.name, parts[0].view(np.float32))
     elif codec == "bf16":
         if parts[0].size and bool(np.any((parts[0] & 0x7F80) == 0x7F80)):  # exponent all ones
             raise WireFormatError(f"leaf {leaf.name!r} decodes to non-finite values")
     elif codec == "topk":
-        idx, vals = parts
-        if leaf.k:
-            if int(idx[-1]) >= n or (leaf.k > 1 and not bool(np.all(idx[1:] > idx[:-1]))):
-                raise WireFormatError(f"leaf {leaf.name!r}: topk indices not strictly increasing below {n}")
-            _check_finite(leaf.name, vals)
-    elif n and codec == "fp4":
-        if int(parts[0].max()) > _MAX_E8M0:
-            raise WireFormatError(f"leaf {leaf.name!r}: E8M0 scale code above {_MAX_E8M0}")
-    elif n:
-        s = F.bf16_bits_to_f32(np, parts[0])
-        if not (bool(np.all(s >= 0)) and float(s.max()) <= _MAX_INT_SCALE[codec]):
-            raise WireFormatError(f"leaf {leaf.name!r}: block scales negative, non-finite or too large")
+        check_topk(leaf.name, *parts, leaf.size)
+    elif leaf.size:
+        scales(codec, leaf.name, parts[0])
     return tuple(parts)
 
 
@@ -272,15 +272,24 @@ def decode_payload(manifest: Manifest, payload: memoryview, *, owned: bool = Fal
     return _tree.unflatten(manifest.structure, leaves)
 
 
-class StreamDecoder:
+def _whole(check: Callable[[Manifest], None] | None, manifest: Manifest) -> Generator[np.ndarray, np.ndarray, Any]:
+    """The :class:`Reader` sink of a :class:`StreamDecoder`: ``check(manifest)``, then the whole
+    payload in one buffer, returned."""
+    if check is not None:
+        check(manifest)
+    # numpy's buffer (not bytearray(n), which zero-fills): large ones get huge pages
+    return (yield np.empty(manifest.payload_nbytes, np.uint8))
+
+
+class StreamDecoder(Reader):
     """Incremental decoder for a message arriving in chunks (for example aiohttp
     ``request.content.iter_chunked``).
 
     The prefix and header are validated as soon as they arrive (:attr:`header` is then set, so a
     server can check leaf names, shapes and codec and stop early); the payload buffer is
-    allocated only after the declared sizes passed ``max_bytes`` / ``max_decoded_bytes``; the
-    CRC is computed incrementally. Errors are sticky: after a :class:`WireFormatError` every
-    further call raises it again.
+    allocated only after the declared sizes passed ``max_bytes`` / ``max_decoded_bytes`` (and
+    ``check``); the CRC is computed incrementally. Errors are sticky: after a
+    :class:`WireFormatError` every further call raises it again.
 
     Example::
 
@@ -293,91 +302,24 @@ class StreamDecoder:
     Args:
       max_bytes: largest accepted message (bytes).
       max_decoded_bytes: largest accepted decoded size (float32 bytes).
+      check: ``check(manifest)``, called once the header is validated and before the payload
+        buffer is allocated; it raises :class:`WireFormatError` to refuse the message.
     """
 
-    def __init__(self, *, max_bytes: int = DEFAULT_MAX_BYTES, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES):
-        self._max_bytes = _check_limit("max_bytes", max_bytes)
-        self._max_decoded = _check_limit("max_decoded_bytes", max_decoded_bytes)
-        self._head = bytearray()
-        self._header_len: int | None = None
-        self._manifest: Manifest | None = None
-        self._payload: np.ndarray | None = None
-        self._filled = 0
-        self._crc = 0
-        self._error: WireFormatError | None = None
-        self._finished = False
+    def __init__(
+        self,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+        check: Callable[[Manifest], None] | None = None,
+    ):
+        super().__init__(partial(_whole, check), max_bytes=max_bytes, max_decoded_bytes=max_decoded_bytes)
         self._result: tuple[Any] | None = None
-
-    @property
-    def header(self) -> Manifest | None:
-        """The validated :class:`Manifest` once the header arrived, else None."""
-        return self._manifest
 
     @property
     def nbytes_received(self) -> int:
         """Bytes fed so far."""
-        return len(self._head) + self._filled
-
-    def feed(self, chunk: bytes | bytearray | memoryview) -> None:
-        """Adds the next bytes of the message.
-
-        Raises:
-          WireFormatError: the bytes so far are not a valid start of a message, exceed a
-            maximum, or go past the declared end of the message.
-        """
-        if self._error is not None:
-            raise self._error
-        if self._finished:
-            raise WireFormatError("feed() after finish()")
-        try:
-            self._feed(_as_view(chunk))
-        except WireFormatError as e:
-            self._error = e
-            raise
-
-    def _feed(self, mv: memoryview) -> None:
-        while len(mv):
-            if self._manifest is None:
-                target = PREFIX_NBYTES if self._header_len is None else PREFIX_NBYTES + self._header_len
-                take = min(target - len(self._head), len(mv))
-                self._head += mv[:take]
-                mv = mv[take:]
-                if len(self._head) < target:
-                    return
-                if self._header_len is None:
-                    self._header_len = _parse_prefix(self._head, self._max_bytes)[0]
-                    continue
-                self._manifest = _parse_header(
-                    self._head[:PREFIX_NBYTES], self._head[PREFIX_NBYTES:], self._max_bytes, self._max_decoded
-                )
-                # numpy's buffer (not bytearray(n), which zero-fills): large ones get huge pages
-                self._payload = np.empty(self._manifest.payload_nbytes, np.uint8)
-                continue
-            assert self._payload is not None
-            remaining = len(self._payload) - self._filled
-            if len(mv) > remaining:
-                raise WireFormatError(
-                    f"bytes past the declared end of a message of {self._manifest.total_nbytes} bytes"
-                )
-            end = self._filled + len(mv)
-            self._payload[self._filled : end] = mv
-            self._crc = _crc32(mv, self._crc)
-            self._filled = end
-            return
-
-    def _complete(self) -> np.ndarray:
-        """The whole, checksum-checked payload, handed over (a second call raises)."""
-        if self._manifest is None or self._payload is None:
-            raise WireFormatError(f"truncated message: {len(self._head)} bytes received, the header is incomplete")
-        if self._filled < len(self._payload):
-            raise WireFormatError(
-                f"truncated message: {self.nbytes_received} of {self._manifest.total_nbytes} bytes received"
-            )
-        if self._crc != self._manifest.payload_crc32:
-            raise WireFormatError("payload checksum mismatch (corrupted message)")
-        self._finished = True
-        payload, self._payload = self._payload, None
-        return payload
+        return self.nbytes
 
     def finish_parts(self) -> list[tuple[np.ndarray, ...]]:
         """Checks that the whole message arrived intact and returns each leaf's wire parts,
@@ -387,14 +329,8 @@ class StreamDecoder:
         Raises:
           WireFormatError: truncated message, checksum mismatch, bad payload contents.
         """
-        if self._error is not None:
-            raise self._error
-        try:
-            payload = memoryview(self._complete())
-            return [leaf_parts(self._manifest.codec, leaf, payload) for leaf in self._manifest.leaves]
-        except WireFormatError as e:
-            self._error = e
-            raise
+        payload, m = memoryview(super().finish()), self.header
+        return self._sticky(lambda: [leaf_parts(m.codec, leaf, payload) for leaf in m.leaves])
 
     def finish(self) -> Any:
         """Checks that the whole message arrived intact and decodes it.
@@ -408,14 +344,7 @@ class StreamDecoder:
         Raises:
           WireFormatError: truncated message, checksum mismatch, bad payload contents.
         """
-        if self._error is not None:
-            raise self._error
-        if self._result is not None:
-            return self._result[0]
-        try:
-            payload = self._complete()  # handed over: fp32 leaves view it
-            self._result = (decode_payload(self._manifest, memoryview(payload), owned=True),)
-            return self._result[0]
-        except WireFormatError as e:
-            self._error = e
-            raise
+        if self._result is None:
+            payload = memoryview(super().finish())  # handed over: fp32 leaves view it
+            self._result = (self._sticky(lambda: decode_payload(self.header, payload, owned=True)),)
+        return self._result[0]

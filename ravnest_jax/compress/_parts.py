@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 import struct
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from functools import partial
 from typing import Any
 
 import msgpack
@@ -30,20 +31,18 @@ import numpy as np
 
 from . import _formats as F
 from . import _tree
-from ._decode import _E8M0_LUT, _MAX_E8M0, _MAX_INT_SCALE, _check_finite, _decode_blocks, _decode_dense
+from ._decode import _check_finite, _decode_blocks, _decode_dense, check_topk, scales
 from ._errors import WireFormatError
+from ._reader import Reader
 from ._wire import (
     _ALIGN,
     _PREFIX,
     FORMAT_VERSION,
     MAGIC,
     PREFIX_NBYTES,
-    LeafInfo,
     Manifest,
     Packed,
     _crc32,
-    _parse_header,
-    _parse_prefix,
 )
 
 __all__ = ["GRID", "PartLayout", "RangeDecoder", "part_chunks", "chunks_nbytes"]
@@ -258,10 +257,67 @@ def chunks_nbytes(chunks: Sequence[bytes | memoryview]) -> int:
     return sum(len(c) for c in chunks)
 
 
-class RangeDecoder:
+def _part_sink(
+    layout: PartLayout,
+    pieces: list[tuple[int, int, int]],
+    sink: Callable[[int, np.ndarray], None],
+    into: Callable[[int], np.ndarray] | None,
+    m: Manifest,
+) -> Generator[int | np.ndarray, np.ndarray, None]:
+    """The :class:`Reader` sink of a :class:`RangeDecoder`: checks the header against the part's
+    pieces, then reads each piece grid chunk by grid chunk and hands the decoded values to
+    ``sink(j, values)`` in order."""
+    codec, B, grid = layout.codec, layout.block_size, layout.grid
+    if m.codec != codec:
+        raise WireFormatError(f"codec {m.codec!r} does not match the round's {codec!r}")
+    if len(m.leaves) != len(pieces):
+        raise WireFormatError(f"{len(m.leaves)} leaves where this part has {len(pieces)} pieces")
+    for leaf, (_, a, b) in zip(m.leaves, pieces):
+        if leaf.shape != (b - a,) or leaf.block_size != B:
+            raise WireFormatError("leaf shapes or block size do not match the round's parts")
+    j = 0
+
+    def emit(values: np.ndarray, name: str) -> None:
+        nonlocal j
+        _check_finite(name, values)
+        j += 1
+        sink(j - 1, values)
+
+    for leaf in m.leaves:
+        name, length = leaf.name, leaf.size
+        chunks = [(s, min(length, s + grid)) for s in range(0, length, grid)]
+        if codec == "fp32":  # the collected bytes are the values: handed over, not copied
+            for s, e in chunks:
+                dst = into(j) if into is not None else np.empty(e - s, np.float32)
+                if dst.dtype != np.float32 or dst.size != e - s or not dst.flags.c_contiguous:
+                    raise ValueError(f"into({j}) is not a contiguous float32 array of {e - s} values")
+                emit((yield dst.view(np.uint8)).view(np.float32), name)
+        elif codec == "bf16":
+            for s, e in chunks:
+                emit(_decode_dense(codec, name, (yield 2 * (e - s)).view("<u2")), name)
+        elif codec == "topk":
+            idx = (yield 4 * leaf.k).view("<u4").astype(np.intp)
+            vals = (yield 4 * leaf.k).view("<f4")
+            check_topk(name, idx, vals, length)
+            for s, e in chunks:  # zeros but for the k values
+                out = np.zeros(e - s, np.float32)
+                a, b = int(np.searchsorted(idx, s)), int(np.searchsorted(idx, e))
+                out[idx[a:b] - s] = vals[a:b]
+                emit(out, name)
+        else:
+            sdt = F.part_dtypes(codec)[0]
+            sc = scales(codec, name, (yield F.num_blocks(length, B) * sdt.itemsize).view(sdt).copy())
+            for s, e in chunks:
+                nb = F.num_blocks(e - s, B)
+                codes = yield nb * B // F.CODES_PER_BYTE[codec]
+                emit(_decode_blocks(codec, B, sc[s // B : s // B + nb], codes)[: e - s], name)
+
+
+class RangeDecoder(Reader):
     """Streams one part's message (:func:`part_chunks` or any encoder of the same pieces) into a
     sink, grid chunk by grid chunk, checking it as :class:`~ravnest_jax.compress.StreamDecoder`
-    does (header before payload, sizes before allocation, CRC-32, finite values).
+    does (header before payload, sizes before allocation, CRC-32, finite values): a sink of the
+    one streaming reader (``_reader.py``).
 
     Args:
       layout: the contribution's :class:`PartLayout` (codec, leaves, block size).
@@ -279,6 +335,11 @@ class RangeDecoder:
     ``finish()`` raises it for a message cut short or a CRC mismatch. Errors are sticky.
     """
 
+    _NO_HEADER = "truncated part: {n} bytes, the header is incomplete"
+    _TRUNCATED = "truncated part: {n} bytes received"
+    _PAST_END = "bytes past the declared end of the part"
+    _CORRUPT = "payload checksum mismatch (corrupted part)"
+
     def __init__(
         self,
         layout: PartLayout,
@@ -289,198 +350,6 @@ class RangeDecoder:
         max_header_bytes: int = 1 << 20,
         into: Callable[[int], np.ndarray] | None = None,
     ):
-        self.layout, self.lo, self.hi, self.sink = layout, lo, hi, sink
-        self.into = into if layout.codec == "fp32" else None
-        self.codec = layout.codec
-        self.pieces = layout.pieces(lo, hi)
-        self.grid = layout.chunk_grid(lo, hi)
-        self.max_header_bytes = max_header_bytes
-        self.nbytes = 0
-        self.manifest: Manifest | None = None
-        self._head = bytearray()
-        self._header_len: int | None = None
-        self._crc = 0
-        self._error: WireFormatError | None = None
-        self._done = False
-        self._chunk = 0  # next grid chunk to emit
-        self._plan: list[tuple[Any, ...]] = []  # per piece, the byte regions to read (see _start)
-        self._step = 0  # index into _plan
-        self._buf = np.empty(0, np.uint8)  # bytes of the region being collected
-        self._fill = 0
-        self._scales: np.ndarray | None = None  # decoded scales of the current block piece
-        self._topk_idx: np.ndarray | None = None
-
-    @property
-    def n_chunks(self) -> int:
-        return len(self.grid)
-
-    def feed(self, data: bytes | bytearray | memoryview) -> None:
-        if self._error is not None:
-            raise self._error
-        try:
-            mv = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
-            self.nbytes += len(mv)
-            self._feed(mv)
-        except WireFormatError as e:
-            self._error = e
-            raise
-
-    def _feed(self, mv: memoryview) -> None:
-        while len(mv):
-            if self.manifest is None:
-                target = PREFIX_NBYTES if self._header_len is None else PREFIX_NBYTES + self._header_len
-                take = min(target - len(self._head), len(mv))
-                self._head += mv[:take]
-                mv = mv[take:]
-                if len(self._head) < target:
-                    return
-                if self._header_len is None:
-                    self._header_len = _parse_prefix(self._head, 1 << 40)[0]
-                    if PREFIX_NBYTES + self._header_len > self.max_header_bytes:
-                        raise WireFormatError(f"header of {self._header_len} bytes, above {self.max_header_bytes}")
-                    continue
-                self.manifest = _parse_header(self._head[:PREFIX_NBYTES], self._head[PREFIX_NBYTES:], 1 << 40, 1 << 40)
-                self._start(self.manifest)
-                continue
-            if self._step >= len(self._plan):
-                raise WireFormatError("bytes past the declared end of the part")
-            need = len(self._buf) - self._fill
-            take = min(need, len(mv))
-            self._buf[self._fill : self._fill + take] = mv[:take]
-            self._crc = _crc32(mv[:take], self._crc)
-            self._fill += take
-            mv = mv[take:]
-            if self._fill == len(self._buf):
-                self._region_done()
-
-    def _start(self, m: Manifest) -> None:
-        """Checks the header against the expected pieces and plans the payload regions."""
-        if m.codec != self.codec:
-            raise WireFormatError(f"codec {m.codec!r} does not match the round's {self.codec!r}")
-        if len(m.leaves) != len(self.pieces):
-            raise WireFormatError(f"{len(m.leaves)} leaves where this part has {len(self.pieces)} pieces")
-        B = self.layout.block_size
-        plan = []
-        base = 0
-        for leaf, (_, a, b) in zip(m.leaves, self.pieces):
-            length = b - a
-            if leaf.shape != (length,) or leaf.block_size != B:
-                raise WireFormatError("leaf shapes or block size do not match the round's parts")
-            first = next(j for j, (ga, _) in enumerate(self.grid) if ga == base) if self.grid else 0
-            if self.codec in _DENSE:
-                item = F.part_dtypes(self.codec)[0].itemsize
-                for ga, gb in self.grid[first:]:
-                    if gb > base + length:
-                        break
-                    plan.append(("dense", leaf, ga - base, gb - ga, (gb - ga) * item))
-            elif self.codec == "topk":
-                plan.append(("topk_idx", leaf, length, 4 * leaf.k))
-                plan.append(("topk_val", leaf, length, 4 * leaf.k))
-            else:
-                nb = F.num_blocks(length, B)
-                sdt = F.part_dtypes(self.codec)[0]
-                plan.append(("scales", leaf, nb * sdt.itemsize))
-                per_byte = F.CODES_PER_BYTE[self.codec]
-                for ga, gb in self.grid[first:]:
-                    if gb > base + length:
-                        break
-                    blocks = F.num_blocks(gb - ga, B)
-                    plan.append(("codes", leaf, ga - base, gb - ga, blocks * B // per_byte))
-            base += length
-        self._plan = plan
-        self._step = -1
-        self._next_region()
-
-    def _next_region(self) -> None:
-        self._step += 1
-        while self._step < len(self._plan) and self._plan[self._step][-1] == 0:
-            self._region_done(empty=True)
-            return
-        if self._step < len(self._plan):
-            n = self._plan[self._step][-1]
-            if self.into is not None:  # fp32: every region is the next grid chunk's values
-                dst = self.into(self._chunk)
-                if dst.dtype != np.float32 or dst.nbytes != n or not dst.flags.c_contiguous:
-                    raise ValueError(f"into({self._chunk}) is not a contiguous float32 array of {n // 4} values")
-                self._buf = dst.view(np.uint8)
-            elif self._buf.size != n:
-                self._buf = np.empty(n, np.uint8)
-            self._fill = 0
-
-    def _emit(self, values: np.ndarray, name: str) -> None:
-        _check_finite(name, values)
-        j = self._chunk
-        self._chunk += 1
-        self.sink(j, values)
-
-    def _region_done(self, empty: bool = False) -> None:
-        kind, leaf = self._plan[self._step][0], self._plan[self._step][1]
-        buf = self._buf if not empty else np.empty(0, np.uint8)
-        if kind == "dense":
-            _, _, start, count, _ = self._plan[self._step]
-            src = buf.view(F.part_dtypes(self.codec)[0])
-            info = LeafInfo(leaf.name, (count,), leaf.dtype, 0, 0, 0, buf.size)
-            if self.codec == "fp32":  # the collected bytes are the values: handed over, not copied
-                vals, self._buf = src, np.empty(0, np.uint8)
-            else:
-                vals = _decode_dense(self.codec, info, src)
-            self._emit(vals, leaf.name)
-        elif kind == "scales":
-            raw = buf.view(F.part_dtypes(self.codec)[0]).copy()
-            if self.codec == "fp4":
-                if raw.size and int(raw.max()) > _MAX_E8M0:
-                    raise WireFormatError(f"leaf {leaf.name!r}: E8M0 scale code above {_MAX_E8M0}")
-                self._scales = _E8M0_LUT[raw]
-            else:
-                s = F.bf16_bits_to_f32(np, raw)
-                if s.size and not (bool(np.all(s >= 0)) and float(s.max()) <= _MAX_INT_SCALE[self.codec]):
-                    raise WireFormatError(f"leaf {leaf.name!r}: block scales negative, non-finite or too large")
-                self._scales = s
-        elif kind == "codes":
-            _, _, start, count, _ = self._plan[self._step]
-            B = self.layout.block_size
-            assert self._scales is not None
-            s = self._scales[start // B : start // B + F.num_blocks(count, B)]
-            info = LeafInfo(leaf.name, (count,), leaf.dtype, B, 0, 0, buf.size)
-            self._emit(_decode_blocks(self.codec, info, s, buf)[:count], leaf.name)
-        elif kind == "topk_idx":
-            self._topk_idx = buf.view("<u4").astype(np.intp)
-        else:  # topk values: the piece's grid chunks, zeros but for the k values
-            length = self._plan[self._step][2]
-            idx, vals = self._topk_idx, buf.view("<f4")
-            assert idx is not None
-            if idx.size:
-                if int(idx[-1]) >= length or (idx.size > 1 and not bool(np.all(idx[1:] > idx[:-1]))):
-                    raise WireFormatError(f"leaf {leaf.name!r}: topk indices not strictly increasing below {length}")
-                _check_finite(leaf.name, vals)
-            for s in range(0, length, self.layout.grid):
-                e = min(length, s + self.layout.grid)
-                out = np.zeros(e - s, np.float32)
-                a, b = int(np.searchsorted(idx, s)), int(np.searchsorted(idx, e))
-                out[idx[a:b] - s] = vals[a:b]
-                self._emit(out, leaf.name)
-        self._next_region()
-
-    def finish(self) -> None:
-        """Checks that the whole part arrived intact (every grid chunk went to the sink).
-
-        Raises:
-          WireFormatError: a message cut short (or never started), or a CRC mismatch.
-        """
-        if self._error is not None:
-            raise self._error
-        if self._done:
-            return
-        try:
-            if self.manifest is None:
-                raise WireFormatError(f"truncated part: {len(self._head)} bytes, the header is incomplete")
-            if self._step < len(self._plan):
-                raise WireFormatError(f"truncated part: {self.nbytes} bytes received")
-            if self._crc != self.manifest.payload_crc32:
-                raise WireFormatError("payload checksum mismatch (corrupted part)")
-            if self._chunk != len(self.grid):  # pragma: no cover - the plan covers the grid
-                raise WireFormatError("part decoded to the wrong number of chunks")
-            self._done = True
-        except WireFormatError as e:
-            self._error = e
-            raise
+        plan = partial(_part_sink, layout, layout.pieces(lo, hi), sink, into if layout.codec == "fp32" else None)
+        limits = {"max_bytes": 1 << 40, "max_decoded_bytes": 1 << 40, "max_header_bytes": max_header_bytes}
+        super().__init__(plan, **limits)

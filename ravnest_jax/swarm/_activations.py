@@ -110,7 +110,6 @@ class _EncodedDecoder(ActivationDecoder):
 
     def finish(self) -> EncodedActivation:  # type: ignore[override]
         (parts,) = self._dec.finish_parts()  # WireFormatError as the host decode raises it
-        self._check_header()
         (leaf,) = self._dec.header.leaves
         return EncodedActivation(self.codec, self.shape, int(leaf.block_size), int(leaf.k), parts)
 

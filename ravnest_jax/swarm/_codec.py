@@ -9,6 +9,7 @@ activation-gradient) is one named array of a known shape, read with :class:`Acti
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from ravnest_jax.compress import (
     GRID,
     Codec,
     LeafSpec,
+    Manifest,
     NonFiniteError,
     Packed,
     PartLayout,
@@ -80,56 +82,45 @@ def encode_part(name: str, vec: np.ndarray, codec: str, **options: Any) -> bytes
 
 def decode_part(data: bytes, *, name: str, length: int, codec: str) -> np.ndarray:
     """Decode a whole message at once (the owner's own result part)."""
-    dec = PartDecoder(name=name, length=length, codec=codec, max_bytes=len(data))
-    dec.feed(data)
-    return dec.finish()
+    return decode_activation(data, name=name, shape=(length,), codec=codec)
+
+
+def _expect_leaf(name: str, shape: tuple[int, ...], codec: str, hdr: Manifest) -> None:
+    """Refuses a header that is not one leaf ``name`` of ``shape`` in ``codec``."""
+    if hdr.codec != codec:
+        raise WireFormatError(f"codec {hdr.codec!r}, expected {codec!r}")
+    leaves = [(leaf.name, tuple(int(s) for s in leaf.shape)) for leaf in hdr.leaves]
+    if leaves != [(name, shape)]:
+        raise WireFormatError(f"leaves {leaves}, expected [({name!r}, {shape})]")
 
 
 class ActivationDecoder:
     """Incremental decoder of one message holding a single leaf named ``name`` of shape
     ``shape`` in ``codec``: a pipeline activation (or activation-gradient), or, as
-    :class:`PartDecoder`, a part of a round.
+    :class:`PartDecoder`, a part of a round (a :class:`StreamDecoder` whose ``check`` is the
+    expected leaf).
 
     ``feed`` raises :class:`WireFormatError` as soon as the header shows another leaf, shape or
     codec (before the payload is allocated), or when the message is garbage or exceeds
-    ``max_bytes``; ``finish`` returns the float32 array of shape ``shape`` or raises
-    :class:`WireFormatError` (truncated, corrupt) / :class:`NonFiniteError`.
+    ``max_bytes``; ``finish`` returns the float32 array of shape ``shape`` (finite: the decoder
+    checks every value) or raises :class:`WireFormatError` (truncated, corrupt, non-finite).
     """
-
-    what = "activation"
 
     def __init__(self, *, name: str, shape: tuple[int, ...], codec: str, max_bytes: int):
         self.name, self.shape, self.codec, self.max_bytes = name, tuple(int(s) for s in shape), codec, max_bytes
         self.nbytes = 0
-        self._checked = False
         n = int(np.prod(self.shape, dtype=np.int64))
-        self._dec = StreamDecoder(max_bytes=max_bytes, max_decoded_bytes=4 * n + (1 << 16))
-
-    def _check_header(self) -> None:
-        hdr = self._dec.header
-        if hdr is None or self._checked:
-            return
-        if hdr.codec != self.codec:
-            raise WireFormatError(f"codec {hdr.codec!r}, expected {self.codec!r}")
-        leaves = [(leaf.name, tuple(int(s) for s in leaf.shape)) for leaf in hdr.leaves]
-        if leaves != [(self.name, self.shape)]:
-            raise WireFormatError(f"leaves {leaves}, expected [({self.name!r}, {self.shape})]")
-        self._checked = True
+        check = partial(_expect_leaf, self.name, self.shape, codec)
+        self._dec = StreamDecoder(max_bytes=max_bytes, max_decoded_bytes=4 * n + (1 << 16), check=check)
 
     def feed(self, chunk: bytes | memoryview) -> None:
         self.nbytes += len(chunk)
         if self.nbytes > self.max_bytes:
             raise WireFormatError(f"message longer than {self.max_bytes} bytes")
         self._dec.feed(chunk)
-        self._check_header()
 
     def finish(self) -> np.ndarray:
-        tree = self._dec.finish()
-        self._check_header()
-        arr = np.asarray(tree[self.name], dtype=np.float32).reshape(self.shape)
-        if not np.isfinite(arr).all():
-            raise NonFiniteError(f"{self.what} holds NaN or infinity")
-        return arr
+        return self._dec.finish()[self.name].reshape(self.shape)
 
 
 class PartDecoder(ActivationDecoder):
@@ -137,8 +128,6 @@ class PartDecoder(ActivationDecoder):
     ``name`` of ``length`` float32 elements in ``codec`` (:class:`ActivationDecoder` with shape
     ``(length,)``); ``finish`` returns the vector ``(length,)``.
     """
-
-    what = "part"
 
     def __init__(self, *, name: str, length: int, codec: str, max_bytes: int):
         super().__init__(name=name, shape=(int(length),), codec=codec, max_bytes=max_bytes)
