@@ -83,12 +83,12 @@ class Attempt:
 class RoundFail(Exception):
     """The round failed on this peer (a decision of the rendezvous, a deadline, a miss).
 
-    ``total_weight``: the round's total weight when it is known (a missed round: tells the caller
-    whether any peer contributed)."""
+    ``total_weight``: the round's total weight when it is known; ``all_abstained``: a missed
+    round in which every member abstained (``RoundRecord.all_abstained``)."""
 
-    def __init__(self, message: str, total_weight: float = 0.0):
+    def __init__(self, message: str, total_weight: float = 0.0, all_abstained: bool = False):
         super().__init__(message)
-        self.total_weight = total_weight
+        self.total_weight, self.all_abstained = total_weight, all_abstained
 
 
 class RoundUnknown(RoundFail):

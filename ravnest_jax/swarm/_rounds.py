@@ -341,13 +341,13 @@ class Rounds:
                             continue
                         diverged = out.diverged
                         if missed:
-                            # total_weight tells the caller whether anybody contributed: only
-                            # abstainers (every member missed its round) means no peer is ahead
-                            nobody = out.total < 1e-20
+                            # only abstainers (every member missed its round): no peer is ahead
+                            nobody = out.total < len(out.contributors) * 2 * ABSTAIN_WEIGHT
                             raise RoundFail(
                                 f"missed round {expected}: the swarm is at round {r}"
                                 + (" (no peer contributed to it)" if nobody else ""),
                                 total_weight=out.total,
+                                all_abstained=nobody,
                             )
                         if self.peer_id in diverged:
                             raise RoundFail(
@@ -373,7 +373,14 @@ class Rounds:
                     begin = await self._begin(deadline, expected)
                     (contrib, weight), arrive = given, None
             except RoundFail as e:
-                rec = record(False, contributors=(), total_weight=e.total_weight, digest="", error=str(e))
+                rec = record(
+                    False,
+                    contributors=(),
+                    total_weight=e.total_weight,
+                    digest="",
+                    error=str(e),
+                    all_abstained=e.all_abstained,
+                )
                 raise RoundFailed(rec) from None
             finally:
                 if r >= 0:

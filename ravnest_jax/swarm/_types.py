@@ -119,6 +119,9 @@ class RoundRecord:
         (butterfly) and their own round failed, so that they download the state again.
       clipped: the clipped mean (``AllReduce.aggregator``): contributor -> the factor (< 1) its contribution
         was scaled by (its norm was over the bound); empty when nobody was clipped.
+      all_abstained: a failed round that this peer missed (it asked for an earlier one) and in
+        which every member abstained (each missed its own: no peer is ahead of the others, so
+        there is nobody to download a newer state from).
     """
 
     round: int
@@ -136,6 +139,7 @@ class RoundRecord:
     error: str | None = None
     diverged: tuple[str, ...] = ()
     clipped: dict[str, float] = dataclasses.field(default_factory=dict)
+    all_abstained: bool = False
 
 
 class RoundFailed(RuntimeError):

@@ -94,16 +94,3 @@ def share_result(
     n = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in jax.tree.leaves(pseudo_gradient))
     buf = mean if leader else np.zeros((n,), np.float32)
     return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(buf, np.float32)), np.float32), None
-
-
-def needs_resync(swarm: Any, exc: BaseException | None) -> bool:
-    """After a failed round: False only when the rendezvous says the round failed for everyone
-    (then nobody applied it and the local state is still the swarm's)."""
-    if isinstance(exc, compress.NonFiniteError):
-        return True  # this peer diverged
-    if not isinstance(exc, RoundFailed) or exc.record.round < 0:
-        return True
-    try:
-        return swarm.round_outcome(exc.record.round) != "failed"
-    except Exception:  # noqa: BLE001 - rendezvous unreachable: try to resync
-        return True

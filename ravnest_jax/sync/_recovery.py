@@ -5,12 +5,26 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ravnest_jax import compress
 from ravnest_jax.optim import DiLoCoState
+from ravnest_jax.swarm import RoundFailed
 
-from ._exchange import needs_resync
 from ._pipeline import Pending
 
 log = logging.getLogger("ravnest_jax.sync")
+
+
+def needs_resync(swarm: Any, exc: BaseException | None) -> bool:
+    """After a failed round: False only when the rendezvous says the round failed for everyone
+    (then nobody applied it and the local state is still the swarm's)."""
+    if isinstance(exc, compress.NonFiniteError):
+        return True  # this peer diverged
+    if not isinstance(exc, RoundFailed) or exc.record.round < 0:
+        return True
+    try:
+        return swarm.round_outcome(exc.record.round) != "failed"
+    except Exception:  # noqa: BLE001 - rendezvous unreachable: try to resync
+        return True
 
 
 def after_failure(sync: Any, p: Pending, exc: BaseException | None, params: Any, state: DiLoCoState) -> tuple:
@@ -21,8 +35,7 @@ def after_failure(sync: Any, p: Pending, exc: BaseException | None, params: Any,
     steps); an eager round, whose speculative anchor the params already stand on, is applied
     with the local pseudo-gradient (a swarm of one). Returns ``(params, state)``."""
     data = None
-    record = getattr(exc, "record", None)
-    if record is not None and 0.0 < getattr(record, "total_weight", 0.0) < 1e-20:
+    if isinstance(exc, RoundFailed) and exc.record.all_abstained:
         # Every member of the round missed its own expected round (each abstained): no peer
         # is ahead to download from, and downloading from each other only swaps the states
         # (two peers restarted from stale checkpoints did so forever). Learn the round
