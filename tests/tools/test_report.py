@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 
 from ravnest_jax.cli import main
+from ravnest_jax.swarm import RoundRecord
 from ravnest_jax.sync._metrics import round_metrics
 
 
-class _Record:  # what the swarm returns for an ok round (the fields round_metrics reads)
-    def __init__(self, r: int, sent: int):
-        self.round, self.contributors, self.digest = r, ("a", "b"), f"d{r}"
-        self.bytes_sent = self.bytes_received = sent
+def _Record(r: int, sent: int) -> RoundRecord:  # noqa: N802 - what the swarm returns for an ok round
+    return RoundRecord(
+        round=r, ok=True, attempts=1, group=("a", "b"), contributors=("a", "b"), total_weight=2.0,
+        bytes_sent=sent, bytes_received=sent, seconds=0.3, digest=f"d{r}", codec="int4",
+    )  # fmt: skip
 
 
 def _summary(tmp_path):
