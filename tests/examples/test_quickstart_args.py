@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "quickstart_peer.py"
 
 
 BAD = [("--steps", "-5"), ("--steps", "0"), ("--steps", "ten"), ("--sync-every", "0"), ("--sync-every", "2.5")]
 
 
+@pytest.mark.integration  # starts 5 processes
 def test_a_bad_count_is_one_usage_error():
     """Each bad value in its own process, all started at once (each start imports jax: seconds)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -79,6 +79,7 @@ def test_xla_plan_holds_one_chunk_of_mlp_activations():
     assert whole - chunked > 2 * mlp, (whole, chunked, mlp)
 
 
+@pytest.mark.integration  # compiles two memory plans: ~4 s
 def test_chunking_is_off_where_activations_are_kept():
     """The chunked MLP is a loop (``lax.map``) in the traced model, called on a model built
     outside the trace; with ``remat`` ``"none"`` or ``"dots"``, or ``mlp_chunk=None``, there is

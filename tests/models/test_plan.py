@@ -58,7 +58,8 @@ def _live(cfg, lora, quantize, remat, batch, seq, scan_layers):
     }
 
 
-@pytest.mark.parametrize("quantize", [pytest.param(None, marks=pytest.mark.integration), "int4"])  # ~10 s each
+@pytest.mark.integration  # ~10 s each: compiles the real scanned step
+@pytest.mark.parametrize("quantize", [None, "int4"])
 def test_scanned_plan_equals_the_real_scanned_step(quantize):
     """The planner's scanned model (one layer wrapped by qwix, its stacked leaves given the
     real depth) compiles to the same step as the real model stacked as ``load_pretrained``

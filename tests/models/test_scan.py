@@ -138,6 +138,7 @@ def test_offload_policy_runs_and_equals_no_remat_under_the_scan():
         np.testing.assert_allclose(g1[k], g0[k], rtol=0, atol=1e-6, err_msg=".".join(map(str, k)))
 
 
+@pytest.mark.integration  # compiles the scanned and the per-layer model: ~4 s
 def test_stack_and_unstack_round_trip_and_keep_the_logits():
     model = Transformer(_cfg(), nnx.Rngs(0))
     tokens = jnp.asarray(np.load(LLAMA / "tokens.npy"))

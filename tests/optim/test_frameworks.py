@@ -66,6 +66,7 @@ def test_nnx_optimizer_vmapped_replicas():
     assert int(jax.tree.leaves(states)[0].shape[0]) == N
 
 
+@pytest.mark.integration  # compiles a vmapped linen step: ~5 s
 def test_linen_train_state_vmapped_replicas():
     x, y = _data()
 

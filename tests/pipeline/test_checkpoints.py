@@ -79,6 +79,7 @@ def _stage0_peer_beside(tmp_path, saved_stage: int, units_of, num_stages: int):
     )
 
 
+@pytest.mark.integration  # builds two stage peers: ~4 s
 def test_a_checkpoint_of_other_units_is_refused_before_compiling(tmp_path, monkeypatch):
     peer = _stage0_peer_beside(tmp_path, 0, lambda lo, hi: (lo, hi + 1), 3)
     compiled = []
