@@ -45,7 +45,7 @@ def round_device_memory(tx, params, state, codec: str) -> dict:
     ``None`` on a backend without memory statistics (the CPU)."""
     import numpy as np
 
-    from ravnest_jax.sync._layout import put_like
+    from ravnest_jax.sync._pipeline import put_like
     from ravnest_jax.sync._round_fns import RoundFunctions
 
     dev = jax.devices()[0]

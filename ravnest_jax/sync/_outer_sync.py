@@ -437,7 +437,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
         return self._rounds.start(fragment, params, state, self.step, plan, self._last_state), state
 
     def _finish(self, p: Pending, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
-        out = self._rounds.wait(p, live=params)
+        out, params, state, digest = self._rounds.finish(p, params, state, live=params)
         stall = out.stall_seconds
         self.stall_seconds += stall
         now = time.perf_counter()
@@ -451,7 +451,6 @@ class OuterSync(ManifestDeclaration, StateExchange):
                 if self.overlap_steps == "auto" and self.step >= p.due_step:  # merged when due, not by a flush
                     self._schedule.tau.observe(p.due_step - p.step, stall, window, out.exchange_seconds)
                 self._schedule.tau.exchanges.append(out.exchange_seconds)
-            params, state, digest = self._rounds.merge(p, params, state, out.mean)
             m = round_metrics(
                 *timing,
                 record=out.record,

@@ -1,10 +1,13 @@
 """The rounds in flight of one :class:`~ravnest_jax.sync.OuterSync`: started at a boundary, run
-beside training, waited for and merged when due.
+beside training, waited for and merged when due; and where their arrays lie.
 
 A round start is one jitted call (the pseudo-gradient, encoded on the device with error
-feedback, see ``_round_fns.py``) and a non-blocking device-to-host copy; the exchange runs on one
-worker thread (rounds in the same order on every peer); the merge is one jitted call. The
-training thread never waits here unless a result is due and not in yet.
+feedback, see ``_round_fns.py``) and a non-blocking device-to-host copy; the exchange
+(:func:`exchange`) runs on one worker thread (rounds in the same order on every peer): the
+encoded pseudo-gradient to the host, into the swarm's all-reduce, and the mean back; the merge
+(:meth:`RoundPipeline.finish`) is one jitted call. The training thread never waits here unless a
+result is due and not in yet. The layout helpers (:func:`layout_of`, :func:`put_like`) keep each
+array on the devices and with the sharding it had.
 """
 
 from __future__ import annotations
@@ -12,20 +15,159 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
 
+from ravnest_jax import compress
+from ravnest_jax.compress import message_nbytes
 from ravnest_jax.optim import DiLoCo, RoundSnapshot
+from ravnest_jax.swarm import RoundFailed
 
 from ._digest import digest_hex
-from ._exchange import exchange, share_result
-from ._layout import layout_of, put_like, split_host
 from ._round_fns import RoundFunctions
 from ._schedule import Plan
+
+
+def mesh_of(tree: Any) -> Mesh | None:
+    """The device mesh of the first leaf laid out over more than one device, else ``None``."""
+    for x in jax.tree.leaves(tree):
+        s = getattr(x, "sharding", None)
+        if isinstance(s, NamedSharding) and s.mesh.size > 1:
+            return s.mesh
+    return None
+
+
+def layout_of(params: Any, state: Any) -> tuple | None:
+    """A hashable description of how ``params`` and ``state`` lie on their mesh: ``(mesh,
+    params treedef, params shardings, state treedef, state shardings)``, with ``None`` for a leaf
+    that is not on that mesh (the compiler chooses); ``None`` when the params are on one device."""
+    mesh = mesh_of(params)
+    if mesh is None:
+        return None
+
+    def on_mesh(tree: Any) -> tuple:
+        leaves, treedef = jax.tree.flatten(tree)
+        sh = tuple(
+            x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh else None
+            for x in leaves
+        )
+        return treedef, sh
+
+    return (mesh, *on_mesh(params), *on_mesh(state))
+
+
+def split_host(vec: np.ndarray, like: list) -> list[np.ndarray]:
+    """A flat host vector cut into arrays shaped like ``like`` (views, C order)."""
+    out, off = [], 0
+    for x in like:
+        n = int(np.prod(np.shape(x), dtype=np.int64))
+        out.append(vec[off : off + n].reshape(np.shape(x)))
+        off += n
+    return out
+
+
+def put_like(arrays: list, like: list) -> list:
+    """Host arrays onto the devices with the layouts of ``like``: each device receives its own
+    shard straight from the host. With devices of other processes in the layout (a peer over
+    several processes), every process passes the same host arrays and fills its own devices."""
+    out = []
+    for a, x in zip(arrays, like):
+        if not isinstance(x, jax.Array) or not x.committed:
+            # placed like `like`: jit keys its cache on committedness, so committing an array
+            # that was not would recompile the train step (and the other way round)
+            out.append(jnp.asarray(a))
+        elif x.sharding.is_fully_addressable:
+            out.append(jax.device_put(a, x.sharding))
+        else:
+            a = np.asarray(a)
+            out.append(jax.make_array_from_callback(a.shape, x.sharding, lambda idx, a=a: a[idx]))
+    return out
+
+
+def exchange(
+    swarm: Any,
+    packed: Any,
+    weight: float,
+    expected: int | None,
+    state: tuple[int, str] | None,
+    learn_round: Callable[[int, bool], None],
+) -> tuple[np.ndarray, Any, int, int, float]:
+    """Background thread: device -> host, the all-reduce, the mean.
+
+    Encode once: the packed parts (each device's slices, copied to the host once) are the
+    contribution the swarm cuts into parts and sends as they are (``Swarm.all_reduce_packed_async``);
+    nothing is decoded or encoded again on the host.
+
+    Args:
+      swarm: the :class:`~ravnest_jax.sync.SwarmContract` (its codec is the one ``packed`` has).
+      packed: the ``Packed`` parts from the device encode (their host copies already started).
+      weight: this peer's weight (samples since its last round).
+      expected: the swarm round this exchange belongs to, or ``None`` (not known yet).
+      state: ``(swarm round, state digest)`` after the last merged round, or ``None``.
+      learn_round: called with the swarm round number the round ran as (also when it failed).
+
+    Returns:
+      ``(mean, record, payload_bytes, float32_bytes, seconds)``: the mean as float32 ``(n,)``,
+      the swarm's ``RoundRecord``, this peer's encoded bytes, its float32 bytes, and the wall
+      seconds from when the contribution was on the host until the mean was.
+
+    Raises:
+      compress.NonFiniteError: the pseudo-gradient holds NaN or infinity (this peer diverged).
+      RoundFailed: the round failed on this peer.
+    """
+    host = jax.device_get(packed)  # waits for the device to run the steps queued before the encode
+    t0 = time.perf_counter()  # the exchange proper: from here (RoundMetrics.exchange_seconds)
+    for spec, ok in zip(host.specs, host.ok, strict=True):
+        if not bool(np.asarray(ok)):
+            raise compress.NonFiniteError(
+                f"pseudo-gradient leaf {spec.name!r} has NaN, Inf or |x| > 2**127 values; "
+                "refusing to send it (a diverged peer must not poison the swarm)",
+                leaf=spec.name,
+            )
+    n = sum(math.prod(s.shape) for s in host.specs)
+    nbytes = message_nbytes(host)  # what this peer's message holds
+    kwargs: dict[str, Any] = {} if expected is None else {"round": expected}
+    if state is not None:  # the rendezvous compares it with the other peers' (divergence)
+        kwargs["state"] = state
+    # encode once: the device's message goes on the wire as it is, cut into parts
+    fut = swarm.all_reduce_packed_async(host, weight=weight, **kwargs)
+    del host
+    return _result(fut, learn_round, nbytes, n, t0)
+
+
+def _result(
+    fut: Any, learn_round: Callable[[int, bool], None], nbytes: int, n: int, t0: float
+) -> tuple[np.ndarray, Any, int, int, float]:
+    try:
+        mean, record = fut.result()
+    except Exception as e:
+        if isinstance(e, RoundFailed):  # the swarm round it ran as
+            learn_round(int(e.record.round), False)
+        raise
+    learn_round(int(record.round), True)
+    return np.asarray(mean, np.float32).reshape(-1), record, nbytes, 4 * n, time.perf_counter() - t0
+
+
+def share_result(
+    leader: bool, pseudo_gradient: Any, mean: np.ndarray | None, error: str | None
+) -> tuple[np.ndarray | None, str | None]:
+    """A peer over several processes: process 0 tells the others whether the round worked and
+    sends them the mean, float32 ``(n,)`` with ``n`` the elements of ``pseudo_gradient`` (two
+    broadcasts, in the training thread of every process). Returns ``(mean, error)``."""
+    ok = multihost_utils.broadcast_one_to_all(np.asarray([error is None], np.int32))
+    if not int(np.asarray(ok).reshape(-1)[0]):
+        return None, error or "the round failed on process 0 of this peer"
+    n = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in jax.tree.leaves(pseudo_gradient))
+    buf = mean if leader else np.zeros((n,), np.float32)
+    return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(buf, np.float32)), np.float32), None
 
 
 @dataclasses.dataclass
@@ -57,7 +199,7 @@ class Pending:
 
 @dataclasses.dataclass
 class Outcome:
-    """What a round produced on this peer (:meth:`RoundPipeline.wait`).
+    """What a round produced on this peer (:meth:`RoundPipeline.finish`).
 
     Attributes:
       mean: the averaged pseudo-gradient, float32 ``(n,)``, or ``None`` when the round failed.
@@ -186,11 +328,24 @@ class RoundPipeline:
         self.pending.append(Pending(seq, fragment, step, step + plan.tau, snap, spec, future, started, done_at))
         return params
 
-    def wait(self, p: Pending, live: Any = None) -> Outcome:
+    def finish(self, p: Pending, params: Any, state: Any, live: Any = None) -> tuple[Outcome, Any, Any, str | None]:
+        """Waits for round ``p`` and, when it worked, merges its mean (:meth:`merge`): the mean
+        goes from the exchange into the jitted merge without leaving this pipeline.
+
+        ``live``: outputs of the last step dispatched; the stall counts from when the device has
+        run it (:func:`idle_since`), not from when the host, ahead of the device by the steps it
+        queued, began to wait. Returns ``(outcome, params, state, state digest hex)``; a failed
+        round (``outcome.error``) returns ``params`` and ``state`` unchanged and digest ``None``.
+        """
+        out = self._wait(p, live)
+        if out.error is not None:
+            return out, params, state, None
+        params, state, digest = self.merge(p, params, state, out.mean)
+        return out, params, state, digest
+
+    def _wait(self, p: Pending, live: Any = None) -> Outcome:
         """Blocks until round ``p``'s exchange is over (a peer over several processes: shares
-        process 0's outcome with the others). ``live``: outputs of the last step dispatched; the
-        stall counts from when the device has run it (:func:`idle_since`), not from when the
-        host, ahead of the device by the steps it queued, began to wait."""
+        process 0's outcome with the others)."""
         t0 = time.perf_counter() if live is None else idle_since(p.future, live)
         mean = record = exc = error = None
         payload_bytes = float_bytes = 0

@@ -9,12 +9,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ravnest_jax import compress
 from ravnest_jax.optim import DiLoCo
 
 from ._digest import CHUNK, device_digest
-from ._layout import encode_on_mesh
 
 #: jitted round functions shared by the drivers of one ``tx`` in a process (peers in threads of
 #: one test, a driver rebuilt after a restart): the same function object, so jax traces and
@@ -24,11 +25,30 @@ _SHARED_LOCK = threading.Lock()
 _SHARED_MAX = 64
 
 
+def _spread(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Dim 0 spread over every device of ``mesh`` when it divides evenly, else replicated."""
+    if shape and shape[0] % mesh.size == 0:
+        return NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    return NamedSharding(mesh, P())
+
+
+def encode_on_mesh(encode: Callable, mesh: Mesh | None, leaves: list, residual: Any, key: Any) -> tuple[Any, Any]:
+    """``encode(leaves, residual, key)`` (a ``device_encode``) inside jit, for leaves laid out on
+    ``mesh``: every device encodes the blocks of its own shards (XLA's partitioner) and the
+    packed parts come out spread over the devices, so that the device-to-host copy takes one
+    slice from each device and no device gathers the pseudo-gradient. (On a mesh with explicit
+    axes ``device_encode`` lays its outputs out the same way itself.)"""
+    if mesh is None or mesh.explicit_axes:
+        return encode(leaves, residual, key)
+    packed, new_res = encode(leaves, residual, key)
+    return jax.lax.with_sharding_constraint(packed, jax.tree.map(lambda a: _spread(mesh, a.shape), packed)), new_res
+
+
 class RoundFunctions:
     """Builds and caches the jitted round functions of one ``tx`` and codec.
 
     Every function is keyed by ``(kind, fragment, layout)``, with ``layout`` from
-    :func:`~ravnest_jax.sync._layout.layout_of` (``None`` on one device); on a mesh the merged
+    :func:`~ravnest_jax.sync._pipeline.layout_of` (``None`` on one device); on a mesh the merged
     params and state come back with exactly the shardings they had.
 
     Args:

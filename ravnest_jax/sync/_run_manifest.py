@@ -51,7 +51,7 @@ def initial_digest(params: Any) -> str:
     """Digest (32 hex characters) of the params' values, computed on the device
     (:func:`~ravnest_jax.sync._digest.device_digest`): peers initialised alike agree on it."""
     from ._digest import device_digest, digest_hex
-    from ._layout import mesh_of
+    from ._pipeline import mesh_of
 
     chunk = 0 if mesh_of(params) is not None else CHUNK  # a sharded leaf hashed whole, not gathered
     return digest_hex(device_digest(params, chunk=chunk))  # jitted once per params layout

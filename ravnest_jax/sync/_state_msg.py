@@ -21,7 +21,7 @@ from ravnest_jax import host_memory
 from ravnest_jax.optim import DiLoCoState
 
 from . import _nnx
-from ._layout import put_like
+from ._pipeline import put_like
 
 FORMAT = "ravnest-state-v1"
 log = logging.getLogger("ravnest_jax.sync")

@@ -1,5 +1,5 @@
 """The char-LM example's ``--adversary`` peer really sends what it says, through the call
-OuterSync makes (``sync._exchange.exchange`` with the device-encoded contribution), over a
+OuterSync makes (``sync._pipeline.exchange`` with the device-encoded contribution), over a
 real rendezvous and real swarm peers on 127.0.0.1 (in this process)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 from char_lm.peer import _adversary_swarm  # noqa: E402
 from ravnest_jax import compress  # noqa: E402
 from ravnest_jax.swarm import AllReduce, Swarm  # noqa: E402
-from ravnest_jax.sync._exchange import exchange  # noqa: E402
+from ravnest_jax.sync._pipeline import exchange  # noqa: E402
 from tests.sync._local import FAST, TOKEN, rendezvous_thread  # noqa: E402
 
 

@@ -103,8 +103,8 @@ def test_round_start_moves_no_pseudo_gradient_between_devices(axis_type):
     devices, and the packed parts of the large leaves come out spread over the 4 devices."""
     import re
 
-    from ravnest_jax.sync._layout import layout_of
     from ravnest_jax.sync._outer_sync import OuterSync
+    from ravnest_jax.sync._pipeline import layout_of
 
     m = mesh(axis_type)
     k = jax.random.key(0)
