@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -34,6 +35,8 @@ from ravnest_jax.swarm import RoundFailed
 from ._digest import digest_hex
 from ._round_fns import RoundFunctions
 from ._schedule import Plan
+
+log = logging.getLogger("ravnest_jax.sync")
 
 
 def mesh_of(tree: Any) -> Mesh | None:
@@ -99,6 +102,8 @@ def exchange(
     expected: int | None,
     state: tuple[int, str] | None,
     learn_round: Callable[[int, bool], None],
+    *,
+    fresh: bool = False,
 ) -> tuple[np.ndarray, Any, int, int, float]:
     """Background thread: device -> host, the all-reduce, the mean.
 
@@ -113,6 +118,9 @@ def exchange(
       expected: the swarm round this exchange belongs to, or ``None`` (not known yet).
       state: ``(swarm round, state digest)`` after the last merged round, or ``None``.
       learn_round: called with the swarm round number the round ran as (also when it failed).
+      fresh: this driver's first exchange, with no round mapping (a peer that starts from its
+        own initial state): first asks the rendezvous whether rounds were committed without it
+        (:func:`rounds_without`), one request.
 
     Returns:
       ``(mean, record, payload_bytes, float32_bytes, seconds)``: the mean as float32 ``(n,)``,
@@ -122,7 +130,15 @@ def exchange(
     Raises:
       compress.NonFiniteError: the pseudo-gradient holds NaN or infinity (this peer diverged).
       RoundFailed: the round failed on this peer.
+      LateStart: ``fresh``, and the swarm committed rounds without this peer (it is behind).
     """
+    if fresh and (late := rounds_without(swarm)):
+        raise LateStart(
+            f"round(s) {late[0]}..{late[-1]} of this run were committed without this peer before its first "
+            "round (it started from its own initial state while no peer had trained yet, then took longer "
+            "to start): its state is behind the swarm's; downloading the swarm's state",
+            late,
+        )
     host = jax.device_get(packed)  # waits for the device to run the steps queued before the encode
     t0 = time.perf_counter()  # the exchange proper: from here (RoundMetrics.exchange_seconds)
     for spec, ok in zip(host.specs, host.ok, strict=True):
@@ -141,6 +157,33 @@ def exchange(
     fut = swarm.all_reduce_packed_async(host, weight=weight, **kwargs)
     del host
     return _result(fut, learn_round, nbytes, n, t0)
+
+
+class LateStart(RuntimeError):
+    """A peer that started from its own initial state found, at its first round, rounds of the
+    run committed without it (two fresh peers started together, and one took longer to compile):
+    contributing against its initial anchor would split the swarm's state, so its first round
+    fails and it downloads the swarm's state (``sync/_recovery.py``), as a joiner does.
+
+    Attributes:
+      rounds: the swarm rounds committed without it (ascending).
+    """
+
+    def __init__(self, message: str, rounds: list[int]):
+        super().__init__(message)
+        self.rounds = rounds
+
+
+def rounds_without(swarm: Any) -> list[int]:
+    """The rounds the rendezvous reports committed (``ok``) without this peer among their
+    contributors, ascending; ``[]`` when it cannot be asked (the round itself then tells)."""
+    try:
+        rounds = swarm.status().get("rounds", [])
+    except Exception as e:  # noqa: BLE001 - a check that only spares a split state
+        log.info("could not ask the rendezvous for its rounds: %r", e)
+        return []
+    me = swarm.peer_id
+    return sorted(int(r["round"]) for r in rounds if r.get("outcome") == "ok" and me not in r.get("contributors", ()))
 
 
 def _result(
@@ -314,8 +357,11 @@ class RoundPipeline:
             for leaf in jax.tree.leaves(packed):
                 leaf.copy_to_host_async()
         if self.swarm is not None:
+            # the first exchange of a peer that started from its own initial state: behind a swarm
+            # that committed rounds without it? (a peer over several processes cannot download)
+            fresh = plan.seq == 0 and plan.expected is None and self._processes == 1
             future = self._pool.submit(
-                exchange, self.swarm, packed, plan.weight, plan.expected, last_state, plan.learn_round
+                exchange, self.swarm, packed, plan.weight, plan.expected, last_state, plan.learn_round, fresh=fresh
             )
         else:  # not process 0 of a multi-process peer: the mean comes from process 0 at the merge
             future = concurrent.futures.Future()
