@@ -37,14 +37,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ravnest_jax.models import POOL_RESERVE
+
 from ._balance import balance
 from ._schedule import _warmup
 
 __all__ = ["POOL_RESERVE", "StageMemory", "UnitMemory", "plan_stage_memory", "stage_memory", "unit_memory"]
 
 GIB = 1024**3
-#: the share of the allocator's pool a stage leaves free (fragmentation), as ``MemoryPlan.fits``
-POOL_RESERVE = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
