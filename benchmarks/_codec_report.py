@@ -35,7 +35,7 @@ def round_bytes(codec: str, peers: int = 4) -> tuple[int, int]:
     import char_lm
     from ravnest_jax import compress as C
     from ravnest_jax.compress._wire import message_nbytes
-    from ravnest_jax.swarm._codec import PartLayout, part_chunks
+    from ravnest_jax.swarm.wire._codec import PartLayout, part_chunks
 
     up_spec, _, down_spec = codec.partition("/")
     up, opts, _, _ = parse_codec(up_spec)

@@ -95,7 +95,7 @@ class Proc:
 # ------------------------------------------------------------------------------ bad requests
 def _bad_requests(rng: random.Random, rv_url: str, peer_url: str, run_id: str, token: str):
     """An endless stream of (label, method, url, headers, body) that must all be refused (4xx)."""
-    from ravnest_jax.swarm import _auth
+    from ravnest_jax.swarm.wire import _auth
 
     key = token.encode()
     seen: list[dict] = []
@@ -514,7 +514,7 @@ def _wait_health(url: str, timeout: float = 30.0) -> None:
 
 def _ghosts(rv_url: str, run_id: str, token: str, ours: set[str]) -> set[str]:
     """Peer ids the rendezvous lists that are none of ours (a bad request that registered)."""
-    from ravnest_jax.swarm._http import signed_json
+    from ravnest_jax.swarm.wire._http import signed_json
 
     async def ask() -> dict:
         async with aiohttp.ClientSession() as s:
@@ -538,7 +538,7 @@ def _ghosts(rv_url: str, run_id: str, token: str, ours: set[str]) -> set[str]:
 
 def _peer_port(rv_url: str, run_id: str, token: str, prefix: str, proc: Proc) -> int:
     """The listening port of ``proc`` (from the rendezvous' peer list, by the process' peer id)."""
-    from ravnest_jax.swarm._http import signed_json
+    from ravnest_jax.swarm.wire._http import signed_json
 
     peer_id = next(e["peer"] for e in proc.events if e.get("event") == "compiling")
 

@@ -53,7 +53,7 @@ def _best(f, repeats: int = 5) -> float:
 
 def primitives(nbytes: int = 64 * MB) -> dict[str, float]:
     """Bytes per second of BLAKE3 (the signed body digest, one thread) and of the float32 add."""
-    from ravnest_jax.swarm import _auth
+    from ravnest_jax.swarm.wire import _auth
 
     a = np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32)
     b, out = a.copy(), np.empty_like(a)

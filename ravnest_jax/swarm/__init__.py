@@ -1,33 +1,35 @@
 """The swarm: rendezvous service, aiohttp peer mesh and fault-tolerant all-reduce.
 
-This package never imports jax: it moves numpy float32 buffers and bytes.
+This package never imports jax: it moves numpy float32 buffers and bytes. Three rooms:
+:mod:`.wire` (what both sides share), :mod:`.rendezvous` and :mod:`.peer`, each of the last two
+importing the wire only.
 """
 
-from ._activations import ActivationLink as ActivationLink
-from ._activations import PipelineBroken as PipelineBroken
-from ._activations import encoded_activation as encoded_activation
-from ._allreduce import AllReduce as AllReduce
-from ._codec import available_codecs as available_codecs
-from ._codec import check_codec as check_codec
-from ._codec import decode_activation as decode_activation
-from ._codec import decode_part as decode_part
-from ._codec import encode_part as encode_part
-from ._http import HTTPStatusError as HTTPStatusError
-from ._http import signed_json as signed_json
-from ._peer import Swarm as Swarm
-from ._preflight import check_listen as check_listen
-from ._preflight import check_rendezvous as check_rendezvous
-from ._preflight import read_token as read_token
-from ._rendezvous import Rendezvous as Rendezvous
-from ._rendezvous_serve import serve as serve_rendezvous
-from ._types import TLS as TLS
-from ._types import ManifestMismatch as ManifestMismatch
-from ._types import PeerInfo as PeerInfo
-from ._types import RoundFailed as RoundFailed
-from ._types import RoundRecord as RoundRecord
-from ._types import SwarmError as SwarmError
-from ._types import Timeouts as Timeouts
-from ._votes import diverged_peers as diverged_peers
+from .peer._activations import ActivationLink as ActivationLink
+from .peer._activations import PipelineBroken as PipelineBroken
+from .peer._activations import encoded_activation as encoded_activation
+from .peer._allreduce import AllReduce as AllReduce
+from .peer._peer import Swarm as Swarm
+from .peer._preflight import check_listen as check_listen
+from .peer._preflight import check_rendezvous as check_rendezvous
+from .peer._preflight import read_token as read_token
+from .rendezvous._rendezvous import Rendezvous as Rendezvous
+from .rendezvous._serve import serve as serve_rendezvous
+from .rendezvous._votes import diverged_peers as diverged_peers
+from .wire._codec import available_codecs as available_codecs
+from .wire._codec import check_codec as check_codec
+from .wire._codec import decode_activation as decode_activation
+from .wire._codec import decode_part as decode_part
+from .wire._codec import encode_part as encode_part
+from .wire._http import HTTPStatusError as HTTPStatusError
+from .wire._http import signed_json as signed_json
+from .wire._types import TLS as TLS
+from .wire._types import ManifestMismatch as ManifestMismatch
+from .wire._types import PeerInfo as PeerInfo
+from .wire._types import RoundFailed as RoundFailed
+from .wire._types import RoundRecord as RoundRecord
+from .wire._types import SwarmError as SwarmError
+from .wire._types import Timeouts as Timeouts
 
 __all__ = [
     "TLS",

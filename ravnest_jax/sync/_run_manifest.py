@@ -1,4 +1,4 @@
-"""The trainer's part of the run manifest (``ravnest_jax/swarm/_manifest.py``): what every peer
+"""The trainer's part of the run manifest (``ravnest_jax/swarm/wire/_manifest.py``): what every peer
 of a run must share beyond the swarm's own settings, declared before the first step.
 
 The params' fingerprint is their tree structure, leaf shapes and dtypes (never their values: a

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from ravnest_jax import compress
 from ravnest_jax.compress import WireFormatError
 from ravnest_jax.compress._parts import GRID, PartLayout, RangeDecoder, part_chunks
-from ravnest_jax.swarm._allreduce import part_bounds
-from ravnest_jax.swarm._codec import encode_part
+from ravnest_jax.swarm.peer._allreduce import part_bounds
+from ravnest_jax.swarm.wire._codec import encode_part
 
 CODECS = ["fp32", "bf16", "int8", "int4", "fp4", "int2", "sign", "topk"]
 

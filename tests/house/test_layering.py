@@ -1,7 +1,16 @@
 """The house's layering, read from the source (every ``import``, at module level or inside a
 function, resolved to a module of ``ravnest_jax``): no import circles, and each package imports
 only packages of a lower layer (docs/architecture.md, "Layers"). The checks are tested too: an
-added forbidden import or circle is reported."""
+added forbidden import or circle is reported.
+
+``swarm`` is cut into rooms (subpackages), with imports one way: ``swarm.wire`` (what both sides
+share) imports neither ``swarm.peer`` nor ``swarm.rendezvous``; each of those imports the wire
+only, never the other; no room imports the ``swarm`` package itself (its ``__init__`` is the
+surface above the rooms). For the private-module rule ``swarm`` stays one package: a room may
+import the private modules of a room it may import (``swarm.peer._gather`` imports
+``swarm.wire._auth``), because the room rule already fixes the direction and the wire's modules
+are used as namespaces (``_auth.sign``); from outside ``swarm`` the rooms are private too: other
+packages import ``ravnest_jax.swarm`` only, never ``ravnest_jax.swarm.peer`` nor its modules."""
 
 from __future__ import annotations
 
@@ -35,6 +44,8 @@ LAYER = {
 }
 #: third-party packages a package must not import
 NEVER = {"swarm": {"jax", "flax", "optax"}, "compress": {"aiohttp"}}
+#: the rooms of ``swarm`` and the other rooms each may import
+ROOMS = {"wire": set(), "rendezvous": {"wire"}, "peer": {"wire"}}
 
 
 def modules() -> dict[str, Path]:
@@ -84,6 +95,13 @@ def import_graph() -> dict[str, set[str]]:
 def package(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
+
+
+def room(module: str) -> str | None:
+    """The room of a module of ``swarm`` (``ravnest_jax.swarm.peer._peer``: ``peer``); None for
+    the ``swarm`` package itself and for modules of other packages."""
+    parts = module.split(".")
+    return parts[2] if package(module) == "swarm" and len(parts) > 2 else None
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -143,16 +161,36 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
     return bad
 
 
+def room_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports between the rooms of ``swarm`` against :data:`ROOMS`, and a room's import of the
+    ``swarm`` package itself."""
+    bad = []
+    for m, targets in sorted(graph.items()):
+        rm = room(m)
+        if rm is None:
+            continue
+        for t in sorted(targets):
+            if t.startswith("!") or package(t) != "swarm":
+                continue
+            rt = room(t)
+            if rt is None or (rt != rm and rt not in ROOMS[rm]):
+                bad.append(f"{m} (room {rm}) imports {t} (room {rt})")
+    return bad
+
+
 def private_imports(graph: dict[str, set[str]]) -> list[str]:
-    """Imports of another package's private module (``ravnest_jax.swarm._http`` from outside
-    ``swarm``): a package is used through its ``__init__`` names only. The root's own private
+    """Imports of another package's private module (``ravnest_jax.swarm.wire._http`` from
+    outside ``swarm``) or of one of its subpackages (a room of ``swarm``, even its
+    ``__init__``): a package is used through its ``__init__`` names only. The root's own private
     modules (``ravnest_jax._version``) are the house's shared leaves."""
+    subpackages = {".".join(m.split(".")[:3]) for m in graph if len(m.split(".")) > 3}
     bad = []
     for m, targets in sorted(graph.items()):
         for t in sorted(targets):
             if t.startswith("!") or package(t) in ("", package(m)):
                 continue
-            if any(part.startswith("_") for part in t.split(".")[2:]):
+            inside = ".".join(t.split(".")[:3]) in subpackages
+            if inside or any(part.startswith("_") for part in t.split(".")[2:]):
                 bad.append(f"{m} imports {t}")
     return bad
 
@@ -171,6 +209,16 @@ def test_packages_import_only_lower_layers():
     assert not bad, "\n".join(bad)
 
 
+def test_every_swarm_module_is_in_a_room():
+    loose = [m for m in modules() if package(m) == "swarm" and m != "ravnest_jax.swarm" and room(m) not in ROOMS]
+    assert not loose, f"swarm modules outside the rooms {sorted(ROOMS)}: {loose}"
+
+
+def test_swarm_rooms_import_one_way():
+    bad = room_violations(import_graph())
+    assert not bad, "\n".join(bad)
+
+
 def test_no_package_imports_another_packages_private_module():
     bad = private_imports(import_graph())
     assert not bad, "\n".join(bad)
@@ -178,18 +226,45 @@ def test_no_package_imports_another_packages_private_module():
 
 def test_the_checks_report_an_added_forbidden_import_and_circle():
     graph = import_graph()
-    graph["ravnest_jax.compress._bits"].add("ravnest_jax.swarm._http")  # downward layer broken
-    graph["ravnest_jax.swarm._http"].add("!jax")
+    graph["ravnest_jax.compress._bits"].add("ravnest_jax.swarm.wire._http")  # downward layer broken
+    graph["ravnest_jax.swarm.wire._http"].add("!jax")
     assert layer_violations(graph) == [
-        "ravnest_jax.compress._bits (layer 0) imports ravnest_jax.swarm._http (layer 1)",
-        "ravnest_jax.swarm._http imports jax",
+        "ravnest_jax.compress._bits (layer 0) imports ravnest_jax.swarm.wire._http (layer 1)",
+        "ravnest_jax.swarm.wire._http imports jax",
     ]
     before = set(private_imports(graph))
     graph["ravnest_jax.sync._pipeline"].add("ravnest_jax.compress._wire")  # private, of another package
     graph["ravnest_jax.sync._pipeline"].add("ravnest_jax.sync._digest")  # its own package's: allowed
     graph["ravnest_jax.sync._pipeline"].add("ravnest_jax._version")  # the root's shared leaf: allowed
+    graph["ravnest_jax.sync._pipeline"].add("ravnest_jax.swarm.peer")  # a room of another package
+    graph["ravnest_jax.sync._pipeline"].add("ravnest_jax.swarm")  # the package's surface: allowed
+    graph["ravnest_jax.swarm.peer._gather"].add("ravnest_jax.swarm.wire._types")  # swarm is one package here
     added = set(private_imports(graph)) - before
-    assert added == {"ravnest_jax.sync._pipeline imports ravnest_jax.compress._wire"}, added
+    assert added == {
+        "ravnest_jax.sync._pipeline imports ravnest_jax.compress._wire",
+        "ravnest_jax.sync._pipeline imports ravnest_jax.swarm.peer",
+    }, added
     graph["ravnest_jax.compress._bits"].add("ravnest_jax.compress._formats")  # _formats imports _bits
     pair = {"ravnest_jax.compress._bits", "ravnest_jax.compress._formats"}
     assert any(pair <= set(c) for c in circles(graph)), circles(graph)
+
+
+def test_the_room_check_reports_an_added_import_against_the_rooms():
+    graph = import_graph()
+    before = set(room_violations(graph))
+    graph["ravnest_jax.swarm.wire._http"].add("ravnest_jax.swarm.peer._transport")  # wire -> peer
+    graph["ravnest_jax.swarm.wire._types"].add("ravnest_jax.swarm.rendezvous._votes")  # wire -> rendezvous
+    graph["ravnest_jax.swarm.rendezvous._votes"].add("ravnest_jax.swarm.peer._attempt")  # rendezvous -> peer
+    graph["ravnest_jax.swarm.peer._rounds"].add("ravnest_jax.swarm.rendezvous._relay")  # peer -> rendezvous
+    graph["ravnest_jax.swarm.peer._rounds"].add("ravnest_jax.swarm")  # a room -> the package above it
+    graph["ravnest_jax.swarm.peer._rounds"].add("ravnest_jax.swarm.wire._relay")  # peer -> wire: allowed
+    graph["ravnest_jax.swarm.rendezvous._votes"].add("ravnest_jax.swarm.wire._types")  # rendezvous -> wire: allowed
+    graph["ravnest_jax.swarm"].add("ravnest_jax.swarm.rendezvous._votes")  # the surface -> a room: allowed
+    added = set(room_violations(graph)) - before
+    assert added == {
+        "ravnest_jax.swarm.wire._http (room wire) imports ravnest_jax.swarm.peer._transport (room peer)",
+        "ravnest_jax.swarm.wire._types (room wire) imports ravnest_jax.swarm.rendezvous._votes (room rendezvous)",
+        "ravnest_jax.swarm.rendezvous._votes (room rendezvous) imports ravnest_jax.swarm.peer._attempt (room peer)",
+        "ravnest_jax.swarm.peer._rounds (room peer) imports ravnest_jax.swarm.rendezvous._relay (room rendezvous)",
+        "ravnest_jax.swarm.peer._rounds (room peer) imports ravnest_jax.swarm (room None)",
+    }, added

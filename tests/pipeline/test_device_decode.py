@@ -15,7 +15,7 @@ from _models import BATCH, SEQ, batches, build, flat, optimizer  # noqa: E402
 
 import ravnest_jax as rj  # noqa: E402
 from ravnest_jax.compress import encode  # noqa: E402
-from ravnest_jax.swarm._activations import encoded_activation  # noqa: E402
+from ravnest_jax.swarm.peer._activations import encoded_activation  # noqa: E402
 
 
 @pytest.mark.integration  # six 3-stage pipelines compile: a minute on 2 busy cores

@@ -29,7 +29,7 @@ def _slow_swarm(send_delay: float, serve_delay: float):
     import asyncio
 
     from ravnest_jax.swarm import Swarm
-    from ravnest_jax.swarm._transport import Transport, as_buffers
+    from ravnest_jax.swarm.peer._transport import Transport, as_buffers
 
     class SlowTransport(Transport):
         async def body_chunks(self, data, kind):

@@ -10,7 +10,7 @@ import pytest
 
 from ravnest_jax.compress import encode
 from ravnest_jax.swarm import Swarm, Timeouts
-from ravnest_jax.swarm._activations import PipelineBroken
+from ravnest_jax.swarm.peer._activations import PipelineBroken
 
 from .conftest import TOKEN
 

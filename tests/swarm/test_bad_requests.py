@@ -12,10 +12,10 @@ import aiohttp
 import numpy as np
 import pytest
 
-from ravnest_jax.swarm import _auth
-from ravnest_jax.swarm._allreduce import part_bounds
-from ravnest_jax.swarm._codec import encode_part
-from ravnest_jax.swarm._http import HTTPStatusError, signed_json
+from ravnest_jax.swarm.peer._allreduce import part_bounds
+from ravnest_jax.swarm.wire import _auth
+from ravnest_jax.swarm.wire._codec import encode_part
+from ravnest_jax.swarm.wire._http import HTTPStatusError, signed_json
 
 from ._expect import check_round
 from .conftest import TOKEN
@@ -115,8 +115,8 @@ async def _impostor(url: str) -> dict[str, int]:
         out["unsigned"] = await put(good, sign=False)
         out["wrong_token"] = await put(good, tok=b"not-the-token")
         out["wrong_manifest"] = await put(good)
-        from ravnest_jax.swarm._allreduce import manifest_digest
-        from ravnest_jax.swarm._codec import PartLayout
+        from ravnest_jax.swarm.peer._allreduce import manifest_digest
+        from ravnest_jax.swarm.wire._codec import PartLayout
 
         manifest = manifest_digest(
             ["/b/s", "/b/x", "/w"],

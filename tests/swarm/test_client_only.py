@@ -12,8 +12,9 @@ import aiohttp
 import numpy as np
 import pytest
 
-from ravnest_jax.swarm import Swarm, Timeouts, _auth
-from ravnest_jax.swarm._relay import Relay, RelayStats, _Bucket
+from ravnest_jax.swarm import Swarm, Timeouts
+from ravnest_jax.swarm.rendezvous._relay import Relay, RelayStats, _Bucket
+from ravnest_jax.swarm.wire import _auth
 
 from ._expect import check_round
 from .conftest import TOKEN, Cluster

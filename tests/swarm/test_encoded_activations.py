@@ -9,8 +9,8 @@ import pytest
 from ravnest_jax.compress import Packed, encode, host_pack, packed_to_bytes
 from ravnest_jax.compress import _formats as F
 from ravnest_jax.compress._wire import read_header
-from ravnest_jax.swarm._activations import encoded_activation
-from ravnest_jax.swarm._codec import WireFormatError, decode_activation
+from ravnest_jax.swarm.peer._activations import encoded_activation
+from ravnest_jax.swarm.wire._codec import WireFormatError, decode_activation
 
 SHAPE = (2, 8, 96)  # (rows, seq, hidden): one int8 scale per token at block 96
 

@@ -13,8 +13,8 @@ from ravnest_jax import compress
 from ravnest_jax.compress import Codec
 from ravnest_jax.compress._wire import message_nbytes
 from ravnest_jax.swarm import AllReduce, Swarm, Timeouts
-from ravnest_jax.swarm._codec import PartLayout, part_chunks
-from ravnest_jax.swarm._manifest import swarm_settings
+from ravnest_jax.swarm.wire._codec import PartLayout, part_chunks
+from ravnest_jax.swarm.wire._manifest import swarm_settings
 
 from .conftest import TOKEN
 

@@ -1,4 +1,4 @@
-"""The part owner's streaming sum (swarm/_fold.py): bit-identical to reducing whole parts in
+"""The part owner's streaming sum (swarm/peer/_fold.py): bit-identical to reducing whole parts in
 sorted order, whatever order the chunks arrive in; dirty when a member fails half-way."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ravnest_jax.swarm._allreduce import mean_of_scaled, squared_norm
-from ravnest_jax.swarm._fold import Fold
+from ravnest_jax.swarm.peer._allreduce import mean_of_scaled, squared_norm
+from ravnest_jax.swarm.peer._fold import Fold
 
 
 def _grid(n: int, step: int) -> list[tuple[int, int]]:

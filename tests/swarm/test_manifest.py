@@ -1,5 +1,5 @@
 """The run manifest: settings that every peer of a run shares, checked at the door
-(ravnest_jax/swarm/_manifest.py; docs/swarm.md, "The run manifest")."""
+(ravnest_jax/swarm/wire/_manifest.py; docs/swarm.md, "The run manifest")."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 import ravnest_jax as rj
 from ravnest_jax.swarm import AllReduce, ManifestMismatch, Swarm, SwarmError, Timeouts
-from ravnest_jax.swarm._manifest import Manifests, differences, refusal_differences, refusal_line
+from ravnest_jax.swarm.wire._manifest import Manifests, differences, refusal_differences, refusal_line
 
 from .conftest import TOKEN
 

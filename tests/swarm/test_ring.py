@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from ravnest_jax.swarm import AllReduce, RoundFailed, Swarm, Timeouts
-from ravnest_jax.swarm._allreduce import part_bounds, ring_segments
-from ravnest_jax.swarm._http import HTTPStatusError
-from ravnest_jax.swarm._ring import Ring
+from ravnest_jax.swarm.peer._allreduce import part_bounds, ring_segments
+from ravnest_jax.swarm.peer._ring import Ring
+from ravnest_jax.swarm.wire._http import HTTPStatusError
 
 from .conftest import TOKEN
 

@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sync._local import TOKEN, local_swarm  # noqa: E402
 
-from ravnest_jax.swarm import _auth  # noqa: E402
+from ravnest_jax.swarm.wire import _auth  # noqa: E402
 
 STATE = bytes(range(256)) * (128 << 10)  # 32 MiB: far more than the sockets' buffers hold
 

@@ -10,10 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ravnest_jax.swarm import Timeouts, _auth
-from ravnest_jax.swarm._allreduce import manifest_digest, part_bounds, weighted_mean
-from ravnest_jax.swarm._codec import PartDecoder, WireFormatError, decode_part, encode_part
-from ravnest_jax.swarm._types import flatten
+from ravnest_jax.swarm import Timeouts
+from ravnest_jax.swarm.peer._allreduce import manifest_digest, part_bounds, weighted_mean
+from ravnest_jax.swarm.wire import _auth
+from ravnest_jax.swarm.wire._codec import PartDecoder, WireFormatError, decode_part, encode_part
+from ravnest_jax.swarm.wire._types import flatten
 
 
 def test_import_swarm_does_not_import_jax():
@@ -189,7 +190,7 @@ def test_lossy_part_roundtrip_keeps_shape(codec):
 def _two_peer_round(rv, peers=("a", "b")):
     import time as _time
 
-    from ravnest_jax.swarm._votes import _Peer, _Run
+    from ravnest_jax.swarm.rendezvous._votes import _Peer, _Run
 
     run = _Run("r")
     now = _time.monotonic()
@@ -261,7 +262,7 @@ def test_a_round_created_ahead_that_every_member_left_is_abandoned():
     last commit fails, and says it was abandoned, not that votes were missing; the rounds
     between a peer's last round and a later one count as failed for everybody."""
     from ravnest_jax.swarm import Rendezvous
-    from ravnest_jax.swarm._votes import failed_between
+    from ravnest_jax.swarm.rendezvous._votes import failed_between
 
     async def go():
         rv = Rendezvous("tok")
@@ -283,7 +284,7 @@ def test_a_round_created_ahead_that_every_member_left_is_abandoned():
 
 
 def test_diverged_peers_is_the_minority_of_the_latest_common_round():
-    from ravnest_jax.swarm._votes import diverged_peers
+    from ravnest_jax.swarm.rendezvous._votes import diverged_peers
 
     assert diverged_peers({}) == []
     assert diverged_peers({"a": [3, "x"], "b": None}) == []  # nothing to compare with
@@ -323,7 +324,7 @@ def test_a_part_of_another_manifest_is_refused_and_warned_about_once_per_sender(
     its own wire settings in one WARNING (once per sender, not once per round)."""
     from aiohttp import web
 
-    from ravnest_jax.swarm._attempt import refuse_other_manifest
+    from ravnest_jax.swarm.peer._attempt import refuse_other_manifest
 
     warned: set[str] = set()
     caplog.set_level("WARNING", logger="ravnest_jax.swarm")

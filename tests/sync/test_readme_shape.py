@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from ravnest_jax.swarm import Timeouts
-from ravnest_jax.swarm._http import signed_json
+from ravnest_jax.swarm.wire._http import signed_json
 
 from ._local import TOKEN, rendezvous_thread
 

@@ -120,7 +120,7 @@ def asyncio_tasks(swarm):
 def test_rendezvous_refuses_bad_info_with_400():
     import aiohttp
 
-    from ravnest_jax.swarm._http import signed_json
+    from ravnest_jax.swarm.wire._http import signed_json
 
     async def join(url, info):
         async with aiohttp.ClientSession() as s:

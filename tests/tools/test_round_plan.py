@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ravnest_jax.swarm._codec import encode_part
+from ravnest_jax.swarm.wire._codec import encode_part
 from ravnest_jax.tools import CALIBRATION, calibrate, params_of_config, plan_rounds, validate
 from ravnest_jax.tools._round_plan import message_bytes
 

@@ -19,7 +19,10 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from . import _auth
+from ..wire import _auth
+from ..wire._codec import PartDecoder, decode_part, encode_part
+from ..wire._http import HTTPStatusError
+from ..wire._types import Timeouts, result_digest
 from ._allreduce import max_message_bytes, part_bounds, ring_segments
 from ._attempt import (
     Attempt,
@@ -33,10 +36,7 @@ from ._attempt import (
     route_ints,
 )
 from ._butterfly import H_MANIFEST, H_WEIGHT
-from ._codec import PartDecoder, decode_part, encode_part
-from ._http import HTTPStatusError
 from ._transport import Transport
-from ._types import Timeouts, result_digest
 
 log = logging.getLogger("ravnest_jax.swarm")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
@@ -10,6 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from . import _auth
+from ._types import SwarmError
 
 log = logging.getLogger("ravnest_jax.swarm")
 
@@ -138,3 +140,37 @@ async def serve_body(
         who = request.headers.get(_auth.H_PEER, "a peer")
         log.info("%s: %s went away mid-download of %s (%d bytes): %s: %s", me, who, what, total, type(e).__name__, e)
         return web.Response(status=499)  # never sent (the connection is gone): aiohttp lets it be
+
+
+def post_once(url: str, run_id: str, token: bytes, peer: str, rest: str, payload: Any, timeout: float, ssl: Any) -> Any:
+    """One signed ``POST`` to the rendezvous' ``/v1/runs/{run_id}{rest}`` from a swarm that has
+    not started (its own short-lived session); the verified JSON answer.
+
+    Raises:
+      SwarmError: no answer within ``timeout`` seconds, or an error answer (one line).
+    """
+
+    async def ask() -> Any:
+        async with aiohttp.ClientSession() as session:
+            return await signed_json(
+                session,
+                url,
+                "POST",
+                f"/v1/runs/{run_id}{rest}",
+                token=token,
+                run_id=run_id,
+                peer=peer,
+                payload=payload,
+                ssl=ssl,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            )
+
+    try:
+        return asyncio.run(ask())
+    except HTTPStatusError as e:
+        raise SwarmError(f"the rendezvous at {url} answered {e}") from None
+    except PermissionError as e:
+        raise SwarmError(f"{url} is not a rendezvous of this run token: {e}") from None
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        raise SwarmError(f"rendezvous {url} unreachable: {why}") from None

@@ -170,7 +170,7 @@ class AttemptInput:
 
 
 class Voter(Protocol):
-    """What an algorithm needs from the round driver (:class:`~ravnest_jax.swarm._rounds.Rounds`)."""
+    """What an algorithm needs from the round driver (:class:`~ravnest_jax.swarm.peer._rounds.Rounds`)."""
 
     async def vote(
         self, r: int, epoch: str, a: int, phase: str, data: dict[str, Any], deadline: float

@@ -1,6 +1,6 @@
 """The butterfly's all-gather: every part owner's mean, encoded once, pushed to every member (or
 pulled by a client-only one) and decoded straight into the round's output buffer; then the
-commit vote. Used by :class:`~ravnest_jax.swarm._butterfly.Butterfly`, which runs the
+commit vote. Used by :class:`~ravnest_jax.swarm.peer._butterfly.Butterfly`, which runs the
 reduce-scatter before it."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from . import _auth
+from ..wire import _auth
+from ..wire._codec import PartLayout, RangeDecoder, WireFormatError, host_pack, mean_codec_options, packed_to_chunks
+from ..wire._http import serve_body
+from ..wire._types import Timeouts, result_digest
 from ._allreduce import CHUNK
 from ._attempt import Attempt, AttemptInput, Reduced, Retry, RoundFail, Voter, decided, route_ints
-from ._codec import PartLayout, RangeDecoder, WireFormatError, host_pack, mean_codec_options, packed_to_chunks
-from ._http import serve_body
 from ._transport import Body, Transport, body_digest
-from ._types import Timeouts, result_digest
 
 log = logging.getLogger("ravnest_jax.swarm")
 

@@ -28,12 +28,12 @@ import aiohttp.http_exceptions
 import numpy as np
 from aiohttp import web
 
-from . import _auth, _relay
+from ..wire import _auth, _relay
+from ..wire._codec import NonFiniteError, PartDecoder, WireFormatError
+from ..wire._http import HTTPStatusError, json_response, signed_json
+from ..wire._relay import relay_address
+from ..wire._types import SwarmError, Timeouts
 from ._allreduce import CHUNK
-from ._codec import NonFiniteError, PartDecoder, WireFormatError
-from ._http import HTTPStatusError, json_response, signed_json
-from ._relay import relay_address
-from ._types import SwarmError, Timeouts
 
 log = logging.getLogger("ravnest_jax.swarm")
 

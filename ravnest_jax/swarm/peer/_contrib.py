@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ._codec import LeafSpec, Packed, PartLayout, RangeDecoder, host_pack, part_chunks
-from ._types import flatten
+from ..wire._codec import LeafSpec, Packed, PartLayout, RangeDecoder, host_pack, part_chunks
+from ..wire._types import flatten
 
 _FINITE_STEP = 1 << 18  # elements checked per pass (no input-sized temporary)
 
@@ -160,7 +160,7 @@ class Contribution:
 
     def zeros(self) -> Contribution:
         """The same layout with every value 0 (an abstainer's contribution)."""
-        from ._codec import part_dtypes, part_lengths
+        from ..wire._codec import part_dtypes, part_lengths
 
         vec = np.zeros(self.n, np.float32) if self.vec is not None else None
         parts = []

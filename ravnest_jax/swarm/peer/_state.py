@@ -19,11 +19,11 @@ from aiohttp import web
 
 from ravnest_jax.host_memory import release_free_heap
 
-from . import _auth
+from ..wire import _auth
+from ..wire._http import HTTPStatusError, serve_body
+from ..wire._types import SwarmError
 from ._allreduce import CHUNK
-from ._http import HTTPStatusError, serve_body
 from ._transport import Transport
-from ._types import SwarmError
 
 log = logging.getLogger("ravnest_jax.swarm")
 

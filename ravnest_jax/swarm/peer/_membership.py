@@ -10,11 +10,11 @@ from typing import Any
 
 import aiohttp
 
-from ._http import HTTPStatusError
-from ._manifest import refusal_differences
+from ..wire._http import HTTPStatusError
+from ..wire._manifest import refusal_differences
+from ..wire._types import ManifestMismatch, SwarmError, Timeouts
 from ._rounds import Rounds
 from ._transport import Transport, why
-from ._types import ManifestMismatch, SwarmError, Timeouts
 
 log = logging.getLogger("ravnest_jax.swarm")
 

@@ -1,8 +1,8 @@
 """`Swarm`: one peer of a run, with its own aiohttp server and event loop in a background thread.
 
-Composed of a :class:`~ravnest_jax.swarm._transport.Transport` (signed, streamed messages), a
-round driver (:class:`~ravnest_jax.swarm._rounds.Rounds`), one all-reduce algorithm
-(``_butterfly.py`` or ``_ring.py``) and a :class:`~ravnest_jax.swarm._state.StateTransfer`;
+Composed of a :class:`~ravnest_jax.swarm.peer._transport.Transport` (signed, streamed messages), a
+round driver (:class:`~ravnest_jax.swarm.peer._rounds.Rounds`), one all-reduce algorithm
+(``_butterfly.py`` or ``_ring.py``) and a :class:`~ravnest_jax.swarm.peer._state.StateTransfer`;
 this class holds the lifecycle (loop thread, registration, heartbeats) and the public API.
 """
 
@@ -20,19 +20,19 @@ import numpy as np
 
 from ravnest_jax.host_memory import tune_host_allocator
 
+from ..wire._codec import Codec, check_codec
+from ..wire._manifest import ManifestDeclaration
+from ..wire._types import TLS, PeerInfo, RoundRecord, SwarmError, Timeouts, check_info
 from ._activations import ActivationLink
 from ._allreduce import AllReduce, manifest_digest
 from ._butterfly import Butterfly
-from ._codec import Codec, check_codec
 from ._contrib import Contribution
-from ._manifest import ManifestDeclaration
 from ._membership import heartbeat_loop, join
 from ._preflight import from_environment
 from ._ring import Ring
 from ._rounds import Rounds
 from ._state import StateProvider, StateTransfer
 from ._transport import Transport
-from ._types import TLS, PeerInfo, RoundRecord, SwarmError, Timeouts, check_info
 
 log = logging.getLogger("ravnest_jax.swarm")
 

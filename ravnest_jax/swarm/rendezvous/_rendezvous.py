@@ -5,14 +5,14 @@ their next heartbeat, a vote for a round of an old epoch is answered ``fail`` wi
 (its members then begin the same round again here) and the next round starts after the highest
 round any peer reports.
 
-HTTP API (every ``/v1`` request is signed, see :mod:`._auth`; answers are signed too):
+HTTP API (every ``/v1`` request is signed, see :mod:`..wire._auth`; answers are signed too):
 
 ``GET  /health``                                   ``{"ok": true, "epoch": ...}`` (no auth)
 ``POST /v1/runs/{run}/join``       ``{peer_id, address, last_round, info?}``
 ``POST /v1/runs/{run}/heartbeat``  ``{peer_id, address, last_round, info?}`` (registers if unknown)
 ``POST /v1/runs/{run}/leave``      ``{peer_id}``
 ``POST /v1/runs/{run}/ready``      ``{peer_id, address, last_round}`` (standby over: it trains)
-``POST /v1/runs/{run}/manifest``   ``{peer_id, manifest, check?, init?}`` -> ``{refused, init, init_from}`` (:mod:`._manifest`)
+``POST /v1/runs/{run}/manifest``   ``{peer_id, manifest, check?, init?}`` -> ``{refused, init, init_from}`` (:mod:`..wire._manifest`)
 ``GET  /v1/runs/{run}/peers``                      live peers
 ``GET  /v1/runs/{run}/status``                     peers, membership version, recent rounds
 ``POST /v1/runs/{run}/rounds/begin`` ``{peer_id, address, after, part_s, grace_s, max_attempts,
@@ -41,11 +41,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from . import _auth
-from ._http import json_response, read_json_body
-from ._manifest import Manifests, check_manifest, refusal_line
-from ._relay import Relay, is_relay_address, probe
-from ._rendezvous_rounds import RoundHandlers
+from ..wire import _auth
+from ..wire._http import json_response, read_json_body
+from ..wire._manifest import Manifests, check_manifest, refusal_line
+from ..wire._relay import is_relay_address
+from ._relay import Relay, probe
+from ._rounds import RoundHandlers
 from ._status import StatusPage, note_stats
 from ._votes import (
     MAX_INFO_BYTES,

@@ -13,12 +13,11 @@ import os
 import socket
 import stat
 import time
-from typing import Any
 
 import aiohttp
 
-from ._http import HTTPStatusError, signed_json
-from ._types import SwarmError
+from ..wire._http import HTTPStatusError, signed_json
+from ..wire._types import SwarmError
 
 log = logging.getLogger("ravnest_jax.swarm")
 
@@ -142,41 +141,7 @@ def check_rendezvous(url: str, *, run_id: str, token: str | bytes, timeout: floa
     asyncio.run(ask())
 
 
-def post_once(url: str, run_id: str, token: bytes, peer: str, rest: str, payload: Any, timeout: float, ssl: Any) -> Any:
-    """One signed ``POST`` to the rendezvous' ``/v1/runs/{run_id}{rest}`` from a swarm that has
-    not started (its own short-lived session); the verified JSON answer.
-
-    Raises:
-      SwarmError: no answer within ``timeout`` seconds, or an error answer (one line).
-    """
-
-    async def ask() -> Any:
-        async with aiohttp.ClientSession() as session:
-            return await signed_json(
-                session,
-                url,
-                "POST",
-                f"/v1/runs/{run_id}{rest}",
-                token=token,
-                run_id=run_id,
-                peer=peer,
-                payload=payload,
-                ssl=ssl,
-                timeout=aiohttp.ClientTimeout(total=timeout),
-            )
-
-    try:
-        return asyncio.run(ask())
-    except HTTPStatusError as e:
-        raise SwarmError(f"the rendezvous at {url} answered {e}") from None
-    except PermissionError as e:
-        raise SwarmError(f"{url} is not a rendezvous of this run token: {e}") from None
-    except (TimeoutError, aiohttp.ClientError, OSError) as e:
-        why = getattr(e, "strerror", None) or str(e) or type(e).__name__
-        raise SwarmError(f"rendezvous {url} unreachable: {why}") from None
-
-
-__all__ = ["TOKEN_ENV", "check_listen", "check_rendezvous", "post_once", "read_token"]
+__all__ = ["TOKEN_ENV", "check_listen", "check_rendezvous", "read_token"]
 
 
 #: what ``ravnest-jax local`` hands each peer process (read by ``rj.Swarm()``)
@@ -221,7 +186,7 @@ def from_environment(
         token = read_token(env[ENV_VARS["token_file"]])
     token = need(token, "token", "run token")
     if codec is None and env.get(ENV_VARS["codec"]):
-        from ._codec import available_codecs
+        from ..wire._codec import available_codecs
 
         codec = env[ENV_VARS["codec"]].strip()
         if codec not in available_codecs():

@@ -1,4 +1,4 @@
-"""Runs a :class:`~ravnest_jax.swarm._rendezvous.Rendezvous` as an aiohttp server (the
+"""Runs a :class:`~ravnest_jax.swarm.rendezvous._rendezvous.Rendezvous` as an aiohttp server (the
 ``ravnest-jax rendezvous`` command, the launchers and the tests use it)."""
 
 from __future__ import annotations

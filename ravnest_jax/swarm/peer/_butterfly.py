@@ -36,6 +36,9 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
+from ..wire._codec import PartLayout, RangeDecoder, WireFormatError
+from ..wire._http import serve_body
+from ..wire._types import Timeouts
 from ._allreduce import (
     CHUNK,
     clip_scales,
@@ -52,12 +55,9 @@ from ._attempt import (
     refuse_other_manifest,
     route_ints,
 )
-from ._codec import PartLayout, RangeDecoder, WireFormatError
 from ._fold import Fold
 from ._gather import H_MANIFEST, H_WEIGHT, AllGather, part_limit, send
-from ._http import serve_body
 from ._transport import Transport, body_digest
-from ._types import Timeouts
 
 F32_MAX = float(np.finfo(np.float32).max)
 log = logging.getLogger("ravnest_jax.swarm")

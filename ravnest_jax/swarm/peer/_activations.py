@@ -38,11 +38,11 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from ._auth import body_digest, digest_matches
-from ._codec import ActivationDecoder
-from ._http import HTTPStatusError, read_json_body, signed_json
+from ..wire._auth import body_digest, digest_matches
+from ..wire._codec import ActivationDecoder
+from ..wire._http import HTTPStatusError, read_json_body, signed_json
+from ..wire._types import SwarmError
 from ._transport import Transport, why
-from ._types import SwarmError
 
 log = logging.getLogger("ravnest_jax.swarm")
 

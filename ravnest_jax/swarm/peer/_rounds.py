@@ -19,12 +19,12 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
+from ..wire._http import HTTPStatusError
+from ..wire._relay import is_relay_address
+from ..wire._types import RoundFailed, RoundRecord, Timeouts
 from ._attempt import Algorithm, Attempt, AttemptInput, Reduced, Retry, RoundFail, RoundUnknown
 from ._contrib import Contribution
-from ._http import HTTPStatusError
-from ._relay import is_relay_address
 from ._transport import Transport
-from ._types import RoundFailed, RoundRecord, Timeouts
 
 log = logging.getLogger("ravnest_jax.swarm")
 

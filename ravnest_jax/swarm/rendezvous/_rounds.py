@@ -1,7 +1,7 @@
 """The rendezvous' round handlers: a round's creation (its group), the begin and arrival of a
 member, the votes of an attempt and what is decided from them, and the next round handed out with
 a commit (the rules in ``docs/swarm.md``, *Round numbers*). A mixin of
-:class:`~ravnest_jax.swarm._rendezvous.Rendezvous`, which keeps the membership (join, heartbeat,
+:class:`~ravnest_jax.swarm.rendezvous._rendezvous.Rendezvous`, which keeps the membership (join, heartbeat,
 leave, ready, eviction); the decisions over the votes are :mod:`._votes`."""
 
 from __future__ import annotations

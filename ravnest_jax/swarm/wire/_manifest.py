@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ._preflight import post_once
+from ._http import post_once
 
 #: the swarm protocol's version: peers of another version are refused at the door
 PROTOCOL_VERSION = 1
