@@ -27,7 +27,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._codec_value import Codec as Codec
-from ._codec_value import check_error_feedback_decay as check_error_feedback_decay
 from ._decode import StreamDecoder as StreamDecoder
 from ._decode import decode as decode
 from ._errors import NonFiniteError as NonFiniteError
@@ -81,49 +80,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._device import init_error_feedback as init_error_feedback
     from ._device import simulated as simulated
 
+# every name imported above but this module's own helpers, and the device names
 __all__ = sorted(
-    [
-        "CODECS",
-        "Codec",
-        "DEFAULT_BLOCK_SIZE",
-        "DEFAULT_TOPK_FRACTION",
-        "check_error_feedback_decay",
-        "DEFAULT_MAX_BYTES",
-        "DEFAULT_MAX_DECODED_BYTES",
-        "FORMAT_VERSION",
-        "GRID",
-        "LeafInfo",
-        "LeafSpec",
-        "MAGIC",
-        "MAX_ABS",
-        "Manifest",
-        "NonFiniteError",
-        "PREFIX_NBYTES",
-        "Packed",
-        "PartLayout",
-        "RangeDecoder",
-        "StreamDecoder",
-        "WireFormatError",
-        "chunks_nbytes",
-        "decode",
-        "dequantize",
-        "encode",
-        "host_pack",
-        "mean_codec_options",
-        "message_nbytes",
-        "packed_to_bytes",
-        "packed_to_chunks",
-        "part_chunks",
-        "part_dtypes",
-        "part_lengths",
-        "payload_nbytes",
-        "payload_ratio",
-        "read_header",
-        "topk_count",
-        "resolve_codec",
-        "weighted_mean",
-    ]
-    + list(_DEVICE)
+    {n for n in globals() if not n.startswith("_")} - {"annotations", "importlib", "TYPE_CHECKING", "Any"} | _DEVICE
 )
 
 

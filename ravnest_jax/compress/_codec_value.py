@@ -9,13 +9,6 @@ from typing import Any
 from ._formats import CODECS, mean_codec_options, resolve
 
 
-def check_error_feedback_decay(value: Any) -> float:
-    """The error-feedback decay beta as a float; ``ValueError`` unless a number in ``[0, 1]``."""
-    if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
-        raise ValueError(f"error_feedback_decay must be a number in [0, 1], got {value!r}")
-    return float(value)
-
-
 @dataclasses.dataclass(frozen=True)
 class Codec:
     """How a round's pseudo-gradients travel: the codec of the contributions, its options, the
@@ -69,7 +62,10 @@ class Codec:
         for flag in ("mean_ef", "error_feedback"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"Codec.{flag} must be True or False, got {getattr(self, flag)!r}")
-        object.__setattr__(self, "error_feedback_decay", check_error_feedback_decay(self.error_feedback_decay))
+        decay = self.error_feedback_decay
+        if isinstance(decay, bool) or not (isinstance(decay, (int, float)) and 0.0 <= decay <= 1.0):
+            raise ValueError(f"error_feedback_decay must be a number in [0, 1], got {decay!r}")
+        object.__setattr__(self, "error_feedback_decay", float(decay))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"Codec.seed must be an int, got {self.seed!r}")
         if self.mean == self.name:
@@ -78,8 +74,8 @@ class Codec:
             resolve(self.mean, **mean_codec_options(self.name, self.mean, self.options))
 
     @classmethod
-    def of(cls, value: Codec | str | None, default: str = "fp32") -> Codec:
-        """``value`` as a :class:`Codec`: itself, ``Codec(name)`` for a name, ``Codec(default)``
+    def of(cls, value: Codec | str | None) -> Codec:
+        """``value`` as a :class:`Codec`: itself, ``Codec(name)`` for a name, ``Codec("fp32")``
         for ``None``.
 
         Raises:
@@ -87,7 +83,7 @@ class Codec:
           ValueError: an unknown name.
         """
         if value is None:
-            value = default
+            return cls()
         if isinstance(value, str):
             return cls(value)
         if isinstance(value, Codec):

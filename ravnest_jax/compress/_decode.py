@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _coarse, _tree
 from . import _formats as F
+from . import _tree
 from ._errors import WireFormatError
 from ._reader import Reader
 from ._wire import (
@@ -67,33 +67,12 @@ def decode(
 
 
 # lookup tables, built from the one implementation in _formats
-_E8M0_LUT = F.e8m0_scale_values(np, np.arange(256, dtype=np.uint8))
-
-
-def _pair_lut(codec: str) -> np.ndarray:
-    """(256,) uint64: a packed int4/fp4 byte -> its two float32 values, as the 8 bytes of a
-    ``float32[2]`` (the low nibble's value first).
-
-    Built from the same ``_formats`` functions as the device-side math (``unpack_nibbles``,
-    ``int_code_values``, ``e2m1_code_values``); one ``np.take`` of these 8-byte entries writes
-    two decoded (unscaled) float32 values per payload byte.
-    """
-    pairs = F.unpack_nibbles(np, np.arange(256, dtype=np.uint8)[:, None])  # (256, 2) codes
-    if codec == "int4":
-        vals = F.int_code_values(np, "int4", pairs)
-    else:
-        vals = F.e2m1_code_values(np, pairs)
-    return np.ascontiguousarray(vals, dtype=np.float32).reshape(-1).view(np.uint64)
-
-
-_PAIR_LUT = {"int4": _pair_lut("int4"), "fp4": _pair_lut("fp4")}
-
 _BYTES = np.arange(256, dtype=np.uint8)[:, None]
-_MULTI_LUT = {
-    "sign": np.ascontiguousarray(_coarse.sign_code_values(np, _coarse.unpack_bits(np, _BYTES))),
-    "int2": np.ascontiguousarray(_coarse.int2_code_values(np, _coarse.unpack_crumbs(np, _BYTES))),
-}
-"""(256, 8) / (256, 4) float32: a sign / int2 byte -> its unscaled values, first element first."""
+_E8M0_LUT = F.e8m0_scale_values(np, _BYTES[:, 0])
+_LUT = {c: np.ascontiguousarray(F.code_values(np, c, _BYTES), np.float32) for c in ("int4", "fp4", "int2", "sign")}
+"""(256, 2) / (256, 2) / (256, 4) / (256, 8) float32: an int4 / fp4 / int2 / sign payload byte ->
+the unscaled values of its codes, first element first (``_formats.code_values`` of every byte,
+the device-side math); one ``np.take`` of these rows writes every value of a payload byte."""
 
 # Largest valid scales: q * s stays finite (the encoder stays below these for |x| <= 2**127).
 _MAX_INT_SCALE = {
@@ -152,33 +131,24 @@ def _decode_blocks(codec: str, B: int, s: np.ndarray, codes: np.ndarray) -> np.n
     """int8 / int4 / fp4 / int2 / sign payload -> new float32 array of ``nb * B`` values (block padding
     included): the code values times their block's scale, chunk by chunk.
 
-    int8: the byte read as int8 (``_formats.int_code_values``) converted to float32; int4 and
-    fp4: two values per byte from :data:`_PAIR_LUT`; int2 and sign: four and eight per byte from
-    :data:`_MULTI_LUT`.
-    Then one in-place multiply by the scales.
-    The scales were checked, so every product is finite.
+    int8: the byte read as int8 (``_formats.int_code_values``) converted to float32; int4, fp4,
+    int2 and sign: the 2, 2, 4 or 8 values of each byte from :data:`_LUT`. Then one in-place
+    multiply by the scales. The scales were checked, so every product is finite.
     """
     total = s.shape[0] * B
     out = np.empty(total, np.float32)
     step = B * max(1, _CHUNK // B)
     if codec == "int8":
         q = codes.view(np.int8)
-    elif codec in _MULTI_LUT:
-        per = F.CODES_PER_BYTE[codec]
-        out_bytes = out.reshape(-1, per)  # B is a multiple of 8: a block is B / per whole bytes
     else:
-        lut = _PAIR_LUT[codec]
-        out_pairs = out.view(np.uint64)  # B is even: a block is B / 2 whole pairs
+        per = F.CODES_PER_BYTE[codec]
+        rows = out.reshape(-1, per)  # B is a multiple of per: a block is B / per whole bytes
     for a in range(0, total, step):
         b = min(total, a + step)
         if codec == "int8":
             np.copyto(out[a:b], q[a:b])
-        elif codec in _MULTI_LUT:
-            np.take(
-                _MULTI_LUT[codec], codes[a // per : b // per], axis=0, out=out_bytes[a // per : b // per], mode="clip"
-            )
         else:  # mode="clip" (indices are bytes < 256 anyway): "raise" would buffer the output
-            np.take(lut, codes[a // 2 : b // 2], out=out_pairs[a // 2 : b // 2], mode="clip")
+            np.take(_LUT[codec], codes[a // per : b // per], axis=0, out=rows[a // per : b // per], mode="clip")
         o = out[a:b].reshape(-1, B)
         np.multiply(o, s[a // B : b // B, None], out=o)
     return out
@@ -315,11 +285,6 @@ class StreamDecoder(Reader):
     ):
         super().__init__(partial(_whole, check), max_bytes=max_bytes, max_decoded_bytes=max_decoded_bytes)
         self._result: tuple[Any] | None = None
-
-    @property
-    def nbytes_received(self) -> int:
-        """Bytes fed so far."""
-        return self.nbytes
 
     def finish_parts(self) -> list[tuple[np.ndarray, ...]]:
         """Checks that the whole message arrived intact and returns each leaf's wire parts,

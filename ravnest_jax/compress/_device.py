@@ -12,15 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental.buffer_callback import buffer_callback  # zero-copy host callback
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _formats as F
-
-try:  # zero-copy host callback (CPU: numpy views of the XLA buffers)
-    from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
-except ImportError:  # pragma: no cover - older jax
-    _buffer_callback = None
 from . import _tree
 from ._codec_value import Codec
 from ._wire import ALLOWED_DTYPES, LeafSpec, Packed
@@ -56,17 +52,11 @@ def _host_topk_indices(x: jax.Array, k: int) -> jax.Array:
     place and writes the indices into the output buffer: ~30 ms for 2**24 elements, where
     ``jax.pure_callback`` first copies the operand into a new 64 MiB array (~100 ms).
     """
-    out = jax.ShapeDtypeStruct((k,), jnp.int32)
-    if _buffer_callback is not None:
 
-        def select(ctx: Any, dst: Any, a: Any) -> None:
-            np.asarray(dst)[...] = F.np_topk_indices(np.asarray(a), k)
+    def select(ctx: Any, dst: Any, a: Any) -> None:
+        np.asarray(dst)[...] = F.np_topk_indices(np.asarray(a), k)
 
-        idx = _buffer_callback(select, out, vmap_method="sequential")(x)
-    else:  # pragma: no cover - older jax
-        idx = jax.pure_callback(
-            lambda a: F.np_topk_indices(np.asarray(a), k).astype(np.int32), out, x, vmap_method="sequential"
-        )
+    idx = buffer_callback(select, jax.ShapeDtypeStruct((k,), jnp.int32), vmap_method="sequential")(x)
     # + an exact 0 computed from x: inside shard_map the indices then vary over the same mesh
     # axes as x (as lax.top_k's do), so both branches of platform_dependent have one type
     return idx + (jax.lax.bitcast_convert_type(x[:1], jnp.int32) & 0)
@@ -209,7 +199,6 @@ def _encode(cfg: F.CodecConfig, tree: Any, key: Any, residual: Any) -> tuple[Pac
         x = a.astype(jnp.float32).reshape(-1)
         if res is not None:
             x = x + jnp.asarray(res[i], jnp.float32).reshape(-1)
-        if res is not None:
             ok, p, dec = _roundtrip(cfg, x, keys[i])
             new_res.append((x - dec).reshape(a.shape))
         else:

@@ -55,6 +55,7 @@ __all__ = [
     "MAX_ABS",
     "STOCHASTIC_CODECS",
     "TINY",
+    "code_values",
     "dequantize",
     "in_range",
     "mean_codec_options",
@@ -75,9 +76,9 @@ STOCHASTIC_CODECS = ("bf16", "int8", "int4", "fp4")
 LOSSY_CODECS = ("bf16", "int8", "int4", "fp4", "int2", "sign", "topk")
 DEFAULT_BLOCK_SIZE = {"int8": 64, "int4": 64, "fp4": 32, "int2": 64, "sign": 64}
 CODES_PER_BYTE = {"int8": 1, "int4": 2, "fp4": 2, "int2": 4, "sign": 8}
+"""Elements whose codes share one payload byte, per block codec."""
 MEAN_SCALED = ("int2", "sign")
 """Block codecs scaled by the block's mean ``|x|`` (block size a power of two >= 8)."""
-"""Elements whose codes share one payload byte, per block codec."""
 MAX_BLOCK_SIZE = 1 << 16
 DEFAULT_TOPK_FRACTION = 0.01
 
@@ -139,12 +140,13 @@ def resolve(codec: str, **options: Any) -> CodecConfig:
         if (
             isinstance(block_size, (bool, np.bool_))
             or not isinstance(block_size, (int, np.integer))
-            or not 2 <= block_size <= MAX_BLOCK_SIZE
-            or block_size % 2
+            or not block_size_ok(codec, int(block_size))
         ):
-            raise ValueError(f"option 'block_size' must be an even int in [2, {MAX_BLOCK_SIZE}], got {block_size!r}")
-        if not block_size_ok(codec, int(block_size)):
-            raise ValueError(f"option 'block_size' of codec {codec!r} must be a power of two >= 8, got {block_size!r}")
+            also = ", a power of two >= 8" if codec in MEAN_SCALED else ""
+            raise ValueError(
+                f"option 'block_size' of codec {codec!r} must be an even int in [2, {MAX_BLOCK_SIZE}]{also}, "
+                f"got {block_size!r}"
+            )
         return CodecConfig(codec, int(block_size), 0.0, stochastic)
     if codec == "topk":
         if fraction is None:
@@ -280,10 +282,8 @@ def _round_to_int(xp: Any, y: Any, noise: Any) -> Any:
     return xp.floor(y + noise).astype(xp.int32)
 
 
-def _quantize_int(xp, cfg, xb, noise):
+def _quantize_int(xp, cfg, xb, amax, noise):
     qmax = _QMAX[cfg.codec]
-    amax = _block_absmax(xp, xb)
-    ok = xp.max(amax) <= MAX_ABS
     amax = xp.where(amax < TINY, 0.0, amax).astype(xp.float32)
     # multiply by the rounded reciprocal (XLA rewrites division by a constant this way; numpy must
     # do the same to produce the same bytes); the clip absorbs the 1-ulp difference
@@ -304,12 +304,10 @@ def _quantize_int(xp, cfg, xb, noise):
         codes = q.astype(xp.int8).view(xp.uint8) if cfg.codec == "int8" else (q + 8).astype(xp.uint8)
     if cfg.codec == "int4":
         codes = pack_nibbles(xp, codes)
-    return ok, (s_bits, codes.reshape(-1))
+    return s_bits, codes.reshape(-1)
 
 
-def _quantize_fp4(xp, cfg, xb, noise):
-    amax = _block_absmax(xp, xb)
-    ok = xp.max(amax) <= MAX_ABS
+def _quantize_fp4(xp, cfg, xb, amax, noise):
     zero = amax < TINY
     v = xp.where(zero, xp.float32(1.0), amax * xp.float32(1.0 / 6.0)).astype(xp.float32)
     vb = v.view(xp.uint32)
@@ -326,7 +324,7 @@ def _quantize_fp4(xp, cfg, xb, noise):
     else:
         mag = _e2m1_round(xp, a, noise)
     codes = mag | ((y < 0).astype(xp.uint8) * xp.uint8(8))  # numpy's uint8 << is ~3x slower
-    return ok, (s_code, pack_nibbles(xp, codes).reshape(-1))
+    return s_code, pack_nibbles(xp, codes).reshape(-1)
 
 
 def _e2m1_round(xp: Any, a: Any, noise: Any) -> Any:
@@ -410,22 +408,23 @@ def quantize(
         empty = xp.zeros((0,), xp.uint16 if codec != "fp4" else xp.uint8)
         return xp.asarray(True), (empty, xp.zeros((0,), xp.uint8))
     xb = _blocks(xp, x, cfg.block_size)
+    amax = _block_absmax(xp, xb)  # NaN propagates: ok is False
+    ok = xp.max(amax) <= MAX_ABS
     nz = noise(xb.shape) if (cfg.stochastic and noise is not None) else None
     if codec in ("int8", "int4"):
-        return _quantize_int(xp, cfg, xb, nz)
+        return ok, _quantize_int(xp, cfg, xb, amax, nz)
     if codec == "sign":
-        return _coarse.quantize_sign(xp, xb, x.shape[0])
+        return ok, _coarse.quantize_sign(xp, xb, x.shape[0])
     if codec == "int2":
-        return _coarse.quantize_int2(xp, xb, x.shape[0])
-    return _quantize_fp4(xp, cfg, xb, nz)
+        return ok, _coarse.quantize_int2(xp, xb, x.shape[0])
+    return ok, _quantize_fp4(xp, cfg, xb, amax, nz)
 
 
 def dequantize(xp: Any, cfg: CodecConfig, parts: tuple[Any, ...], n: int) -> Any:
     """Decodes the parts of one leaf to a flat float32 array ``(n,)`` (generic ``xp`` version).
 
-    The host decoder (:mod:`._wire`) computes the same values with lookup tables built from the
-    functions used here (:func:`int_code_values`, :func:`e2m1_code_values`,
-    :func:`unpack_nibbles`), so the math exists once.
+    The host decoder (:mod:`._decode`) computes the same values with lookup tables built from
+    :func:`code_values`, so the math exists once.
     """
     codec = cfg.codec
     if codec == "fp32":
@@ -438,23 +437,24 @@ def dequantize(xp: Any, cfg: CodecConfig, parts: tuple[Any, ...], n: int) -> Any
     if n == 0:
         return xp.zeros((0,), xp.float32)
     s_raw, codes = parts
-    nb = s_raw.shape[0]
+    s = e8m0_scale_values(xp, s_raw) if codec == "fp4" else bf16_bits_to_f32(xp, s_raw)
+    vals = code_values(xp, codec, codes)
+    return (vals.reshape(s_raw.shape[0], -1) * s[:, None]).reshape(-1)[:n]
+
+
+def code_values(xp: Any, codec: str, codes: Any) -> Any:
+    """A block codec's code bytes ``(..., m)`` -> their float32 values before scaling,
+    ``(..., m * CODES_PER_BYTE[codec])`` in element order (the host decoder's lookup tables are
+    this function of every byte)."""
     if codec == "int8":
-        s = bf16_bits_to_f32(xp, s_raw)
-        vals = int_code_values(xp, codec, codes)
-    elif codec == "int4":
-        s = bf16_bits_to_f32(xp, s_raw)
-        vals = int_code_values(xp, codec, unpack_nibbles(xp, codes))
-    elif codec == "sign":
-        s = bf16_bits_to_f32(xp, s_raw)
-        vals = _coarse.sign_code_values(xp, _coarse.unpack_bits(xp, codes))
-    elif codec == "int2":
-        s = bf16_bits_to_f32(xp, s_raw)
-        vals = _coarse.int2_code_values(xp, _coarse.unpack_crumbs(xp, codes))
-    else:
-        s = e8m0_scale_values(xp, s_raw)
-        vals = e2m1_code_values(xp, unpack_nibbles(xp, codes))
-    return (vals.reshape(nb, -1) * s[:, None]).reshape(-1)[:n]
+        return int_code_values(xp, codec, codes)
+    if codec == "int4":
+        return int_code_values(xp, codec, unpack_nibbles(xp, codes))
+    if codec == "fp4":
+        return e2m1_code_values(xp, unpack_nibbles(xp, codes))
+    if codec == "int2":
+        return _coarse.int2_code_values(xp, _coarse.unpack_crumbs(xp, codes))
+    return _coarse.sign_code_values(xp, _coarse.unpack_bits(xp, codes))
 
 
 def _np_scatter(n, idx, vals):

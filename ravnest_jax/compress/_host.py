@@ -15,16 +15,6 @@ from ._wire import ALLOWED_DTYPES, DEFAULT_MAX_BYTES, LeafSpec, Packed, packed_t
 __all__ = ["encode", "host_pack", "payload_ratio", "weighted_mean"]
 
 
-def _leaf_array(leaf: Any, name: str) -> tuple[np.ndarray, str]:
-    a = np.asarray(leaf)
-    dtype = a.dtype.name
-    if dtype not in ALLOWED_DTYPES:
-        raise ValueError(
-            f"pseudo-gradient leaf {name!r} has dtype {dtype}; expected one of {', '.join(ALLOWED_DTYPES)}"
-        )
-    return a, dtype
-
-
 _CHUNK = 1 << 17  # elements per numpy pass, so that the temporaries stay in the CPU caches
 
 
@@ -60,9 +50,13 @@ def host_pack(tree: Any, codec: str = "int4", *, seed: int | None = None, **opti
     leaves, names, structure = _tree.flatten(tree)
     rng = np.random.default_rng(seed) if cfg.stochastic else None
     noise = (lambda shape: rng.random(shape, dtype=np.float32)) if rng is not None else None
-    specs, parts, oks = [], [], []
+    specs, parts = [], []
     for leaf, name in zip(leaves, names):
-        a, dtype = _leaf_array(leaf, name)
+        a = np.asarray(leaf)
+        if a.dtype.name not in ALLOWED_DTYPES:
+            raise ValueError(
+                f"pseudo-gradient leaf {name!r} has dtype {a.dtype.name}; expected one of {', '.join(ALLOWED_DTYPES)}"
+            )
         x = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
         with np.errstate(invalid="ignore", over="ignore"):  # garbage parts are dropped if not ok
             ok, p = _host_quantize(cfg, x, noise)
@@ -73,10 +67,9 @@ def host_pack(tree: Any, codec: str = "int4", *, seed: int | None = None, **opti
                 leaf=name,
             )
         k = F.topk_count(x.shape[0], cfg.fraction) if cfg.codec == "topk" else 0
-        specs.append(LeafSpec(name, tuple(int(d) for d in a.shape), dtype, cfg.block_size, k))
+        specs.append(LeafSpec(name, tuple(int(d) for d in a.shape), a.dtype.name, cfg.block_size, k))
         parts.append(p)
-        oks.append(True)
-    return Packed(cfg.codec, tuple(specs), structure, tuple(parts), tuple(oks))
+    return Packed(cfg.codec, tuple(specs), structure, tuple(parts), (True,) * len(specs))
 
 
 def encode(

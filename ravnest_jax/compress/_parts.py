@@ -20,30 +20,17 @@ summed chunk by chunk) gets the same floating-point result wherever and however 
 from __future__ import annotations
 
 import math
-import struct
-import zlib
 from collections.abc import Callable, Generator, Sequence
 from functools import partial
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from . import _formats as F
-from . import _tree
 from ._decode import _check_finite, _decode_blocks, _decode_dense, check_topk, scales
 from ._errors import WireFormatError
 from ._reader import Reader
-from ._wire import (
-    _ALIGN,
-    _PREFIX,
-    FORMAT_VERSION,
-    MAGIC,
-    PREFIX_NBYTES,
-    Manifest,
-    Packed,
-    _crc32,
-)
+from ._wire import LeafSpec, Manifest, Packed, frame, header_bytes
 
 __all__ = ["GRID", "PartLayout", "RangeDecoder", "part_chunks", "chunks_nbytes"]
 
@@ -188,30 +175,6 @@ class PartLayout:
         return out
 
 
-def _header_bytes(codec: str, entries: list[list[Any]]) -> bytes:
-    obj = {
-        "codec": codec,
-        "leaves": entries,
-        "tree": _tree.structure_to_wire(("l", tuple(range(len(entries))))),
-    }
-    header = msgpack.packb(obj, use_bin_type=True)
-    if (PREFIX_NBYTES + len(header)) % _ALIGN:  # the payload starts 8-byte aligned, as packed_to_chunks does
-        obj["pad"] = b"\0" * (-(PREFIX_NBYTES + len(header) + 6) % _ALIGN)
-        header = msgpack.packb(obj, use_bin_type=True)
-    return header
-
-
-def _message(codec: str, entries: list[list[Any]], views: list[np.ndarray]) -> list[bytes | memoryview]:
-    header = _header_bytes(codec, entries)
-    mvs = [memoryview(v.view(np.uint8)).toreadonly() for v in views if v.nbytes]
-    crc = 0
-    for v in mvs:
-        crc = _crc32(v, crc)
-    payload_len = sum(len(v) for v in mvs)
-    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, 0, len(header), payload_len, crc, 0)[:24]
-    return [head + struct.pack("<I", zlib.crc32(header, zlib.crc32(head))) + header, *mvs]
-
-
 def part_chunks(packed: Packed, layout: PartLayout, lo: int, hi: int) -> list[bytes | memoryview]:
     """The wire message of part ``[lo, hi)`` of ``packed`` (host numpy arrays), as buffers.
 
@@ -228,7 +191,7 @@ def part_chunks(packed: Packed, layout: PartLayout, lo: int, hi: int) -> list[by
     if not (0 <= lo <= hi <= layout.n) or (layout.block_size and lo != layout._snap(lo)):
         raise ValueError(f"[{lo}, {hi}) is not a part of this layout (n={layout.n})")
     dts = F.part_dtypes(codec)
-    entries: list[list[Any]] = []
+    specs: list[LeafSpec] = []
     views: list[np.ndarray] = []
     for j, (i, a, b) in enumerate(layout.pieces(lo, hi)):
         spec, parts = packed.specs[i], packed.parts[i]
@@ -248,8 +211,8 @@ def part_chunks(packed: Packed, layout: PartLayout, lo: int, hi: int) -> list[by
             per_byte = F.CODES_PER_BYTE[codec]
             views += segs[0].views(nb_a, nb_b)
             views += segs[1].views(nb_a * B // per_byte, nb_b * B // per_byte)
-        entries.append([str(j), [b - a], spec.dtype, layout.block_size, k])
-    return _message(codec, entries, views)
+        specs.append(LeafSpec(str(j), (b - a,), spec.dtype, layout.block_size, k))
+    return frame(header_bytes(codec, specs, ("l", tuple(range(len(specs))))), views)
 
 
 def chunks_nbytes(chunks: Sequence[bytes | memoryview]) -> int:
@@ -324,7 +287,6 @@ class RangeDecoder(Reader):
       lo, hi: the part's element range.
       sink: ``sink(j, values)``: grid chunk ``j`` of :meth:`PartLayout.chunk_grid` as a new float32
         array of its length (the sink owns it), called in order ``j = 0, 1, ...``.
-      max_header_bytes: the most prefix + header bytes accepted.
       into: for ``fp32`` only, ``into(j)``: where grid chunk ``j``'s values go (a contiguous
         float32 array of its length, e.g. a view of the caller's output): the payload bytes are
         collected straight into it (no second copy) and ``sink(j, that array)`` follows. On an
@@ -347,9 +309,8 @@ class RangeDecoder(Reader):
         hi: int,
         sink: Callable[[int, np.ndarray], None],
         *,
-        max_header_bytes: int = 1 << 20,
         into: Callable[[int], np.ndarray] | None = None,
     ):
         plan = partial(_part_sink, layout, layout.pieces(lo, hi), sink, into if layout.codec == "fp32" else None)
-        limits = {"max_bytes": 1 << 40, "max_decoded_bytes": 1 << 40, "max_header_bytes": max_header_bytes}
-        super().__init__(plan, **limits)
+        # sizes are checked against the layout's pieces; the header (one leaf per piece) is small
+        super().__init__(plan, max_bytes=1 << 40, max_decoded_bytes=1 << 40, max_header_bytes=1 << 20)

@@ -61,16 +61,12 @@ def _flatten_rec(node: Any, path: tuple[str, ...], depth: int, leaves: list[Any]
 
 def unflatten(structure: Any, leaves: list[Any]) -> Any:
     """Inverse of :func:`flatten`: dicts, lists and tuples around ``leaves``."""
-    return _unflatten_rec(structure, leaves)
-
-
-def _unflatten_rec(node: Any, leaves: list[Any]) -> Any:
-    if isinstance(node, int):
-        return leaves[node]
-    kind, children = node
+    if isinstance(structure, int):
+        return leaves[structure]
+    kind, children = structure
     if kind == "d":
-        return {k: _unflatten_rec(v, leaves) for k, v in children}
-    vals = [_unflatten_rec(v, leaves) for v in children]
+        return {k: unflatten(v, leaves) for k, v in children}
+    vals = [unflatten(v, leaves) for v in children]
     return vals if kind == "l" else tuple(vals)
 
 
@@ -126,20 +122,13 @@ def structure_from_wire(obj: Any, num_leaves: int) -> Any:
 
 
 def structure_names(structure: Any, num_leaves: int) -> list[str]:
-    """Path names of the leaves of a (validated) structure, by leaf index."""
+    """Path names of the leaves of a (validated) structure, by leaf index.
+
+    Raises:
+      ValueError: two leaves share a path name (as :func:`flatten`).
+    """
+    order, paths, _ = flatten(unflatten(structure, list(range(num_leaves))))
     names = [""] * num_leaves
-
-    def rec(node: Any, path: tuple[str, ...]) -> None:
-        if isinstance(node, int):
-            names[node] = "/".join(path)
-            return
-        kind, children = node
-        if kind == "d":
-            for k, v in children:
-                rec(v, path + (k,))
-        else:
-            for i, v in enumerate(children):
-                rec(v, path + (str(i),))
-
-    rec(structure, ())
+    for i, name in zip(order, paths):
+        names[i] = name
     return names

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import msgpack
@@ -250,25 +251,33 @@ def packed_to_chunks(packed: Packed, *, max_bytes: int = DEFAULT_MAX_BYTES) -> l
                         f"does not match {dt} x {length}"
                     )
                 arrays.append(np.ascontiguousarray(a.reshape(-1), dtype=dt))
-    header = _header(packed)
-    payload_len = sum(a.nbytes for a in arrays)
-    total = PREFIX_NBYTES + len(header) + payload_len
+    header = header_bytes(codec, packed.specs, packed.structure)
+    total = PREFIX_NBYTES + len(header) + sum(a.nbytes for a in arrays)
     if total > max_bytes:
         raise ValueError(f"encoded message would have {total} bytes, above max_bytes={max_bytes}")
+    return frame(header, arrays)
+
+
+def frame(header: bytes, arrays: list[np.ndarray]) -> list[bytes | memoryview]:
+    """A message as buffers: the prefix and ``header`` (``bytes``), then a read-only uint8
+    ``memoryview`` of each non-empty payload array, in order (the CRC computed over them in place)."""
     views = [memoryview(a.view(np.uint8)).toreadonly() for a in arrays if a.nbytes]
     payload_crc = 0
     for v in views:
         payload_crc = _crc32(v, payload_crc)
+    payload_len = sum(len(v) for v in views)
     head = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, 0, len(header), payload_len, payload_crc, 0)[:24]
     header_crc = zlib.crc32(header, zlib.crc32(head))
     return [head + struct.pack("<I", header_crc) + header, *views]
 
 
-def _header(packed: Packed) -> bytes:
+def header_bytes(codec: str, specs: Sequence[LeafSpec], structure: Any) -> bytes:
+    """The msgpack header of a message of ``specs`` (in payload order) in tree ``structure``
+    (the hashable descriptor of ``_tree``)."""
     obj = {
-        "codec": packed.codec,
-        "leaves": [[s.name, list(s.shape), s.dtype, s.block_size, s.k] for s in packed.specs],
-        "tree": _tree.structure_to_wire(packed.structure),
+        "codec": codec,
+        "leaves": [[s.name, list(s.shape), s.dtype, s.block_size, s.k] for s in specs],
+        "tree": _tree.structure_to_wire(structure),
     }
     header = msgpack.packb(obj, use_bin_type=True)
     if (PREFIX_NBYTES + len(header)) % _ALIGN:
@@ -282,7 +291,7 @@ def _header(packed: Packed) -> bytes:
 def message_nbytes(packed: Packed) -> int:
     """Bytes of the message :func:`packed_to_chunks` makes of ``packed`` (prefix, header and
     payload), without building it."""
-    return PREFIX_NBYTES + len(_header(packed)) + packed.nbytes
+    return PREFIX_NBYTES + len(header_bytes(packed.codec, packed.specs, packed.structure)) + packed.nbytes
 
 
 def packed_to_bytes(packed: Packed, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
@@ -403,9 +412,9 @@ def _parse_header(prefix: Any, header: Any, max_bytes: int, max_decoded_bytes: i
         )
     try:
         structure = _tree.structure_from_wire(obj["tree"], len(leaves))
+        expected = _tree.structure_names(structure, len(leaves))
     except ValueError as e:
         raise WireFormatError(f"bad tree structure in header: {e}") from None
-    expected = _tree.structure_names(structure, len(leaves))
     for leaf, want in zip(leaves, expected):
         if leaf.name != want:
             raise WireFormatError(f"leaf name {leaf.name!r} does not match its tree path {want!r}")

@@ -32,14 +32,8 @@ def _lanes(bits: jax.Array, idx: jax.Array) -> jax.Array:
 
 def _bits(flat: jax.Array) -> jax.Array:
     """A 1-D array's bits as uint32 values (two per element of 8 bytes, one per smaller one)."""
-    itemsize = flat.dtype.itemsize
-    if itemsize == 8:
-        return jax.lax.bitcast_convert_type(flat, jnp.uint32).reshape(-1)
-    if itemsize == 4:
-        return jax.lax.bitcast_convert_type(flat, jnp.uint32)
-    if itemsize == 2:
-        return jax.lax.bitcast_convert_type(flat, jnp.uint16).astype(jnp.uint32)
-    return jax.lax.bitcast_convert_type(flat, jnp.uint8).astype(jnp.uint32)
+    unsigned = {8: jnp.uint32, 4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[flat.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(flat, unsigned).astype(jnp.uint32).reshape(-1)
 
 
 def _leaf_hash(x: jax.Array, salt: int, chunk: int = CHUNK) -> jax.Array:

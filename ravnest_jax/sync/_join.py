@@ -141,23 +141,21 @@ def join_or_resume(
     if min_peers > 1:
         log.info("waiting up to %.0f s until %d peers have registered", timeout, min_peers)
         swarm.wait_for_peers(min_peers, timeout=timeout)
+    data = None
     if running_peers(swarm, wait_seconds=2 * swarm.timeouts.heartbeat + 1.0):
         try:
             data = swarm.fetch_state(timeout=fetch_timeout)
         except SwarmError as e:
             log.warning("could not download the swarm's state (%s); continuing from the local state", e)
-            data = None
-        if data:
-            params, state = sync.load_state_bytes(data, params, state)
-            how = "joined"
     ref = sync.run_initial or {}
-    if how == "fresh" and ref.get("init") and ref["init"] != sync.initial_digest and ref["init_from"] != swarm.peer_id:
+    fresh = how == "fresh" and not data
+    if fresh and ref.get("init") and ref["init"] != sync.initial_digest and ref["init_from"] != swarm.peer_id:
         # another seed than the run's first peer: take its state now, as a joiner (no failed round)
         log.info("the initial params differ from the run's (another seed?): taking %s's state", ref["init_from"])
         data = swarm.fetch_state(timeout=fetch_timeout, prefer=ref["init_from"])
-        if data:
-            params, state = sync.load_state_bytes(data, params, state)
-            how = "joined"
+    if data:
+        params, state = sync.load_state_bytes(data, params, state)
+        how = "joined"
     if how != "joined" and checkpointer is not None and min_peers > 1:
         common = common_checkpoint_step(swarm, checkpointer.all_steps(), num_peers=min_peers, timeout=timeout)
         if common is not None:

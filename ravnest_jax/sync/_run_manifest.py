@@ -15,7 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._digest import CHUNK
+from ._digest import CHUNK, device_digest, digest_hex
+from ._pipeline import mesh_of
 
 log = logging.getLogger("ravnest_jax.sync")
 
@@ -50,9 +51,6 @@ def trainer_manifest(sync: Any, params: Any) -> dict[str, Any]:
 def initial_digest(params: Any) -> str:
     """Digest (32 hex characters) of the params' values, computed on the device
     (:func:`~ravnest_jax.sync._digest.device_digest`): peers initialised alike agree on it."""
-    from ._digest import device_digest, digest_hex
-    from ._pipeline import mesh_of
-
     chunk = 0 if mesh_of(params) is not None else CHUNK  # a sharded leaf hashed whole, not gathered
     return digest_hex(device_digest(params, chunk=chunk))  # jitted once per params layout
 

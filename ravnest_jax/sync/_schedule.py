@@ -8,6 +8,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from statistics import median
 from typing import Any, NamedTuple
 
 log = logging.getLogger("ravnest_jax.sync")
@@ -90,18 +91,6 @@ class Schedule:
         return Plan(seq, tau, max(steps_done, 1) * self.samples_per_step, expected, learn)
 
 
-class _Exchanges(collections.deque):
-    """The last 4 exchange times (seconds), and how many were ever appended (the rounds)."""
-
-    def __init__(self) -> None:
-        super().__init__(maxlen=4)
-        self.appended = 0
-
-    def append(self, seconds: float) -> None:
-        super().append(seconds)
-        self.appended += 1
-
-
 class AutoTau:
     """tau per round with ``overlap_steps="auto"``: ``ceil(1.25 * t_x / t_s)`` within ``[1, cap]``,
     ``t_x`` the longest of the last 4 exchanges (boundary to result in, seconds), ``t_s`` the
@@ -131,7 +120,7 @@ class AutoTau:
         self.needed = 0  # the last round's uncapped ceil(1.25 * t_x / t_s): what hiding it would take
         self._warned_at = -(10**9)  # the judged round of the last warning
         self._judged = 0  # rounds judged by observe()
-        self.exchanges: _Exchanges = _Exchanges()
+        self.exchanges: collections.deque[float] = collections.deque(maxlen=4)  # the last 4 exchange times (s)
         # the last WARN_WINDOW judged rounds: (tau, stall s, seconds since the previous merge, exchange s)
         self._rounds: collections.deque[tuple[int, float, float, float]] = collections.deque(maxlen=self.WARN_WINDOW)
         self._clock: tuple[float, int, float] | None = None  # (perf_counter, step, total stall)
@@ -171,11 +160,11 @@ class AutoTau:
             return
         self._warned_at = self._judged
         t_s = self._step_seconds
-        stall_med = _median([r[1] for r in slow])
-        exchange_med = _median([r[3] for r in slow])
-        tau_med = round(_median([float(r[0]) for r in slow]))
+        stall_med = median([r[1] for r in slow])
+        exchange_med = median([r[3] for r in slow])
+        tau_med = round(median([float(r[0]) for r in slow]))
         # the tau that would have hidden each slow round's wait: its tau + the steps it sat idle for
-        hide = math.ceil(_median([r[0] + r[1] / t_s for r in slow]) - 1e-9)
+        hide = math.ceil(median([r[0] + r[1] / t_s for r in slow]) - 1e-9)
         log.warning(
             "the device waited for the outer rounds: in %d of the last %d rounds it sat idle for the result, "
             "%.3f s per round (median, measured), compute utilisation %.2f over those %d rounds; tau=%d inner "
@@ -214,9 +203,3 @@ class AutoTau:
             f"auto tau may go up to {self.cap} but chose from the longest of the last 4 exchanges, which these "
             f"rounds outlasted: set overlap_steps={hide}, or use a larger H"
         )
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])

@@ -54,10 +54,8 @@ def decode_state(data: bytes, like: list) -> StateMessage:
         d = serialization.msgpack_restore(data)
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ValueError("not a ravnest state message")
-        leaves = list(d["leaves"].values()) if isinstance(d["leaves"], dict) else list(d["leaves"])
+        leaves, base = list(d["leaves"]), list(d["swarm_base"])
         step, started = int(d["step"]), int(d["rounds_started"])
-        base = d.get("swarm_base")
-        base = list(base.values()) if isinstance(base, dict) else list(base or [])
         swarm_base = (int(base[0]), int(base[1])) if len(base) == 2 else None
     except Exception as e:  # noqa: BLE001 - reported as one clear error
         raise ValueError(f"downloaded state is malformed: {e}") from e
@@ -160,41 +158,38 @@ class StateServer:
             for r in requests:
                 r.cancel()
 
-    def fetch_while_serving(self, fetch: Any, serve: Any, timeout: float = 300.0) -> bytes | None:
+    def fetch_past(self, fetch: Any, serve: Any, seq: int, timeout: float = 60.0) -> bytes | None:
         """Runs ``fetch()`` (a state download) on its own thread and returns its result, calling
         ``serve()`` meanwhile whenever a request waits: two peers that download from each other
         then both still serve (each waited out the other's download before).
 
-        Raises:
-          whatever ``fetch`` raises; TimeoutError after ``timeout`` seconds.
-        """
-        job = self._fetch_pool.submit(fetch)
-        deadline = time.monotonic() + timeout
-        while not job.done() and time.monotonic() < deadline:
-            if self.wanted:
-                serve()
-            time.sleep(0.02)
-        return job.result(timeout=max(deadline - time.monotonic(), 0.0))
+        Asks again until the state downloaded is past this driver's exchange ``seq`` (its
+        ``rounds_started > seq``), for ``timeout`` seconds at most; then returns the last one. A
+        peer that missed a round created ahead (at the previous commit) may download from peers
+        that have not started that round yet: their state is the one it already holds, and it
+        would miss the same round again.
 
-    def fetch_past(self, fetch: Any, serve: Any, seq: int, timeout: float = 60.0) -> bytes | None:
-        """:meth:`fetch_while_serving` until the state downloaded is past this driver's
-        exchange ``seq`` (its ``rounds_started > seq``), for ``timeout`` seconds at most; then
-        the last one. A peer that missed a round created ahead (at the previous commit) may
-        download from peers that have not started that round yet: their state is the one it
-        already holds, and it would miss the same round again.
+        Raises:
+          whatever ``fetch`` raises; TimeoutError when one download takes over 300 seconds.
         """
         deadline = time.monotonic() + timeout
         while True:
-            data = self.fetch_while_serving(fetch, serve)
+            job = self._fetch_pool.submit(fetch)
+            self._serve_until(job.done, time.monotonic() + 300.0, serve)
+            data = job.result(timeout=0)
             counters = peek_counters(data) if data else None
             if counters is None or counters[1] > seq or time.monotonic() >= deadline:
                 return data
             log.info("the state downloaded is from before round %d (step %d); asking again", seq, counters[0])
-            until = time.monotonic() + 0.25
-            while time.monotonic() < until:
-                if self.wanted:
-                    serve()
-                time.sleep(0.02)
+            self._serve_until(lambda: False, time.monotonic() + 0.25, serve)
+
+    def _serve_until(self, done: Any, until: float, serve: Any) -> None:
+        """Calls ``serve()`` whenever a request waits, until ``done()`` or ``time.monotonic()``
+        reaches ``until``."""
+        while not done() and time.monotonic() < until:
+            if self.wanted:
+                serve()
+            time.sleep(0.02)
 
     def refuse(self, why: str) -> None:
         """Fails every waiting request (a peer over several processes serves no state)."""
