@@ -335,9 +335,12 @@ class Swarm(ManifestDeclaration):
 
     def _submit(self, c: Contribution, round: int | None) -> concurrent.futures.Future[tuple[Any, RoundRecord]]:
         manifest = manifest_digest(c.names, c.shapes, f"{self._algorithm.wire()}/{c.layout.key()}")
-        return forward(
-            asyncio.run_coroutine_threadsafe(self._tracked(self._rounds.run(c, manifest, round)), self._loop), c
-        )
+
+        async def run() -> tuple[Any, RoundRecord]:
+            mean, record = await self._rounds.run(c, manifest, round)
+            return c.unflatten(mean), record  # the mean in the caller's tree structure
+
+        return asyncio.run_coroutine_threadsafe(self._tracked(run()), self._loop)
 
     def ready(self) -> concurrent.futures.Future[Any]:
         """Tells the rendezvous that this peer trains now (returns at once).
@@ -466,24 +469,6 @@ class Swarm(ManifestDeclaration):
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
         return t
-
-
-def forward(
-    inner: concurrent.futures.Future[tuple[np.ndarray, RoundRecord]], c: Contribution
-) -> concurrent.futures.Future[tuple[Any, RoundRecord]]:
-    """A future of ``(mean in the caller's tree structure, record)`` from the round's future."""
-    out: concurrent.futures.Future[tuple[Any, RoundRecord]] = concurrent.futures.Future()
-
-    def done(f: concurrent.futures.Future[tuple[np.ndarray, RoundRecord]]) -> None:
-        try:
-            res, rec = f.result()
-        except BaseException as e:  # noqa: BLE001 - forwarded to the caller
-            out.set_exception(e)
-            return
-        out.set_result((c.unflatten(res), rec))
-
-    inner.add_done_callback(done)
-    return out
 
 
 def _mean_settings(codec: Codec, algorithm: str) -> dict[str, Any]:
