@@ -287,10 +287,10 @@ class RangeDecoder(Reader):
       lo, hi: the part's element range.
       sink: ``sink(j, values)``: grid chunk ``j`` of :meth:`PartLayout.chunk_grid` as a new float32
         array of its length (the sink owns it), called in order ``j = 0, 1, ...``.
-      into: for ``fp32`` only, ``into(j)``: where grid chunk ``j``'s values go (a contiguous
-        float32 array of its length, e.g. a view of the caller's output): the payload bytes are
-        collected straight into it (no second copy) and ``sink(j, that array)`` follows. On an
-        error the array holds garbage. Other codecs ignore it.
+      out: instead of ``sink``, where the part's values go: a contiguous float32 array of
+        ``hi - lo`` values (e.g. the part's region of the caller's output); ``fp32`` payload bytes
+        are collected straight into it (no second copy), other codecs' values are written into
+        it chunk by chunk. On an error it holds garbage.
 
     ``feed(chunk)`` raises :class:`WireFormatError` as soon as what arrived cannot be this part
     (another codec, other pieces, a bad scale, a non-finite value, bytes past the end);
@@ -307,10 +307,24 @@ class RangeDecoder(Reader):
         layout: PartLayout,
         lo: int,
         hi: int,
-        sink: Callable[[int, np.ndarray], None],
+        sink: Callable[[int, np.ndarray], None] | None = None,
         *,
-        into: Callable[[int], np.ndarray] | None = None,
+        out: np.ndarray | None = None,
     ):
+        into = None
+        if out is not None:
+            if sink is not None or out.dtype != np.float32 or out.shape != (hi - lo,) or not out.flags.c_contiguous:
+                raise ValueError(f"out must be a contiguous float32 array of {hi - lo} values, instead of a sink")
+            grid = layout.chunk_grid(lo, hi)
+            into = lambda j: out[grid[j][0] : grid[j][1]]  # noqa: E731
+
+            def sink(j: int, values: np.ndarray) -> None:
+                a, b = grid[j]
+                if not np.may_share_memory(values, out[a:b]):  # fp32 collected it there already
+                    out[a:b] = values
+
+        elif sink is None:
+            raise ValueError("RangeDecoder needs a sink or an out array")
         plan = partial(_part_sink, layout, layout.pieces(lo, hi), sink, into if layout.codec == "fp32" else None)
         # sizes are checked against the layout's pieces; the header (one leaf per piece) is small
         super().__init__(plan, max_bytes=1 << 40, max_decoded_bytes=1 << 40, max_header_bytes=1 << 20)

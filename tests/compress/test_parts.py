@@ -45,6 +45,27 @@ def _stream(layout: PartLayout, lo: int, hi: int, msg: bytes, rng: np.random.Gen
 
 
 @pytest.mark.parametrize("codec", CODECS)
+def test_a_part_decodes_into_an_out_array_as_through_a_sink(codec):
+    """``out=``: the part's values land in the caller's array (fp32: collected there, no copy),
+    equal to what the sink form hands over; a wrong array or neither form is refused."""
+    rng = np.random.default_rng(3)
+    packed = compress.host_pack(_tree(rng), codec)
+    layout = PartLayout.of(packed)
+    for lo, hi in layout.bounds(3):
+        msg = b"".join(bytes(c) for c in part_chunks(packed, layout, lo, hi))
+        want = np.concatenate(_stream(layout, lo, hi, msg, rng) or [np.zeros(0, np.float32)])
+        out = np.full(hi - lo, np.nan, np.float32)
+        dec = RangeDecoder(layout, lo, hi, out=out)
+        dec.feed(msg)
+        dec.finish()
+        np.testing.assert_array_equal(out, want)
+    with pytest.raises(ValueError, match="contiguous float32 array of"):
+        RangeDecoder(layout, 0, 10, out=np.zeros(11, np.float32))
+    with pytest.raises(ValueError, match="needs a sink or an out array"):
+        RangeDecoder(layout, 0, 10)
+
+
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("n_parts", [1, 2, 3, 7, 50])
 def test_parts_decode_to_the_contribution_whatever_the_chunking(codec, n_parts):
     rng = np.random.default_rng(n_parts)

@@ -151,8 +151,7 @@ class Contribution:
         if self.vec is not None and self.packed.codec == "fp32":
             return self.vec
         out = np.empty(self.n, np.float32)
-        grid = self.layout.chunk_grid(0, self.n)
-        dec = RangeDecoder(self.layout, 0, self.n, lambda j, v: out.__setitem__(slice(*grid[j]), v))
+        dec = RangeDecoder(self.layout, 0, self.n, out=out)
         for c in self.part(0, self.n):
             dec.feed(c)
         dec.finish()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -168,8 +167,7 @@ class AllGather:
             st.out_claims[k] = tag
         dst = st.out[lo:hi] if in_out else np.empty(hi - lo, np.float32)
         layout = self.layout(st)
-        grid = layout.chunk_grid(lo, hi)
-        dec = RangeDecoder(layout, lo, hi, _writer(dst, grid), into=lambda j: dst[grid[j][0] : grid[j][1]])
+        dec = RangeDecoder(layout, lo, hi, out=dst)
         st.results_receiving.add((k, tag))
         try:
             sha = await self.transport.read_stream(
@@ -287,12 +285,11 @@ class AllGather:
         lo, hi = st.bounds[k]
         rest = PULL.format(round=st.round, attempt=st.attempt, part=k, tag=tag)
         layout = self.layout(st)
-        grid = layout.chunk_grid(lo, hi)
         out = st.out
         assert out is not None
         dst = out[lo:hi]
         while time.monotonic() < t_end:
-            dec = RangeDecoder(layout, lo, hi, _writer(dst, grid), into=lambda j: dst[grid[j][0] : grid[j][1]])
+            dec = RangeDecoder(layout, lo, hi, out=dst)
             try:
                 sha, total = await self.transport.get_stream(
                     address, rest, t_end - time.monotonic(), part_limit(self.mean_codec, hi - lo), H_TOTAL, dec.feed
@@ -375,8 +372,7 @@ class AllGather:
         digest = body_digest(data)
         if self.mean_codec != "fp32":  # lossy: the owner keeps what the others decode
             layout = self.layout(st)
-            grid = layout.chunk_grid(st.lo, st.hi)
-            dec = RangeDecoder(layout, st.lo, st.hi, lambda j, v: acc.__setitem__(slice(*grid[j]), v))
+            dec = RangeDecoder(layout, st.lo, st.hi, out=acc)
             for c in data:
                 dec.feed(c)
             dec.finish()
@@ -400,15 +396,3 @@ class AllGather:
                 if k != st.me and g in membership and g not in st.pullers
             ],
         )
-
-
-def _writer(dst: np.ndarray, grid: list[tuple[int, int]]) -> Callable[[int, np.ndarray], None]:
-    """A :class:`RangeDecoder` sink that writes grid chunk ``j`` into ``dst`` (a part's region of
-    the output), unless the decoder collected it there already (``into``, fp32)."""
-
-    def write(j: int, values: np.ndarray) -> None:
-        a, b = grid[j]
-        if not np.may_share_memory(values, dst[a:b]):
-            dst[a:b] = values
-
-    return write
