@@ -8,12 +8,27 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ravnest_jax.swarm.peer._allreduce import mean_of_scaled, squared_norm
+from ravnest_jax.swarm.peer._allreduce import squared_norm
 from ravnest_jax.swarm.peer._fold import Fold
 
 
 def _grid(n: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+def mean_of_scaled(scaled, members):
+    """The reference: float32 ``sum_c s_c / sum_c w_c`` over ``members`` in sorted-id order
+    (``((s_0 + s_1) + s_2) + ...``), where ``scaled[c] = (w_c, s_c)`` holds the weighted part
+    ``s_c = w_c * x_c``: how whole parts were reduced before the streaming sum."""
+    order = sorted(members)
+    acc = scaled[order[0]][1].copy()
+    for c in order[1:]:
+        np.add(acc, scaled[c][1], out=acc)
+    total = np.float32(0.0)
+    for c in order:
+        total = np.float32(total + np.float32(scaled[c][0]))
+    np.divide(acc, total, out=acc)
+    return acc, total
 
 
 def _reference(parts, weights, members, scales=None):

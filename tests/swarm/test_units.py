@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ravnest_jax.swarm import Timeouts
-from ravnest_jax.swarm.peer._allreduce import manifest_digest, part_bounds, weighted_mean
+from ravnest_jax.swarm.peer._allreduce import manifest_digest, part_bounds
 from ravnest_jax.swarm.wire import _auth
 from ravnest_jax.swarm.wire._codec import PartDecoder, WireFormatError, decode_part, encode_part
 from ravnest_jax.swarm.wire._types import flatten
@@ -104,16 +104,6 @@ def test_part_bounds_cover_everything_once(total, n):
     assert len(b) == n and b[0][0] == 0 and b[-1][1] == total
     assert all(lo <= hi and hi == b[i + 1][0] for i, (lo, hi) in enumerate(b[:-1]))
     assert max(hi - lo for lo, hi in b) - min(hi - lo for lo, hi in b) <= 1
-
-
-def test_weighted_mean_is_order_independent_and_exact():
-    rng = np.random.default_rng(0)
-    parts = {f"p{i}": (np.float32(i + 1), rng.standard_normal(100, dtype=np.float32)) for i in range(5)}
-    a, wa = weighted_mean(parts, ["p3", "p0", "p4", "p1", "p2"])
-    b, wb = weighted_mean(dict(reversed(parts.items())), sorted(parts))
-    assert a.dtype == np.float32 and a.tobytes() == b.tobytes() and wa == wb == 15
-    exp = sum(float(w) * x.astype(np.float64) for w, x in parts.values()) / 15
-    np.testing.assert_allclose(a, exp, rtol=1e-6, atol=1e-6)
 
 
 def test_manifest_digest_depends_on_names_shapes_codec():

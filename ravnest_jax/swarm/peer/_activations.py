@@ -40,8 +40,9 @@ from aiohttp import web
 
 from ..wire._auth import body_digest, digest_matches
 from ..wire._codec import ActivationDecoder
-from ..wire._http import HTTPStatusError, read_json_body, signed_json
+from ..wire._http import HTTPStatusError, read_json_body
 from ..wire._types import SwarmError
+from ._attempt import route_ints
 from ._transport import Transport, why
 
 log = logging.getLogger("ravnest_jax.swarm")
@@ -195,10 +196,7 @@ class ActivationLink:
         t = self.transport
         sender, claimed = t.verify(request)
         kind = request.match_info["kind"]
-        try:
-            epoch, micro = int(request.match_info["epoch"]), int(request.match_info["micro"])
-        except ValueError:
-            raise web.HTTPBadRequest(text="epoch and micro-batch must be integers") from None
+        epoch, micro = route_ints(request, "epoch", "micro")
         with self._cond:
             exp = self._expect.get(kind)
             if self._closed:
@@ -239,10 +237,7 @@ class ActivationLink:
     async def _h_abort(self, request: web.Request) -> web.Response:
         sender, claimed = self.transport.verify(request)
         body = await read_json_body(request, claimed)
-        try:
-            epoch = int(request.match_info["epoch"])
-        except ValueError:
-            raise web.HTTPBadRequest(text="epoch must be an integer") from None
+        (epoch,) = route_ints(request, "epoch")
         reason = str((body or {}).get("reason", ""))[:500]
         with self._cond:
             if epoch == self._epoch and self._failure is None:
@@ -259,21 +254,9 @@ class ActivationLink:
         epoch = self._epoch
 
         async def go() -> bool:
-            assert self.transport.session is not None
             try:
-                await signed_json(
-                    self.transport.session,
-                    address,
-                    "POST",
-                    self.transport.path(f"/pipe/abort/{epoch}"),
-                    token=self.transport.token,
-                    run_id=self.transport.run_id,
-                    peer=self.transport.peer_id,
-                    payload={"reason": reason},
-                    ssl=self.transport.client_ssl,
-                    timeout=aiohttp.ClientTimeout(
-                        total=timeout, sock_connect=min(timeout, self.transport.timeouts.connect)
-                    ),
+                await self.transport.rendezvous(
+                    "POST", f"/pipe/abort/{epoch}", {"reason": reason}, timeout, address=address
                 )
                 return True
             except Exception as e:  # noqa: BLE001 - best effort: the peer may be the dead one
@@ -381,7 +364,6 @@ class ActivationLink:
                     data,
                     digest=digest,
                     round_=micro,
-                    extra="",
                     headers={},
                     timeout=left,
                     kind=kind,
@@ -405,11 +387,6 @@ class ActivationLink:
                 self.stats.retries += 1
             await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, 0.5)
-
-    def pending_sends(self) -> int:
-        """Sends still in flight."""
-        with self._cond:
-            return len(self._sends)
 
     def drain(self, timeout: float) -> bool:
         """Waits until every send in flight ended (delivered, failed or dropped); returns

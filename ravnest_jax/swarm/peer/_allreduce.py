@@ -1,4 +1,4 @@
-"""Pure helpers of the all-reduce: part bounds, ring segments, manifests, float32 reduction."""
+"""Pure helpers of the all-reduce: part bounds, ring segments, manifests, part limits, norms."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ def manifest_digest(names: Sequence[str], shapes: Sequence[tuple[int, ...]], wir
     return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
 
-def max_message_bytes(length: int) -> int:
-    """The largest message accepted for a part of ``length`` float32 elements, bytes."""
-    return 4 * length + (1 << 20)
+def part_limit(codec: str, length: int) -> int:
+    """The most bytes accepted for a part (or result part) of ``length`` elements."""
+    return (8 if codec == "topk" else 4) * length + (1 << 20)
 
 
 def contributors_tag(contributors: Sequence[str], clipped: Mapping[str, float] | None = None) -> str:
@@ -43,46 +43,6 @@ def contributors_tag(contributors: Sequence[str], clipped: Mapping[str, float] |
     if clipped:
         blob += b"\nclipped\n" + "\n".join(f"{c}={float(x)!r}" for c, x in sorted(clipped.items())).encode()
     return hashlib.blake2b(blob, digest_size=8).hexdigest()
-
-
-def mean_of_scaled(
-    parts: Mapping[str, tuple[np.float32, np.ndarray]], contributors: Sequence[str], out: np.ndarray | None = None
-) -> tuple[np.ndarray, np.float32]:
-    """Float32 ``sum_c s_c / sum_c w_c`` over ``contributors`` in sorted-id order, where
-    ``parts[c] = (w_c, s_c)`` holds the already weighted part ``s_c = w_c * x_c`` (float32).
-
-    Leaves ``parts`` untouched (they may be needed again for another contributor set); the
-    result goes to ``out`` (a float32 buffer of the parts' shape that the caller reuses from
-    round to round: no fresh pages to fault in) or to a new array. Returns ``(mean,
-    total_weight)``.
-    """
-    order = sorted(contributors)
-    first = parts[order[0]][1]
-    acc = np.empty_like(first) if out is None else out
-    if len(order) == 1:
-        np.copyto(acc, first)
-    else:
-        np.add(first, parts[order[1]][1], out=acc)
-    for c in order[2:]:
-        np.add(acc, parts[c][1], out=acc)
-    total = np.float32(0.0)
-    for c in order:
-        total = np.float32(total + np.float32(parts[c][0]))
-    np.divide(acc, total, out=acc)
-    return acc, total
-
-
-def weighted_mean(
-    parts: Mapping[str, tuple[np.float32, np.ndarray]], contributors: Sequence[str]
-) -> tuple[np.ndarray, np.float32]:
-    """Float32 weighted mean of ``parts[c] = (w_c, x_c)`` over ``contributors`` in sorted-id
-    order (each ``x_c * w_c`` rounded to float32 first, as the swarm does on arrival).
-
-    The fixed order makes the result bit-identical wherever it is computed. Returns
-    ``(mean, total_weight)``.
-    """
-    scaled = {c: (parts[c][0], np.multiply(parts[c][1], np.float32(parts[c][0]))) for c in contributors}
-    return mean_of_scaled(scaled, contributors)
 
 
 RING_SEGMENT_BYTES = 1 << 20  # float32 bytes per pipelined ring segment (default)

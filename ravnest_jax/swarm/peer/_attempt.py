@@ -6,12 +6,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 from typing import Any, NoReturn, Protocol
 
 import numpy as np
 from aiohttp import web
 
 log = logging.getLogger("ravnest_jax.swarm")
+
+H_WEIGHT = "X-RJ-Weight"
+H_MANIFEST = "X-RJ-Manifest"
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 class Attempt:
@@ -169,24 +174,6 @@ class AttemptInput:
         return self._vec
 
 
-class Voter(Protocol):
-    """What an algorithm needs from the round driver (:class:`~ravnest_jax.swarm.peer._rounds.Rounds`)."""
-
-    async def vote(
-        self, r: int, epoch: str, a: int, phase: str, data: dict[str, Any], deadline: float
-    ) -> dict[str, Any]: ...
-
-    async def wait_entered(self, r: int, a: int) -> Attempt: ...
-
-    def gone(self, r: int, a: int) -> set[str]: ...
-
-    def gone_wait(self) -> asyncio.Future[Any]: ...
-
-    def arrived(self, arrive: asyncio.Task[Any], r: int, t_part: float) -> float: ...
-
-    def note_diverged(self, diverged: tuple[str, ...]) -> None: ...
-
-
 class Algorithm(Protocol):
     """One all-reduce algorithm over the transport (``_butterfly.py``, ``_ring.py``).
 
@@ -214,6 +201,26 @@ def route_ints(request: web.Request, *names: str) -> tuple[int, ...]:
         return tuple(int(request.match_info[n]) for n in names)
     except ValueError:
         raise web.HTTPBadRequest(text=f"{', '.join(names)} must be integers") from None
+
+
+def signed_part(transport: Any, request: web.Request) -> tuple[str, str, np.float32, str]:
+    """Checks the signature of a part (or ring message), which covers its weight and round
+    manifest headers too; returns ``(sender, claimed body digest, weight, manifest digest)``.
+
+    Raises:
+      web.HTTPUnauthorized: a bad signature (see ``Transport.verify``).
+      web.HTTPBadRequest: a weight that is not a finite float32 > 0.
+    """
+    weight_s = request.headers.get(H_WEIGHT, "")
+    manifest = request.headers.get(H_MANIFEST, "")
+    sender, claimed = transport.verify(request, extra=f"{weight_s}|{manifest}")
+    try:
+        w = float(weight_s)
+    except ValueError:
+        raise web.HTTPBadRequest(text="bad weight") from None
+    if not (math.isfinite(w) and 0 < w <= F32_MAX):  # checked before the cast (no overflow warning)
+        raise web.HTTPBadRequest(text="weight must be finite, > 0 and within float32")
+    return sender, claimed, np.float32(w), manifest
 
 
 def refuse_other_manifest(warned: set[str], peer_id: str, sender: str, wire: str) -> NoReturn:

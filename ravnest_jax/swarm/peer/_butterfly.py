@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from typing import Any
 
@@ -39,27 +38,25 @@ from aiohttp import web
 from ..wire._codec import PartLayout, RangeDecoder, WireFormatError
 from ..wire._http import serve_body
 from ..wire._types import Timeouts
-from ._allreduce import (
-    CHUNK,
-    clip_scales,
-    contributors_tag,
-)
+from ._allreduce import CHUNK, clip_scales, contributors_tag, part_limit
 from ._attempt import (
+    H_MANIFEST,
+    H_WEIGHT,
     Attempt,
     AttemptInput,
     Reduced,
     Retry,
     RoundFail,
-    Voter,
     decided,
     refuse_other_manifest,
     route_ints,
+    signed_part,
 )
 from ._fold import Fold
-from ._gather import H_MANIFEST, H_WEIGHT, AllGather, part_limit, send
+from ._gather import AllGather, send
+from ._rounds import Rounds
 from ._transport import Transport, body_digest
 
-F32_MAX = float(np.finfo(np.float32).max)
 log = logging.getLogger("ravnest_jax.swarm")
 
 PARTS = "/rounds/{round}/{attempt}/parts/{part}"
@@ -87,7 +84,7 @@ class Butterfly:
     def __init__(
         self,
         transport: Transport,
-        rounds: Voter,
+        rounds: Rounds,
         codec: str,
         codec_options: dict[str, Any],
         timeouts: Timeouts,
@@ -135,17 +132,8 @@ class Butterfly:
     async def _h_put_part(self, request: web.Request) -> web.Response:
         """Reduce-scatter: a member's part of the part this peer owns, added into the sum as it
         streams in."""
-        weight_s = request.headers.get(H_WEIGHT, "")
-        manifest = request.headers.get(H_MANIFEST, "")
-        sender, claimed = self.transport.verify(request, extra=f"{weight_s}|{manifest}")
+        sender, claimed, w, manifest = signed_part(self.transport, request)
         r, a, k = route_ints(request, "round", "attempt", "part")
-        try:
-            wf = float(weight_s)
-        except ValueError:
-            raise web.HTTPBadRequest(text="bad weight") from None
-        if not (math.isfinite(wf) and 0 < wf <= F32_MAX):  # checked before the cast (no overflow warning)
-            raise web.HTTPBadRequest(text="weight must be finite, > 0 and within float32")
-        w = np.float32(wf)
         st = await self.rounds.wait_entered(r, a)
         if k != st.me or self.peer_id in st.pullers:
             raise web.HTTPBadRequest(text=f"this peer owns part {st.me}, not {k}")

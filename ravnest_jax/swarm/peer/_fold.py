@@ -7,7 +7,8 @@ vote and then reduce them: a part-sized float32 buffer per member (for 2 peers a
 GiB beside the result). :class:`Fold` adds each grid chunk (``compress._parts``) of a member's
 part into the owner's slice of the round's output buffer as soon as every member before it in
 sorted-id order has added that chunk: the same float32 operations in the same order as
-``mean_of_scaled`` (``s_c = w_c * x_c``, then ``((s_0 + s_1) + s_2) + ...``), so the result is
+reducing whole parts (``s_c = w_c * x_c``, then ``((s_0 + s_1) + s_2) + ...``; the reference in
+``tests/swarm/test_fold.py``), so the result is
 bit-identical to the old one, whatever the order the bytes arrive in. A chunk that cannot be
 added yet (an earlier member is slower) waits in a small queue; when members arrive at similar
 rates the queues stay short.
@@ -167,7 +168,7 @@ class Fold:
             limit = self.folded[c]
 
     def total_weight(self, members: Iterable[str]) -> np.float32:
-        """``sum_c w_c`` in float32, in sorted-id order (as ``mean_of_scaled``)."""
+        """``sum_c w_c`` in float32, in sorted-id order (as the whole-part reference)."""
         total = np.float32(0.0)
         for c in sorted(members):
             total = np.float32(total + np.float32(self.weights[c]))

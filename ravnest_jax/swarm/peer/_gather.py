@@ -13,27 +13,20 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from ..wire import _auth
 from ..wire._codec import PartLayout, RangeDecoder, WireFormatError, host_pack, mean_codec_options, packed_to_chunks
 from ..wire._http import serve_body
 from ..wire._types import Timeouts, result_digest
-from ._allreduce import CHUNK
-from ._attempt import Attempt, AttemptInput, Reduced, Retry, RoundFail, Voter, decided, route_ints
+from ._allreduce import CHUNK, part_limit
+from ._attempt import H_MANIFEST, Attempt, AttemptInput, Reduced, Retry, RoundFail, decided, route_ints
+from ._rounds import Rounds
 from ._transport import Body, Transport, body_digest
 
 log = logging.getLogger("ravnest_jax.swarm")
 
-H_WEIGHT = "X-RJ-Weight"
-H_MANIFEST = "X-RJ-Manifest"
 H_CONTRIB = "X-RJ-Contributors"  # tag of the contributor set a pushed result part was reduced over
 H_TOTAL = "X-RJ-Total"  # a pulled result part's total weight (covered by the answer's signature)
 RESULTS = "/rounds/{round}/{attempt}/results/{part}"
 PULL = "/rounds/{round}/{attempt}/results/{part}/{tag}"  # a client-only member collects a result part
-
-
-def part_limit(codec: str, length: int) -> int:
-    """The most bytes accepted for a part (or result part) of ``length`` elements."""
-    return (8 if codec == "topk" else 4) * length + (1 << 20)
 
 
 def send(
@@ -48,7 +41,6 @@ def send(
     timeout: float,
 ) -> asyncio.Future[int]:
     """A signed PUT of ``data`` (a part or a result part) in the background; its bytes sent."""
-    extra = "|".join(headers.values())
     return asyncio.ensure_future(
         transport.put(
             addr,
@@ -56,7 +48,6 @@ def send(
             data,
             digest=digest,
             round_=st.round,
-            extra=extra,
             headers=headers,
             timeout=timeout,
             kind=kind[:-1],  # "part" / "result"
@@ -112,7 +103,7 @@ class AllGather:
     def __init__(
         self,
         transport: Transport,
-        rounds: Voter,
+        rounds: Rounds,
         codec: str,
         codec_options: dict[str, Any],
         timeouts: Timeouts,
@@ -322,15 +313,7 @@ class AllGather:
             data, digest, total = await asyncio.wait_for(asyncio.shield(fut), self.timeouts.part)
         except (TimeoutError, asyncio.CancelledError):
             raise web.HTTPConflict(text="no result part reduced over that contributor set") from None
-        headers = _auth.sign(
-            self.transport.token,
-            method="RESPONSE",
-            path=request.path,
-            run_id=self.transport.run_id,
-            peer=self.peer_id,
-            body_digest=digest,
-            extra=total,
-        )
+        headers = self.transport.sign_response(request, digest, extra=total)
         headers[H_TOTAL] = total
         out = await serve_body(request, headers, data, CHUNK, me=self.peer_id, what="a result part")
         st.served += sum(len(c) for c in data)

@@ -7,17 +7,12 @@ user learns of a typo in seconds rather than after minutes of compiling.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
 import stat
-import time
 
-import aiohttp
-
-from ..wire._http import HTTPStatusError, signed_json
-from ..wire._types import SwarmError
+from ..wire._http import ask_once
 
 log = logging.getLogger("ravnest_jax.swarm")
 
@@ -103,42 +98,7 @@ def check_rendezvous(url: str, *, run_id: str, token: str | bytes, timeout: floa
         (401), or does not answer like a rendezvous; one line naming the URL.
     """
     key = token.encode() if isinstance(token, str) else bytes(token)
-
-    async def ask() -> None:
-        deadline = time.monotonic() + timeout
-        last: BaseException | None = None
-        async with aiohttp.ClientSession() as session:
-            while time.monotonic() < deadline:
-                left = max(deadline - time.monotonic(), 0.1)
-                try:
-                    await signed_json(
-                        session,
-                        url,
-                        "GET",
-                        f"/v1/runs/{run_id}/peers",
-                        token=key,
-                        run_id=run_id,
-                        peer="preflight",
-                        ssl=ssl,
-                        timeout=aiohttp.ClientTimeout(total=min(left, 5.0)),
-                    )
-                    return
-                except HTTPStatusError as e:
-                    if e.status == 401:
-                        raise SwarmError(
-                            f"the rendezvous at {url} refused our token (HTTP 401): "
-                            "every peer and the rendezvous need the same run token"
-                        ) from None
-                    raise SwarmError(f"the rendezvous at {url} answered {e}") from None
-                except PermissionError as e:
-                    raise SwarmError(f"{url} is not a rendezvous of this run token: {e}") from None
-                except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
-                    last = e
-                    await asyncio.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
-        why = (getattr(last, "strerror", None) or str(last) or type(last).__name__) if last else "no answer"
-        raise SwarmError(f"rendezvous {url} unreachable after {timeout:.0f} s: {why}")
-
-    asyncio.run(ask())
+    ask_once(url, run_id, key, "preflight", "GET", "/peers", None, timeout, ssl, retry=True)
 
 
 __all__ = ["TOKEN_ENV", "check_listen", "check_rendezvous", "read_token"]

@@ -23,19 +23,21 @@ from ..wire import _auth
 from ..wire._codec import PartDecoder, decode_part, encode_part
 from ..wire._http import HTTPStatusError
 from ..wire._types import Timeouts, result_digest
-from ._allreduce import max_message_bytes, part_bounds, ring_segments
+from ._allreduce import part_bounds, part_limit, ring_segments
 from ._attempt import (
+    H_MANIFEST,
+    H_WEIGHT,
     Attempt,
     AttemptInput,
     Reduced,
     Retry,
     RoundFail,
-    Voter,
     decided,
     refuse_other_manifest,
     route_ints,
+    signed_part,
 )
-from ._butterfly import H_MANIFEST, H_WEIGHT
+from ._rounds import Rounds
 from ._transport import Transport
 
 log = logging.getLogger("ravnest_jax.swarm")
@@ -58,7 +60,7 @@ class Ring:
     def __init__(
         self,
         transport: Transport,
-        rounds: Voter,
+        rounds: Rounds,
         codec: str,
         codec_options: dict[str, Any],
         timeouts: Timeouts,
@@ -84,17 +86,11 @@ class Ring:
     # ------------------------------------------------------------------ server side
     async def _h_put_ring(self, request: web.Request) -> web.Response:
         """One segment of one ring step from the left neighbour, streamed into its decoder."""
-        weight_s = request.headers.get(H_WEIGHT, "")
-        manifest = request.headers.get(H_MANIFEST, "")
-        sender, claimed = self.transport.verify(request, extra=f"{weight_s}|{manifest}")
+        sender, claimed, w, manifest = signed_part(self.transport, request)
         phase = request.match_info["phase"]
         r, a, step, j = route_ints(request, "round", "attempt", "step", "seg")
-        try:
-            w = np.float32(float(weight_s))
-        except ValueError:
-            raise web.HTTPBadRequest(text="bad weight") from None
-        if phase not in ("rs", "ag") or not (np.isfinite(w) and w > 0):
-            raise web.HTTPBadRequest(text="bad phase or weight")
+        if phase not in ("rs", "ag"):
+            raise web.HTTPBadRequest(text="bad phase")
         st = await self.rounds.wait_entered(r, a)
         n = len(st.group)
         if st.algorithm != self.name:
@@ -110,7 +106,7 @@ class Ring:
             raise web.HTTPConflict(text="duplicate or late ring message")
         c = (st.me - 1 - step) % n if phase == "rs" else (st.me - step) % n
         lo, hi = st.segments[c][j]
-        limit = max_message_bytes(hi - lo)
+        limit = part_limit(st.codec, hi - lo)
         if request.content_length is not None and request.content_length > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
         dec = PartDecoder(name=f"ring{phase}{c}.{j}", length=hi - lo, codec=st.codec, max_bytes=limit)
@@ -159,7 +155,6 @@ class Ring:
                 data,
                 digest=digest or _auth.body_digest(data),
                 round_=st.round,
-                extra=f"{weight_s}|{st.manifest}",
                 headers={H_WEIGHT: weight_s, H_MANIFEST: st.manifest},
                 timeout=t_end - time.monotonic(),
                 kind="ring",

@@ -44,7 +44,6 @@ class StateTransfer:
     def __init__(self, transport: Transport, avoid: Callable[[], set[str]], serve_timeout: float):
         self.transport, self._avoid, self._serve_timeout = transport, avoid, serve_timeout
         self.provider: StateProvider | None = None
-        self.max_state_bytes = DEFAULT_MAX_STATE_BYTES
         transport.route("GET", "/state", self._h_get_state)
 
     async def fetch(self, timeout: float, prefer: str | None = None) -> bytes | None:
@@ -86,7 +85,7 @@ class StateTransfer:
                 if left <= 0:
                     raise SwarmError(f"no live peer delivered the state in {timeout} s: {errors[-3:]}")
                 try:
-                    data = await t.get(p["address"], "/state", left, self.max_state_bytes)
+                    data = await t.get(p["address"], "/state", left, DEFAULT_MAX_STATE_BYTES)
                     log.info("%s: downloaded the state (%d bytes) from %s", me, len(data), p["peer_id"])
                     return data
                 except HTTPStatusError as e:

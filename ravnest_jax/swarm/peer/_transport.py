@@ -30,7 +30,7 @@ from aiohttp import web
 
 from ..wire import _auth, _relay
 from ..wire._codec import NonFiniteError, PartDecoder, WireFormatError
-from ..wire._http import HTTPStatusError, json_response, signed_json
+from ..wire._http import HTTPStatusError, json_response, read_signed, signed_json, verify_request
 from ..wire._relay import relay_address
 from ..wire._types import SwarmError, Timeouts
 from ._allreduce import CHUNK
@@ -155,6 +155,10 @@ class Transport:
             # graceful-shutdown advice); otherwise they are reported as unclosed at GC time
             await asyncio.sleep(0.1)
 
+    def _timeout(self, total: float) -> aiohttp.ClientTimeout:
+        """A request's deadline: ``total`` seconds (at least 50 ms), the connect deadline."""
+        return aiohttp.ClientTimeout(total=max(total, 0.05), sock_connect=self.timeouts.connect)
+
     def _guess_address(self) -> str:
         scheme = "https" if self._ssl is not None else "http"
         host = self._listen[0]
@@ -197,7 +201,7 @@ class Transport:
                         params={"wait": "20"},
                         headers=headers,
                         ssl=self.client_ssl,
-                        timeout=aiohttp.ClientTimeout(total=40, sock_connect=self.timeouts.connect),
+                        timeout=self._timeout(40),
                     ) as resp:
                         if resp.status == 204:
                             continue
@@ -257,7 +261,7 @@ class Transport:
                 data=answer,
                 headers=signed,
                 ssl=self.client_ssl,
-                timeout=aiohttp.ClientTimeout(total=self.timeouts.round, sock_connect=self.timeouts.connect),
+                timeout=self._timeout(self.timeouts.round),
             ) as r:
                 await r.read()
             st = self.relay_stats
@@ -277,19 +281,7 @@ class Transport:
         """
         if request.match_info.get("run_id") != self.run_id:
             raise web.HTTPNotFound(text="unknown run")
-        try:
-            peer, _, body = _auth.verify(
-                self.token,
-                request.headers,
-                method=request.method,
-                path=request.path,
-                run_id=self.run_id,
-                nonces=self._nonces,
-                extra=extra,
-            )
-        except _auth.AuthError as e:
-            raise web.HTTPUnauthorized(text=f"unauthorized: {e}") from None
-        return peer, body
+        return verify_request(request, self.token, self.run_id, self._nonces, extra)
 
     async def read_stream(
         self,
@@ -313,20 +305,14 @@ class Transport:
           does not match its signed digest. web.HTTPRequestEntityTooLarge: over ``limit`` bytes.
           web.HTTPBadRequest: a malformed or non-finite body, or one cut off mid-way.
         """
-        h = _auth.body_hasher()
-        n = 0
+
+        def fed(chunk: memoryview) -> None:
+            feed(chunk)
+            if stop():
+                raise web.HTTPConflict(text="too late")
+
         try:
-            async for chunk, _ in request.content.iter_chunks():
-                n += len(chunk)
-                if n > limit:
-                    raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=n)
-                h.update(chunk)
-                feed(memoryview(chunk))
-                if stop():
-                    raise web.HTTPConflict(text="too late")
-            if not _auth.digest_matches(claimed, h.hexdigest()):
-                raise web.HTTPUnauthorized(text="body does not match its signed digest")
-            return h.hexdigest()
+            return await read_signed(request, claimed, limit, fed)
         except (WireFormatError, NonFiniteError) as e:
             raise web.HTTPBadRequest(text=f"bad {what}: {e}") from None
         except (
@@ -376,8 +362,9 @@ class Transport:
         """A signed JSON answer to ``request``."""
         return json_response(request, self.token, self.run_id, self.peer_id, payload)
 
-    def sign_response(self, request: web.Request, body_digest: str) -> dict[str, str]:
-        """Signature headers of a binary answer to ``request`` whose body hashes to ``body_digest``."""
+    def sign_response(self, request: web.Request, body_digest: str, extra: str = "") -> dict[str, str]:
+        """Signature headers of a binary answer to ``request`` whose body hashes to ``body_digest``
+        (``extra``: a header's value that the signature covers too)."""
         return _auth.sign(
             self.token,
             method="RESPONSE",
@@ -385,6 +372,7 @@ class Transport:
             run_id=self.run_id,
             peer=self.peer_id,
             body_digest=body_digest,
+            extra=extra,
         )
 
     # ------------------------------------------------------------------ sending
@@ -392,8 +380,11 @@ class Transport:
         """The full path of ``rest`` under this run: ``/v1/runs/{run_id}{rest}``."""
         return f"/v1/runs/{self.run_id}{rest}"
 
-    async def rendezvous(self, method: str, rest: str, payload: Any, total: float, round_: int | None = None) -> Any:
-        """One signed JSON request to the rendezvous; returns its verified JSON answer.
+    async def rendezvous(
+        self, method: str, rest: str, payload: Any, total: float, round_: int | None = None, address: str | None = None
+    ) -> Any:
+        """One signed JSON request to the rendezvous (or to the peer at ``address``: the
+        pipeline's abort); returns its verified JSON answer.
 
         Raises:
           HTTPStatusError: a non-200 answer. PermissionError: an answer not signed with the token.
@@ -402,7 +393,7 @@ class Transport:
         assert self.session is not None
         return await signed_json(
             self.session,
-            self.rendezvous_url,
+            address or self.rendezvous_url,
             method,
             self.path(rest),
             token=self.token,
@@ -411,7 +402,7 @@ class Transport:
             payload=payload,
             round_=round_,
             ssl=self.client_ssl,
-            timeout=aiohttp.ClientTimeout(total=max(total, 0.05), sock_connect=self.timeouts.connect),
+            timeout=self._timeout(total),
         )
 
     async def body_chunks(self, data: Body, kind: str) -> AsyncIterator[memoryview]:
@@ -429,15 +420,14 @@ class Transport:
         *,
         digest: str,
         round_: int,
-        extra: str,
         headers: dict[str, str],
         timeout: float,
         kind: str,
     ) -> int:
         """One signed, streamed PUT of ``data`` (bytes, or a message as a list of buffers, sent
-        without copying; body digest ``digest``; ``extra``: the headers' values that the
-        signature covers too) to the peer at ``address``, over the session's keep-alive
-        connections.
+        without copying; body digest ``digest``; ``headers``: sent, and their values, joined
+        with ``|``, covered by the signature too) to the peer at ``address``, over the
+        session's keep-alive connections.
 
         Returns:
           the bytes sent, once the receiver answered 200.
@@ -455,7 +445,7 @@ class Transport:
             peer=self.peer_id,
             round_=round_,
             body_digest=digest,
-            extra=extra,
+            extra="|".join(headers.values()),
         )
         signed.update(headers)
         size = body_nbytes(data)
@@ -468,7 +458,7 @@ class Transport:
             data=self.body_chunks(data, kind),
             headers=signed,
             ssl=self.client_ssl,
-            timeout=aiohttp.ClientTimeout(total=max(timeout, 0.05), sock_connect=self.timeouts.connect),
+            timeout=self._timeout(timeout),
         ) as resp:
             text = await resp.content.read(4096)
             if resp.status != 200:
@@ -480,24 +470,11 @@ class Transport:
         signature and body digest are checked while it streams in.
 
         Raises:
-          see :meth:`get_signed`.
-        """
-        return (await self.get_signed(address, rest, timeout, max_bytes, None))[0]
-
-    async def get_signed(
-        self, address: str, rest: str, timeout: float, max_bytes: int, header: str | None
-    ) -> tuple[bytes, str]:
-        """:meth:`get`, and the value of the answer's header ``header``, which its signature
-        covers too (``extra``; ``""`` when ``header`` is None).
-
-        Raises:
-          HTTPStatusError: a non-200 answer, or a body over ``max_bytes`` (502).
-          PermissionError: an answer not signed with the run token, or a body that does not
-          match its signed digest. TimeoutError, aiohttp.ClientError, OSError.
+          see :meth:`get_stream`.
         """
         buf = bytearray()
-        _, value = await self.get_stream(address, rest, timeout, max_bytes, header, buf.extend)
-        return bytes(buf), value
+        await self.get_stream(address, rest, timeout, max_bytes, None, buf.extend)
+        return bytes(buf)
 
     async def get_stream(
         self,
@@ -529,7 +506,7 @@ class Transport:
             url,
             headers=headers,
             ssl=self.client_ssl,
-            timeout=aiohttp.ClientTimeout(total=max(timeout, 0.05), sock_connect=self.timeouts.connect),
+            timeout=self._timeout(timeout),
         ) as resp:
             if resp.status != 200:
                 raise HTTPStatusError(resp.status, (await resp.content.read(4096)).decode(errors="replace"))

@@ -37,11 +37,13 @@ import aiohttp
 from aiohttp import web
 
 from ..wire import _auth
+from ..wire._http import read_signed, verify_request
 from ..wire._relay import FORWARDED, H_HEADERS, H_ID, H_METHOD, H_PATH, H_STATUS, forwarded_headers
 
 log = logging.getLogger("ravnest_jax.swarm.rendezvous")
 
 MAX_POLL_S = 30.0
+ANSWER_S = 600.0  # how long a relayed request waits for its answer, seconds (504 after)
 
 
 async def probe(session: aiohttp.ClientSession | None, address: str, peer: str, timeout_s: float) -> str | None:
@@ -124,7 +126,6 @@ class Relay:
       max_queued_bytes: the most request bodies held at once, bytes (503 beyond).
       rate_bytes_s: bytes per second relayed at most, both directions together (``None``: no
         bound).
-      answer_s: how long a relayed request waits for its answer, seconds (504 after).
     """
 
     def __init__(
@@ -134,10 +135,9 @@ class Relay:
         *,
         max_queued_bytes: int = 1 << 30,
         rate_bytes_s: float | None = None,
-        answer_s: float = 600.0,
     ):
         self.token, self.is_relayed = token, is_relayed
-        self.max_queued_bytes, self.answer_s = int(max_queued_bytes), float(answer_s)
+        self.max_queued_bytes = int(max_queued_bytes)
         self.rate_bytes_s = rate_bytes_s
         self._bucket = _Bucket(rate_bytes_s)
         self._nonces = _auth.NonceCache()
@@ -216,10 +216,10 @@ class Relay:
             self._pending[msg.id] = (key, msg)
             await self._boxes.setdefault(key, asyncio.Queue()).put(msg)
             try:
-                status, headers, data = await asyncio.wait_for(asyncio.shield(msg.answer), self.answer_s)
+                status, headers, data = await asyncio.wait_for(asyncio.shield(msg.answer), ANSWER_S)
             except TimeoutError:
                 stats.failed += 1
-                raise web.HTTPGatewayTimeout(text=f"the relayed peer did not answer in {self.answer_s:.0f} s") from None
+                raise web.HTTPGatewayTimeout(text=f"the relayed peer did not answer in {ANSWER_S:.0f} s") from None
             except web.HTTPException:
                 stats.failed += 1
                 raise
@@ -240,17 +240,7 @@ class Relay:
     # ------------------------------------------------------------------ the client-only peer's side
     def _signed_by_member(self, request: web.Request) -> tuple[str, str, str]:
         run_id = request.match_info["run_id"]
-        try:
-            peer, _, body = _auth.verify(
-                self.token,
-                request.headers,
-                method=request.method,
-                path=request.path,
-                run_id=run_id,
-                nonces=self._nonces,
-            )
-        except _auth.AuthError as e:
-            raise web.HTTPUnauthorized(text=f"unauthorized: {e}") from None
+        peer, body = verify_request(request, self.token, run_id, self._nonces)
         if not self.is_relayed(run_id, peer):
             raise web.HTTPNotFound(text=f"{peer} is not a client-only peer of run {run_id}")
         return run_id, peer, body
@@ -298,15 +288,8 @@ class Relay:
             headers = {str(k): str(v) for k, v in headers.items() if str(k).startswith("X-RJ-") or k in FORWARDED}
         except (TypeError, ValueError):
             raise web.HTTPBadRequest(text="bad relay answer headers") from None
-        h = _auth.body_hasher()
         data = bytearray()
-        async for chunk, _ in request.content.iter_chunks():
-            h.update(chunk)
-            data += chunk
-            if len(data) > self.max_queued_bytes:
-                raise web.HTTPRequestEntityTooLarge(max_size=self.max_queued_bytes, actual_size=len(data))
-        if not _auth.digest_matches(claimed, h.hexdigest()):
-            raise web.HTTPUnauthorized(text="body does not match its signed digest")
+        await read_signed(request, claimed, self.max_queued_bytes, data.extend)
         if not msg.answer.done():
             msg.answer.set_result((status, headers, bytes(data)))
         return web.json_response({"ok": True})

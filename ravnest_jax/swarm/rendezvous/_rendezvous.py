@@ -42,7 +42,7 @@ import aiohttp
 from aiohttp import web
 
 from ..wire import _auth
-from ..wire._http import json_response, read_json_body
+from ..wire._http import json_response, read_json_body, verify_request
 from ..wire._manifest import Manifests, check_manifest, refusal_line
 from ..wire._relay import is_relay_address
 from ._relay import Relay, probe
@@ -145,25 +145,15 @@ class Rendezvous(RoundHandlers):
             await asyncio.sleep(min(1.0, self.heartbeat_s))
             now = time.monotonic()
             for run in self.runs.values():
-                dead = [p for p, e in run.peers.items() if now - e.last_seen > self.eviction_s]
-                for p in dead:
+                for p in [p for p, e in run.peers.items() if now - e.last_seen > self.eviction_s]:
                     log.info("run %s: evicting %s", run.run_id, p)
-                    del run.peers[p]
+                    self._drop(run, p)
                     run.note_evicted(p)  # if it comes back (it hung): standby until ready
-                    self._forget(run, p)
-                    self.relay.drop(run.run_id, p)
-                if dead:
-                    run.version += 1
 
     # -- helpers -------------------------------------------------------------------------
     async def _auth(self, request: web.Request) -> tuple[_Run, str, Any]:
         run_id = request.match_info["run_id"]
-        try:
-            peer, _, body_sha = _auth.verify(
-                self.token, request.headers, method=request.method, path=request.path, run_id=run_id, nonces=self.nonces
-            )
-        except _auth.AuthError as e:
-            raise web.HTTPUnauthorized(text=f"unauthorized: {e}") from None
+        peer, body_sha = verify_request(request, self.token, run_id, self.nonces)
         payload = await read_json_body(request, body_sha)
         if payload is not None and not isinstance(payload, dict):
             raise web.HTTPBadRequest(text="body must be a JSON object")

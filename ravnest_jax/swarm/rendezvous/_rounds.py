@@ -115,10 +115,7 @@ class RoundHandlers:
             )
             if not over:  # stale: long past the time its attempts may take
                 assert rnd is not None
-                stale_at = (
-                    max(rnd.created, rnd.attempts[0].start) + rnd.max_attempts * 2 * (rnd.part_s + rnd.grace_s) + 1.0
-                )
-                over = time.monotonic() >= stale_at
+                over = time.monotonic() >= rnd.stale_at()
             if over:
                 # just (re)started: give every live peer one heartbeat to re-register first
                 settle = self.boot + 2 * self.heartbeat_s - time.monotonic()
@@ -132,7 +129,7 @@ class RoundHandlers:
                 continue
             # joined while this round runs: wait for the next one (a new round, or this one's end)
             assert rnd is not None
-            stale_at = max(rnd.created, rnd.attempts[0].start) + rnd.max_attempts * 2 * (rnd.part_s + rnd.grace_s) + 1.0
+            stale_at = rnd.stale_at()
             left = min(deadline, stale_at) - time.monotonic()
             if left <= 0 and time.monotonic() < stale_at:
                 return self._reply(request, run, {"epoch": self.epoch, "round": None, "wait": True})

@@ -108,9 +108,9 @@ class StatusPage:
         self._html = resources.files(__package__).joinpath("status.html").read_text(encoding="utf-8")
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_get("/", self._index)
+        app.router.add_get("/", self._page)
         app.router.add_get("/data", self._runs_data)
-        app.router.add_get("/runs/{run_id}", self._run_page)
+        app.router.add_get("/runs/{run_id}", self._page)
         app.router.add_get("/runs/{run_id}/data", self._run_data)
         app.router.add_post("/login", self._login)
         app.router.add_post("/logout", self._logout)
@@ -154,14 +154,11 @@ class StatusPage:
         return resp
 
     # -- pages ---------------------------------------------------------------------------
-    async def _index(self, request: web.Request) -> web.Response:
+    async def _page(self, request: web.Request) -> web.Response:
+        """The index or a run's page (one HTML file); without access the login form (the
+        index's answer, 200; a run page's, 401)."""
         if not self.authorized(request):
-            return self._login_page(status=200)
-        return web.Response(text=self._html, content_type="text/html", headers=_NO_CACHE)
-
-    async def _run_page(self, request: web.Request) -> web.Response:
-        if not self.authorized(request):
-            return self._login_page()
+            return self._login_page(status=200 if request.path == "/" else 401)
         return web.Response(text=self._html, content_type="text/html", headers=_NO_CACHE)
 
     async def _runs_data(self, request: web.Request) -> web.Response:

@@ -64,6 +64,10 @@ class _Round:
     diverged: tuple[str, ...] = ()  # left out of the contributors: their state differed
     reason: str | None = None  # why the round failed
 
+    def stale_at(self) -> float:
+        """When the round is long past the time its attempts may take (``time.monotonic()``)."""
+        return max(self.created, self.attempts[0].start) + self.max_attempts * 2 * (self.part_s + self.grace_s) + 1.0
+
 
 class _Run:
     def __init__(self, run_id: str):

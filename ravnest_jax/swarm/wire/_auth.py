@@ -50,6 +50,7 @@ def body_digest(data: bytes | bytearray | memoryview) -> str:
 
 EMPTY_BODY = body_digest(b"")
 MAX_CLOCK_SKEW_S = 300.0
+MAX_NONCES = 200_000
 
 
 class AuthError(Exception):
@@ -96,18 +97,17 @@ def sign(
 
 
 class NonceCache:
-    """Remembers recently seen nonces to refuse replayed requests (bounded in size and age)."""
+    """Remembers recently seen nonces to refuse replayed requests (bounded in size and age:
+    ``MAX_NONCES``, twice the allowed clock skew)."""
 
-    def __init__(self, max_age_s: float = 2 * MAX_CLOCK_SKEW_S, max_items: int = 200_000):
+    def __init__(self) -> None:
         self._seen: OrderedDict[str, float] = OrderedDict()
-        self._max_age_s = max_age_s
-        self._max_items = max_items
 
     def check_and_add(self, nonce: str) -> bool:
         now = time.monotonic()
         while self._seen:
             oldest, t = next(iter(self._seen.items()))
-            if now - t > self._max_age_s or len(self._seen) >= self._max_items:
+            if now - t > 2 * MAX_CLOCK_SKEW_S or len(self._seen) >= MAX_NONCES:
                 self._seen.pop(oldest)
             else:
                 break

@@ -16,7 +16,6 @@ import numpy as np
 
 from ravnest_jax.compress import (
     CODECS,
-    GRID,
     Codec,
     LeafSpec,
     Manifest,
@@ -26,7 +25,6 @@ from ravnest_jax.compress import (
     RangeDecoder,
     StreamDecoder,
     WireFormatError,
-    chunks_nbytes,
     encode,
     host_pack,
     mean_codec_options,
@@ -39,13 +37,11 @@ from ravnest_jax.compress import (
 __all__ = [
     "ActivationDecoder",
     "Codec",
-    "GRID",
     "LeafSpec",
     "NonFiniteError",
     "Packed",
     "PartLayout",
     "RangeDecoder",
-    "chunks_nbytes",
     "host_pack",
     "mean_codec_options",
     "packed_to_chunks",

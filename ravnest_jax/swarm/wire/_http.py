@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -43,6 +45,49 @@ def json_response(
     return web.Response(body=body, status=status, headers=headers, content_type="application/json")
 
 
+def verify_request(
+    request: web.Request, token: bytes, run_id: str, nonces: _auth.NonceCache, extra: str = ""
+) -> tuple[str, str]:
+    """Checks ``request``'s signature (:func:`_auth.verify`); returns ``(sender peer id, claimed
+    body digest)``.
+
+    Raises:
+      web.HTTPUnauthorized: a missing, malformed, stale, replayed or wrong signature.
+    """
+    try:
+        peer, _, body = _auth.verify(
+            token, request.headers, method=request.method, path=request.path, run_id=run_id, nonces=nonces, extra=extra
+        )
+    except _auth.AuthError as e:
+        raise web.HTTPUnauthorized(text=f"unauthorized: {e}") from None
+    return peer, body
+
+
+async def read_signed(request: web.Request, claimed: str, limit: int, feed: Callable[[memoryview], Any]) -> str:
+    """Streams ``request``'s body into ``feed`` as the socket delivers it, hashing it in the same
+    pass (no re-chunking, no whole-body copy); returns its hex digest, equal to the signed one
+    (``claimed``).
+
+    Raises:
+      web.HTTPRequestEntityTooLarge: over ``limit`` bytes. web.HTTPUnauthorized: the body does
+      not match its signed digest. What ``feed`` raises.
+    """
+    h = _auth.body_hasher()
+    n = 0
+    # a request without a body (a GET) has no stream: aiohttp's empty stream answers
+    # iter_chunks with (b"", True) for ever
+    if request.body_exists:
+        async for chunk, _ in request.content.iter_chunks():
+            n += len(chunk)
+            if n > limit:
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=n)
+            h.update(chunk)
+            feed(memoryview(chunk))
+    if not _auth.digest_matches(claimed, h.hexdigest()):
+        raise web.HTTPUnauthorized(text="body does not match its signed digest")
+    return h.hexdigest()
+
+
 async def read_json_body(request: web.Request, claimed_sha: str) -> Any:
     """Read a small JSON body (at most :data:`JSON_LIMIT` bytes) and check its digest.
 
@@ -50,17 +95,8 @@ async def read_json_body(request: web.Request, claimed_sha: str) -> Any:
     """
     if (request.content_length or 0) > JSON_LIMIT:
         raise web.HTTPRequestEntityTooLarge(max_size=JSON_LIMIT, actual_size=request.content_length or 0)
-    h = _auth.body_hasher()
-    chunks = []
-    n = 0
-    async for chunk in request.content.iter_chunked(1 << 16):
-        n += len(chunk)
-        if n > JSON_LIMIT:
-            raise web.HTTPRequestEntityTooLarge(max_size=JSON_LIMIT, actual_size=n)
-        h.update(chunk)
-        chunks.append(chunk)
-    if not _auth.digest_matches(claimed_sha, h.hexdigest()):
-        raise web.HTTPUnauthorized(text="body digest does not match its signature")
+    chunks: list[memoryview] = []
+    await read_signed(request, claimed_sha, JSON_LIMIT, chunks.append)
     if not chunks:
         return None
     try:
@@ -142,35 +178,62 @@ async def serve_body(
         return web.Response(status=499)  # never sent (the connection is gone): aiohttp lets it be
 
 
-def post_once(url: str, run_id: str, token: bytes, peer: str, rest: str, payload: Any, timeout: float, ssl: Any) -> Any:
-    """One signed ``POST`` to the rendezvous' ``/v1/runs/{run_id}{rest}`` from a swarm that has
-    not started (its own short-lived session); the verified JSON answer.
+def ask_once(
+    url: str,
+    run_id: str,
+    token: bytes,
+    peer: str,
+    method: str,
+    rest: str,
+    payload: Any,
+    timeout: float,
+    ssl: Any,
+    *,
+    retry: bool = False,
+) -> Any:
+    """One signed request to the rendezvous' ``/v1/runs/{run_id}{rest}`` from a swarm that has
+    not started (its own short-lived session); the verified JSON answer. ``retry``: connection
+    failures are retried until ``timeout`` seconds (a rendezvous that is starting).
 
     Raises:
-      SwarmError: no answer within ``timeout`` seconds, or an error answer (one line).
+      SwarmError: no answer within ``timeout`` seconds, the token refused (401), an error
+        answer, or an answer not signed with the token (one line naming the URL).
     """
 
     async def ask() -> Any:
+        deadline = time.monotonic() + timeout
         async with aiohttp.ClientSession() as session:
-            return await signed_json(
-                session,
-                url,
-                "POST",
-                f"/v1/runs/{run_id}{rest}",
-                token=token,
-                run_id=run_id,
-                peer=peer,
-                payload=payload,
-                ssl=ssl,
-                timeout=aiohttp.ClientTimeout(total=timeout),
-            )
+            while True:
+                left = max(deadline - time.monotonic(), 0.1)
+                try:
+                    return await signed_json(
+                        session,
+                        url,
+                        method,
+                        f"/v1/runs/{run_id}{rest}",
+                        token=token,
+                        run_id=run_id,
+                        peer=peer,
+                        payload=payload,
+                        ssl=ssl,
+                        timeout=aiohttp.ClientTimeout(total=min(left, 5.0) if retry else timeout),
+                    )
+                except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+                    if not retry or time.monotonic() >= deadline:
+                        raise
+                    await asyncio.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
 
     try:
         return asyncio.run(ask())
     except HTTPStatusError as e:
+        if e.status == 401:
+            raise SwarmError(
+                f"the rendezvous at {url} refused our token (HTTP 401): "
+                "every peer and the rendezvous need the same run token"
+            ) from None
         raise SwarmError(f"the rendezvous at {url} answered {e}") from None
     except PermissionError as e:
         raise SwarmError(f"{url} is not a rendezvous of this run token: {e}") from None
-    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
         why = getattr(e, "strerror", None) or str(e) or type(e).__name__
-        raise SwarmError(f"rendezvous {url} unreachable: {why}") from None
+        raise SwarmError(f"rendezvous {url} unreachable after {timeout:.0f} s: {why}") from None

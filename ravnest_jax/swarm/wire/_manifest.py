@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ._http import post_once
+from ._http import ask_once
 
 #: the swarm protocol's version: peers of another version are refused at the door
 PROTOCOL_VERSION = 1
@@ -205,7 +205,9 @@ class ManifestDeclaration:
         t, tr = self.timeouts.connect * 2 if timeout is None else timeout, self.transport
         ask["check"] = True
         manifest_answer(
-            post_once(self.rendezvous_url, self.run_id, tr.token, self.peer_id, "/manifest", ask, t, tr.client_ssl)
+            ask_once(
+                self.rendezvous_url, self.run_id, tr.token, self.peer_id, "POST", "/manifest", ask, t, tr.client_ssl
+            )
         )
 
     def announce(self, timeout: float | None = None) -> None:
