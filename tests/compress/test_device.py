@@ -184,6 +184,7 @@ def test_diloco_fp32_codec_equals_no_codec_exactly():
     assert isinstance(s_fp32.codec_state, optax.EmptyState)
 
 
+@pytest.mark.integration  # 5 s of compiling on 2 cores: the full suite, not the unit tier
 def test_diloco_int4_trains_with_error_feedback_state():
     _, _, loss0, loss_none = _train(None)
     _, s, _, loss_int4 = _train("int4")
@@ -196,7 +197,7 @@ def test_diloco_int4_trains_with_error_feedback_state():
 @pytest.mark.parametrize(
     "codec",
     [
-        C.simulated(C.Codec("fp4", stochastic=True)),
+        pytest.param(C.simulated(C.Codec("fp4", stochastic=True)), marks=pytest.mark.integration),  # 3 s of compiles
         C.simulated(C.Codec("topk", fraction=0.25)),
         C.simulated(C.Codec("int8", error_feedback=False)),
         C.simulated(C.Codec("bf16", block_size=None)),

@@ -46,6 +46,7 @@ def _logits(lm, adapters, tokens):
     return np.asarray(jax.jit(lambda a, f, t: lm.model(a, f)(t))(adapters, lm.frozen, jnp.asarray(tokens)))
 
 
+@pytest.mark.integration  # 5 s (llama) and 1.5 s (qwen2, after llama) of compiling on 2 cores: the full suite, not the unit tier
 def test_export_equals_the_committed_one(tmp_path, case):
     name, lm, adapters = case
     out = _export(tmp_path, name, lm, adapters)

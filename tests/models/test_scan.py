@@ -73,6 +73,7 @@ def _same_adapters(lm, values: dict):
     return nnx.from_flat_state(flat)
 
 
+@pytest.mark.integration  # 4 s of compiling each on 2 cores: the full suite, not the unit tier
 @pytest.mark.parametrize("quantize", [None, "int4"])
 def test_stacked_adapters_start_equal_to_the_per_layer_ones(quantize):
     plain, scanned = _lms(quantize)

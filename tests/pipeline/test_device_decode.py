@@ -49,6 +49,7 @@ def test_decoding_on_the_device_changes_no_bit(codec, mode):
             np.testing.assert_array_equal(flat(a.last_grads)[k], v, err_msg=k)
 
 
+@pytest.mark.integration  # 4 s of compiling (the stage's init) on 2 cores: the full suite, not the unit tier
 def test_a_stage_takes_the_wire_parts_and_refuses_another_codec():
     split, _, _, vocab = build("char", layers=2)
     rows = BATCH // 2

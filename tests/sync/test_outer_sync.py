@@ -148,6 +148,7 @@ def test_tau0_equals_blocking_exactly_and_digests_agree():
             np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.integration  # 4.6 s of compiling on 2 cores: the full suite, not the unit tier
 @pytest.mark.timeout(180)
 def test_blocking_swarm_matches_vmap_simulation():
     """2 peers over the swarm (fp32) == 2 replicas under vmap with axis_name (up to the float32
@@ -177,7 +178,9 @@ def test_blocking_swarm_matches_vmap_simulation():
     [
         (dict(sync_every=4), dict(overlap_steps=1), "fp32", 4),
         (dict(sync_every=4), dict(eager=True, overlap_steps=2, alpha=0.0), "int4", 4),
-        (dict(sync_every=4, fragments=2), dict(overlap_steps=1), "int4", 7),
+        pytest.param(
+            dict(sync_every=4, fragments=2), dict(overlap_steps=1), "int4", 7, marks=pytest.mark.integration
+        ),  # 3.6 s of compiles
     ],
     ids=["delayed-tau1", "eager-int4", "fragments-int4"],
 )
