@@ -32,7 +32,7 @@ from typing import Any
 from ._compile_cache import OFF_ENV as _CACHE_OFF_ENV
 from ._launch_env import assign_devices, compile_cache_env, describe_devices, visible_gpus
 
-__all__ = ["PEER_ENV", "assign_devices", "run_local", "start_process", "stop_processes", "visible_gpus"]
+__all__ = ["PEER_ENV", "Launcher", "assign_devices", "run_local", "start_process", "stop_processes", "visible_gpus"]
 
 #: environment variables each peer process gets (``RAVNEST_*`` read by ``rj.Swarm()``)
 PEER_ENV = (
@@ -90,19 +90,118 @@ def start_process(
     )
 
 
-def stop_processes(procs: Sequence[subprocess.Popen], sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
-    """Sends ``sig`` to every process still running, waits up to ``timeout`` seconds in all,
-    then kills (SIGKILL) those still running and reaps them."""
+def stop_processes(
+    procs: Sequence[subprocess.Popen], sig: int = signal.SIGTERM, timeout: float = 10.0, hurry: Callable | None = None
+) -> list[subprocess.Popen]:
+    """Sends ``sig`` to every process still running, waits up to ``timeout`` seconds in all (less
+    once ``hurry()`` is true: another Ctrl+C, say), then kills (SIGKILL) those still running and
+    reaps them. Returns the killed ones."""
     live = [p for p in procs if p.poll() is None]
     for p in live:
         p.send_signal(sig)
     deadline = time.monotonic() + timeout
     for p in live:
-        try:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        while p.poll() is None and time.monotonic() < deadline and not (hurry and hurry()):
+            try:  # with a hurry() to watch, look again every 50 ms
+                p.wait(timeout=max(min(deadline - time.monotonic(), 0.05 if hurry else 1e9), 0.01))
+            except subprocess.TimeoutExpired:
+                pass
+    killed = [p for p in live if p.poll() is None]
+    for p in killed:
+        p.kill()
+    for p in live:
+        p.wait()
+    return killed
+
+
+class Launcher:
+    """The processes of a local swarm, for ``ravnest-jax local`` and the examples' ``--local-peers``:
+    a rendezvous on 127.0.0.1 and peers, started by :func:`start_process` (they die with the
+    launcher); a thread per output stream keeps its last ``tail`` lines (``tails[name]``,
+    ``tails[name + ":err"]``) and hands each line to ``on_line(name, line, err)``. Every process
+    gets ``RAVNEST_RUN_ID`` and ``RAVNEST_TOKEN`` (default: 32 random hex digits)."""
+
+    def __init__(self, run_id: str, *, token: str | None = None, tail: int = 40):
+        self.run_id, self.token, self._tail = run_id, token or secrets.token_hex(16), tail
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAVNEST_TOKEN": self.token, "RAVNEST_RUN_ID": run_id}
+        self.url: str | None = None
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.tails: dict[str, collections.deque] = {}
+        self._threads: list[threading.Thread] = []
+
+    def read(self, stream: Any, on_line: Callable[[str], None]) -> None:
+        """Each line of ``stream`` (a text pipe) to ``on_line``, from a thread :meth:`close` joins."""
+
+        def pump() -> None:
+            with stream:
+                for line in stream:
+                    on_line(line)
+
+        self._threads.append(threading.Thread(target=pump, daemon=True))
+        self._threads[-1].start()
+
+    def start(
+        self, name: str, argv: Sequence[str], *, env: dict | None = None, on_line: Callable | None = None, pass_fds=()
+    ) -> subprocess.Popen:
+        """Starts process ``name`` (``env`` default: the launcher's) and the readers of its output."""
+        p = self.procs[name] = start_process(argv, env=self.env if env is None else env, pass_fds=pass_fds)
+        for stream, err in ((p.stdout, False), (p.stderr, True)):
+            tail = self.tails.setdefault(name + (":err" if err else ""), collections.deque(maxlen=self._tail))
+
+            def got(line: str, tail: collections.deque = tail, err: bool = err) -> None:
+                tail.append(line)
+                if on_line is not None:
+                    on_line(name, line, err)
+
+            self.read(stream, got)
+        return p
+
+    def start_rendezvous(self, *, heartbeat: float = 1.0, eviction: float = 5.0, timeout: float = 30.0) -> str:
+        """Starts ``ravnest-jax rendezvous`` on a free port of 127.0.0.1 (it exits with the
+        launcher); returns its URL once it says it listens, or raises RuntimeError with its output."""
+        listening = threading.Event()
+
+        def on_line(name: str, line: str, err: bool) -> None:
+            if not err and self.url is None and "listening on " in line:
+                self.url = line.split("listening on ", 1)[1].split()[0]
+                listening.set()
+
+        argv = [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port", "0"]
+        argv += ["--quiet", "--heartbeat", str(heartbeat), "--eviction", str(eviction), "--exit-with-parent"]
+        rv = self.start("rendezvous", argv, on_line=on_line)
+        deadline = time.monotonic() + timeout
+        while not listening.wait(0.1):
+            if rv.poll() is not None or time.monotonic() > deadline:
+                said = "".join(self.tails["rendezvous"]) + "".join(self.tails["rendezvous:err"])
+                raise RuntimeError("the rendezvous did not start:\n" + said)
+        return str(self.url)
+
+    def peer_env(self, name: str, rank: int, world_size: int) -> dict[str, str]:
+        """Peer ``name``'s environment, :data:`PEER_ENV` as ``rj.Swarm()`` and the examples read it
+        (a server on a free port of 127.0.0.1), and one XLA CPU thread unless ``XLA_FLAGS`` says
+        otherwise (the peers share this machine's cores)."""
+        env = {**self.env, "RAVNEST_RENDEZVOUS": str(self.url), "RAVNEST_PEER_ID": name, "RAVNEST_RANK": str(rank)}
+        env.update(RAVNEST_LISTEN="127.0.0.1:0", RAVNEST_WORLD_SIZE=str(world_size))
+        env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+        return env
+
+    def peers(self) -> dict[str, subprocess.Popen]:
+        return {n: p for n, p in self.procs.items() if n != "rendezvous"}
+
+    def stop_peers(self, seconds: float, hurry: Callable | None = None, sig: int = signal.SIGINT) -> set[str]:
+        """One ``sig`` (SIGINT: as Ctrl+C, each peer stops, saves and reports) to each live peer,
+        :func:`stop_processes` with ``seconds`` and ``hurry``. Returns the names of the killed ones."""
+        killed = stop_processes(list(self.peers().values()), sig, seconds, hurry)
+        return {n for n, p in self.peers().items() if p in killed}
+
+    def close(self, seconds: float = 2.0) -> None:
+        """Stops what still runs (SIGTERM, SIGKILL after ``seconds``): the peers, then the
+        rendezvous; then up to ``seconds`` for the readers to take the last lines."""
+        stop_processes(list(self.peers().values()), timeout=seconds)
+        stop_processes([p for n, p in self.procs.items() if n == "rendezvous"], timeout=seconds)
+        deadline = time.monotonic() + seconds  # the readers end with the pipes
+        for t in self._threads:
+            t.join(timeout=max(deadline - time.monotonic(), 0.01))
 
 
 def check_command(command: Sequence[str]) -> list[str]:
@@ -272,10 +371,9 @@ def run_local(
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
     run_id = run_id or f"local-{secrets.token_hex(3)}"
-    token = secrets.token_hex(16)
-    base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAVNEST_TOKEN": token, "RAVNEST_RUN_ID": run_id}
+    launcher = Launcher(run_id)
     if not compile_cache:  # nor one the user's environment names
-        base_env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        launcher.env.pop("JAX_COMPILATION_CACHE_DIR", None)
     bar = tqdm(total=None, bar_format="{desc}", disable=not progress, dynamic_ncols=True, file=sys.stderr)
     lock = threading.Lock()
 
@@ -286,70 +384,22 @@ def run_local(
             else:
                 print(line, file=sys.stderr if err else sys.stdout, flush=True)
 
-    procs: dict[str, subprocess.Popen] = {}
-    tails: dict[str, collections.deque] = {}
     summaries: dict[str, dict] = {}
-    threads: list[threading.Thread] = []
 
-    def pump(stream, name: str, err: bool, echo: bool = True) -> None:
-        tail = tails.setdefault(name + (":err" if err else ""), collections.deque(maxlen=40))
-        for line in stream:
-            tail.append(line)
-            if echo:
-                write(f"[{name}] {line.rstrip()}", err)
+    def summary_of(name: str) -> Callable[[str], None]:
+        def got(line: str) -> None:
+            try:
+                summaries[name] = json.loads(line)
+            except ValueError:
+                pass
 
-    def read_summary(fd: int, name: str) -> None:
-        with os.fdopen(fd, "r") as f:
-            for line in f:
-                try:
-                    summaries[name] = json.loads(line)
-                except ValueError:
-                    pass
-
-    def spawn(name: str, argv: list[str], env: dict, echo: bool, pass_fds=()) -> subprocess.Popen:
-        p = start_process(argv, env=env, pass_fds=pass_fds)
-        procs[name] = p
-        for stream, err in ((p.stdout, False), (p.stderr, True)):
-            t = threading.Thread(target=pump, args=(stream, name, err, echo), daemon=True)
-            t.start()
-            threads.append(t)
-        return p
+        return got
 
     interrupted = False
-    url = None
     peer_names = [f"peer{i}" for i in range(peers)]
     t0 = time.monotonic()
     try:
-        rv = spawn(
-            "rendezvous",
-            [
-                sys.executable,
-                "-m",
-                "ravnest_jax.cli",
-                "rendezvous",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--quiet",
-                "--heartbeat",
-                str(heartbeat),
-                "--eviction",
-                str(eviction),
-                "--exit-with-parent",
-            ],
-            base_env,
-            echo=False,
-        )
-        deadline = time.monotonic() + 30
-        while url is None:
-            text = "".join(tails.get("rendezvous", []))
-            if "listening on " in text:
-                url = text.split("listening on ", 1)[1].split()[0]
-                break
-            if rv.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the rendezvous did not start: " + "".join(tails.get("rendezvous:err", [])))
-            time.sleep(0.05)
+        url = launcher.start_rendezvous(heartbeat=heartbeat, eviction=eviction)
         write(
             f"rendezvous {url}, run {run_id}, codec {codec or 'as the script sets it'}: starting {peers} "
             f"peer{'s' if peers > 1 else ''} of: {' '.join(cmd)}"
@@ -358,27 +408,17 @@ def run_local(
             write(describe_devices(device_envs, gpus, devices_per_peer))
         for i, name in enumerate(peer_names):
             r, w = os.pipe()
-            env = {
-                **base_env,
-                "RAVNEST_RENDEZVOUS": url,
-                "RAVNEST_PEER_ID": name,
-                "RAVNEST_LISTEN": "127.0.0.1:0",
-                "RAVNEST_RANK": str(i),
-                "RAVNEST_WORLD_SIZE": str(peers),
-                "RAVNEST_SUMMARY_FD": str(w),
-                **device_envs[i],
-                **cache_env,
-            }
-            env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")  # N peers share the cores
+            env = {**launcher.peer_env(name, i, peers), "RAVNEST_SUMMARY_FD": str(w), **device_envs[i], **cache_env}
             if codec:
                 env["RAVNEST_CODEC"] = codec
-            spawn(name, cmd, env, echo=True, pass_fds=(w,))
+            launcher.start(
+                name, cmd, env=env, on_line=lambda n, line, err: write(f"[{n}] {line.rstrip()}", err), pass_fds=(w,)
+            )
             os.close(w)
-            t = threading.Thread(target=read_summary, args=(r, name), daemon=True)
-            t.start()
-            threads.append(t)
-        status = _Status(url, run_id, token)
-        while any(procs[n].poll() is None for n in peer_names):
+            launcher.read(os.fdopen(r, "r"), summary_of(name))
+        status = _Status(url, run_id, launcher.token)
+        procs = launcher.peers()
+        while any(p.poll() is None for p in procs.values()):
             if progress:
                 bar.set_description_str(status.line(peers, time.monotonic() - t0), refresh=True)
             time.sleep(0.5)
@@ -386,19 +426,15 @@ def run_local(
         interrupted = True
         write(f"interrupted: stopping the peers (up to {stop_seconds:.0f} s; Ctrl+C again kills them now)", err=True)
     finally:
-        peer_procs = [procs[n] for n in peer_names if n in procs]
         try:
-            stop_processes(peer_procs, signal.SIGINT, stop_seconds)
+            launcher.stop_peers(stop_seconds)
         except KeyboardInterrupt:  # a second Ctrl+C: no more waiting
             interrupted = True
             write("killing the peers", err=True)
-            stop_processes(peer_procs, signal.SIGKILL, 5.0)
-        if "rendezvous" in procs:
-            stop_processes([procs["rendezvous"]])
-        deadline = time.monotonic() + 5.0  # the readers end with the pipes: 5 s for all of them
-        for t in threads:
-            t.join(timeout=max(deadline - time.monotonic(), 0.01))
+            launcher.stop_peers(5.0, sig=signal.SIGKILL)
+        launcher.close(5.0)  # the rendezvous, and 5 s for the readers to end with the pipes
         bar.close()
+    procs = launcher.peers()
     codes = {n: procs[n].returncode for n in peer_names if n in procs}
     # after Ctrl+C any exit is the interrupt's (it may land anywhere, an import say), not a failure
     failed = {} if interrupted else {n: c for n, c in codes.items() if c not in (0, None)}

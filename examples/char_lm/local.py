@@ -8,7 +8,6 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -150,9 +149,9 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
 
     Nothing but the summary touches the disk (the token travels in the environment, results and
     logs through pipes), so neither Ctrl+C nor a crash of this process leaves files behind; the
-    children, each in its own process group (``ravnest_jax.launch.start_process``), stop by
-    themselves when this process dies. The peers' WARNING and ERROR log lines and ``error:``
-    lines are shown on the console, prefixed with the peer's name.
+    processes (``ravnest_jax.launch.Launcher``'s) stop by themselves when this process dies. The
+    peers' WARNING and ERROR log lines and ``error:`` lines are shown on the console, prefixed
+    with the peer's name.
 
     Ctrl+C (SIGINT to this process; the peers get exactly one each, forwarded) at any moment
     stops the peers: each reports what it did (eval figures marked interrupted where its final
@@ -161,17 +160,15 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
     without a report saying why (``"peers_without_report"``). Sets ``args.summary_json`` (default
     ``runs/RUN_ID/summary.json``) first, so the caller writes the summary whatever happens.
     """
-    import collections
     import queue
     import secrets
     import signal
-    import subprocess
     import threading
 
     from tqdm.auto import tqdm
 
     from char_lm.peer import _STOPPED_BY
-    from ravnest_jax.launch import start_process, stop_processes
+    from ravnest_jax.launch import Launcher
 
     run_id = f"char-lm-{secrets.token_hex(3)}"
     if not args.summary_json:
@@ -180,35 +177,21 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
     machine: dict = {}
     staged = getattr(args, "stages", 1) > 1
     n = args.local_peers + (args.standbys if staged else 0)  # processes: the clusters' peers and the standbys
-    procs: list[subprocess.Popen] = []
-    readers: list[threading.Thread] = []
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAVNEST_TOKEN": secrets.token_hex(16)}
+    launcher = Launcher(run_id, tail=60)
     events: queue.Queue = queue.Queue()
-    tails: dict[str, collections.deque] = {}
 
-    def pump(stream, name: str, parse: bool) -> None:
-        tail = tails.setdefault(name, collections.deque(maxlen=60))
-        for line in stream:
-            tail.append(line)
-            if parse:
-                try:
-                    events.put((name, json.loads(line)))
-                except ValueError:
-                    pass
-            elif name.startswith("peer") and (shown := console_line(line)) is not None:
-                tqdm.write(f"[{name.split(':')[0]}] {shown}", file=sys.stderr)  # above the bar
-
-    def start(cmd: list[str], name: str, extra_env: dict | None = None) -> subprocess.Popen:
-        p = start_process(cmd, env={**env, **(extra_env or {})})  # its own process group
-        procs.append(p)
-        for stream, sub, parse in ((p.stdout, name, True), (p.stderr, name + ":stderr", False)):
-            readers.append(threading.Thread(target=pump, args=(stream, sub, parse), daemon=True))
-            readers[-1].start()
-        return p
+    def on_line(name: str, line: str, err: bool) -> None:
+        if not err:  # --json-events: a JSON object a line
+            try:
+                events.put((name, json.loads(line)))
+            except ValueError:
+                pass
+        elif (shown := console_line(line)) is not None:
+            tqdm.write(f"[{name}] {shown}", file=sys.stderr)  # above the bar
 
     steps = [0] * n
     results: dict[int, dict] = {}
-    peers: list[subprocess.Popen] = []
+    peers: list = []
     interrupted = False
     bar = None
     rounds = 0
@@ -267,38 +250,7 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
     losses: dict[int, float] = {}
     url = None
     try:
-        rv = start(
-            [
-                sys.executable,
-                "-m",
-                "ravnest_jax.cli",
-                "rendezvous",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--quiet",
-                "--heartbeat",
-                "1",
-                "--eviction",
-                "5",
-                "--exit-with-parent",
-            ],
-            "rendezvous",
-        )
-        url = None
-        deadline = time.monotonic() + 30
-        while url is None:
-            if rv.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    "the rendezvous did not start:\n"
-                    + "".join(tails.get("rendezvous", []))
-                    + "".join(tails.get("rendezvous:stderr", []))
-                )
-            text = "".join(tails.get("rendezvous", []))
-            if "listening on " in text:
-                url = text.split("listening on ", 1)[1].split()[0]
-            time.sleep(0.05)
+        url = launcher.start_rendezvous(heartbeat=1.0, eviction=5.0)
         print(
             f"rendezvous {url}, run {run_id}; starting {n} peers "
             f"(codec {args.codec}{'' if args.mean_codec in (None, args.codec) else ', mean ' + args.mean_codec}"
@@ -309,35 +261,17 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
                 f"pipeline: {args.stages} stages, {args.local_peers // args.stages} clusters, {args.standbys} standbys, "
                 f"{args.micro_batches} micro-batches, {args.pipeline_mode} schedule, {args.activation_codec} activations"
             )
-        print(f"status page: {url}/runs/{run_id}?token={env['RAVNEST_TOKEN']}", flush=True)
-        # N peers share this machine's cores: one compute thread each
-        xla = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")}
+        print(f"status page: {url}/runs/{run_id}?token={launcher.token}", flush=True)
+        main_py = str(Path(__file__).resolve().with_name("main.py"))
         for i in range(n):
-            cmd = [
-                sys.executable,
-                str(Path(__file__).resolve().with_name("main.py")),
-                "--rendezvous",
-                url,
-                "--run-id",
-                run_id,
-                "--peer-id",
-                f"peer{i}",
-                "--data-seed",
-                str(i),
-                "--min-peers",
-                str(n),
-                "--listen",
-                "127.0.0.1:0",
-                "--json-events",
-                "--parent-pid",
-                str(os.getpid()),
-                *_forward_flags(args),
-            ]
+            # the launcher's RAVNEST_* variables give each peer its rendezvous, run, id, data seed
+            # (rank), --min-peers (world size) and --listen; --checkpoint-dir gets a subfolder per peer
+            cmd = [sys.executable, main_py, "--json-events", "--parent-pid", str(os.getpid()), *_forward_flags(args)]
             if args.checkpoint_dir:
-                cmd += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve() / f"peer{i}")]
+                cmd += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve())]
             if args.adversary is not None and i < args.adversary_peers:
                 cmd += ["--adversary", args.adversary]
-            peers.append(start(cmd, f"peer{i}", xla))
+            peers.append(launcher.start(f"peer{i}", cmd, env=launcher.peer_env(f"peer{i}", i, n), on_line=on_line))
         # jax's import and backend take this process seconds: read while the peers start, not
         # after a Ctrl+C (which has 5 s for everything); only once every process is started
         # (a start with jax's backend up warns "os.fork() was called ... JAX is multithreaded")
@@ -366,12 +300,9 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda signum, frame: (more.append(signum), _STOPPED_BY.append(signum)))
-        killed = _stop_peers(procs[1:], STOP_SECONDS if interrupted else 20.0, more)
+        killed = launcher.stop_peers(STOP_SECONDS if interrupted else 20.0, hurry=lambda: bool(more))
         interrupted = interrupted or bool(more)
-        stop_processes(procs[:1], timeout=2.0)  # then the rendezvous
-        deadline = time.monotonic() + 2.0  # the readers end with the pipes: the peers' last lines
-        for t in readers:
-            t.join(timeout=max(deadline - time.monotonic(), 0.01))
+        launcher.close(2.0)  # then the rendezvous; 2 s for the readers to take the peers' last lines
         while not events.empty():
             handle(*events.get())
         if bar is not None:
@@ -386,8 +317,8 @@ def run_local_swarm(args: argparse.Namespace) -> dict:
         rc = None if p is None else p.wait()
         if (interrupted or rc == 0) and i in results:
             continue
-        err = [ln.rstrip() for ln in tails.get(f"peer{i}:stderr", []) if ln.strip()]
-        missing[f"peer{i}"] = _why_no_report(rc, p in killed, interrupted, i in started, steps[i], err)
+        err = [ln.rstrip() for ln in launcher.tails.get(f"peer{i}:err", []) if ln.strip()]
+        missing[f"peer{i}"] = _why_no_report(rc, f"peer{i}" in killed, interrupted, i in started, steps[i], err)
         if not interrupted:
             failed[f"peer{i}"] = missing[f"peer{i}"] + "".join(f"\n    {ln}" for ln in err[-5:])
     for name, why in failed.items():
@@ -433,29 +364,6 @@ def _machine_without_jax() -> dict:
     import platform
 
     return {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count()}
-
-
-def _stop_peers(procs: list, seconds: float, hurry: list) -> set:
-    """One SIGINT to each live peer (as Ctrl+C: it stops, saves and reports), up to ``seconds``
-    for them to exit (less once ``hurry`` is non-empty: another Ctrl+C), then SIGKILL to those
-    still running. Returns the killed ones."""
-    import signal
-
-    live = [p for p in procs if p.poll() is None]
-    for p in live:
-        p.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + seconds
-    while any(p.poll() is None for p in live) and time.monotonic() < deadline and not hurry:
-        try:
-            next(p for p in live if p.poll() is None).wait(timeout=0.05)
-        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: look again
-            pass
-    killed = {p for p in live if p.poll() is None}
-    for p in killed:
-        p.kill()
-    for p in live:
-        p.wait()
-    return killed
 
 
 def _why_no_report(rc: int | None, killed: bool, interrupted: bool, trained: bool, step: int, err: list) -> str:

@@ -220,35 +220,14 @@ def test_a_peer_timing_out_waiting_for_min_peers_is_one_line(monkeypatch, capsys
 def test_a_wrong_token_is_one_line_not_a_traceback(tmp_path):
     """A peer whose token the rendezvous refuses exits 1 with one error line."""
     import subprocess
-    import time
+
+    from _cluster import Cluster, cluster_of
 
     (tmp_path / "token").write_text("the-right-token")
     (tmp_path / "wrong").write_text("a-wrong-token")
-    port_file = tmp_path / "port"
-    rv = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ravnest_jax.cli",
-            "rendezvous",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-            "--token-file",
-            str(tmp_path / "token"),
-            "--quiet",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while not (port_file.exists() and port_file.read_text().strip()):
-            assert rv.poll() is None and time.monotonic() < deadline, "rendezvous did not start"
-            time.sleep(0.05)
+    with cluster_of(Cluster(tmp_path, token="the-right-token")) as c:
+        token_file = ("--token-file", str(tmp_path / "token"))
+        url = c.rendezvous(heartbeat=None, eviction=None, extra=(*token_file, "--quiet"))
         text = tmp_path / "text.txt"
         text.write_bytes(Path(char_lm.__file__).with_name("main.py").read_bytes() * 4)
         out = subprocess.run(
@@ -256,7 +235,7 @@ def test_a_wrong_token_is_one_line_not_a_traceback(tmp_path):
                 sys.executable,
                 str(Path(char_lm.__file__).with_name("main.py")),
                 "--rendezvous",
-                f"http://127.0.0.1:{port_file.read_text().strip()}",
+                url,
                 "--token-file",
                 str(tmp_path / "wrong"),
                 "--listen",
@@ -287,9 +266,6 @@ def test_a_wrong_token_is_one_line_not_a_traceback(tmp_path):
         )
         assert out.returncode == 1, out.stderr
         assert "Traceback" not in out.stderr and "error: " in out.stderr and "401" in out.stderr, out.stderr
-    finally:
-        rv.kill()
-        rv.wait(10)
 
 
 def test_the_config_of_a_swarm_run_is_what_it_used():

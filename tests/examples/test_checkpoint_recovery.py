@@ -12,10 +12,10 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import pytest
+from _cluster import Cluster, cluster_of
 
 pytestmark = pytest.mark.integration  # real processes and training: a minute or two in all
 
@@ -64,24 +64,9 @@ def _truncate_all(step_dir: Path) -> None:
 
 @pytest.fixture
 def rendezvous(tmp_path: Path):
-    """A real rendezvous on 127.0.0.1; yields its URL."""
-    log = tmp_path / "rendezvous.out"
-    with open(log, "w") as out:
-        rv = subprocess.Popen(
-            [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port", "0", "--quiet"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "RAVNEST_TOKEN": TOKEN},
-        )
-    try:
-        deadline = time.monotonic() + 60
-        while "listening on " not in log.read_text():
-            assert rv.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
-        yield log.read_text().split("listening on ", 1)[1].split()[0]
-    finally:
-        rv.terminate()
-        rv.wait(timeout=30)
+    """A real rendezvous on 127.0.0.1 (the shared cluster's); yields its URL."""
+    with cluster_of(Cluster(tmp_path, token=TOKEN)) as c:
+        yield c.rendezvous(heartbeat=None, eviction=None, extra=("--quiet",), timeout=60)
 
 
 def _peer(url: str, ckpt: Path, text: Path, run_id: str, *extra: str) -> subprocess.CompletedProcess:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _cluster import Cluster, Proc, cluster_of
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "char_lm" / "main.py")
@@ -109,40 +110,22 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def rendezvous(tmp_path):
+def cluster(tmp_path):
+    """The shared cluster (``tests/_cluster.py``) with a real rendezvous on 127.0.0.1 that reads its
+    token from a file (``cluster.token_file``)."""
     token = tmp_path / "token"
     token.write_text("right-token\n")
     token.chmod(0o600)
-    port_file = tmp_path / "port"
-    with open(tmp_path / "rendezvous.log", "w") as log:
-        p = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ravnest_jax.cli",
-                "rendezvous",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--port-file",
-                str(port_file),
-                "--token-file",
-                str(token),
-                "--quiet",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-        )
-    try:
-        deadline = time.monotonic() + 60
-        while not (port_file.exists() and port_file.read_text().strip()):
-            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "rendezvous.log").read_text()
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{int(port_file.read_text())}", token
-    finally:
-        p.terminate()
-        p.wait(timeout=20)
+    with cluster_of(Cluster(tmp_path, token="right-token")) as c:
+        c.token_file = token
+        c.rendezvous(heartbeat=None, eviction=None, extra=("--token-file", str(token), "--quiet"), timeout=60)
+        yield c
+
+
+@pytest.fixture
+def rendezvous(cluster):
+    """The URL of ``cluster``'s rendezvous and its token file."""
+    return cluster.url, cluster.token_file
 
 
 def _one_line_error(r: subprocess.CompletedProcess, *words: str) -> None:
@@ -260,34 +243,22 @@ def test_help_shows_each_default_once():
         assert len(helps[flag].split()) > 4, (flag, helps[flag])  # a help text, not only the default
 
 
-def _rounds(events: Path) -> list[dict]:
-    lines = events.read_text().splitlines() if events.exists() else []
-    return [e for e in map(json.loads, (ln for ln in lines if ln.startswith("{"))) if e.get("event") == "round"]
-
-
-def _wait_rounds(p: subprocess.Popen, events: Path, n: int, timeout: float = 120) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while len(got := _rounds(events)) < n:
-        assert p.poll() is None and time.monotonic() < deadline, (p.poll(), events.read_text()[-2000:])
-        time.sleep(0.1)
-    return got
+def _wait_rounds(p: Proc, n: int, timeout: float = 120) -> list[dict]:
+    """Its round events once it reported ``n`` of them (woken by each event)."""
+    p.wait_for(lambda e: len(p.rounds()) >= n, timeout, f"{n} rounds")
+    return p.rounds()
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_a_peer_with_other_settings_is_refused_in_one_line_and_the_run_goes_on(tmp_path, rendezvous):
+def test_a_peer_with_other_settings_is_refused_in_one_line_and_the_run_goes_on(cluster, rendezvous):
     url, token = rendezvous
     peer = ["--rendezvous", url, "--run-id", "m", "--token-file", str(token), *TINY]
-    events = tmp_path / "a.jsonl"
-    with open(events, "w") as out, open(tmp_path / "a.err", "w") as err:
-        a = subprocess.Popen(
-            [sys.executable, EXAMPLE, *peer, "--max-steps", "100000", "--sync-every", "10", "--json-events"],
-            stdout=out,
-            stderr=err,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    a = cluster.spawn(
+        "a", [sys.executable, EXAMPLE, *peer, "--max-steps", "100000", "--sync-every", "10", "--json-events"]
+    )
     try:
-        _wait_rounds(a, events, 1)
+        _wait_rounds(a, 1)
         took = {}
         for flags, want in (
             (["--d-model", "64"], "params: this peer 15 leaves, 84,672 elements"),
@@ -302,10 +273,9 @@ def test_a_peer_with_other_settings_is_refused_in_one_line_and_the_run_goes_on(t
             took[flags[0]] = round(time.monotonic() - t0, 1)
             _one_line_error(r, "settings differ from the run's", want)
             assert "compil" not in r.stderr.lower(), r.stderr
-        n = len(_rounds(events))
-        after = _wait_rounds(a, events, n + 2)  # the run goes on, alone, every round ok
+        n = len(a.rounds())
+        after = _wait_rounds(a, n + 2)  # the run goes on, alone, every round ok
         assert all(e["ok"] and e["group_size"] == 1 for e in after), after
         print("seconds to the refusal:", took)
     finally:
-        a.terminate()
-        a.wait(timeout=30)
+        a.reap()

@@ -5,7 +5,6 @@ back to it from their own checkpoints), and the result is exactly the uninterrup
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -113,10 +112,7 @@ def test_kill_9_a_stage_peer_and_restart_it_loses_no_step(pipe_cluster, tmp_path
         return out, pipe_cluster.start(name, WORKER, *args, "--pad", "0.03")
 
     (out0, p0), (_, p1) = start(0, "stage0"), start(1, "stage1")
-    deadline = time.monotonic() + 240
-    while not any(e.get("event") == "step" and e["step"] >= 7 for e in p1.all):
-        assert time.monotonic() < deadline and p1.p.poll() is None, p1.stderr()
-        time.sleep(0.05)
+    p1.wait_for(lambda e: e.get("event") == "step" and e["step"] >= 7, 240, "step >= 7")
     p1.kill9()
     killed_at = max(e["step"] for e in p1.all if e.get("event") == "step")
     out1, p1b = start(1, "stage1-again")

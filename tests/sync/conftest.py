@@ -1,3 +1,3 @@
 """Fixtures of the sync tests."""
 
-from ._cluster import cluster  # noqa: F401 - the fixture of the end-to-end tests
+from ._example_peers import cluster  # noqa: F401 - the fixture of the end-to-end tests

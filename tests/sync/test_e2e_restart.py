@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ._cluster import digests_by_step
+from ._example_peers import digests_by_step
 
 pytestmark = pytest.mark.integration  # real processes: minutes in all
 

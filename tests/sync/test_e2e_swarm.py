@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ._cluster import digests_by_step
+from ._example_peers import digests_by_step
 
 pytestmark = pytest.mark.integration  # real processes: minutes in all
 

@@ -11,16 +11,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from _procs import port_is_free
+from _cluster import Cluster, Proc, cluster_of
 
 pytestmark = pytest.mark.integration  # real processes
 
@@ -29,91 +27,33 @@ TOKEN = "membership-test-token"
 EVICTION, PART = 3.0, 15.0
 
 
-class Run:
+class Run(Cluster):
+    """The shared cluster with ``_member_peer.py`` peers; a peer still running at the end is killed."""
+
+    reap_signal = signal.SIGKILL
+    rendezvous_flags = ("--verbose",)
+
     def __init__(self, tmp: Path):
-        self.tmp, self.procs, self.rv, self.files = tmp, {}, None, []
-        self.env = {
-            **os.environ,
-            "RAVNEST_TOKEN": TOKEN,
-            "PYTHONUNBUFFERED": "1",
-            "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
-        }
+        super().__init__(tmp, token=TOKEN)
+        self.env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
 
-    def rendezvous(self, port: int = 0) -> str:
-        pf = self.tmp / f"rv-port-{time.monotonic_ns()}"
-        err = open(self.tmp / "rendezvous.log", "a")
-        self.files.append(err)
-        args = ["--host", "127.0.0.1", "--port", str(port), "--port-file", str(pf), "--heartbeat", "0.5"]
-        self.rv = subprocess.Popen(
-            [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", *args, "--eviction", str(EVICTION), "--verbose"],
-            env=self.env,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
-        deadline = time.monotonic() + 30
-        while not pf.exists():
-            assert self.rv.poll() is None and time.monotonic() < deadline, "the rendezvous did not start"
-            time.sleep(0.05)
-        self.port = int(pf.read_text())
-        self.url = f"http://127.0.0.1:{self.port}"
-        return self.url
+    def rendezvous(self, port: int = 0, **kw: object) -> str:  # type: ignore[override]
+        return super().rendezvous(port=port, heartbeat=0.5, eviction=EVICTION)
 
-    def peer(self, name: str, steps: int, *extra: str) -> subprocess.Popen:
-        out = open(self.tmp / f"{name}.out", "w")
-        err = open(self.tmp / f"{name}.log", "a")
-        self.files += [out, err]
+    def peer(self, name: str, steps: int, *extra: str) -> Proc:
         cmd = [sys.executable, SCRIPT, self.url, TOKEN, name.split("-")[0], str(steps), "--part", str(PART), *extra]
-        self.procs[name] = p = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=err)
-        return p
-
-    def events(self, name: str) -> list[dict]:
-        out = []
-        for line in (self.tmp / f"{name}.out").read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-        return out
-
-    def log(self, name: str) -> str:
-        return (self.tmp / f"{name}.log").read_text()[-3000:]
-
-    def wait_for(self, name: str, pred, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for ev in self.events(name):
-                if pred(ev):
-                    return ev
-            assert self.procs[name].poll() is None, f"{name} exited: {self.log(name)}"
-            time.sleep(0.1)
-        raise AssertionError(f"{name}: no such event in {timeout} s: {self.events(name)[-5:]}")
+        return self.spawn(name, cmd)
 
     def summary(self, name: str, timeout: float) -> dict:
-        try:
-            code = self.procs[name].wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{name} hangs: {self.log(name)}") from None
-        assert code == 0, f"{name} exited {code}: {self.log(name)}"
+        code = self.procs[name].wait(timeout)
+        assert code == 0, f"{name} exited {code}: {self.procs[name].stderr()}"
         return next(e for e in self.events(name) if e.get("event") == "summary")
-
-    def close(self) -> None:
-        for p in [*self.procs.values(), self.rv]:
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-                p.wait(10)
-        for f in self.files:
-            f.close()
 
 
 @pytest.fixture
 def run(tmp_path):
-    r = Run(tmp_path)
-    try:
+    with cluster_of(Run(tmp_path)) as r:
         yield r
-    finally:
-        r.close()
 
 
 def _rounds(run: Run, name: str) -> list[dict]:
@@ -130,8 +70,8 @@ def test_a_peer_hung_past_its_eviction_costs_one_eviction_not_a_part_deadline(ru
     for n in "abc":
         run.peer(n, 100_000, "--stop-file", str(stop))
     for n in "abc":
-        run.wait_for(n, lambda e: e.get("event") == "round" and e["ok"] and e["group"] == 3, 120)
-    run.wait_for("a", lambda e: e.get("event") == "round" and e["ok"] and e["swarm_round"] >= 6, 60)
+        run.wait_event(n, lambda e: e.get("event") == "round" and e["ok"] and e["group"] == 3, 120)
+    run.wait_event("a", lambda e: e.get("event") == "round" and e["ok"] and e["swarm_round"] >= 6, 60)
     os.kill(run.procs["c"].pid, signal.SIGSTOP)
     t_stop = time.time()
     # c may have been stopped between a round's exchange and its merge, and then reports that
@@ -142,12 +82,12 @@ def test_a_peer_hung_past_its_eviction_costs_one_eviction_not_a_part_deadline(ru
     os.kill(run.procs["c"].pid, signal.SIGCONT)
     t_cont = time.time()
     # c back in rounds of three, and then a few more rounds
-    back = run.wait_for(
+    back = run.wait_event(
         "c",
         lambda e: e.get("event") == "round" and e["ok"] and e["t"] > t_cont and e["swarm_round"] > last_before + 1,
         60,
     )
-    run.wait_for(
+    run.wait_event(
         "a", lambda e: e.get("event") == "round" and e["ok"] and e["swarm_round"] >= back["swarm_round"] + 3, 60
     )
     stop.touch()
@@ -180,16 +120,8 @@ def test_a_rendezvous_killed_and_restarted_costs_no_round(run):
     run.rendezvous()
     for n in "abc":
         run.peer(n, 400, "--step-seconds", "0.04")
-    run.wait_for("a", lambda e: e.get("event") == "round" and e["ok"] and e["swarm_round"] >= 3, 120)
-    port = run.port
-    run.rv.kill()
-    run.rv.wait(10)
-    t0 = time.monotonic()
-    while not port_is_free(port):
-        assert time.monotonic() - t0 < 10, "the port stays busy"
-        time.sleep(0.05)
-    time.sleep(1.0)
-    run.rendezvous(port=port)
+    run.wait_event("a", lambda e: e.get("event") == "round" and e["ok"] and e["swarm_round"] >= 3, 120)
+    run.restart_rendezvous(gap=1.0)  # kill -9, its port free, 1 s without a rendezvous, the same port
     sums = {n: run.summary(n, 120) for n in "abc"}
     for n, s in sums.items():
         bad = [e for e in _rounds(run, n) if not e["ok"]]
@@ -209,14 +141,13 @@ def test_a_lone_peer_killed_and_restarted_from_its_checkpoint_has_no_failed_roun
     run.rendezvous()
     ckpt, stop = str(run.tmp / "ckpt"), run.tmp / "stop"
     run.peer("a", 100_000, "--checkpoint-dir", ckpt)
-    run.wait_for("a", lambda e: e.get("event") == "round" and e["ok"] and e["swarm_round"] >= 4, 120)
-    run.wait_for("a", lambda e: e.get("event") == "round" and e["ok"] and e["step"] % 10 == 0 and e["step"] >= 60, 60)
-    run.procs["a"].kill()
-    run.procs["a"].wait(10)
+    run.wait_event("a", lambda e: e.get("event") == "round" and e["ok"] and e["swarm_round"] >= 4, 120)
+    run.wait_event("a", lambda e: e.get("event") == "round" and e["ok"] and e["step"] % 10 == 0 and e["step"] >= 60, 60)
+    run.procs["a"].kill9()
     run.peer("a-restarted", 100_000, "--checkpoint-dir", ckpt, "--stop-file", str(stop))
-    started = run.wait_for("a-restarted", lambda e: e.get("event") == "started", 120)
+    started = run.wait_event("a-restarted", lambda e: e.get("event") == "started", 120)
     assert started["how"] == "resumed", started
-    run.wait_for(
+    run.wait_event(
         "a-restarted", lambda e: e.get("event") == "round" and e["ok"] and e["step"] >= started["step"] + 30, 60
     )
     stop.touch()

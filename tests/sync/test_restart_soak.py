@@ -9,20 +9,18 @@ deadline, and the run finishes on every peer.
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from _cluster import Cluster, Proc, cluster_of
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "char_lm" / "main.py")
+ENV = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
 H = 10
 PART = 10.0  # the part deadline of every peer (seconds)
 # long enough that a peer restarted the third time still has rounds left when the machine is
@@ -65,64 +63,13 @@ PEER = [
 ]
 
 
-class Peer:
-    """One peer process of the example, its JSON events read on a thread."""
-
-    def __init__(self, name: str, cmd: list[str], log: Path, env: dict[str, str]):
-        self.name = name
-        self.log = open(log, "a")
-        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
-        self.events: queue.Queue = queue.Queue()
-        self.all: list[dict] = []
-        self.log_path = log
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.p.stdout is not None
-        for line in self.p.stdout:
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            self.all.append(ev)
-            self.events.put(ev)
-
-    def expect(self, pred, timeout: float, what: str) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or (self.p.poll() is not None and self.events.empty()):
-                raise AssertionError(
-                    f"{self.name}: no {what} within {timeout} s (exit {self.p.poll()}); "
-                    f"log:\n{self.log_path.read_text()[-3000:]}"
-                )
-            try:
-                ev = self.events.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                continue
-            if pred(ev):
-                return ev
-
-    def rounds(self) -> list[dict]:
-        return [e for e in self.all if e.get("event") == "round"]
-
-    def stop(self) -> int:
-        """Ctrl+C, as in a terminal; returns the exit status."""
-        self.p.send_signal(signal.SIGINT)
-        return self.p.wait(timeout=60)
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            self.p.kill()
-        self.p.wait(timeout=30)
-        self._reader.join(timeout=10)
-        if self.p.stdout is not None:
-            self.p.stdout.close()
-        self.log.close()
+def _stop(p: Proc) -> int:
+    """Ctrl+C, as in a terminal; returns the exit status."""
+    p.send_signal(signal.SIGINT)
+    return p.wait(60)
 
 
-def _ok_rounds(p: Peer, n: int, timeout: float) -> None:
+def _ok_rounds(p: Proc, n: int, timeout: float) -> None:
     have = [0]
 
     def pred(ev: dict) -> bool:
@@ -142,62 +89,16 @@ def test_a_peer_restarted_three_times_rejoins_within_two_rounds(tmp_path, n):
     token = tmp_path / "token"
     token.write_text("soak-token\n")
     token.chmod(0o600)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
-    port_file = tmp_path / "port"
-    with open(tmp_path / "rendezvous.log", "w") as rv_log:
-        rv = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ravnest_jax.cli",
-                "rendezvous",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--port-file",
-                str(port_file),
-                "--token-file",
-                str(token),
-                "--heartbeat",
-                "1",
-                "--eviction",
-                "5",
-                "--quiet",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=rv_log,
-            env=env,
-        )
-    procs: list[Peer] = []
-    try:
-        deadline = time.monotonic() + 60
-        while not (port_file.exists() and port_file.read_text().strip()):
-            assert rv.poll() is None and time.monotonic() < deadline, (tmp_path / "rendezvous.log").read_text()
-            time.sleep(0.05)
-        url = f"http://127.0.0.1:{int(port_file.read_text())}"
+    cluster = Cluster(tmp_path, token="soak-token")
+    cluster.reap_signal = signal.SIGKILL  # a peer still running at the end is killed
+    procs: list[Proc] = []
+    with cluster_of(cluster):
+        url = cluster.rendezvous(heartbeat=1, eviction=5, extra=("--token-file", str(token), "--quiet"), timeout=60)
 
-        def start(i: int, gen: int) -> Peer:
-            cmd = [
-                sys.executable,
-                EXAMPLE,
-                "--rendezvous",
-                url,
-                "--run-id",
-                "soak",
-                "--token-file",
-                str(token),
-                "--listen",
-                "127.0.0.1:0",
-                "--checkpoint-dir",
-                str(tmp_path / f"ckpt{i}"),
-                "--data-seed",
-                str(i),
-                "--min-peers",
-                str(n),
-                *PEER,
-            ]
-            p = Peer(f"peer{i}.{gen}", cmd, tmp_path / f"peer{i}.log", env)
+        def start(i: int, gen: int) -> Proc:
+            cmd = [sys.executable, EXAMPLE, "--rendezvous", url, "--run-id", "soak", "--token-file", str(token)]
+            cmd += ["--listen", "127.0.0.1:0", "--checkpoint-dir", str(tmp_path / f"ckpt{i}"), "--data-seed", str(i)]
+            p = cluster.spawn(f"peer{i}.{gen}", [*cmd, "--min-peers", str(n), *PEER], env=ENV)
             procs.append(p)
             return p
 
@@ -211,23 +112,18 @@ def test_a_peer_restarted_three_times_rejoins_within_two_rounds(tmp_path, n):
                 # merges one step later): stop it now, with the exchange in flight
                 victim.expect(lambda ev: ev.get("event") == "progress" and ev["step"] % H == 0, 60, "a boundary")
             stops.append(time.time())
-            assert victim.stop() == 130, f"{how}: exit status"
+            assert _stop(victim) == 130, f"{how}: exit status"
             if how == "after 2 rounds":
                 _ok_rounds(peers[0], 2, 60)
             else:
-                time.sleep(1.0)
+                time.sleep(1.0)  # the restart 1 s after the stop: the case itself, not a wait
             victim = start(n - 1, gen)
             started = victim.expect(lambda ev: ev.get("event") == "start", 240, "start")
             assert started["joined"] is True, (how, started)
             _ok_rounds(victim, 3, 120)
         for p in [*peers[:-1], victim]:
             p.expect(lambda ev: ev.get("event") == "result", 600, "its result")
-            assert p.p.wait(timeout=60) == 0, p.log_path.read_text()[-3000:]
-    finally:
-        for p in procs:
-            p.close()
-        rv.terminate()
-        rv.wait(timeout=20)
+            assert p.wait(60) == 0, p.stderr()
 
     restarts = [p for p in procs if p.name.endswith((".1", ".2", ".3"))]
     for p in procs:  # shown with -s: what each process saw

@@ -3,15 +3,13 @@ in words (never an exception's repr)."""
 
 from __future__ import annotations
 
-import os
 import socket
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
-from _procs import Proc
+from _cluster import Cluster
 
 from ravnest_jax.cli import main
 
@@ -20,20 +18,11 @@ TOKEN = "status-token-1"
 
 @pytest.fixture(scope="module")
 def rendezvous(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("rv")
-    pf = tmp / "port"
-    env = {**os.environ, "RAVNEST_TOKEN": TOKEN, "JAX_PLATFORMS": "cpu"}
-    args = [sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", "127.0.0.1", "--port", "0"]
-    p = Proc("rendezvous", [*args, "--port-file", str(pf), "--quiet"], tmp, env)
+    c = Cluster(tmp_path_factory.mktemp("rv"), token=TOKEN)
     try:
-        deadline = time.monotonic() + 30
-        while not pf.exists():
-            assert p.p.poll() is None and time.monotonic() < deadline, f"rendezvous did not start: {p.stderr()}"
-            time.sleep(0.05)
-        time.sleep(0.05)  # the port file is written whole, but give the write a moment
-        yield f"http://127.0.0.1:{int(pf.read_text())}"
+        yield c.rendezvous(heartbeat=None, eviction=None, extra=("--quiet",))
     finally:
-        p.reap()
+        c.close()
 
 
 def _status(capsys, monkeypatch, url: str, token: str = TOKEN, *extra: str) -> tuple[int, str, str]:
