@@ -190,18 +190,18 @@ def _tiny_checkpoint(tmp_path: Path) -> Path:
     return out
 
 
-def _run(*argv: str) -> subprocess.CompletedProcess:
+def _run(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ravnest_jax.cli", "generate", *argv],
         capture_output=True,
         text=True,
         timeout=300,
-        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+        env={**env, "JAX_PLATFORMS": "cpu"},
     )
 
 
 @pytest.mark.integration
-def test_command_end_to_end_with_and_without_adapters(tmp_path):
+def test_command_end_to_end_with_and_without_adapters(tmp_path, fast_compile_env):
     from ravnest_jax.models import LoraConfig, save_peft_adapters, split_lora
 
     ck = _tiny_checkpoint(tmp_path)
@@ -221,15 +221,17 @@ def test_command_end_to_end_with_and_without_adapters(tmp_path):
     np.testing.assert_allclose(merged, lora, atol=1e-4)
     assert np.abs(merged - base).max() > 1e-2
 
-    plain = _run("--model", str(ck), "--prompt", "hello world", "--max-new-tokens", "12")
+    plain = _run(fast_compile_env, "--model", str(ck), "--prompt", "hello world", "--max-new-tokens", "12")
     assert plain.returncode == 0, plain.stderr
-    again = _run("--model", str(ck), "--prompt", "hello world", "--max-new-tokens", "12")
+    again = _run(fast_compile_env, "--model", str(ck), "--prompt", "hello world", "--max-new-tokens", "12")
     assert again.stdout == plain.stdout and plain.stdout.strip()
-    adapted = _run("--model", str(ck), "--adapters", str(ad), "--prompt", "hello world", "--max-new-tokens", "12")
+    adapted = _run(
+        fast_compile_env, "--model", str(ck), "--adapters", str(ad), "--prompt", "hello world", "--max-new-tokens", "12"
+    )
     assert adapted.returncode == 0, adapted.stderr
     assert adapted.stdout != plain.stdout
     chat = _run(
-        "--model", str(ck), "--adapters", str(ad), "--chat", "hi", "--temperature", "0.8", "--top-p", "0.9",
+        fast_compile_env, "--model", str(ck), "--adapters", str(ad), "--chat", "hi", "--temperature", "0.8", "--top-p", "0.9",
         "--seed", "3", "--max-new-tokens", "8", "--dtype", "bfloat16",
     )  # fmt: skip
     assert chat.returncode == 0, chat.stderr
