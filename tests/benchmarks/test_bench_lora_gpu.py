@@ -21,6 +21,16 @@ import bench_lora_gpu as bench  # noqa: E402
 REQUIRED = ("load_s", "step_s", "tokens_per_s", "peak_bytes", "flops", "model_flops", "loss0")
 
 
+def _dry_run_env() -> dict[str, str]:
+    """The environment of a ``--dry-run``: no shared compilation cache (the script measures its
+    compile times), and XLA's CPU compiles cheap (its children inherit it): its tiny programs run
+    in microseconds, optimising them was most of the dry run's minute (tests/models/conftest.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false".strip()
+    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+    return env
+
+
 @pytest.mark.parametrize(
     "name, peak",
     [
@@ -95,7 +105,7 @@ def test_cases_cover_the_issue():
 def test_dry_run_writes_every_field(tmp_path):
     """``--dry-run`` on CPU: every case in its own process, the JSON complete, ok cases with
     finite positive numbers; the reference side ok where torch+transformers+peft import."""
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env = _dry_run_env()
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_lora_gpu.py"), "--dry-run", "--out", str(tmp_path)]
     cmd += ["--ckpt-dir", str(tmp_path / "ckpt")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
@@ -129,7 +139,7 @@ def test_dry_run_writes_every_field(tmp_path):
 def test_dry_run_overlap(tmp_path):
     """``--dry-run --overlap`` (about 2.5 minutes here, hence slow): two peers through the
     throttling proxy, blocking and auto, every round merged, the summary's numbers present."""
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env = _dry_run_env()
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_lora_gpu.py"), "--dry-run", "--overlap"]
     cmd += ["--out", str(tmp_path), "--ckpt-dir", str(tmp_path / "ckpt")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=290, env=env, cwd=ROOT)

@@ -46,7 +46,7 @@ def test_saved_checkpoint_and_adapters_have_a_new_files_mode(tmp_path, mask, wan
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_finetune_export_files_are_0644_even_from_a_0600_checkpoint(tmp_path):
+def test_finetune_export_files_are_0644_even_from_a_0600_checkpoint(tmp_path, fast_compile_env):
     """examples/finetune/train.py --export / --export-adapters, one peer, 2 steps (~30 s here): the
     merged model, its config and the tokenizer files it copies (from a checkpoint whose tokenizer
     files are 0600: the copies get a new file's mode, not the source's), and the adapters."""
@@ -67,7 +67,11 @@ def test_finetune_export_files_are_0644_even_from_a_0600_checkpoint(tmp_path):
     local = [sys.executable, "-m", "ravnest_jax.cli", "local", "--peers", "1", "--no-progress"]
     with _umask(0o022):
         r = subprocess.run(
-            [*local, "--summary-json", str(summary), "--", *train], capture_output=True, text=True, timeout=280
+            [*local, "--summary-json", str(summary), "--", *train],
+            capture_output=True,
+            text=True,
+            timeout=280,
+            env=fast_compile_env,
         )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert json.loads(summary.read_text())["peers"]["peer0"]["exit"] == 0

@@ -6,6 +6,7 @@ float32 buffer and, with a frozen head, no head-sized one."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -52,27 +53,13 @@ def _random_adapters(adapters):
     ],
 )
 def test_equals_the_full_logits_loss_and_gradients(tied, quantize, chunk, vocab_chunk):
-    cfg = dataclasses.replace(TransformerConfig.from_hf(LLAMA), tie_word_embeddings=tied)
-    lm = split_lora(apply_lora(Transformer(cfg, nnx.Rngs(0)), LoraConfig(rank=4), quantize=quantize))
-    adapters = _random_adapters(lm.adapters)
-    b, t = 2, 23  # 23 positions: no chunk size here divides it
-    k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
-    tokens = jax.random.randint(k1, (b, t), 0, cfg.vocab_size)
-    targets = jax.random.randint(k2, (b, t), 0, cfg.vocab_size)
-    mask = (jax.random.uniform(k3, (b, t)) < 0.7).astype(jnp.float32)
-
-    def plain(adapters):
-        model = lm.model(adapters, lm.frozen)
-        logits = model(tokens)
-        nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-        return jnp.sum(nll * mask)
+    lm, adapters, (tokens, targets, mask), (v0, g0), (hidden, gh0) = _full_logits_case(tied, quantize)
 
     def chunked(adapters):
         model = lm.model(adapters, lm.frozen)
         hidden = model(tokens, head=False)
         return chunked_cross_entropy(model, hidden, targets, mask, chunk_size=chunk, vocab_chunk=vocab_chunk)
 
-    (v0, g0) = jax.jit(jax.value_and_grad(plain))(adapters)
     ((v1, count), g1) = jax.jit(jax.value_and_grad(chunked, has_aux=True))(adapters)
     assert float(count) == float(mask.sum())
     np.testing.assert_allclose(float(v1), float(v0), rtol=1e-5)
@@ -85,6 +72,33 @@ def test_equals_the_full_logits_loss_and_gradients(tied, quantize, chunk, vocab_
 
     # w.r.t. the hidden state itself
     model = lm.model(adapters, lm.frozen)
+    gh1 = jax.jit(
+        jax.grad(lambda h: chunked_cross_entropy(model, h, targets, mask, chunk_size=chunk, vocab_chunk=vocab_chunk)[0])
+    )(hidden)
+    np.testing.assert_allclose(np.asarray(gh1), np.asarray(gh0), rtol=1e-5, atol=1e-5 * float(jnp.abs(gh0).max()))
+
+
+@functools.cache
+def _full_logits_case(tied, quantize):
+    """The model, its random adapters, the data (2 rows of 23 positions: no chunk size of the
+    test divides it), the plain full-logits loss and its gradients w.r.t. the adapters, and the
+    hidden state and the plain head's gradient w.r.t. it: once per model (two cases share one)."""
+    cfg = dataclasses.replace(TransformerConfig.from_hf(LLAMA), tie_word_embeddings=tied)
+    lm = split_lora(apply_lora(Transformer(cfg, nnx.Rngs(0)), LoraConfig(rank=4), quantize=quantize))
+    adapters = _random_adapters(lm.adapters)
+    b, t = 2, 23
+    k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
+    tokens = jax.random.randint(k1, (b, t), 0, cfg.vocab_size)
+    targets = jax.random.randint(k2, (b, t), 0, cfg.vocab_size)
+    mask = (jax.random.uniform(k3, (b, t)) < 0.7).astype(jnp.float32)
+
+    def plain(adapters):
+        model = lm.model(adapters, lm.frozen)
+        logits = model(tokens)
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        return jnp.sum(nll * mask)
+
+    model = lm.model(adapters, lm.frozen)
     hidden = jax.jit(lambda a: lm.model(a, lm.frozen)(tokens, head=False))(adapters)
 
     def head_plain(h):
@@ -92,11 +106,8 @@ def test_equals_the_full_logits_loss_and_gradients(tied, quantize, chunk, vocab_
         logits = (model.embed_tokens.attend(x) if tied else model.lm_head(x)).astype(jnp.float32)
         return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * mask)
 
-    gh0 = jax.grad(head_plain)(hidden)
-    gh1 = jax.grad(
-        lambda h: chunked_cross_entropy(model, h, targets, mask, chunk_size=chunk, vocab_chunk=vocab_chunk)[0]
-    )(hidden)
-    np.testing.assert_allclose(np.asarray(gh1), np.asarray(gh0), rtol=1e-5, atol=1e-5 * float(jnp.abs(gh0).max()))
+    plain_out = jax.jit(jax.value_and_grad(plain))(adapters)
+    return lm, adapters, (tokens, targets, mask), plain_out, (hidden, jax.jit(jax.grad(head_plain))(hidden))
 
 
 def test_no_mask_counts_every_position_and_bad_input_is_one_line():

@@ -120,7 +120,7 @@ def test_parameter_bytes_from_two_layers_equal_the_whole_model(quantize):
 
 
 @pytest.mark.slow
-def test_plan_memory_command_prints_a_table_and_json(tmp_path):
+def test_plan_memory_command_prints_a_table_and_json(tmp_path, fast_compile_env):
     plans = {}
     for flags in ([], ["--remat", "none", "--loss-chunk", "64", "--micro-batches", "2"]):
         out = tmp_path / f"plan{len(flags)}.json"
@@ -130,6 +130,7 @@ def test_plan_memory_command_prints_a_table_and_json(tmp_path):
             capture_output=True,
             text=True,
             timeout=300,
+            env=fast_compile_env,
         )
         assert p.returncode == 0, p.stderr
         assert "adapters" in p.stdout and "pool JAX's allocator takes of 24 GiB" in p.stdout, p.stdout
@@ -142,12 +143,13 @@ def test_plan_memory_command_prints_a_table_and_json(tmp_path):
 
 
 @pytest.mark.integration  # CLI processes: keeps the unit tier under 3 minutes
-def test_plan_memory_command_rejects_bad_input_in_one_line(tmp_path):
+def test_plan_memory_command_rejects_bad_input_in_one_line(tmp_path, fast_compile_env):
     p = subprocess.run(
         [sys.executable, "-m", "ravnest_jax.cli", "plan-memory", "--config", str(tmp_path / "nope.json")],
         capture_output=True,
         text=True,
         timeout=120,
+        env=fast_compile_env,
     )
     assert p.returncode == 2 and p.stderr.startswith("error: ") and len(p.stderr.strip().splitlines()) == 1, p.stderr
 

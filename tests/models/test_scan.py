@@ -7,6 +7,7 @@ are refused."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -33,7 +34,7 @@ from ravnest_jax.models import (  # noqa: E402
 )
 
 LLAMA = Path(__file__).resolve().parents[1] / "fixtures" / "llm" / "llama"
-LAYERS = 3
+LAYERS = 2  # a scan of 2 layers against 2 per-layer blocks: stacking order, per-layer slices
 
 
 def _cfg(layers: int = LAYERS) -> TransformerConfig:
@@ -53,7 +54,10 @@ def _per_layer(state) -> dict:
     return out
 
 
+@functools.cache
 def _lms(quantize):
+    """The per-layer and the scanned model with the same LoRA (built once: the tests only read
+    them)."""
     lora = LoraConfig(rank=4)
     return [
         split_lora(apply_lora(Transformer(_cfg(), nnx.Rngs(0), scan_layers=s), lora, quantize=quantize))

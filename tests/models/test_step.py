@@ -49,6 +49,13 @@ def lm():
     return split_lora(load_pretrained(LLAMA, lora=LoraConfig(rank=4)))
 
 
+@pytest.fixture(scope="module")
+def sgd_step(lm):
+    """One SGD step (lr 1, chunks of 8 tokens, nothing donated), compiled once for the module's
+    tests of its loss and update (the metrics do not depend on the learning rate)."""
+    return make_train_step(lm, optax.sgd(1.0), loss_chunk=8, donate=False)
+
+
 def test_from_windows_shifts_and_counts_every_token():
     w = np.arange(12, dtype=np.int32).reshape(2, 6)
     b = TokenBatch.from_windows(w)
@@ -88,13 +95,12 @@ def test_loss_and_update_equal_the_plain_masked_step(lm):
 
 @pytest.mark.integration  # ~10 s each: compiles the accumulating step
 @pytest.mark.parametrize("micro_batches", [2, 4])
-def test_accumulated_micro_batches_equal_one_big_batch(lm, micro_batches):
+def test_accumulated_micro_batches_equal_one_big_batch(lm, sgd_step, micro_batches):
     adapters = _random_adapters(lm.adapters)
     batch = _batch(b=4)
     tx = optax.sgd(1.0)
     outs = []
-    for m in (1, micro_batches):
-        step = make_train_step(lm, tx, micro_batches=m, loss_chunk=8, donate=False)
+    for step in (sgd_step, make_train_step(lm, tx, micro_batches=micro_batches, loss_chunk=8, donate=False)):
         outs.append(step(adapters, tx.init(adapters), lm.frozen, batch, jnp.int32(0)))
     (a1, _, m1), (am, _, mm) = outs
     np.testing.assert_allclose(float(mm["loss"]), float(m1["loss"]), rtol=1e-5)
@@ -169,14 +175,13 @@ def test_dropout_is_keyed_by_the_step():
 
 
 @pytest.mark.integration  # over 2 s of compiling on 2 cores: the full suite, not the unit tier
-def test_eval_loss_is_token_weighted_over_batches(lm):
+def test_eval_loss_is_token_weighted_over_batches(lm, sgd_step):
     adapters = _random_adapters(lm.adapters)
     batches = [_batch(seed=s) for s in (1, 2, 3)]
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *batches)
     ev = float(make_eval_loss(lm, loss_chunk=5)(adapters, lm.frozen, stacked))
-    tx = optax.sgd(0.0)
-    step = make_train_step(lm, tx, donate=False)
-    ms = [step(adapters, tx.init(adapters), lm.frozen, b, jnp.int32(0))[2] for b in batches]
+    state = optax.sgd(1.0).init(adapters)
+    ms = [sgd_step(adapters, state, lm.frozen, b, jnp.int32(0))[2] for b in batches]
     want = sum(float(m["loss"]) * float(m["tokens"]) for m in ms) / sum(float(m["tokens"]) for m in ms)
     np.testing.assert_allclose(ev, want, rtol=1e-5)
 
@@ -222,7 +227,8 @@ def test_stacked_adapters_and_their_optimizer_state_keep_the_layer_axis_whole():
 @pytest.mark.integration  # loads on a 4-device mesh and compiles the FSDP step: ~20 s each
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
 def test_on_a_mesh_the_layouts_stay_and_nothing_compiles_twice(scan_layers, tmp_path):
-    """4 layers: a stacked leaf's layer axis divides by the 4 devices, and stays whole."""
+    """Scanned, 4 layers: a stacked leaf's layer axis divides by the 4 devices, and stays
+    whole. Unrolled, 2 layers (per-layer leaves: their number changes nothing of a layout)."""
     import dataclasses
 
     from flax import nnx
@@ -231,7 +237,7 @@ def test_on_a_mesh_the_layouts_stay_and_nothing_compiles_twice(scan_layers, tmp_
 
     from ravnest_jax.models import TransformerConfig, save_pretrained
 
-    cfg = dataclasses.replace(TransformerConfig.from_hf(LLAMA), num_hidden_layers=4)
+    cfg = dataclasses.replace(TransformerConfig.from_hf(LLAMA), num_hidden_layers=4 if scan_layers else 2)
     ckpt = save_pretrained(rj.models.Transformer(cfg, nnx.Rngs(0)), tmp_path / "four")
     mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
     lm = split_lora(load_pretrained(ckpt, lora=LoraConfig(rank=4), mesh=mesh, scan_layers=scan_layers))
