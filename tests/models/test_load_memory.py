@@ -93,7 +93,6 @@ def sharded(tmp_path_factory) -> Path:
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("quantize", [None, "int4"])
 def test_sharded_load_peak_rss_under_1_3x_the_largest_file(sharded, quantize):
     largest = max(p.stat().st_size for p in sharded.glob("*.safetensors"))

@@ -90,7 +90,6 @@ def test_config_accepts_short_and_long_names():
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_fresh_adapters_leave_the_model_unchanged_and_count_right(tokens, base_logits):
     cfg = LoraConfig(rank=4, train_a=False)
     lm = split_lora(load_pretrained(LLAMA, lora=cfg))
@@ -111,7 +110,6 @@ def test_fresh_adapters_leave_the_model_unchanged_and_count_right(tokens, base_l
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_adapters_depend_on_the_seed_only():
     a = nnx.state(load_pretrained(LLAMA, lora=LoraConfig(rank=4, seed=3)), nnx.LoRAParam)
     b = nnx.state(load_pretrained(LLAMA, lora=LoraConfig(rank=4, seed=3)), nnx.LoRAParam)
@@ -122,7 +120,6 @@ def test_adapters_depend_on_the_seed_only():
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("quantize", [None, "int4"])
 def test_streamed_load_equals_adapting_in_memory(tokens, quantize):
     cfg = LoraConfig(rank=4, targets=("q", "v", "down"))
@@ -136,7 +133,6 @@ def test_streamed_load_equals_adapting_in_memory(tokens, quantize):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("quantize, bits, tol", [("int8", 8, 0.02), ("int4", 4, 0.25)])
 def test_quantized_base_is_stored_in_low_bits_and_close(tokens, base_logits, quantize, bits, tol):
     lm = split_lora(load_pretrained(LLAMA, lora=LoraConfig(rank=4), quantize=quantize))
@@ -151,7 +147,6 @@ def test_quantized_base_is_stored_in_low_bits_and_close(tokens, base_logits, qua
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("quantize", ["int4"])
 def test_merged_weights_equal_the_adapted_model_and_round_trip(tmp_path, tokens, quantize):
     cfg = LoraConfig(rank=4, alpha=16.0)
@@ -165,7 +160,6 @@ def test_merged_weights_equal_the_adapted_model_and_round_trip(tmp_path, tokens,
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_only_adapters_train_and_the_loss_falls(tokens):
     lm = split_lora(load_pretrained(LLAMA, lora=LoraConfig(rank=4, train_a=False)))
     before = float(_loss(lm, lm.adapters, lm.frozen, tokens))
@@ -177,7 +171,6 @@ def test_only_adapters_train_and_the_loss_falls(tokens):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_dropout_applies_in_training_steps_only(tokens):
     lm = split_lora(load_pretrained(LLAMA, lora=LoraConfig(rank=4, dropout=0.5)))
     adapters = _randomize(lm.adapters)
@@ -189,7 +182,6 @@ def test_dropout_applies_in_training_steps_only(tokens):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 def test_bf16_compute_with_float32_adapters(tokens):
     lm = split_lora(load_pretrained(LLAMA, dtype=jnp.bfloat16, lora=LoraConfig(rank=4), quantize="int4"))
     assert {x.dtype for x in jax.tree.leaves(lm.adapters)} == {jnp.dtype(jnp.float32)}

@@ -73,7 +73,6 @@ def test_scanned_plan_equals_the_real_scanned_step(quantize):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.parametrize("quantize", [None, "int4"])
 @pytest.mark.parametrize("remat", [False, True], ids=["no-remat", "remat"])
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
@@ -119,7 +118,7 @@ def test_parameter_bytes_from_two_layers_equal_the_whole_model(quantize):
     assert whole["base_params"] == cfg.num_params(), (whole, cfg.num_params())
 
 
-@pytest.mark.slow
+@pytest.mark.integration  # starts the command: a process that compiles
 def test_plan_memory_command_prints_a_table_and_json(tmp_path, fast_compile_env):
     plans = {}
     for flags in ([], ["--remat", "none", "--loss-chunk", "64", "--micro-batches", "2"]):
@@ -155,7 +154,6 @@ def test_plan_memory_command_rejects_bad_input_in_one_line(tmp_path, fast_compil
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_planner_per_device_on_a_4_device_mesh_within_10_percent(tmp_path):
     """``plan_memory(devices=4)`` against a real 4-device peer: the 4-layer model saved and

@@ -23,6 +23,8 @@ from ravnest_jax.models._remat import recompute_in_backward  # noqa: E402
 LLAMA = Path(__file__).resolve().parents[1] / "fixtures" / "llm" / "llama"
 
 pytestmark = pytest.mark.integration  # compiles training steps: 10-35 s each on 2 cores
+#: remat against no remat is equal to the bit only when XLA optimises both (tests/models/conftest.py)
+DEFAULT_XLA_COMPILES = True
 
 
 def _lm(layers: int, quantize=None, dropout=0.0):
@@ -40,7 +42,6 @@ def _loss(lm, remat, attention="auto"):
     return loss
 
 
-@pytest.mark.slow  # 30 s of compiles; the slow tier runs it with the LLM tests
 @pytest.mark.parametrize("quantize, dropout", [("int4", 0.3)])  # float weights, int4 and keys all tied
 def test_remat_gives_the_same_loss_and_gradients(quantize, dropout):
     lm = _lm(2, quantize, dropout)
@@ -67,7 +68,6 @@ def _temp_bytes(lm, remat: bool, batch: int, seq: int) -> int:
     return jax.jit(step).lower(lm.adapters, lm.frozen, tokens).compile().memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.slow  # four compiles: ~40 s on 2 cores; the suite's budget is spent
 def test_remat_keeps_one_block_of_activations_in_xla_plan():
     """2 and 4 layers at 512 tokens, where the attention scores of a block (XLA's attention)
     dominate: without remat XLA's plan grows by a block's activations per layer, with it by the
