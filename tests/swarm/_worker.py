@@ -76,7 +76,9 @@ def main() -> None:
     p.add_argument("--algorithm", default="butterfly")
     p.add_argument("--ring-segment-bytes", type=int, default=1 << 20)
     p.add_argument("--serve-state", action="store_true", help="after the rounds, serve a state blob")
-    p.add_argument("--fetch-state", action="store_true", help="after the rounds, download the state as a joiner")
+    p.add_argument(
+        "--fetch-state", default="", help="after the rounds, once this file exists, download the state as a joiner"
+    )
     p.add_argument("--hold-until", default="", help="after the rounds, stay in the swarm until this file exists")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -193,6 +195,9 @@ def main() -> None:
         if args.serve_state:
             sw.serve_state(lambda: f"state-of-{args.peer_id};".encode() * 1000)
         if args.fetch_state:
+            end = time.monotonic() + 60  # the test writes the file once the servers said they serve
+            while not os.path.exists(args.fetch_state) and time.monotonic() < end:
+                time.sleep(0.05)
             data = sw.fetch_state(timeout=30)
             print(json.dumps({"event": "state", "bytes": len(data), "head": data[:16].decode()}), flush=True)
         if args.hold_until:

@@ -52,7 +52,7 @@ def test_client_only_peer_takes_part_in_every_round(cluster: Cluster, tmp_path):
     cluster.rendezvous()
     size, rounds = 20_001, 10
     peers = {"p0": (30, 1.0), "p1": (31, 2.0), "p2": (32, 3.0)}  # p2 is client-only
-    hold = tmp_path / "joined"
+    hold, serving = tmp_path / "joined", tmp_path / "serving"
     procs = {
         pid: cluster.peer(
             pid,
@@ -62,7 +62,9 @@ def test_client_only_peer_takes_part_in_every_round(cluster: Cluster, tmp_path):
             size=size,
             expect_peers=3,
             part_timeout=10,
-            **({"listen": "none", "fetch_state": True} if pid == "p2" else {"serve_state": True, "hold_until": hold}),
+            **(
+                {"listen": "none", "fetch_state": serving} if pid == "p2" else {"serve_state": True, "hold_until": hold}
+            ),
         )
         for pid, (seed, w) in peers.items()
     }
@@ -71,7 +73,7 @@ def test_client_only_peer_takes_part_in_every_round(cluster: Cluster, tmp_path):
     assert ready["client_only"] and ready["port"] is None and "/relay/test/p2" in ready["address"], ready
     assert listening_tcp_ports(ready["pid"]) == set(), "a client-only peer must not listen on any TCP port"
     assert listening_tcp_ports(procs["p0"].ready["pid"]) == {procs["p0"].port}
-    _joins_as_client_only(procs, hold)
+    _joins_as_client_only(procs, serving, hold)
     for p in procs.values():
         p.expect("done", 90)
         assert p.wait(10) == 0, p.stderr()
@@ -80,9 +82,14 @@ def test_client_only_peer_takes_part_in_every_round(cluster: Cluster, tmp_path):
         check_round(peers, events, i, size, sorted(peers))  # p2's contribution is in every mean
 
 
-def _joins_as_client_only(procs: dict, hold) -> None:
-    """After the rounds, p0 and p1 serve a state and p2 (client-only) downloads it as a joiner
-    does, by outbound requests only; then ``hold`` lets the servers leave."""
+def _joins_as_client_only(procs: dict, serving, hold) -> None:
+    """After the rounds, p0 and p1 serve a state (each says "holding" once it does; until then
+    it may still be merging its last round, and a download would find no state); ``serving``
+    then lets p2 (client-only) download it as a joiner does, by outbound requests only; then
+    ``hold`` lets the servers leave."""
+    for pid in ("p0", "p1"):
+        procs[pid].expect("holding", 90)
+    serving.write_text("")
     got = procs["p2"].expect("state", 60)
     assert got["bytes"] == len("state-of-p0;") * 1000 and got["head"].startswith(("state-of-p0;", "state-of-p1;")), got
     hold.write_text("")
@@ -252,19 +259,21 @@ def test_client_only_peer_behind_nat_in_network_namespaces(tmp_path):
         wan_x, lan_x = ("ip", "netns", "exec", wan), ("ip", "netns", "exec", lan)
         cluster.rendezvous(host="10.232.0.2", wrap=wan_x, extra=("--probe-timeout", "1"))
         peers = {"p0": (40, 1.0), "p1": (41, 1.0), "p2": (42, 1.0)}
-        rounds, hold = 10, tmp_path / "joined"
+        rounds, hold, serving = 10, tmp_path / "joined", tmp_path / "serving"
         kw = dict(rounds=rounds, size=5001, expect_peers=3, part_timeout=10)
         serve = dict(serve_state=True, hold_until=hold)
         procs = {
             "p0": cluster.peer("p0", 40, wrap=wan_x, listen="10.232.0.2:0", **kw, **serve),
             "p1": cluster.peer("p1", 41, wrap=wan_x, listen="10.232.0.2:0", **kw, **serve),
-            "p2": cluster.peer("p2", 42, wrap=lan_x, listen="10.231.0.2:0", fetch_state=True, **kw),  # behind the NAT
+            "p2": cluster.peer(
+                "p2", 42, wrap=lan_x, listen="10.231.0.2:0", fetch_state=serving, **kw
+            ),  # behind the NAT
         }
         for p in procs.values():
             p.ready = p.expect("ready", 60)
         assert procs["p2"].ready["client_only"], procs["p2"].ready  # the probe could not reach it
         assert not procs["p0"].ready["client_only"]
-        _joins_as_client_only(procs, hold)
+        _joins_as_client_only(procs, serving, hold)
         for p in procs.values():
             p.expect("done", 90)
         for i in range(rounds):
