@@ -22,7 +22,7 @@ from aiohttp import web
 from ..wire._http import HTTPStatusError
 from ..wire._relay import is_relay_address
 from ..wire._types import RoundFailed, RoundRecord, Timeouts
-from ._attempt import Algorithm, Attempt, AttemptInput, Reduced, Retry, RoundFail, RoundUnknown
+from ._attempt import Algorithm, Attempt, AttemptInput, Reduced, Retry, RoundFail, RoundUnknown, decided, route_ints
 from ._contrib import Contribution
 from ._transport import Transport
 
@@ -92,18 +92,27 @@ class Rounds:
     def gone_wait(self) -> asyncio.Future[Any]:
         return asyncio.ensure_future(self._gone_event.wait())
 
-    def note_diverged(self, diverged: tuple[str, ...]) -> None:
+    def gathered(self, gather: dict[str, Any]) -> tuple[str, ...]:
+        """Checks a gather decision (:func:`decided`); returns the peers it found diverged (noted
+        in :attr:`diverged`)."""
+        decided(gather, "ok")
+        diverged = tuple(str(d) for d in gather.get("diverged") or ())
         self.diverged = set(diverged)
+        return diverged
 
-    async def wait_entered(self, r: int, a: int) -> Attempt:
-        """The attempt ``(r, a)`` once this peer entered it (a request of a faster member waits).
+    async def wait_entered(self, request: web.Request, *names: str) -> tuple[Any, ...]:
+        """``(attempt, *ints)``: the attempt of ``request``'s round and attempt path fields once this
+        peer entered it (a request of a faster member waits), and the integer path fields ``names``.
 
         Raises:
-          web.HTTPConflict: the round is not open here (over, or too far ahead), or this peer
-          did not enter it within a part deadline, or is closing.
+          web.HTTPBadRequest: a path field is not an integer. web.HTTPConflict: the round is not
+          open here (over, or too far ahead), or this peer did not enter it within a part
+          deadline, or is closing.
         """
+        r, a, *ints = route_ints(request, "round", "attempt", *names)
+        ahead = lambda: r > max(self.current_round, self.last_round) + 2  # noqa: E731
         st = self.attempts.get((r, a))
-        if st is None and r > max(self.current_round, self.last_round) + 2:
+        if st is None and ahead():
             # Further ahead than this peer has seen: a new process (joined, restarted) learns the
             # swarm's round number only from its own begin, which may answer a moment after a
             # faster member's part arrives. Wait for it (bounded in time and in number of such
@@ -113,17 +122,13 @@ class Rounds:
             self._early_parts += 1
             try:
                 until = time.monotonic() + self.timeouts.part
-                while (
-                    r > max(self.current_round, self.last_round) + 2
-                    and (r, a) not in self.attempts
-                    and time.monotonic() < until
-                ):
+                while ahead() and (r, a) not in self.attempts and time.monotonic() < until:
                     await asyncio.sleep(0.01)
             finally:
                 self._early_parts -= 1
             st = self.attempts.get((r, a))
         if st is None:
-            if r <= self.last_round or r > max(self.current_round, self.last_round) + 2:
+            if r <= self.last_round or ahead():
                 raise web.HTTPConflict(text=f"round {r} is not open here")
             st = self.attempts[(r, a)] = Attempt(r, a)
         if not st.entered.is_set():
@@ -133,7 +138,7 @@ class Rounds:
                 raise web.HTTPConflict(text=f"round {r} attempt {a} not started here") from None
         if st.closed and not st.group:
             raise web.HTTPConflict(text="peer is closing")
-        return st
+        return (st, *ints)
 
     def close_all(self) -> None:
         """The swarm closes: every open attempt refuses further requests."""
@@ -402,7 +407,9 @@ class Rounds:
         self.attempts[(r, a)] = st
         st.group, st.me, st.manifest, st.codec = group, group.index(self.peer_id), manifest, self.codec
         algorithm.prepare(st, inp.contrib.layout, inp.relayed)
-        out = await algorithm.run(st, inp)
-        if isinstance(out, Reduced):
-            self._next = out.next  # the next round's group, handed out with the commit
+        try:
+            out = await algorithm.run(st, inp)
+        except Retry as retry:
+            return retry
+        self._next = out.next  # the next round's group, handed out with the commit
         return out

@@ -20,9 +20,8 @@ from aiohttp import web
 from ravnest_jax.host_memory import release_free_heap
 
 from ..wire import _auth
-from ..wire._http import HTTPStatusError, serve_body
+from ..wire._http import HTTPStatusError
 from ..wire._types import SwarmError
-from ._allreduce import CHUNK
 from ._transport import Transport
 
 log = logging.getLogger("ravnest_jax.swarm")
@@ -116,9 +115,8 @@ class StateTransfer:
         if not out:
             raise web.HTTPNotFound(text="this peer has no state yet")
         body = bytes(out)
-        headers = self.transport.sign_response(request, _auth.body_digest(body))
         try:
-            return await serve_body(request, headers, body, CHUNK, me=self.transport.peer_id, what="the state")
+            return await self.transport.serve(request, body, _auth.body_digest(body), "the state")
         finally:
             # the copies of a whole state are one-off buffers: give them back to the system
             # (the allocator keeps freed round buffers for reuse; RSS crept up by the state's
