@@ -227,26 +227,14 @@ class Butterfly(AllGather):
             sends[owner] = send(
                 self.transport, st, membership[owner], "parts", k, chunks, digest, headers, t_part - time.monotonic()
             )
-        arrive = inp.arrive
-        complete = asyncio.ensure_future(st.complete.wait())
-        gone = self.rounds.gone_wait()
-        try:
-            while not complete.done():
-                left = t_part - time.monotonic()
-                if st.fold is not None:  # members that left and never sent: nothing waits for them
-                    for g in self.rounds.gone(r, a) - set(st.received) - st.receiving:
-                        st.fold.failed(g)
-                if left <= 0 or set(group) - set(st.received) <= self.rounds.gone(r, a):
-                    break  # the deadline, or every part still missing is from a member that left
-                if gone.done():
-                    gone = self.rounds.gone_wait()
-                waits = {complete, gone} | ({arrive} if arrive is not None and not arrive.done() else set())
-                done, _ = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-                if arrive is not None and arrive in done:
-                    t_part = min(t_part, self.rounds.arrived(arrive, r, t_part))
-        finally:
-            complete.cancel()
-            gone.cancel()
+
+        def missing() -> set[str]:
+            if st.fold is not None:  # members that left and never sent: nothing waits for them
+                for g in self.rounds.gone(r, a) - set(st.received) - st.receiving:
+                    st.fold.failed(g)
+            return set() if puller else set(group) - set(st.received)
+
+        await self.rounds.wait_phase(st, missing, st.complete, t_part, inp.arrive)
         st.closed = True
         if st.fold is not None:
             st.fold.keep_only(st.received)

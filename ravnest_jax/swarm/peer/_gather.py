@@ -193,10 +193,12 @@ class AllGather:
             if group[k] in inp.membership
         ]
         try:
-            have = await self._wait_results(st, others, tag, t_gather)
+            missing = lambda: {group[k] for k in others if (k, tag) not in st.results}  # noqa: E731
+            await self.rounds.wait_phase(st, missing, st.result_arrived, t_gather)
         finally:
             for t in pulls:
                 t.cancel()
+        have = [k for k in others if (k, tag) in st.results]
         st.gather_closed = True
         for k in have:
             lo, hi = st.bounds[k]
@@ -233,28 +235,6 @@ class AllGather:
             self.mean_residual.commit(r, tag)
         clipped = mine.get("clipped", {}) if self.aggregator == "clipped_mean" else {}
         return Reduced(out, contributors, float(mine["total"]), digest, diverged, commit.get("next"), clipped=clipped)
-
-    async def _wait_results(self, st: Attempt, others: list[int], tag: str, t_gather: float) -> list[int]:
-        """Waits until every result part of ``others`` with ``tag`` is in, the deadline, or the
-        owners still missing left the run; returns the parts that are in."""
-        r, a, group = st.round, st.attempt, st.group
-        while True:
-            have = [k for k in others if (k, tag) in st.results]
-            left = t_gather - time.monotonic()
-            if (
-                len(have) == len(others)
-                or left <= 0
-                or {group[k] for k in others if k not in have} <= self.rounds.gone(r, a)
-            ):
-                return have  # complete, the deadline, or the owners still missing left the run
-            st.result_arrived.clear()
-            arrived = asyncio.ensure_future(st.result_arrived.wait())
-            gone = self.rounds.gone_wait()
-            try:
-                await asyncio.wait({arrived, gone}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                arrived.cancel()
-                gone.cancel()
 
     async def _pull(self, st: Attempt, k: int, tag: str, address: str, t_end: float, mine: dict[str, Any]) -> None:
         """A client-only member collects result part ``k`` (reduced over ``tag``) from its owner:

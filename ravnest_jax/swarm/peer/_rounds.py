@@ -89,8 +89,41 @@ class Rounds:
     def gone(self, r: int, a: int) -> set[str]:
         return self._gone.get((r, a), set())
 
-    def gone_wait(self) -> asyncio.Future[Any]:
-        return asyncio.ensure_future(self._gone_event.wait())
+    async def wait_phase(
+        self,
+        st: Attempt,
+        missing: Callable[[], set[str]],
+        event: asyncio.Event,
+        t_end: float,
+        arrive: asyncio.Task[Any] | None = None,
+    ) -> None:
+        """Waits until no member is ``missing()`` (asked again whenever ``event`` is set), until
+        ``t_end``, or until every member still missing left the run (:meth:`note_left`).
+        ``arrive``: the arrival request of a round handed out with the last commit: its answer
+        may bring ``t_end`` forward (the round's part clock started earlier elsewhere)."""
+        while (left := t_end - time.monotonic()) > 0 and not missing() <= self.gone(st.round, st.attempt):
+            event.clear()
+            waits = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._gone_event.wait())}
+            try:
+                done, _ = await asyncio.wait(
+                    waits | ({arrive} if arrive is not None and not arrive.done() else set()),
+                    timeout=left,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                for t in waits:
+                    t.cancel()
+            if arrive is not None and arrive in done:
+                res = arrive.result()
+                if res.get("round") == st.round:
+                    t_end = min(t_end, time.monotonic() + float(res.get("part_left", self.timeouts.part)))
+                else:  # the round ended already (a fast peer) or was retried
+                    log.debug(
+                        "%s: rendezvous answered round %s to our arrival in %d",
+                        self.peer_id,
+                        res.get("round"),
+                        st.round,
+                    )
 
     def gathered(self, gather: dict[str, Any]) -> tuple[str, ...]:
         """Checks a gather decision (:func:`decided`); returns the peers it found diverged (noted
@@ -209,14 +242,6 @@ class Rounds:
             except Exception as e:  # noqa: BLE001 - only a hint; the votes decide
                 log.info("%s: arrival at round %d refused: %r", self.peer_id, r, e)
                 return {}
-
-    def arrived(self, arrive: asyncio.Task[Any], r: int, t_part: float) -> float:
-        """The part deadline after the answer to our begin (arrival) request of round ``r``."""
-        res = arrive.result()
-        if res.get("round") != r:  # the round ended already (a fast peer) or was retried
-            log.debug("%s: rendezvous answered round %s to our arrival in %d", self.peer_id, res.get("round"), r)
-            return t_part
-        return time.monotonic() + float(res.get("part_left", self.timeouts.part))
 
     # ------------------------------------------------------------------ one round
     async def run(

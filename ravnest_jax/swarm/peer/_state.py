@@ -84,7 +84,9 @@ class StateTransfer:
                 if left <= 0:
                     raise SwarmError(f"no live peer delivered the state in {timeout} s: {errors[-3:]}")
                 try:
-                    data = await t.get(p["address"], "/state", left, DEFAULT_MAX_STATE_BYTES)
+                    buf = bytearray()
+                    await t.get_stream(p["address"], "/state", left, DEFAULT_MAX_STATE_BYTES, None, buf.extend)
+                    data = bytes(buf)
                     log.info("%s: downloaded the state (%d bytes) from %s", me, len(data), p["peer_id"])
                     return data
                 except HTTPStatusError as e:

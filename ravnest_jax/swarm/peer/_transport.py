@@ -417,17 +417,6 @@ class Transport:
                 raise HTTPStatusError(resp.status, text.decode(errors="replace"))
         return size
 
-    async def get(self, address: str, rest: str, timeout: float, max_bytes: int) -> bytes:
-        """One signed GET of a binary resource from the peer at ``address``; the answer's
-        signature and body digest are checked while it streams in.
-
-        Raises:
-          see :meth:`get_stream`.
-        """
-        buf = bytearray()
-        await self.get_stream(address, rest, timeout, max_bytes, None, buf.extend)
-        return bytes(buf)
-
     async def get_stream(
         self,
         address: str,
