@@ -241,9 +241,7 @@ class ActivationLink:
         reason = str((body or {}).get("reason", ""))[:500]
         with self._cond:
             if epoch == self._epoch and self._failure is None:
-                self._failure = PipelineBroken(
-                    f"{sender} stopped the pipeline (epoch {epoch}): {reason}", neighbour=None
-                )
+                self._failure = PipelineBroken(f"{sender} stopped the pipeline (epoch {epoch}): {reason}")
                 self._cond.notify_all()
         return self.transport.reply(request, {"ok": True})
 

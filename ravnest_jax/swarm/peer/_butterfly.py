@@ -36,7 +36,6 @@ import numpy as np
 from aiohttp import web
 
 from ..wire._codec import PartLayout, RangeDecoder
-from ..wire._types import Timeouts
 from ._allreduce import clip_scales, contributors_tag, part_limit
 from ._attempt import (
     H_MANIFEST,
@@ -67,8 +66,8 @@ class Butterfly(AllGather):
     Args:
       transport: the peer's transport (its routes are added here).
       rounds: the round driver (votes, attempts, members that left).
-      codec, codec_options: the wire codec of parts and results.
-      timeouts: the part deadline (seconds) of each phase.
+      codec, codec_options: the wire codec of parts and results (the part deadline of each phase
+        is the transport's ``timeouts.part``, seconds).
       aggregator: ``"mean"`` or ``"clipped_mean"`` (module docstring).
       clip_multiple: the clipped mean's bound, in multiples of the median norm (>= 1; checked
         by :class:`~ravnest_jax.swarm.AllReduce`).
@@ -85,7 +84,6 @@ class Butterfly(AllGather):
         rounds: Rounds,
         codec: str,
         codec_options: dict[str, Any],
-        timeouts: Timeouts,
         aggregator: str = "mean",
         clip_multiple: float | None = 2.0,
         mean_error_feedback: bool = False,
@@ -93,7 +91,7 @@ class Butterfly(AllGather):
     ):
         self.aggregator, self.clip_multiple = aggregator, clip_multiple
         self.transport, self.rounds = transport, rounds
-        self.codec, self.codec_options, self.timeouts = codec, codec_options, timeouts
+        self.codec, self.codec_options, self.timeouts = codec, codec_options, transport.timeouts
         self.peer_id = transport.peer_id
         self._other_manifest: set[str] = set()  # senders of another manifest, warned about once
         transport.route("PUT", PARTS, self._h_put_part)
@@ -246,7 +244,7 @@ class Butterfly(AllGather):
         # clips someone has another tag, and the owner reduces again.
         mine: dict[str, Any] = {}
         if len(st.received) == n and st.fold is not None and st.fold.complete and not puller:
-            self.push(st, group, membership, deadline, mine, contributors_tag(group))
+            self.push(st, inp, group, mine, contributors_tag(group))
         # a puller holds every member's (empty) part of its own
         vote: dict[str, Any] = {"received": sorted(group) if puller else sorted(st.received)}
         if self.aggregator == "clipped_mean":
@@ -301,7 +299,7 @@ class Butterfly(AllGather):
                     await asyncio.wait(pushes)
                 mine.clear()
                 if await self._reduce(st, inp, contributors, clipped, stats):
-                    self.push(st, contributors, membership, deadline, mine, tag)
+                    self.push(st, inp, contributors, mine, tag)
                 else:
                     mine.update(tag=tag, failed=True)
             mine["clipped"] = clipped

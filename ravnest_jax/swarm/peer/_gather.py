@@ -14,10 +14,9 @@ import numpy as np
 from aiohttp import web
 
 from ..wire._codec import PartLayout, RangeDecoder, host_pack, mean_codec_options, packed_to_chunks
-from ..wire._types import Timeouts, result_digest
+from ..wire._types import result_digest
 from ._allreduce import part_limit
 from ._attempt import H_MANIFEST, Attempt, AttemptInput, Reduced, RoundFail, decided, receive
-from ._rounds import Rounds
 from ._transport import Body, Transport, body_digest, body_nbytes
 
 log = logging.getLogger("ravnest_jax.swarm")
@@ -92,16 +91,7 @@ class MeanResidual:
 class AllGather:
     """The all-gather half of one peer's butterfly (see the module docstring), a base of
     ``Butterfly``, whose constructor sets what it uses (transport, rounds, codec, its options,
-    timeouts, aggregator, peer id) and calls :meth:`_init_gather`."""
-
-    transport: Transport
-    rounds: Rounds
-    codec: str
-    codec_options: dict[str, Any]
-    timeouts: Timeouts
-    aggregator: str
-    peer_id: str
-    name: str
+    timeouts, aggregator, peer id, name) and calls :meth:`_init_gather`."""
 
     def _init_gather(self, mean_error_feedback: bool, mean_codec: str | None) -> None:
         """``mean_error_feedback``: keep a :class:`MeanResidual` of this peer's part (lossy codecs).
@@ -284,19 +274,13 @@ class AllGather:
         return out
 
     def push(
-        self,
-        st: Attempt,
-        contributors: tuple[str, ...],
-        membership: dict[str, str],
-        deadline: float,
-        mine: dict[str, Any],
-        tag: str,
+        self, st: Attempt, inp: AttemptInput, contributors: tuple[str, ...], mine: dict[str, Any], tag: str
     ) -> None:
         """This owner's mean over ``contributors`` (its sum, of the clipped contributions for the
         clipped mean, divided by their total weight), encoded once with the mean's codec in the
-        pieces of the part, decoded back into the output buffer as every member decodes it, and pushed to every other member
-        tagged ``tag`` (tasks in ``mine["pushes"]``); ``mine`` also gets the tag, digest and
-        total weight."""
+        pieces of the part, decoded back into the output buffer as every member decodes it, and
+        pushed to every other member of ``inp.membership`` tagged ``tag`` (tasks in
+        ``mine["pushes"]``); ``mine`` also gets the tag, digest and total weight."""
         out = st.out
         assert out is not None
         acc = out[st.lo : st.hi]
@@ -326,7 +310,7 @@ class AllGather:
         fut = st.my_results.setdefault(tag, asyncio.get_running_loop().create_future())
         if not fut.done():  # for the client-only members that pull it
             fut.set_result((data, digest, repr(float(total))))
-        t_end = min(time.monotonic() + self.timeouts.part, deadline)
+        t_end, membership = min(time.monotonic() + self.timeouts.part, inp.deadline), inp.membership
         headers = {H_CONTRIB: tag, H_MANIFEST: st.manifest}
         mine.update(
             tag=tag,

@@ -22,7 +22,7 @@ from aiohttp import web
 from ..wire import _auth
 from ..wire._codec import PartDecoder, decode_part, encode_part
 from ..wire._http import HTTPStatusError
-from ..wire._types import Timeouts, result_digest
+from ..wire._types import result_digest
 from ._allreduce import part_bounds, part_limit, ring_segments
 from ._attempt import (
     H_MANIFEST,
@@ -50,7 +50,7 @@ class Ring:
     """The pipelined ring of one peer (see the module docstring).
 
     Args:
-      transport, rounds, codec, codec_options, timeouts: as for :class:`Butterfly`.
+      transport, rounds, codec, codec_options: as for :class:`Butterfly`.
       segment_bytes: float32 bytes per segment (part of the round manifest: equal on all peers).
     """
 
@@ -62,11 +62,10 @@ class Ring:
         rounds: Rounds,
         codec: str,
         codec_options: dict[str, Any],
-        timeouts: Timeouts,
         segment_bytes: int,
     ):
         self.transport, self.rounds = transport, rounds
-        self.codec, self.codec_options, self.timeouts = codec, codec_options, timeouts
+        self.codec, self.codec_options, self.timeouts = codec, codec_options, transport.timeouts
         self.segment_bytes = segment_bytes
         self.peer_id = transport.peer_id
         self._other_manifest: set[str] = set()  # senders of another manifest, warned about once

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from ..wire._http import HTTPStatusError
 from ..wire._relay import is_relay_address
-from ..wire._types import RoundFailed, RoundRecord, Timeouts
+from ..wire._types import RoundFailed, RoundRecord
 from ._attempt import Algorithm, Attempt, AttemptInput, Reduced, Retry, RoundFail, RoundUnknown, decided, route_ints
 from ._contrib import Contribution
 from ._transport import Transport
@@ -38,8 +38,8 @@ class Rounds:
     """Rounds of one peer, one at a time, in call order (see the module docstring).
 
     Args:
-      transport: the peer's transport.
-      timeouts: round, part and grace deadlines (seconds) and the attempt limit.
+      transport: the peer's transport (its ``timeouts``: round, part and grace deadlines, in
+        seconds, and the attempt limit).
       codec: the wire codec of the rounds (recorded in every attempt and record).
       hello: returns this peer's registration payload (id, address, last round, info).
       spawn: starts a background task that the swarm's close cancels.
@@ -48,12 +48,11 @@ class Rounds:
     def __init__(
         self,
         transport: Transport,
-        timeouts: Timeouts,
         codec: str,
         hello: Callable[[], dict[str, Any]],
         spawn: Callable[[Any], asyncio.Task[Any]],
     ):
-        self.transport, self.timeouts, self.codec = transport, timeouts, codec
+        self.transport, self.timeouts, self.codec = transport, transport.timeouts, codec
         self.peer_id = transport.peer_id
         self._hello, self._spawn = hello, spawn
         self.algorithm: Algorithm | None = None  # set by the swarm (the algorithm needs us first)
@@ -359,15 +358,13 @@ class Rounds:
                         except RoundUnknown as e:
                             if e.epoch in (None, epoch) or time.monotonic() >= deadline:
                                 raise
-                            out = e
                             break
-                        inp.arrive = None  # its answer only matters to the first attempt
-                        if isinstance(out, Retry):
-                            a, group = out.attempt, out.group
-                            inp.part_left = self.timeouts.part
+                        except Retry as retry:
+                            a, group = retry.attempt, retry.group
+                            inp.arrive, inp.part_left = None, self.timeouts.part  # the arrival: the first attempt only
                             log.info("%s: round %d retry %d with %s", self.peer_id, r, a, group)
                             if self.peer_id not in group:
-                                raise RoundFail("left out of the retry group (too late)")
+                                raise RoundFail("left out of the retry group (too late)") from None
                             continue
                         diverged = out.diverged
                         if missed:
@@ -421,9 +418,8 @@ class Rounds:
                 # payload-sized buffers; collect the young generations now so RSS stays flat
                 gc.collect(GC_GENERATION)
 
-    async def _attempt(
-        self, r: int, a: int, group: tuple[str, ...], manifest: str, inp: AttemptInput
-    ) -> Reduced | Retry:
+    async def _attempt(self, r: int, a: int, group: tuple[str, ...], manifest: str, inp: AttemptInput) -> Reduced:
+        """Attempt ``a`` of round ``r`` with ``group``; raises :class:`Retry` for another one."""
         if self.peer_id not in group:
             raise RoundFail("not in the round's group")
         algorithm = self.algorithm
@@ -432,9 +428,6 @@ class Rounds:
         self.attempts[(r, a)] = st
         st.group, st.me, st.manifest, st.codec = group, group.index(self.peer_id), manifest, self.codec
         algorithm.prepare(st, inp.contrib.layout, inp.relayed)
-        try:
-            out = await algorithm.run(st, inp)
-        except Retry as retry:
-            return retry
+        out = await algorithm.run(st, inp)
         self._next = out.next  # the next round's group, handed out with the commit
         return out

@@ -37,11 +37,12 @@ class StateTransfer:
     Args:
       transport: the peer's transport (the ``GET /state`` route is added here).
       avoid: returns the peers the last round found diverged (downloaded from last).
-      serve_timeout: seconds a provider's future may take (the round deadline).
+
+    A provider's future may take the round deadline (``transport.timeouts.round``).
     """
 
-    def __init__(self, transport: Transport, avoid: Callable[[], set[str]], serve_timeout: float):
-        self.transport, self._avoid, self._serve_timeout = transport, avoid, serve_timeout
+    def __init__(self, transport: Transport, avoid: Callable[[], set[str]]):
+        self.transport, self._avoid = transport, avoid
         self.provider: StateProvider | None = None
         transport.route("GET", "/state", self._h_get_state)
 
@@ -108,7 +109,7 @@ class StateTransfer:
         try:
             out = await loop.run_in_executor(None, provider)
             if isinstance(out, concurrent.futures.Future):
-                out = await asyncio.wait_for(asyncio.wrap_future(out), self._serve_timeout)
+                out = await asyncio.wait_for(asyncio.wrap_future(out), self.transport.timeouts.round)
         except TimeoutError:
             raise web.HTTPServiceUnavailable(text="state not ready in time") from None
         except Exception as e:  # noqa: BLE001 - reported to the requester

@@ -31,7 +31,7 @@ from ..wire import _auth, _relay
 from ..wire._codec import NonFiniteError, WireFormatError
 from ..wire._http import HTTPStatusError, json_response, read_signed, serve_body, signed_json, verify_request
 from ..wire._relay import relay_address
-from ..wire._types import SwarmError, Timeouts
+from ..wire._types import TLS, SwarmError, Timeouts
 from ._allreduce import CHUNK
 
 log = logging.getLogger("ravnest_jax.swarm")
@@ -55,12 +55,13 @@ class Transport:
       run_id: the run; every path is under ``/v1/runs/{run_id}``.
       token: the run token (bytes, non-empty): signs and verifies every message.
       peer_id: this peer's id (the signer of what it sends).
-      timeouts: connect deadline (seconds) of every connection.
+      timeouts: the swarm's deadlines (seconds): ``connect`` of every connection here, the others
+        for the parts of the peer that use this transport.
       listen: ``(host, port)`` to bind; port 0 picks a free one (see :attr:`port`); ``None``:
         client-only (no inbound port: the server listens on a private Unix socket only, and
         other peers reach this one through the rendezvous' relay, see :meth:`relay_pump`).
-      ssl: server-side ``ssl.SSLContext`` or ``None``.
-      client_ssl: ``ssl=`` of outgoing requests (``None``: aiohttp's defaults).
+      tls: HTTPS (:class:`~ravnest_jax.swarm.TLS`: the server-side ``ssl.SSLContext`` or
+        ``None``, the ``ssl=`` of outgoing requests, ``None``: aiohttp's defaults).
       advertise: the base URL other peers use to reach this one (default: guessed, see
         :meth:`start`).
 
@@ -77,16 +78,15 @@ class Transport:
         peer_id: str,
         timeouts: Timeouts,
         listen: tuple[str, int] | None,
-        ssl: _ssl.SSLContext | None = None,
-        client_ssl: Any = None,
+        tls: TLS,
         advertise: str | None = None,
     ):
         self.rendezvous_url, self.run_id, self.peer_id = rendezvous_url, run_id, peer_id
         self.token = token
         self.timeouts = timeouts
         self._listen = listen
-        self._ssl = ssl
-        self.client_ssl = client_ssl
+        self._ssl: _ssl.SSLContext | None = tls.server
+        self.client_ssl = tls.client
         self._advertise = advertise
         self._nonces = _auth.NonceCache()
         self._routes: list[tuple[str, str, Handler]] = [("GET", "/health", self._h_health)]
