@@ -220,7 +220,7 @@ class ActivationLink:
         dec = (_EncodedDecoder if exp.encoded else ActivationDecoder)(
             name=LEAF, shape=exp.shape, codec=exp.codec, max_bytes=limit
         )
-        arr, _ = await t.read_body(request, dec, claimed, limit, lambda: False, what=kind)
+        arr, _ = await t.read_stream(request, dec, claimed, limit, lambda: False, what=kind)
         with self._cond:
             if epoch < self._epoch:  # a takeover happened while it streamed in
                 raise web.HTTPGone(text=f"epoch {epoch} is over")

@@ -47,12 +47,10 @@ class Attempt:
         self.receiving: set[str] = set()
         self.layout: Any = None  # the contribution's PartLayout (cut positions, pieces)
         self.grid: list[tuple[int, int]] = []  # the grid chunks of this peer's part
-        self.contrib: Any = None  # this peer's Contribution (its parts are served from it)
         self.own_chunk: Any = None  # (a, b) -> this peer's values of its own part's chunk
-        self.out: np.ndarray | None = None  # the round's output buffer (float32, n_elements)
+        self.out: np.ndarray | None = None  # the round's output buffer (float32, the whole vector's length)
         self.fold: Any = None  # the running sum of this peer's part (a Fold)
         self.sent_parts: dict[int, tuple[Any, str]] = {}  # owner index -> (message, digest) sent
-        self.n_elements = 0  # the whole vector's length
         self.pullers: frozenset[str] = frozenset()  # client-only members: own no part, pull results
         self.my_results: dict[str, asyncio.Future[tuple[Any, str, str]]] = {}  # tag -> (data, digest, total)
         self.served = 0  # bytes pulled from this peer (result parts, parts pulled again)
@@ -77,7 +75,7 @@ class Attempt:
         self.closed = self.gather_closed = True
         self.received.clear()
         self.sent_parts.clear()
-        self.fold = self.out = self.contrib = self.own_chunk = None
+        self.fold = self.out = self.own_chunk = None
         for fut in self.my_results.values():
             fut.cancel()
         self.my_results.clear()
@@ -280,7 +278,7 @@ async def receive(
     raw: bytearray | None = None,
 ) -> tuple[Any, str, int]:
     """The body of one message of a phase (a part, a result part, a ring segment), ``key``, read
-    into ``decoder()`` (``Transport.read_body``) while ``key`` is in ``busy``; ``undo()`` when
+    into ``decoder()`` (``Transport.read_stream``) while ``key`` is in ``busy``; ``undo()`` when
     that fails.
 
     Returns:
@@ -290,7 +288,7 @@ async def receive(
       web.HTTPConflict: the phase is ``closed()`` (before or after the body; ``late`` names
       it), or ``key`` is in ``done`` or ``busy`` (a duplicate). web.HTTPRequestEntityTooLarge:
       a Content-Length over ``limit`` bytes (before anything is allocated). What
-      ``Transport.read_body`` raises.
+      ``Transport.read_stream`` raises.
     """
     if closed():
         raise web.HTTPConflict(text=f"too late: {late}")
@@ -301,7 +299,7 @@ async def receive(
     dec = decoder()
     busy.add(key)
     try:
-        value, sha = await transport.read_body(request, dec, claimed, limit, closed, raw, what)
+        value, sha = await transport.read_stream(request, dec, claimed, limit, closed, raw, what)
         if closed():
             raise web.HTTPConflict(text=f"too late: {late}")
     except BaseException:

@@ -110,7 +110,7 @@ class Butterfly(AllGather):
         """The parts of this attempt. Client-only members (``relayed``) own no part while some
         member is reachable: they send their parts to the owners and *pull* the result parts
         (outbound requests), so that nothing of a round goes through the relay."""
-        st.layout, st.n_elements = layout, layout.n
+        st.layout = layout
         owners = [g for g in st.group if g not in relayed]
         if owners and len(owners) < len(st.group):
             split = iter(layout.bounds(len(owners)))
@@ -182,20 +182,17 @@ class Butterfly(AllGather):
         """This peer's side of the attempt before anything is sent: the output buffer, the sum
         of its own part (with its own values in it).
         Returns whether this peer is a puller (owns nothing)."""
-        contrib = inp.contrib
         puller = self.peer_id in st.pullers
-        st.contrib = contrib
-        st.out = np.empty(st.n_elements, np.float32)
+        st.out = np.empty(st.layout.n, np.float32)
         st.grid = st.layout.chunk_grid(st.lo, st.hi)
-        own = contrib.chunk_reader(st.lo, st.hi)
-        st.own_chunk = own
+        st.own_chunk = inp.contrib.chunk_reader(st.lo, st.hi)
         if not puller:
             st.fold = Fold(
                 st.out[st.lo : st.hi],
                 st.grid,
                 st.group,
                 self.peer_id,
-                own,
+                st.own_chunk,
                 inp.weight,
                 norms=self.aggregator == "clipped_mean",
             )

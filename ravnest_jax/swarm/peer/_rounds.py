@@ -31,7 +31,6 @@ log = logging.getLogger("ravnest_jax.swarm")
 ABSTAIN_WEIGHT = 1e-30  # w + 1e-30 == w in float32 for any weight w >= 1e-22
 MAX_EARLY_PARTS = 64  # part requests at most that wait for this peer to begin their round
 GC_GENERATION = 1  # collected after every round (cheap: young objects only)
-_RETRIED = (TimeoutError, aiohttp.ClientError, OSError)  # the rendezvous down or restarting
 
 
 class Rounds:
@@ -100,7 +99,7 @@ class Rounds:
         ``t_end``, or until every member still missing left the run (:meth:`note_left`).
         ``arrive``: the arrival request of a round handed out with the last commit: its answer
         may bring ``t_end`` forward (the round's part clock started earlier elsewhere)."""
-        while (left := t_end - time.monotonic()) > 0 and not missing() <= self.gone(st.round, st.attempt):
+        while not missing() <= self.gone(st.round, st.attempt) and (left := t_end - time.monotonic()) > 0:
             event.clear()
             waits = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._gone_event.wait())}
             try:
@@ -194,7 +193,7 @@ class Rounds:
                 payload["wait_s"] = max(left - 0.5, 0.0)
             try:
                 return await self.transport.rendezvous("POST", rest, payload, left, round_=round_)
-            except _RETRIED as e:
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 last = e  # rendezvous down or restarting: try again until the deadline
                 await asyncio.sleep(min(0.25, max(left, 0)))
             except (HTTPStatusError, PermissionError) as e:
@@ -229,18 +228,11 @@ class Rounds:
         """Tells the rendezvous this member is at round ``r`` (handed out with the last commit):
         the round's part clock starts. Returns the answer (``{}`` when none came)."""
         payload = {**self._hello(), "after": r - 1, "arrive": r}
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return {}
-            try:
-                return await self.transport.rendezvous("POST", "/rounds/begin", payload, left)
-            except _RETRIED as e:
-                log.debug("%s: arrival at round %d: %r", self.peer_id, r, e)
-                await asyncio.sleep(min(0.25, max(left, 0)))
-            except Exception as e:  # noqa: BLE001 - only a hint; the votes decide
-                log.info("%s: arrival at round %d refused: %r", self.peer_id, r, e)
-                return {}
+        try:
+            return await self._ask("arrival answer", "arrival", "/rounds/begin", payload, deadline)
+        except Exception as e:  # noqa: BLE001 - only a hint; the votes decide
+            log.info("%s: arrival at round %d: %r", self.peer_id, r, e)
+            return {}
 
     # ------------------------------------------------------------------ one round
     async def run(

@@ -4,9 +4,9 @@ rendezvous, over one aiohttp client session and this peer's aiohttp server.
 Every request and answer is signed with the run token (HMAC-SHA256 over method, path, run, peer,
 nonce and the SHA-256 of the body, see ``_auth.py``). Binary bodies stream both ways: a sender
 yields its buffer in chunks (no copy), a receiver hashes and decodes each chunk as the socket
-delivers it (:meth:`Transport.read_body`, the one body reader of the butterfly, the ring and the
-pipeline activations). The all-reduce algorithms, the state transfer and the pipeline activations are
-users of this layer; none of them signs, hashes or opens connections itself.
+delivers it (:meth:`Transport.read_stream`, the one body reader of the butterfly, the ring and
+the pipeline activations). The all-reduce algorithms, the state transfer and the pipeline
+activations are users of this layer; none of them signs, hashes or opens connections itself.
 """
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ class Transport:
             raise web.HTTPNotFound(text="unknown run")
         return verify_request(request, self.token, self.run_id, self._nonces, extra)
 
-    async def read_body(
+    async def read_stream(
         self,
         request: web.Request,
         dec: Any,
