@@ -220,7 +220,7 @@ class ActivationLink:
         dec = (_EncodedDecoder if exp.encoded else ActivationDecoder)(
             name=LEAF, shape=exp.shape, codec=exp.codec, max_bytes=limit
         )
-        arr, _ = await t.read_body(request, dec, claimed, limit, lambda: False, what=kind)
+        arr, _ = await t.read_stream(request, dec, claimed, limit, lambda: False, what=kind)
         with self._cond:
             if epoch < self._epoch:  # a takeover happened while it streamed in
                 raise web.HTTPGone(text=f"epoch {epoch} is over")
@@ -241,9 +241,7 @@ class ActivationLink:
         reason = str((body or {}).get("reason", ""))[:500]
         with self._cond:
             if epoch == self._epoch and self._failure is None:
-                self._failure = PipelineBroken(
-                    f"{sender} stopped the pipeline (epoch {epoch}): {reason}", neighbour=None
-                )
+                self._failure = PipelineBroken(f"{sender} stopped the pipeline (epoch {epoch}): {reason}")
                 self._cond.notify_all()
         return self.transport.reply(request, {"ok": True})
 

@@ -1,5 +1,6 @@
 """One attempt of one round: its per-peer state, what an all-reduce algorithm gets to run it,
-and the typed outcomes it returns (:class:`Reduced`, :class:`Retry`, or :class:`RoundFail`)."""
+its typed outcomes (:class:`Reduced` returned, :class:`Retry` or :class:`RoundFail` raised) and
+the checks of the requests of its phases."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+from collections.abc import Callable, Container
 from typing import Any, NoReturn, Protocol
 
 import numpy as np
@@ -45,12 +47,10 @@ class Attempt:
         self.receiving: set[str] = set()
         self.layout: Any = None  # the contribution's PartLayout (cut positions, pieces)
         self.grid: list[tuple[int, int]] = []  # the grid chunks of this peer's part
-        self.contrib: Any = None  # this peer's Contribution (its parts are served from it)
         self.own_chunk: Any = None  # (a, b) -> this peer's values of its own part's chunk
-        self.out: np.ndarray | None = None  # the round's output buffer (float32, n_elements)
+        self.out: np.ndarray | None = None  # the round's output buffer (float32, the whole vector's length)
         self.fold: Any = None  # the running sum of this peer's part (a Fold)
         self.sent_parts: dict[int, tuple[Any, str]] = {}  # owner index -> (message, digest) sent
-        self.n_elements = 0  # the whole vector's length
         self.pullers: frozenset[str] = frozenset()  # client-only members: own no part, pull results
         self.my_results: dict[str, asyncio.Future[tuple[Any, str, str]]] = {}  # tag -> (data, digest, total)
         self.served = 0  # bytes pulled from this peer (result parts, parts pulled again)
@@ -75,7 +75,7 @@ class Attempt:
         self.closed = self.gather_closed = True
         self.received.clear()
         self.sent_parts.clear()
-        self.fold = self.out = self.contrib = self.own_chunk = None
+        self.fold = self.out = self.own_chunk = None
         for fut in self.my_results.values():
             fut.cancel()
         self.my_results.clear()
@@ -128,12 +128,13 @@ class Reduced:
     clipped: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass(frozen=True)
-class Retry:
-    """The rendezvous decided to retry the round as ``attempt`` with ``group``."""
+class Retry(Exception):
+    """The rendezvous decided to retry the round as ``attempt`` with ``group`` (raised by
+    :func:`decided`, returned by ``Rounds._attempt``)."""
 
-    attempt: int
-    group: tuple[str, ...]
+    def __init__(self, attempt: int, group: tuple[str, ...]):
+        super().__init__(f"retry as attempt {attempt} with {group}")
+        self.attempt, self.group = attempt, group
 
 
 @dataclasses.dataclass
@@ -179,7 +180,7 @@ class Algorithm(Protocol):
 
     ``name`` is what peers agree on (part of the round manifest with :meth:`wire`); the
     algorithm adds its routes to the transport at construction and runs one attempt of a round
-    with :meth:`run`, returning :class:`Reduced` or :class:`Retry`, or raising
+    with :meth:`run`, returning :class:`Reduced`, or raising :class:`Retry` or
     :class:`RoundFail`."""
 
     name: str
@@ -188,7 +189,7 @@ class Algorithm(Protocol):
 
     def prepare(self, st: Attempt, layout: Any, relayed: frozenset[str] = ...) -> None: ...
 
-    async def run(self, st: Attempt, inp: AttemptInput) -> Reduced | Retry: ...
+    async def run(self, st: Attempt, inp: AttemptInput) -> Reduced: ...
 
 
 def route_ints(request: web.Request, *names: str) -> tuple[int, ...]:
@@ -245,17 +246,66 @@ def refuse_other_manifest(warned: set[str], peer_id: str, sender: str, wire: str
     raise web.HTTPBadRequest(text="part does not match the round manifest (leaf names, shapes or codec differ)")
 
 
-def decided(decision: dict[str, Any], ok: str) -> Retry | None:
-    """A vote's decision: :class:`Retry` for ``"retry"``, ``None`` for ``ok``.
+def decided(decision: dict[str, Any], ok: str) -> None:
+    """Checks that a vote's decision is ``ok``.
 
     Raises:
-      RoundFail: any other decision (with the rendezvous' reason).
+      Retry: the decision is ``"retry"``. RoundFail: any other (with the rendezvous' reason).
     """
     if decision["decision"] == "retry":
-        return Retry(int(decision["attempt"]), tuple(decision["group"]))
+        raise Retry(int(decision["attempt"]), tuple(decision["group"]))
     if decision["decision"] != ok and decision.get("unknown"):
         epoch = decision.get("epoch")
         raise RoundUnknown(decision.get("reason", "round unknown"), epoch if isinstance(epoch, str) else None)
     if decision["decision"] != ok:
         raise RoundFail(decision.get("reason", "round failed"))
-    return None
+
+
+async def receive(
+    transport: Any,
+    request: web.Request,
+    claimed: str,
+    decoder: Callable[[], Any],
+    *,
+    key: Any,
+    done: Container[Any],
+    busy: set[Any],
+    closed: Callable[[], bool],
+    limit: int,
+    what: str,
+    late: str,
+    undo: Callable[[], None] | None = None,
+    raw: bytearray | None = None,
+) -> tuple[Any, str, int]:
+    """The body of one message of a phase (a part, a result part, a ring segment), ``key``, read
+    into ``decoder()`` (``Transport.read_stream``) while ``key`` is in ``busy``; ``undo()`` when
+    that fails.
+
+    Returns:
+      ``(what the decoder's finish returned, the body digest, the body's bytes)``.
+
+    Raises:
+      web.HTTPConflict: the phase is ``closed()`` (before or after the body; ``late`` names
+      it), or ``key`` is in ``done`` or ``busy`` (a duplicate). web.HTTPRequestEntityTooLarge:
+      a Content-Length over ``limit`` bytes (before anything is allocated). What
+      ``Transport.read_stream`` raises.
+    """
+    if closed():
+        raise web.HTTPConflict(text=f"too late: {late}")
+    if key in done or key in busy:
+        raise web.HTTPConflict(text=f"duplicate {what}")
+    if (request.content_length or 0) > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length or 0)
+    dec = decoder()
+    busy.add(key)
+    try:
+        value, sha = await transport.read_stream(request, dec, claimed, limit, closed, raw, what)
+        if closed():
+            raise web.HTTPConflict(text=f"too late: {late}")
+    except BaseException:
+        if undo is not None:
+            undo()
+        raise
+    finally:
+        busy.discard(key)
+    return value, sha, dec.nbytes

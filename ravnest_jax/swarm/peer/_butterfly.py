@@ -35,27 +35,23 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from ..wire._codec import PartLayout, RangeDecoder, WireFormatError
-from ..wire._http import serve_body
-from ..wire._types import Timeouts
-from ._allreduce import CHUNK, clip_scales, contributors_tag, part_limit
+from ..wire._codec import PartLayout, RangeDecoder
+from ._allreduce import clip_scales, contributors_tag, part_limit
 from ._attempt import (
     H_MANIFEST,
     H_WEIGHT,
     Attempt,
     AttemptInput,
     Reduced,
-    Retry,
     RoundFail,
-    decided,
+    receive,
     refuse_other_manifest,
-    route_ints,
     signed_part,
 )
 from ._fold import Fold
 from ._gather import AllGather, send
 from ._rounds import Rounds
-from ._transport import Transport, body_digest
+from ._transport import Transport, body_digest, body_nbytes
 
 log = logging.getLogger("ravnest_jax.swarm")
 
@@ -63,14 +59,15 @@ PARTS = "/rounds/{round}/{attempt}/parts/{part}"
 CONTRIB = "/rounds/{round}/{attempt}/contrib/{part}"  # an owner pulls a member's part again
 
 
-class Butterfly:
-    """The butterfly algorithm of one peer (see the module docstring).
+class Butterfly(AllGather):
+    """The butterfly algorithm of one peer (see the module docstring; its all-gather is
+    :class:`~ravnest_jax.swarm.peer._gather.AllGather`).
 
     Args:
       transport: the peer's transport (its routes are added here).
       rounds: the round driver (votes, attempts, members that left).
-      codec, codec_options: the wire codec of parts and results.
-      timeouts: the part deadline (seconds) of each phase.
+      codec, codec_options: the wire codec of parts and results (the part deadline of each phase
+        is the transport's ``timeouts.part``, seconds).
       aggregator: ``"mean"`` or ``"clipped_mean"`` (module docstring).
       clip_multiple: the clipped mean's bound, in multiples of the median norm (>= 1; checked
         by :class:`~ravnest_jax.swarm.AllReduce`).
@@ -87,7 +84,6 @@ class Butterfly:
         rounds: Rounds,
         codec: str,
         codec_options: dict[str, Any],
-        timeouts: Timeouts,
         aggregator: str = "mean",
         clip_multiple: float | None = 2.0,
         mean_error_feedback: bool = False,
@@ -95,19 +91,17 @@ class Butterfly:
     ):
         self.aggregator, self.clip_multiple = aggregator, clip_multiple
         self.transport, self.rounds = transport, rounds
-        self.codec, self.codec_options, self.timeouts = codec, codec_options, timeouts
+        self.codec, self.codec_options, self.timeouts = codec, codec_options, transport.timeouts
         self.peer_id = transport.peer_id
         self._other_manifest: set[str] = set()  # senders of another manifest, warned about once
         transport.route("PUT", PARTS, self._h_put_part)
         transport.route("GET", CONTRIB, self._h_get_contrib)
-        self.gather = AllGather(
-            transport, rounds, codec, codec_options, timeouts, aggregator, mean_error_feedback, mean_codec
-        )
+        self._init_gather(mean_error_feedback, mean_codec)
 
     def wire(self) -> str:
         """Codec (and the mean's, if another), algorithm and aggregator (with its knob): part of
         the round manifest."""
-        codec = self.codec if self.gather.mean_codec == self.codec else f"{self.codec}>{self.gather.mean_codec}"
+        codec = self.codec if self.mean_codec == self.codec else f"{self.codec}>{self.mean_codec}"
         if self.aggregator == "clipped_mean":
             return f"{codec}/butterfly/clipped_mean:{self.clip_multiple!r}"
         return f"{codec}/butterfly"
@@ -116,7 +110,7 @@ class Butterfly:
         """The parts of this attempt. Client-only members (``relayed``) own no part while some
         member is reachable: they send their parts to the owners and *pull* the result parts
         (outbound requests), so that nothing of a round goes through the relay."""
-        st.layout, st.n_elements = layout, layout.n
+        st.layout = layout
         owners = [g for g in st.group if g not in relayed]
         if owners and len(owners) < len(st.group):
             split = iter(layout.bounds(len(owners)))
@@ -133,51 +127,44 @@ class Butterfly:
         """Reduce-scatter: a member's part of the part this peer owns, added into the sum as it
         streams in."""
         sender, claimed, w, manifest = signed_part(self.transport, request)
-        r, a, k = route_ints(request, "round", "attempt", "part")
-        st = await self.rounds.wait_entered(r, a)
+        st, k = await self.rounds.wait_entered(request, "part")
         if k != st.me or self.peer_id in st.pullers:
             raise web.HTTPBadRequest(text=f"this peer owns part {st.me}, not {k}")
         if sender not in st.group or sender == self.peer_id:
             raise web.HTTPForbidden(text="sender is not in this round's group")
         if manifest != st.manifest:
             refuse_other_manifest(self._other_manifest, self.peer_id, sender, self.wire())
-        if st.closed:
-            raise web.HTTPConflict(text="too late: the reduce-scatter of this attempt is over")
-        if sender in st.received or sender in st.receiving:
-            raise web.HTTPConflict(text="duplicate part")
-        limit = part_limit(st.codec, st.hi - st.lo)
-        if request.content_length is not None and request.content_length > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-        st.receiving.add(sender)
         fold = st.fold
-        try:
+
+        def decoder() -> RangeDecoder:
             fold.expect(sender, w)
-            dec = RangeDecoder(st.layout, st.lo, st.hi, lambda j, v: fold.add(sender, j, v))
-            await self.transport.read_stream(request, dec.feed, claimed, limit, lambda: st.closed)
-            try:
-                dec.finish()
-            except WireFormatError as e:
-                raise web.HTTPBadRequest(text=f"bad part: {e}") from None
-            if st.closed:
-                raise web.HTTPConflict(text="too late: the reduce-scatter of this attempt is over")
-            st.received[sender] = w
-            st.bytes_in += dec.nbytes
-            if len(st.received) == len(st.group):
-                st.complete.set()
-        except BaseException:
-            if sender not in st.received:
-                fold.failed(sender)  # what it added (if anything) is no longer a valid sum
-            raise
-        finally:
-            st.receiving.discard(sender)
+            return RangeDecoder(st.layout, st.lo, st.hi, lambda j, v: fold.add(sender, j, v))
+
+        _, _, nbytes = await receive(
+            self.transport,
+            request,
+            claimed,
+            decoder,
+            key=sender,
+            done=st.received,
+            busy=st.receiving,
+            closed=lambda: st.closed,
+            limit=part_limit(st.codec, st.hi - st.lo),
+            what="part",
+            late="the reduce-scatter of this attempt is over",
+            undo=lambda: fold.failed(sender),  # what it added (if anything) is no longer a valid sum
+        )
+        st.received[sender] = w
+        st.bytes_in += nbytes
+        if len(st.received) == len(st.group):
+            st.complete.set()
         return self.transport.reply(request, {"ok": True})
 
     async def _h_get_contrib(self, request: web.Request) -> web.StreamResponse:
         """An owner pulls this member's part of its part again (its sum needs redoing): the same
         message this member sent it, from this member's contribution."""
         sender, _ = self.transport.verify(request)
-        r, a, k = route_ints(request, "round", "attempt", "part")
-        st = await self.rounds.wait_entered(r, a)
+        st, k = await self.rounds.wait_entered(request, "part")
         if st.algorithm != self.name or not 0 <= k < len(st.group) or k == st.me:
             raise web.HTTPBadRequest(text=f"bad part {k}")
         if sender != st.group[k]:
@@ -186,9 +173,8 @@ class Butterfly:
         if sent is None or st.gather_closed:
             raise web.HTTPConflict(text="no part of this attempt for that owner here")
         chunks, digest = sent
-        headers = self.transport.sign_response(request, digest)
-        out = await serve_body(request, headers, chunks, CHUNK, me=self.peer_id, what=f"its part of round {r}")
-        st.served += sum(len(c) for c in chunks)
+        out = await self.transport.serve(request, chunks, digest, f"its part of round {st.round}")
+        st.served += body_nbytes(chunks)
         return out
 
     # ------------------------------------------------------------------ client side
@@ -196,20 +182,17 @@ class Butterfly:
         """This peer's side of the attempt before anything is sent: the output buffer, the sum
         of its own part (with its own values in it).
         Returns whether this peer is a puller (owns nothing)."""
-        contrib = inp.contrib
         puller = self.peer_id in st.pullers
-        st.contrib = contrib
-        st.out = np.empty(st.n_elements, np.float32)
+        st.out = np.empty(st.layout.n, np.float32)
         st.grid = st.layout.chunk_grid(st.lo, st.hi)
-        own = contrib.chunk_reader(st.lo, st.hi)
-        st.own_chunk = own
+        st.own_chunk = inp.contrib.chunk_reader(st.lo, st.hi)
         if not puller:
             st.fold = Fold(
                 st.out[st.lo : st.hi],
                 st.grid,
                 st.group,
                 self.peer_id,
-                own,
+                st.own_chunk,
                 inp.weight,
                 norms=self.aggregator == "clipped_mean",
             )
@@ -219,7 +202,7 @@ class Butterfly:
         st.entered.set()
         return puller
 
-    async def run(self, st: Attempt, inp: AttemptInput) -> Reduced | Retry:
+    async def run(self, st: Attempt, inp: AttemptInput) -> Reduced:
         r, a, group, n = st.round, st.attempt, st.group, len(st.group)
         membership, deadline, stats = inp.membership, inp.deadline, inp.stats
         puller = self._enter(st, inp)
@@ -239,26 +222,14 @@ class Butterfly:
             sends[owner] = send(
                 self.transport, st, membership[owner], "parts", k, chunks, digest, headers, t_part - time.monotonic()
             )
-        arrive = inp.arrive
-        complete = asyncio.ensure_future(st.complete.wait())
-        gone = self.rounds.gone_wait()
-        try:
-            while not complete.done():
-                left = t_part - time.monotonic()
-                if st.fold is not None:  # members that left and never sent: nothing waits for them
-                    for g in self.rounds.gone(r, a) - set(st.received) - st.receiving:
-                        st.fold.failed(g)
-                if left <= 0 or set(group) - set(st.received) <= self.rounds.gone(r, a):
-                    break  # the deadline, or every part still missing is from a member that left
-                if gone.done():
-                    gone = self.rounds.gone_wait()
-                waits = {complete, gone} | ({arrive} if arrive is not None and not arrive.done() else set())
-                done, _ = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-                if arrive is not None and arrive in done:
-                    t_part = min(t_part, self.rounds.arrived(arrive, r, t_part))
-        finally:
-            complete.cancel()
-            gone.cancel()
+
+        def missing() -> set[str]:
+            if st.fold is not None:  # members that left and never sent: nothing waits for them
+                for g in self.rounds.gone(r, a) - set(st.received) - st.receiving:
+                    st.fold.failed(g)
+            return set() if puller else set(group) - set(st.received)
+
+        await self.rounds.wait_phase(st, missing, st.complete, t_part, inp.arrive)
         st.closed = True
         if st.fold is not None:
             st.fold.keep_only(st.received)
@@ -270,7 +241,7 @@ class Butterfly:
         # clips someone has another tag, and the owner reduces again.
         mine: dict[str, Any] = {}
         if len(st.received) == n and st.fold is not None and st.fold.complete and not puller:
-            self.gather.push(st, group, membership, deadline, mine, contributors_tag(group))
+            self.push(st, inp, group, mine, contributors_tag(group))
         # a puller holds every member's (empty) part of its own
         vote: dict[str, Any] = {"received": sorted(group) if puller else sorted(st.received)}
         if self.aggregator == "clipped_mean":
@@ -308,12 +279,8 @@ class Butterfly:
                 log.info("%s: part to %s failed: %r", self.peer_id, owner, e)
         reduced = False
         try:
-            retry = decided(gather, "ok")
-            if retry is not None:
-                return retry
+            diverged = self.rounds.gathered(gather)
             contributors = tuple(gather["contributors"])
-            diverged = tuple(str(d) for d in gather.get("diverged") or ())
-            self.rounds.note_diverged(diverged)
             missing = [c for c in contributors if c not in st.received]
             if missing and not puller:  # cannot happen with an honest rendezvous
                 raise RoundFail(f"contributors {missing} not received here")
@@ -329,12 +296,12 @@ class Butterfly:
                     await asyncio.wait(pushes)
                 mine.clear()
                 if await self._reduce(st, inp, contributors, clipped, stats):
-                    self.gather.push(st, contributors, membership, deadline, mine, tag)
+                    self.push(st, inp, contributors, mine, tag)
                 else:
                     mine.update(tag=tag, failed=True)
             mine["clipped"] = clipped
-            out = await self.gather.run(st, inp, mine, tag, contributors, diverged)
-            reduced = isinstance(out, Reduced)
+            out = await self.all_gather(st, inp, mine, tag, contributors, diverged)
+            reduced = True
             return out
         finally:
             st.gather_closed = True

@@ -173,7 +173,3 @@ class Fold:
         for c in sorted(members):
             total = np.float32(total + np.float32(self.weights[c]))
         return total
-
-    def queued_bytes(self) -> int:
-        """Bytes of chunks waiting to be added (the memory the fixed order costs)."""
-        return sum(v.nbytes for q in self.queued.values() for v in q)

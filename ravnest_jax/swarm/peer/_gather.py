@@ -1,7 +1,7 @@
 """The butterfly's all-gather: every part owner's mean, encoded once, pushed to every member (or
 pulled by a client-only one) and decoded straight into the round's output buffer; then the
-commit vote. Used by :class:`~ravnest_jax.swarm.peer._butterfly.Butterfly`, which runs the
-reduce-scatter before it."""
+commit vote. :class:`AllGather` is a base of :class:`~ravnest_jax.swarm.peer._butterfly.Butterfly`,
+which runs the reduce-scatter before it."""
 
 from __future__ import annotations
 
@@ -13,13 +13,11 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from ..wire._codec import PartLayout, RangeDecoder, WireFormatError, host_pack, mean_codec_options, packed_to_chunks
-from ..wire._http import serve_body
-from ..wire._types import Timeouts, result_digest
-from ._allreduce import CHUNK, part_limit
-from ._attempt import H_MANIFEST, Attempt, AttemptInput, Reduced, Retry, RoundFail, decided, route_ints
-from ._rounds import Rounds
-from ._transport import Body, Transport, body_digest
+from ..wire._codec import PartLayout, RangeDecoder, host_pack, mean_codec_options, packed_to_chunks
+from ..wire._types import result_digest
+from ._allreduce import part_limit
+from ._attempt import H_MANIFEST, Attempt, AttemptInput, Reduced, RoundFail, decided, receive
+from ._transport import Body, Transport, body_digest, body_nbytes
 
 log = logging.getLogger("ravnest_jax.swarm")
 
@@ -91,38 +89,21 @@ class MeanResidual:
 
 
 class AllGather:
-    """The all-gather of one peer's butterfly (see the module docstring).
+    """The all-gather half of one peer's butterfly (see the module docstring), a base of
+    ``Butterfly``, whose constructor sets what it uses (transport, rounds, codec, its options,
+    timeouts, aggregator, peer id, name) and calls :meth:`_init_gather`."""
 
-    Args:
-      transport, rounds, codec, codec_options, timeouts, aggregator: the butterfly's.
-      mean_error_feedback: keep a :class:`MeanResidual` of this peer's part (lossy codecs).
-      mean_codec: the codec of the result parts (the mean), ``None``: ``codec``; a block codec
-        of the same block size as a block ``codec`` (checked by the swarm).
-    """
-
-    def __init__(
-        self,
-        transport: Transport,
-        rounds: Rounds,
-        codec: str,
-        codec_options: dict[str, Any],
-        timeouts: Timeouts,
-        aggregator: str,
-        mean_error_feedback: bool = False,
-        mean_codec: str | None = None,
-    ):
-        self.transport, self.rounds = transport, rounds
-        self.codec, self.codec_options, self.timeouts = codec, codec_options, timeouts
-        self.mean_codec = mean_codec or codec
-        self.mean_options = mean_codec_options(codec, self.mean_codec, codec_options)
-        self.aggregator = aggregator
+    def _init_gather(self, mean_error_feedback: bool, mean_codec: str | None) -> None:
+        """``mean_error_feedback``: keep a :class:`MeanResidual` of this peer's part (lossy codecs).
+        ``mean_codec``: the codec of the result parts (the mean), ``None``: ``codec``; a block codec
+        of the same block size as a block ``codec`` (checked by the swarm)."""
+        self.mean_codec = mean_codec or self.codec
+        self.mean_options = mean_codec_options(self.codec, self.mean_codec, self.codec_options)
         self.mean_residual = MeanResidual() if mean_error_feedback and self.mean_codec != "fp32" else None
-        self.peer_id = transport.peer_id
-        self.name = "butterfly"
-        transport.route("PUT", RESULTS, self._h_put_result)
-        transport.route("GET", PULL, self._h_get_result)
+        self.transport.route("PUT", RESULTS, self._h_put_result)
+        self.transport.route("GET", PULL, self._h_get_result)
 
-    def layout(self, st: Attempt) -> PartLayout:
+    def result_layout(self, st: Attempt) -> PartLayout:
         """The layout of the result parts: the contribution's, in the mean's codec (same leaves,
         same block size, so the same parts and grid chunks)."""
         if self.mean_codec == st.layout.codec:
@@ -137,51 +118,49 @@ class AllGather:
         tag = request.headers.get(H_CONTRIB, "")
         manifest = request.headers.get(H_MANIFEST, "")
         sender, claimed = self.transport.verify(request, extra=f"{tag}|{manifest}")
-        r, a, k = route_ints(request, "round", "attempt", "part")
-        st = await self.rounds.wait_entered(r, a)
+        st, k = await self.rounds.wait_entered(request, "part")
         if not 0 <= k < len(st.group) or k == st.me:
             raise web.HTTPBadRequest(text=f"bad result part {k}")
         if sender != st.group[k]:
             raise web.HTTPForbidden(text="only the owner of a part pushes its result")
         if manifest != st.manifest or st.algorithm != self.name or not 1 <= len(tag) <= 64:
             raise web.HTTPBadRequest(text="result does not match the round manifest")
-        if st.gather_closed or st.out is None:
-            raise web.HTTPConflict(text="too late: the all-gather of this attempt is over")
-        if (k, tag) in st.results or (k, tag) in st.results_receiving:
-            raise web.HTTPConflict(text="duplicate result part")
         lo, hi = st.bounds[k]
-        limit = part_limit(self.mean_codec, hi - lo)
-        if request.content_length is not None and request.content_length > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-        in_out = k not in st.out_claims
-        if in_out:
-            st.out_claims[k] = tag
-        dst = st.out[lo:hi] if in_out else np.empty(hi - lo, np.float32)
-        layout = self.layout(st)
-        dec = RangeDecoder(layout, lo, hi, out=dst)
-        st.results_receiving.add((k, tag))
-        try:
-            sha = await self.transport.read_stream(
-                request, dec.feed, claimed, limit, lambda: st.gather_closed, what="result part"
-            )
-            try:
-                dec.finish()
-            except WireFormatError as e:
-                raise web.HTTPBadRequest(text=f"bad result part: {e}") from None
-            if st.gather_closed:
-                raise web.HTTPConflict(text="too late: the all-gather of this attempt is over")
-        except BaseException:
-            if in_out and st.out_claims.get(k) == tag:
+        claim = k not in st.out_claims  # the first version of part k: into the output buffer
+        own: list[np.ndarray] = []  # another one (reduced over another set): into a buffer of its own
+
+        def decoder() -> RangeDecoder:
+            if claim:
+                st.out_claims[k] = tag
+            else:
+                own.append(np.empty(hi - lo, np.float32))
+            assert st.out is not None
+            return RangeDecoder(self.result_layout(st), lo, hi, out=own[0] if own else st.out[lo:hi])
+
+        def undo() -> None:
+            if claim and st.out_claims.get(k) == tag:
                 del st.out_claims[k]  # the region is free again (its contents are garbage)
-            raise
-        finally:
-            st.results_receiving.discard((k, tag))
-        st.results[(k, tag)] = (None if in_out else dst, sha)
-        st.bytes_in += dec.nbytes
+
+        _, sha, nbytes = await receive(
+            self.transport,
+            request,
+            claimed,
+            decoder,
+            key=(k, tag),
+            done=st.results,
+            busy=st.results_receiving,
+            closed=lambda: st.gather_closed or st.out is None,
+            limit=part_limit(self.mean_codec, hi - lo),
+            what="result part",
+            late="the all-gather of this attempt is over",
+            undo=undo,
+        )
+        st.results[(k, tag)] = (own[0] if own else None, sha)
+        st.bytes_in += nbytes
         st.result_arrived.set()
         return self.transport.reply(request, {"ok": True})
 
-    async def run(
+    async def all_gather(
         self,
         st: Attempt,
         inp: AttemptInput,
@@ -189,7 +168,7 @@ class AllGather:
         tag: str,
         contributors: tuple[str, ...],
         diverged: tuple[str, ...],
-    ) -> Reduced | Retry:
+    ) -> Reduced:
         """Phase 2: the result parts pushed to us by their owners (or pulled from them, by a
         client-only member), then the commit vote."""
         r, a, group, n, stats = st.round, st.attempt, st.group, len(st.group), inp.stats
@@ -204,10 +183,12 @@ class AllGather:
             if group[k] in inp.membership
         ]
         try:
-            have = await self._wait_results(st, others, tag, t_gather)
+            missing = lambda: {group[k] for k in others if (k, tag) not in st.results}  # noqa: E731
+            await self.rounds.wait_phase(st, missing, st.result_arrived, t_gather)
         finally:
             for t in pulls:
                 t.cancel()
+        have = [k for k in others if (k, tag) in st.results]
         st.gather_closed = True
         for k in have:
             lo, hi = st.bounds[k]
@@ -237,9 +218,7 @@ class AllGather:
                 stats["sent"] += t.result()
         stats["sent"] += st.served
         st.served = 0
-        retry = decided(commit, "commit")
-        if retry is not None:
-            return retry
+        decided(commit, "commit")
         if not ok:  # pragma: no cover - the rendezvous commits only if everyone is ok
             raise RoundFail("all-gather failed here")
         if self.mean_residual is not None:
@@ -247,35 +226,13 @@ class AllGather:
         clipped = mine.get("clipped", {}) if self.aggregator == "clipped_mean" else {}
         return Reduced(out, contributors, float(mine["total"]), digest, diverged, commit.get("next"), clipped=clipped)
 
-    async def _wait_results(self, st: Attempt, others: list[int], tag: str, t_gather: float) -> list[int]:
-        """Waits until every result part of ``others`` with ``tag`` is in, the deadline, or the
-        owners still missing left the run; returns the parts that are in."""
-        r, a, group = st.round, st.attempt, st.group
-        while True:
-            have = [k for k in others if (k, tag) in st.results]
-            left = t_gather - time.monotonic()
-            if (
-                len(have) == len(others)
-                or left <= 0
-                or {group[k] for k in others if k not in have} <= self.rounds.gone(r, a)
-            ):
-                return have  # complete, the deadline, or the owners still missing left the run
-            st.result_arrived.clear()
-            arrived = asyncio.ensure_future(st.result_arrived.wait())
-            gone = self.rounds.gone_wait()
-            try:
-                await asyncio.wait({arrived, gone}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                arrived.cancel()
-                gone.cancel()
-
     async def _pull(self, st: Attempt, k: int, tag: str, address: str, t_end: float, mine: dict[str, Any]) -> None:
         """A client-only member collects result part ``k`` (reduced over ``tag``) from its owner:
         one signed GET that the owner answers once it has reduced (a long poll), decoded into
         the output buffer as it streams in."""
         lo, hi = st.bounds[k]
         rest = PULL.format(round=st.round, attempt=st.attempt, part=k, tag=tag)
-        layout = self.layout(st)
+        layout = self.result_layout(st)
         out = st.out
         assert out is not None
         dst = out[lo:hi]
@@ -301,9 +258,8 @@ class AllGather:
         """Owner side of a pull: answers with this peer's encoded result part for the tag once
         it has it (waits up to the part deadline)."""
         sender, _ = self.transport.verify(request)
-        r, a, k = route_ints(request, "round", "attempt", "part")
         tag = request.match_info["tag"]
-        st = await self.rounds.wait_entered(r, a)
+        st, k = await self.rounds.wait_entered(request, "part")
         if k != st.me or st.algorithm != self.name:
             raise web.HTTPBadRequest(text=f"this peer owns part {st.me}, not {k}")
         if sender not in st.pullers:
@@ -313,32 +269,22 @@ class AllGather:
             data, digest, total = await asyncio.wait_for(asyncio.shield(fut), self.timeouts.part)
         except (TimeoutError, asyncio.CancelledError):
             raise web.HTTPConflict(text="no result part reduced over that contributor set") from None
-        headers = self.transport.sign_response(request, digest, extra=total)
-        headers[H_TOTAL] = total
-        out = await serve_body(request, headers, data, CHUNK, me=self.peer_id, what="a result part")
-        st.served += sum(len(c) for c in data)
+        out = await self.transport.serve(request, data, digest, "a result part", (H_TOTAL, total))
+        st.served += body_nbytes(data)
         return out
 
     def push(
-        self,
-        st: Attempt,
-        contributors: tuple[str, ...],
-        membership: dict[str, str],
-        deadline: float,
-        mine: dict[str, Any],
-        tag: str,
+        self, st: Attempt, inp: AttemptInput, contributors: tuple[str, ...], mine: dict[str, Any], tag: str
     ) -> None:
         """This owner's mean over ``contributors`` (its sum, of the clipped contributions for the
         clipped mean, divided by their total weight), encoded once with the mean's codec in the
-        pieces of the part, decoded back into the output buffer as every member decodes it, and pushed to every other member
-        tagged ``tag`` (tasks in ``mine["pushes"]``); ``mine`` also gets the tag, digest and
-        total weight."""
+        pieces of the part, decoded back into the output buffer as every member decodes it, and
+        pushed to every other member of ``inp.membership`` tagged ``tag`` (tasks in
+        ``mine["pushes"]``); ``mine`` also gets the tag, digest and total weight."""
         out = st.out
         assert out is not None
         acc = out[st.lo : st.hi]
-        total = np.float32(0.0)
-        for c in sorted(contributors):
-            total = np.float32(total + np.float32(st.received[c]))
+        total = st.fold.total_weight(contributors)
         np.divide(acc, total, out=acc)  # the sum of the clipped mean holds the clipped contributions
         target = None
         if self.mean_residual is not None:
@@ -354,8 +300,7 @@ class AllGather:
         data = packed_to_chunks(host_pack(pieces, self.mean_codec, **self.mean_options))
         digest = body_digest(data)
         if self.mean_codec != "fp32":  # lossy: the owner keeps what the others decode
-            layout = self.layout(st)
-            dec = RangeDecoder(layout, st.lo, st.hi, out=acc)
+            dec = RangeDecoder(self.result_layout(st), st.lo, st.hi, out=acc)
             for c in data:
                 dec.feed(c)
             dec.finish()
@@ -365,7 +310,7 @@ class AllGather:
         fut = st.my_results.setdefault(tag, asyncio.get_running_loop().create_future())
         if not fut.done():  # for the client-only members that pull it
             fut.set_result((data, digest, repr(float(total))))
-        t_end = min(time.monotonic() + self.timeouts.part, deadline)
+        t_end, membership = min(time.monotonic() + self.timeouts.part, inp.deadline), inp.membership
         headers = {H_CONTRIB: tag, H_MANIFEST: st.manifest}
         mine.update(
             tag=tag,

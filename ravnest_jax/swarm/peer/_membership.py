@@ -12,16 +12,17 @@ import aiohttp
 
 from ..wire._http import HTTPStatusError
 from ..wire._manifest import refusal_differences
-from ..wire._types import ManifestMismatch, SwarmError, Timeouts
+from ..wire._types import ManifestMismatch, SwarmError
 from ._rounds import Rounds
 from ._transport import Transport, why
 
 log = logging.getLogger("ravnest_jax.swarm")
 
 
-async def heartbeat_loop(transport: Transport, rounds: Rounds, hello: Any, timeouts: Timeouts) -> None:
-    """Heartbeats to the rendezvous every ``timeouts.heartbeat`` seconds until cancelled; learns
-    which members of running attempts left (their answers)."""
+async def heartbeat_loop(transport: Transport, rounds: Rounds, hello: Any) -> None:
+    """Heartbeats to the rendezvous every ``timeouts.heartbeat`` seconds (the transport's) until
+    cancelled; learns which members of running attempts left (their answers)."""
+    timeouts = transport.timeouts
     while True:
         await asyncio.sleep(timeouts.heartbeat)
         try:
@@ -37,7 +38,7 @@ async def heartbeat_loop(transport: Transport, rounds: Rounds, hello: Any, timeo
             log.debug("%s: heartbeat failed: %r", transport.peer_id, e)
 
 
-async def join(transport: Transport, hello: Any, timeouts: Timeouts) -> None:
+async def join(transport: Transport, hello: Any) -> None:
     """Registers with the rendezvous (retried until the part + connect deadline). When the
     rendezvous' probe cannot reach this peer at its address, the peer turns client-only (a
     warning says so) and re-registers with its relay mailbox as its address.
@@ -45,6 +46,7 @@ async def join(transport: Transport, hello: Any, timeouts: Timeouts) -> None:
     Raises:
       SwarmError: the rendezvous refuses this peer, or cannot be reached in time.
     """
+    timeouts = transport.timeouts
     deadline = time.monotonic() + timeouts.part + timeouts.connect
     last: Exception | None = None
     while time.monotonic() < deadline:

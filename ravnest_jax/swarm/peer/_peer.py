@@ -127,20 +127,19 @@ class Swarm(ManifestDeclaration):
             peer_id=self.peer_id,
             timeouts=self.timeouts,
             listen=bind,
-            ssl=tls.server,
-            client_ssl=tls.client,
+            tls=tls,
             advertise=advertise,
         )
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._rounds = Rounds(self.transport, self.timeouts, codec.name, self._hello, self._spawn)
-        args = (self.transport, self._rounds, codec.name, codec.options, self.timeouts)
+        self._rounds = Rounds(self.transport, codec.name, self._hello, self._spawn)
+        args = (self.transport, self._rounds, codec.name, codec.options)
         self._algorithm: Butterfly | Ring = (
             self.algorithms["ring"](*args, algorithm.segment_bytes)
             if algorithm.name == "ring"
             else self.algorithms["butterfly"](*args, algorithm.aggregator, algorithm.clip_multiple, **mean)
         )
         self._rounds.algorithm = self._algorithm
-        self._state = StateTransfer(self.transport, lambda: self._rounds.diverged, self.timeouts.round)
+        self._state = StateTransfer(self.transport, lambda: self._rounds.diverged)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -448,10 +447,10 @@ class Swarm(ManifestDeclaration):
     # ------------------------------------------------------------------ loop side
     async def _astart(self) -> None:
         await self.transport.start()
-        await join(self.transport, self._hello, self.timeouts)
+        await join(self.transport, self._hello)
         if self.transport.client_only:
             self._spawn(self.transport.relay_pump(self._spawn))
-        self._spawn(heartbeat_loop(self.transport, self._rounds, self._hello, self.timeouts))
+        self._spawn(heartbeat_loop(self.transport, self._rounds, self._hello))
 
     async def _astop(self) -> None:
         for t in list(self._tasks):

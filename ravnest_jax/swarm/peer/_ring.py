@@ -22,7 +22,7 @@ from aiohttp import web
 from ..wire import _auth
 from ..wire._codec import PartDecoder, decode_part, encode_part
 from ..wire._http import HTTPStatusError
-from ..wire._types import Timeouts, result_digest
+from ..wire._types import result_digest
 from ._allreduce import part_bounds, part_limit, ring_segments
 from ._attempt import (
     H_MANIFEST,
@@ -30,11 +30,10 @@ from ._attempt import (
     Attempt,
     AttemptInput,
     Reduced,
-    Retry,
     RoundFail,
     decided,
+    receive,
     refuse_other_manifest,
-    route_ints,
     signed_part,
 )
 from ._rounds import Rounds
@@ -51,7 +50,7 @@ class Ring:
     """The pipelined ring of one peer (see the module docstring).
 
     Args:
-      transport, rounds, codec, codec_options, timeouts: as for :class:`Butterfly`.
+      transport, rounds, codec, codec_options: as for :class:`Butterfly`.
       segment_bytes: float32 bytes per segment (part of the round manifest: equal on all peers).
     """
 
@@ -63,11 +62,10 @@ class Ring:
         rounds: Rounds,
         codec: str,
         codec_options: dict[str, Any],
-        timeouts: Timeouts,
         segment_bytes: int,
     ):
         self.transport, self.rounds = transport, rounds
-        self.codec, self.codec_options, self.timeouts = codec, codec_options, timeouts
+        self.codec, self.codec_options, self.timeouts = codec, codec_options, transport.timeouts
         self.segment_bytes = segment_bytes
         self.peer_id = transport.peer_id
         self._other_manifest: set[str] = set()  # senders of another manifest, warned about once
@@ -88,10 +86,9 @@ class Ring:
         """One segment of one ring step from the left neighbour, streamed into its decoder."""
         sender, claimed, w, manifest = signed_part(self.transport, request)
         phase = request.match_info["phase"]
-        r, a, step, j = route_ints(request, "round", "attempt", "step", "seg")
         if phase not in ("rs", "ag"):
             raise web.HTTPBadRequest(text="bad phase")
-        st = await self.rounds.wait_entered(r, a)
+        st, step, j = await self.rounds.wait_entered(request, "step", "seg")
         n = len(st.group)
         if st.algorithm != self.name:
             raise web.HTTPBadRequest(text="part does not match the round manifest")
@@ -102,28 +99,28 @@ class Ring:
         if not 0 <= step < n - 1 or not 0 <= j < len(st.segments[0]):
             raise web.HTTPBadRequest(text="bad ring step or segment")
         key = (phase, step, j)
-        if key in st.ring_seen or key in st.ring_receiving or st.closed:
-            raise web.HTTPConflict(text="duplicate or late ring message")
         c = (st.me - 1 - step) % n if phase == "rs" else (st.me - step) % n
         lo, hi = st.segments[c][j]
         limit = part_limit(st.codec, hi - lo)
-        if request.content_length is not None and request.content_length > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-        dec = PartDecoder(name=f"ring{phase}{c}.{j}", length=hi - lo, codec=st.codec, max_bytes=limit)
         # all-gather messages are forwarded unchanged to the right, except at the last step
         raw = bytearray() if phase == "ag" and step < n - 2 else None
-        st.ring_receiving.add(key)
-        try:
-            vec, sha = await self.transport.read_body(
-                request, dec, claimed, limit, lambda: st.closed, raw=raw, what="ring message"
-            )
-        finally:
-            st.ring_receiving.discard(key)
-        if st.closed:
-            raise web.HTTPConflict(text="too late")
+        vec, sha, nbytes = await receive(
+            self.transport,
+            request,
+            claimed,
+            lambda: PartDecoder(name=f"ring{phase}{c}.{j}", length=hi - lo, codec=st.codec, max_bytes=limit),
+            key=key,
+            done=st.ring_seen,
+            busy=st.ring_receiving,
+            closed=lambda: st.closed,
+            limit=limit,
+            what="ring message",
+            late="the ring of this attempt is over",
+            raw=raw,
+        )
         st.ring_seen.add(key)
         st.ring_inbox[key] = (w, vec, raw if raw is not None else b"", sha)
-        st.bytes_in += dec.nbytes
+        st.bytes_in += nbytes
         st.ring_event(phase, step, j).set()
         return self.transport.reply(request, {"ok": True})
 
@@ -203,7 +200,7 @@ class Ring:
                 await asyncio.gather(*rest, return_exceptions=True)
             stats["sent"] += sum(t.result() for t in sends if not t.cancelled() and t.exception() is None)
 
-    async def run(self, st: Attempt, inp: AttemptInput) -> Reduced | Retry:
+    async def run(self, st: Attempt, inp: AttemptInput) -> Reduced:
         r, a, group, n, i = st.round, st.attempt, st.group, len(st.group), st.me
         vec, weight, stats, deadline = inp.vec, inp.weight, inp.stats, inp.deadline
         st.entered.set()
@@ -254,12 +251,7 @@ class Ring:
         vote: dict[str, Any] = {"received": list(group) if complete else [], "ring": True}
         if inp.state is not None:
             vote["state"] = list(inp.state)
-        gather = await self.rounds.vote(r, inp.epoch, a, "gather", vote, deadline)
-        retry = decided(gather, "ok")
-        if retry is not None:
-            return retry
-        diverged = tuple(str(d) for d in gather.get("diverged") or ())
-        self.rounds.note_diverged(diverged)
+        diverged = self.rounds.gathered(await self.rounds.vote(r, inp.epoch, a, "gather", vote, deadline))
         if not complete:  # cannot happen with an honest rendezvous
             raise RoundFail("ring: gather decided ok without this peer's parts")
         total = float(totals[0])
@@ -291,7 +283,5 @@ class Ring:
             r, inp.epoch, a, "commit", {"ok": ok, "digest": digest, "failed_owners": []}, deadline
         )
         st.ring_inbox.clear()
-        retry = decided(commit, "commit")
-        if retry is not None:
-            return retry
+        decided(commit, "commit")
         return Reduced(out, tuple(group), total, digest, diverged)

@@ -21,8 +21,8 @@ from aiohttp import web
 
 from ..wire._http import HTTPStatusError
 from ..wire._relay import is_relay_address
-from ..wire._types import RoundFailed, RoundRecord, Timeouts
-from ._attempt import Algorithm, Attempt, AttemptInput, Reduced, Retry, RoundFail, RoundUnknown
+from ..wire._types import RoundFailed, RoundRecord
+from ._attempt import Algorithm, Attempt, AttemptInput, Reduced, Retry, RoundFail, RoundUnknown, decided, route_ints
 from ._contrib import Contribution
 from ._transport import Transport
 
@@ -31,15 +31,14 @@ log = logging.getLogger("ravnest_jax.swarm")
 ABSTAIN_WEIGHT = 1e-30  # w + 1e-30 == w in float32 for any weight w >= 1e-22
 MAX_EARLY_PARTS = 64  # part requests at most that wait for this peer to begin their round
 GC_GENERATION = 1  # collected after every round (cheap: young objects only)
-_RETRIED = (TimeoutError, aiohttp.ClientError, OSError)  # the rendezvous down or restarting
 
 
 class Rounds:
     """Rounds of one peer, one at a time, in call order (see the module docstring).
 
     Args:
-      transport: the peer's transport.
-      timeouts: round, part and grace deadlines (seconds) and the attempt limit.
+      transport: the peer's transport (its ``timeouts``: round, part and grace deadlines, in
+        seconds, and the attempt limit).
       codec: the wire codec of the rounds (recorded in every attempt and record).
       hello: returns this peer's registration payload (id, address, last round, info).
       spawn: starts a background task that the swarm's close cancels.
@@ -48,12 +47,11 @@ class Rounds:
     def __init__(
         self,
         transport: Transport,
-        timeouts: Timeouts,
         codec: str,
         hello: Callable[[], dict[str, Any]],
         spawn: Callable[[Any], asyncio.Task[Any]],
     ):
-        self.transport, self.timeouts, self.codec = transport, timeouts, codec
+        self.transport, self.timeouts, self.codec = transport, transport.timeouts, codec
         self.peer_id = transport.peer_id
         self._hello, self._spawn = hello, spawn
         self.algorithm: Algorithm | None = None  # set by the swarm (the algorithm needs us first)
@@ -89,21 +87,63 @@ class Rounds:
     def gone(self, r: int, a: int) -> set[str]:
         return self._gone.get((r, a), set())
 
-    def gone_wait(self) -> asyncio.Future[Any]:
-        return asyncio.ensure_future(self._gone_event.wait())
+    async def wait_phase(
+        self,
+        st: Attempt,
+        missing: Callable[[], set[str]],
+        event: asyncio.Event,
+        t_end: float,
+        arrive: asyncio.Task[Any] | None = None,
+    ) -> None:
+        """Waits until no member is ``missing()`` (asked again whenever ``event`` is set), until
+        ``t_end``, or until every member still missing left the run (:meth:`note_left`).
+        ``arrive``: the arrival request of a round handed out with the last commit: its answer
+        may bring ``t_end`` forward (the round's part clock started earlier elsewhere)."""
+        while not missing() <= self.gone(st.round, st.attempt) and (left := t_end - time.monotonic()) > 0:
+            event.clear()
+            waits = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._gone_event.wait())}
+            try:
+                done, _ = await asyncio.wait(
+                    waits | ({arrive} if arrive is not None and not arrive.done() else set()),
+                    timeout=left,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                for t in waits:
+                    t.cancel()
+            if arrive is not None and arrive in done:
+                res = arrive.result()
+                if res.get("round") == st.round:
+                    t_end = min(t_end, time.monotonic() + float(res.get("part_left", self.timeouts.part)))
+                else:  # the round ended already (a fast peer) or was retried
+                    log.debug(
+                        "%s: rendezvous answered round %s to our arrival in %d",
+                        self.peer_id,
+                        res.get("round"),
+                        st.round,
+                    )
 
-    def note_diverged(self, diverged: tuple[str, ...]) -> None:
+    def gathered(self, gather: dict[str, Any]) -> tuple[str, ...]:
+        """Checks a gather decision (:func:`decided`); returns the peers it found diverged (noted
+        in :attr:`diverged`)."""
+        decided(gather, "ok")
+        diverged = tuple(str(d) for d in gather.get("diverged") or ())
         self.diverged = set(diverged)
+        return diverged
 
-    async def wait_entered(self, r: int, a: int) -> Attempt:
-        """The attempt ``(r, a)`` once this peer entered it (a request of a faster member waits).
+    async def wait_entered(self, request: web.Request, *names: str) -> tuple[Any, ...]:
+        """``(attempt, *ints)``: the attempt of ``request``'s round and attempt path fields once this
+        peer entered it (a request of a faster member waits), and the integer path fields ``names``.
 
         Raises:
-          web.HTTPConflict: the round is not open here (over, or too far ahead), or this peer
-          did not enter it within a part deadline, or is closing.
+          web.HTTPBadRequest: a path field is not an integer. web.HTTPConflict: the round is not
+          open here (over, or too far ahead), or this peer did not enter it within a part
+          deadline, or is closing.
         """
+        r, a, *ints = route_ints(request, "round", "attempt", *names)
+        ahead = lambda: r > max(self.current_round, self.last_round) + 2  # noqa: E731
         st = self.attempts.get((r, a))
-        if st is None and r > max(self.current_round, self.last_round) + 2:
+        if st is None and ahead():
             # Further ahead than this peer has seen: a new process (joined, restarted) learns the
             # swarm's round number only from its own begin, which may answer a moment after a
             # faster member's part arrives. Wait for it (bounded in time and in number of such
@@ -113,17 +153,13 @@ class Rounds:
             self._early_parts += 1
             try:
                 until = time.monotonic() + self.timeouts.part
-                while (
-                    r > max(self.current_round, self.last_round) + 2
-                    and (r, a) not in self.attempts
-                    and time.monotonic() < until
-                ):
+                while ahead() and (r, a) not in self.attempts and time.monotonic() < until:
                     await asyncio.sleep(0.01)
             finally:
                 self._early_parts -= 1
             st = self.attempts.get((r, a))
         if st is None:
-            if r <= self.last_round or r > max(self.current_round, self.last_round) + 2:
+            if r <= self.last_round or ahead():
                 raise web.HTTPConflict(text=f"round {r} is not open here")
             st = self.attempts[(r, a)] = Attempt(r, a)
         if not st.entered.is_set():
@@ -133,7 +169,7 @@ class Rounds:
                 raise web.HTTPConflict(text=f"round {r} attempt {a} not started here") from None
         if st.closed and not st.group:
             raise web.HTTPConflict(text="peer is closing")
-        return st
+        return (st, *ints)
 
     def close_all(self) -> None:
         """The swarm closes: every open attempt refuses further requests."""
@@ -157,7 +193,7 @@ class Rounds:
                 payload["wait_s"] = max(left - 0.5, 0.0)
             try:
                 return await self.transport.rendezvous("POST", rest, payload, left, round_=round_)
-            except _RETRIED as e:
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 last = e  # rendezvous down or restarting: try again until the deadline
                 await asyncio.sleep(min(0.25, max(left, 0)))
             except (HTTPStatusError, PermissionError) as e:
@@ -192,26 +228,11 @@ class Rounds:
         """Tells the rendezvous this member is at round ``r`` (handed out with the last commit):
         the round's part clock starts. Returns the answer (``{}`` when none came)."""
         payload = {**self._hello(), "after": r - 1, "arrive": r}
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return {}
-            try:
-                return await self.transport.rendezvous("POST", "/rounds/begin", payload, left)
-            except _RETRIED as e:
-                log.debug("%s: arrival at round %d: %r", self.peer_id, r, e)
-                await asyncio.sleep(min(0.25, max(left, 0)))
-            except Exception as e:  # noqa: BLE001 - only a hint; the votes decide
-                log.info("%s: arrival at round %d refused: %r", self.peer_id, r, e)
-                return {}
-
-    def arrived(self, arrive: asyncio.Task[Any], r: int, t_part: float) -> float:
-        """The part deadline after the answer to our begin (arrival) request of round ``r``."""
-        res = arrive.result()
-        if res.get("round") != r:  # the round ended already (a fast peer) or was retried
-            log.debug("%s: rendezvous answered round %s to our arrival in %d", self.peer_id, res.get("round"), r)
-            return t_part
-        return time.monotonic() + float(res.get("part_left", self.timeouts.part))
+        try:
+            return await self._ask("arrival answer", "arrival", "/rounds/begin", payload, deadline)
+        except Exception as e:  # noqa: BLE001 - only a hint; the votes decide
+            log.info("%s: arrival at round %d: %r", self.peer_id, r, e)
+            return {}
 
     # ------------------------------------------------------------------ one round
     async def run(
@@ -329,15 +350,13 @@ class Rounds:
                         except RoundUnknown as e:
                             if e.epoch in (None, epoch) or time.monotonic() >= deadline:
                                 raise
-                            out = e
                             break
-                        inp.arrive = None  # its answer only matters to the first attempt
-                        if isinstance(out, Retry):
-                            a, group = out.attempt, out.group
-                            inp.part_left = self.timeouts.part
+                        except Retry as retry:
+                            a, group = retry.attempt, retry.group
+                            inp.arrive, inp.part_left = None, self.timeouts.part  # the arrival: the first attempt only
                             log.info("%s: round %d retry %d with %s", self.peer_id, r, a, group)
                             if self.peer_id not in group:
-                                raise RoundFail("left out of the retry group (too late)")
+                                raise RoundFail("left out of the retry group (too late)") from None
                             continue
                         diverged = out.diverged
                         if missed:
@@ -391,9 +410,8 @@ class Rounds:
                 # payload-sized buffers; collect the young generations now so RSS stays flat
                 gc.collect(GC_GENERATION)
 
-    async def _attempt(
-        self, r: int, a: int, group: tuple[str, ...], manifest: str, inp: AttemptInput
-    ) -> Reduced | Retry:
+    async def _attempt(self, r: int, a: int, group: tuple[str, ...], manifest: str, inp: AttemptInput) -> Reduced:
+        """Attempt ``a`` of round ``r`` with ``group``; raises :class:`Retry` for another one."""
         if self.peer_id not in group:
             raise RoundFail("not in the round's group")
         algorithm = self.algorithm
@@ -403,6 +421,5 @@ class Rounds:
         st.group, st.me, st.manifest, st.codec = group, group.index(self.peer_id), manifest, self.codec
         algorithm.prepare(st, inp.contrib.layout, inp.relayed)
         out = await algorithm.run(st, inp)
-        if isinstance(out, Reduced):
-            self._next = out.next  # the next round's group, handed out with the commit
+        self._next = out.next  # the next round's group, handed out with the commit
         return out

@@ -20,9 +20,8 @@ from aiohttp import web
 from ravnest_jax.host_memory import release_free_heap
 
 from ..wire import _auth
-from ..wire._http import HTTPStatusError, serve_body
+from ..wire._http import HTTPStatusError
 from ..wire._types import SwarmError
-from ._allreduce import CHUNK
 from ._transport import Transport
 
 log = logging.getLogger("ravnest_jax.swarm")
@@ -38,11 +37,12 @@ class StateTransfer:
     Args:
       transport: the peer's transport (the ``GET /state`` route is added here).
       avoid: returns the peers the last round found diverged (downloaded from last).
-      serve_timeout: seconds a provider's future may take (the round deadline).
+
+    A provider's future may take the round deadline (``transport.timeouts.round``).
     """
 
-    def __init__(self, transport: Transport, avoid: Callable[[], set[str]], serve_timeout: float):
-        self.transport, self._avoid, self._serve_timeout = transport, avoid, serve_timeout
+    def __init__(self, transport: Transport, avoid: Callable[[], set[str]]):
+        self.transport, self._avoid = transport, avoid
         self.provider: StateProvider | None = None
         transport.route("GET", "/state", self._h_get_state)
 
@@ -85,7 +85,9 @@ class StateTransfer:
                 if left <= 0:
                     raise SwarmError(f"no live peer delivered the state in {timeout} s: {errors[-3:]}")
                 try:
-                    data = await t.get(p["address"], "/state", left, DEFAULT_MAX_STATE_BYTES)
+                    buf = bytearray()
+                    await t.get_stream(p["address"], "/state", left, DEFAULT_MAX_STATE_BYTES, None, buf.extend)
+                    data = bytes(buf)
                     log.info("%s: downloaded the state (%d bytes) from %s", me, len(data), p["peer_id"])
                     return data
                 except HTTPStatusError as e:
@@ -107,7 +109,7 @@ class StateTransfer:
         try:
             out = await loop.run_in_executor(None, provider)
             if isinstance(out, concurrent.futures.Future):
-                out = await asyncio.wait_for(asyncio.wrap_future(out), self._serve_timeout)
+                out = await asyncio.wait_for(asyncio.wrap_future(out), self.transport.timeouts.round)
         except TimeoutError:
             raise web.HTTPServiceUnavailable(text="state not ready in time") from None
         except Exception as e:  # noqa: BLE001 - reported to the requester
@@ -116,9 +118,8 @@ class StateTransfer:
         if not out:
             raise web.HTTPNotFound(text="this peer has no state yet")
         body = bytes(out)
-        headers = self.transport.sign_response(request, _auth.body_digest(body))
         try:
-            return await serve_body(request, headers, body, CHUNK, me=self.transport.peer_id, what="the state")
+            return await self.transport.serve(request, body, _auth.body_digest(body), "the state")
         finally:
             # the copies of a whole state are one-off buffers: give them back to the system
             # (the allocator keeps freed round buffers for reuse; RSS crept up by the state's

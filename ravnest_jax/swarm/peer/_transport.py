@@ -4,9 +4,9 @@ rendezvous, over one aiohttp client session and this peer's aiohttp server.
 Every request and answer is signed with the run token (HMAC-SHA256 over method, path, run, peer,
 nonce and the SHA-256 of the body, see ``_auth.py``). Binary bodies stream both ways: a sender
 yields its buffer in chunks (no copy), a receiver hashes and decodes each chunk as the socket
-delivers it (:meth:`Transport.read_body`, the one part reader of butterfly, ring and the state
-transfer). The all-reduce algorithms, the state transfer and the pipeline activations are
-users of this layer; none of them signs, hashes or opens connections itself.
+delivers it (:meth:`Transport.read_stream`, the one body reader of the butterfly, the ring and
+the pipeline activations). The all-reduce algorithms, the state transfer and the pipeline
+activations are users of this layer; none of them signs, hashes or opens connections itself.
 """
 
 from __future__ import annotations
@@ -25,14 +25,13 @@ from typing import Any
 
 import aiohttp
 import aiohttp.http_exceptions
-import numpy as np
 from aiohttp import web
 
 from ..wire import _auth, _relay
-from ..wire._codec import NonFiniteError, PartDecoder, WireFormatError
-from ..wire._http import HTTPStatusError, json_response, read_signed, signed_json, verify_request
+from ..wire._codec import NonFiniteError, WireFormatError
+from ..wire._http import HTTPStatusError, json_response, read_signed, serve_body, signed_json, verify_request
 from ..wire._relay import relay_address
-from ..wire._types import SwarmError, Timeouts
+from ..wire._types import TLS, SwarmError, Timeouts
 from ._allreduce import CHUNK
 
 log = logging.getLogger("ravnest_jax.swarm")
@@ -56,12 +55,13 @@ class Transport:
       run_id: the run; every path is under ``/v1/runs/{run_id}``.
       token: the run token (bytes, non-empty): signs and verifies every message.
       peer_id: this peer's id (the signer of what it sends).
-      timeouts: connect deadline (seconds) of every connection.
+      timeouts: the swarm's deadlines (seconds): ``connect`` of every connection here, the others
+        for the parts of the peer that use this transport.
       listen: ``(host, port)`` to bind; port 0 picks a free one (see :attr:`port`); ``None``:
         client-only (no inbound port: the server listens on a private Unix socket only, and
         other peers reach this one through the rendezvous' relay, see :meth:`relay_pump`).
-      ssl: server-side ``ssl.SSLContext`` or ``None``.
-      client_ssl: ``ssl=`` of outgoing requests (``None``: aiohttp's defaults).
+      tls: HTTPS (:class:`~ravnest_jax.swarm.TLS`: the server-side ``ssl.SSLContext`` or
+        ``None``, the ``ssl=`` of outgoing requests, ``None``: aiohttp's defaults).
       advertise: the base URL other peers use to reach this one (default: guessed, see
         :meth:`start`).
 
@@ -78,16 +78,15 @@ class Transport:
         peer_id: str,
         timeouts: Timeouts,
         listen: tuple[str, int] | None,
-        ssl: _ssl.SSLContext | None = None,
-        client_ssl: Any = None,
+        tls: TLS,
         advertise: str | None = None,
     ):
         self.rendezvous_url, self.run_id, self.peer_id = rendezvous_url, run_id, peer_id
         self.token = token
         self.timeouts = timeouts
         self._listen = listen
-        self._ssl = ssl
-        self.client_ssl = client_ssl
+        self._ssl: _ssl.SSLContext | None = tls.server
+        self.client_ssl = tls.client
         self._advertise = advertise
         self._nonces = _auth.NonceCache()
         self._routes: list[tuple[str, str, Handler]] = [("GET", "/health", self._h_health)]
@@ -160,7 +159,6 @@ class Transport:
         return aiohttp.ClientTimeout(total=max(total, 0.05), sock_connect=self.timeouts.connect)
 
     def _guess_address(self) -> str:
-        scheme = "https" if self._ssl is not None else "http"
         host = self._listen[0]
         if host in ("0.0.0.0", "::", ""):
             u = urllib.parse.urlsplit(self.rendezvous_url)
@@ -170,9 +168,11 @@ class Transport:
                     host = s.getsockname()[0]
             except OSError:
                 host = "127.0.0.1"
-        if ":" in host:
-            host = f"[{host}]"
-        return f"{scheme}://{host}:{self.port}"
+        return self._url(host)
+
+    def _url(self, host: str) -> str:
+        """The base URL of this peer's server at ``host``."""
+        return f"{'https' if self._ssl is not None else 'http'}://{f'[{host}]' if ':' in host else host}:{self.port}"
 
     async def _h_health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "peer_id": self.peer_id})
@@ -189,12 +189,12 @@ class Transport:
         else:
             host = self._listen[0] if self._listen and self._listen[0] not in ("0.0.0.0", "::", "") else "127.0.0.1"
             local = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=False))
-            base = f"{'https' if self._ssl is not None else 'http'}://{'[' + host + ']' if ':' in host else host}:{self.port}"
+            base = self._url(host)
         slots = asyncio.Semaphore(concurrency)
         poll = self.path("/relay/poll")
         try:
             while True:
-                headers = _auth.sign(self.token, method="GET", path=poll, run_id=self.run_id, peer=self.peer_id)
+                headers = self._sign("GET", poll)
                 try:
                     async with self.session.get(
                         self.rendezvous_url + poll,
@@ -244,14 +244,7 @@ class Transport:
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             status, answer, out_headers = 502, f"relayed request failed at the peer: {why(e)}".encode(), {}
         reply = self.path(f"/relay/reply/{mid}")
-        signed = _auth.sign(
-            self.token,
-            method="POST",
-            path=reply,
-            run_id=self.run_id,
-            peer=self.peer_id,
-            body_digest=_auth.body_digest(answer),
-        )
+        signed = self._sign("POST", reply, body_digest=_auth.body_digest(answer))
         signed[_relay.H_STATUS] = str(status)
         signed[_relay.H_HEADERS] = json.dumps(out_headers, separators=(",", ":"))
         try:
@@ -286,33 +279,38 @@ class Transport:
     async def read_stream(
         self,
         request: web.Request,
-        feed: Callable[[memoryview], None],
+        dec: Any,
         claimed: str,
         limit: int,
         stop: Callable[[], bool],
+        raw: bytearray | None = None,
         what: str = "part",
-    ) -> str:
-        """Streams a signed binary body into ``feed``: one pass that hashes (the signed body
-        digest) and hands each chunk on as the socket delivers it (no re-chunking, no whole-body
-        copy). ``feed`` raises :class:`WireFormatError` / :class:`NonFiniteError` for a body it
-        refuses; the caller checks the end of the message (its decoder's ``finish``).
+    ) -> tuple[Any, str]:
+        """Streams a signed binary body into the decoder ``dec`` (``feed``/``finish``/``nbytes``:
+        a ``PartDecoder``, ``RangeDecoder`` or ``ActivationDecoder``): one pass that hashes (the
+        signed body digest) and feeds each chunk as the socket delivers it (no re-chunking, no
+        whole-body copy); ``raw`` also gets the bytes (a message forwarded unchanged).
 
         Returns:
-          the hex digest of the body (equal to its signed digest).
+          ``(dec.finish(), hex digest of the body)`` (the digest equals the signed one).
 
         Raises (the HTTP error the sender gets):
           web.HTTPConflict: ``stop()`` became true (too late). web.HTTPUnauthorized: the body
           does not match its signed digest. web.HTTPRequestEntityTooLarge: over ``limit`` bytes.
-          web.HTTPBadRequest: a malformed or non-finite body, or one cut off mid-way.
+          web.HTTPBadRequest: a malformed, non-finite, truncated or corrupt body, or one cut off
+          mid-way.
         """
 
-        def fed(chunk: memoryview) -> None:
-            feed(chunk)
+        def feed(chunk: memoryview) -> None:
+            dec.feed(chunk)
+            if raw is not None:
+                raw.extend(chunk)
             if stop():
                 raise web.HTTPConflict(text="too late")
 
         try:
-            return await read_signed(request, claimed, limit, fed)
+            sha = await read_signed(request, claimed, limit, feed)
+            return dec.finish(), sha
         except (WireFormatError, NonFiniteError) as e:
             raise web.HTTPBadRequest(text=f"bad {what}: {e}") from None
         except (
@@ -325,55 +323,23 @@ class Transport:
             log.info("%s: body from %s cut off: %r", self.peer_id, request.headers.get(_auth.H_PEER), e)
             raise web.HTTPBadRequest(text="body cut off") from None
 
-    async def read_body(
-        self,
-        request: web.Request,
-        dec: PartDecoder,
-        claimed: str,
-        limit: int,
-        stop: Callable[[], bool],
-        raw: bytearray | None = None,
-        what: str = "part",
-    ) -> tuple[np.ndarray, str]:
-        """:meth:`read_stream` into a :class:`PartDecoder` (one named float32 vector); ``raw``
-        also gets the bytes (a message forwarded unchanged).
-
-        Returns:
-          ``(decoded float32 vector, hex digest of the body)``.
-
-        Raises:
-          as :meth:`read_stream`, and web.HTTPBadRequest for a truncated or corrupt message.
-        """
-
-        def feed(chunk: memoryview) -> None:
-            dec.feed(chunk)
-            if raw is not None:
-                raw.extend(chunk)
-
-        try:
-            sha = await self.read_stream(request, feed, claimed, limit, stop, what)
-            return dec.finish(), sha
-        except (WireFormatError, NonFiniteError) as e:
-            if dec.nbytes > limit:
-                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=dec.nbytes) from None
-            raise web.HTTPBadRequest(text=f"bad {what}: {e}") from None
-
     def reply(self, request: web.Request, payload: Any) -> web.Response:
         """A signed JSON answer to ``request``."""
         return json_response(request, self.token, self.run_id, self.peer_id, payload)
 
-    def sign_response(self, request: web.Request, body_digest: str, extra: str = "") -> dict[str, str]:
-        """Signature headers of a binary answer to ``request`` whose body hashes to ``body_digest``
-        (``extra``: a header's value that the signature covers too)."""
-        return _auth.sign(
-            self.token,
-            method="RESPONSE",
-            path=request.path,
-            run_id=self.run_id,
-            peer=self.peer_id,
-            body_digest=body_digest,
-            extra=extra,
-        )
+    async def serve(
+        self, request: web.Request, body: Body, digest: str, what: str, header: tuple[str, str] | None = None
+    ) -> web.StreamResponse:
+        """A signed binary answer to ``request``: ``body`` (its digest ``digest``) streamed
+        without copying; ``header``: ``(name, value)`` sent too, its value covered by the
+        signature. A requester that goes away mid-body is one INFO line naming ``what``."""
+        headers = self._sign("RESPONSE", request.path, body_digest=digest, extra=header[1] if header else "")
+        headers.update([header] if header else [])
+        return await serve_body(request, headers, body, CHUNK, me=self.peer_id, what=what)
+
+    def _sign(self, method: str, path: str, **kw: Any) -> dict[str, str]:
+        """This peer's signature headers of a request (or, ``"RESPONSE"``, an answer) to ``path``."""
+        return _auth.sign(self.token, method=method, path=path, run_id=self.run_id, peer=self.peer_id, **kw)
 
     # ------------------------------------------------------------------ sending
     def path(self, rest: str) -> str:
@@ -436,25 +402,11 @@ class Transport:
           HTTPStatusError: any other answer. TimeoutError, aiohttp.ClientError, OSError.
         """
         assert self.session is not None
-        path = self.path(rest)
-        signed = _auth.sign(
-            self.token,
-            method="PUT",
-            path=path,
-            run_id=self.run_id,
-            peer=self.peer_id,
-            round_=round_,
-            body_digest=digest,
-            extra="|".join(headers.values()),
-        )
-        signed.update(headers)
-        size = body_nbytes(data)
-        signed["Content-Length"] = str(size)
-        signed["Content-Type"] = "application/octet-stream"
-        url = address.rstrip("/") + path
-        signed[_auth.H_HOP] = _auth.hop_sign(self.token, "PUT", urllib.parse.urlsplit(url).path, signed)
+        path, size = self.path(rest), body_nbytes(data)
+        signed = self._sign("PUT", path, round_=round_, body_digest=digest, extra="|".join(headers.values()))
+        signed.update(headers, **{"Content-Length": str(size), "Content-Type": "application/octet-stream"})
         async with self.session.put(
-            url,
+            self._hop("PUT", address, path, signed),
             data=self.body_chunks(data, kind),
             headers=signed,
             ssl=self.client_ssl,
@@ -464,17 +416,6 @@ class Transport:
             if resp.status != 200:
                 raise HTTPStatusError(resp.status, text.decode(errors="replace"))
         return size
-
-    async def get(self, address: str, rest: str, timeout: float, max_bytes: int) -> bytes:
-        """One signed GET of a binary resource from the peer at ``address``; the answer's
-        signature and body digest are checked while it streams in.
-
-        Raises:
-          see :meth:`get_stream`.
-        """
-        buf = bytearray()
-        await self.get_stream(address, rest, timeout, max_bytes, None, buf.extend)
-        return bytes(buf)
 
     async def get_stream(
         self,
@@ -499,11 +440,9 @@ class Transport:
         """
         assert self.session is not None
         path = self.path(rest)
-        headers = _auth.sign(self.token, method="GET", path=path, run_id=self.run_id, peer=self.peer_id)
-        url = address.rstrip("/") + path
-        headers[_auth.H_HOP] = _auth.hop_sign(self.token, "GET", urllib.parse.urlsplit(url).path, headers)
+        headers = self._sign("GET", path)
         async with self.session.get(
-            url,
+            self._hop("GET", address, path, headers),
             headers=headers,
             ssl=self.client_ssl,
             timeout=self._timeout(timeout),
@@ -528,6 +467,13 @@ class Transport:
             if not _auth.digest_matches(resp.headers[_auth.H_BODY], h.hexdigest()):
                 raise PermissionError("answer does not match its signed digest")
             return h.hexdigest(), value
+
+    def _hop(self, method: str, address: str, path: str, signed: dict[str, str]) -> str:
+        """The URL of ``path`` at the peer at ``address``; adds the hop signature (a relay checks
+        it) to the request's ``signed`` headers."""
+        url = address.rstrip("/") + path
+        signed[_auth.H_HOP] = _auth.hop_sign(self.token, method, urllib.parse.urlsplit(url).path, signed)
+        return url
 
 
 Body = bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]
