@@ -154,7 +154,7 @@ class LinkEmulator:
 @contextlib.contextmanager
 def rendezvous_thread(token: str, port: int = 0, heartbeat: float = 1.0, eviction: float = 10.0) -> Iterator[int]:
     """A real rendezvous on 127.0.0.1 in a thread of this process; yields its port."""
-    from ravnest_jax.swarm.rendezvous._serve import serve
+    from ravnest_jax.swarm import serve_rendezvous as serve
 
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()

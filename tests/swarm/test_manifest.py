@@ -1,5 +1,6 @@
 """The run manifest: settings that every peer of a run shares, checked at the door
-(ravnest_jax/swarm/wire/_manifest.py; docs/swarm.md, "The run manifest")."""
+(ravnest_jax/swarm/wire/_manifest.py, the rendezvous' ``_Run.admit``; docs/swarm.md, "The run
+manifest")."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 
 import ravnest_jax as rj
 from ravnest_jax.swarm import AllReduce, ManifestMismatch, Swarm, SwarmError, Timeouts
-from ravnest_jax.swarm.wire._manifest import Manifests, differences, refusal_differences, refusal_line
+from ravnest_jax.swarm.rendezvous._votes import _Run, differences
+from ravnest_jax.swarm.wire._manifest import refusal_differences, refusal_line
 
 from .conftest import TOKEN
 
@@ -34,20 +36,21 @@ def test_differences_name_every_setting_with_both_values():
 
 
 def test_the_first_peer_fixes_the_manifest_until_no_live_peer_holds_it():
-    m = Manifests()
+    m = _Run("r")
     a, b = {"sync_every": 10}, {"sync_every": 20}
-    assert m.admit("r", "p0", a, live={"p0"}) == [] and m.manifest("r") == a
-    assert m.admit("r", "p1", a, live={"p0", "p1"}) == []
+    assert m.manifest is None
+    assert m.admit("p0", a, live={"p0"}) == [] and m.manifest == a
+    assert m.admit("p1", a, live={"p0", "p1"}) == []
     # refused while a live peer holds the run's; a check changes nothing
-    assert m.refusal("r", "p2", b, live={"p0", "p1", "p2"}) == ["sync_every: this peer 20, the run 10"]
-    assert m.admit("r", "p2", b, live={"p0", "p1", "p2"}) == ["sync_every: this peer 20, the run 10"]
-    assert m.manifest("r") == a
+    assert m.refusal("p2", b, live={"p0", "p1", "p2"}) == ["sync_every: this peer 20, the run 10"]
+    assert m.admit("p2", b, live={"p0", "p1", "p2"}) == ["sync_every: this peer 20, the run 10"]
+    assert m.manifest == a
     # a holder restarted with new settings while the other holder lives: refused
-    assert m.admit("r", "p0", b, live={"p0", "p1"}) != []
+    assert m.admit("p0", b, live={"p0", "p1"}) != []
     # every holder gone (left or evicted): the next peer fixes a new one
-    assert m.admit("r", "p2", b, live={"p2"}) == [] and m.manifest("r") == b
-    assert m.admit("r", "p0", a, live={"p0", "p2"}) != []
-    assert m.admit("other", "p0", a, live={"p0"}) == []  # runs are separate
+    assert m.admit("p2", b, live={"p2"}) == [] and m.manifest == b
+    assert m.admit("p0", a, live={"p0", "p2"}) != []
+    assert _Run("other").admit("p0", a, live={"p0"}) == []  # runs are separate
 
 
 def test_trainer_manifest_fingerprints_structure_shapes_and_dtypes_not_values():
@@ -133,13 +136,13 @@ def test_a_peer_with_other_settings_is_refused_and_the_run_is_untouched(cluster)
 
 
 def test_the_run_s_initial_state_is_its_first_declarer_s_while_it_lives():
-    m = Manifests()
+    m = _Run("r")
     a = {"sync_every": 10}
-    assert m.initial("r") == {"init": None, "init_from": None}
-    assert m.admit("r", "p0", a, live={"p0"}, init="d0") == []
-    assert m.admit("r", "p1", a, live={"p0", "p1"}, init="d1") == []
-    assert m.initial("r") == {"init": "d0", "init_from": "p0"}  # the first one's, not the latest
-    assert m.admit("r", "p2", a, live={"p1", "p2"}, init="d2") == []
-    assert m.initial("r") == {"init": "d2", "init_from": "p2"}  # p0 gone: the next declarer's
-    assert m.admit("r", "p3", {"sync_every": 20}, live={"p3"}, init="d3") == []
-    assert m.initial("r") == {"init": "d3", "init_from": "p3"}  # a new manifest, a new reference
+    assert m.init == {"init": None, "init_from": None}
+    assert m.admit("p0", a, live={"p0"}, init="d0") == []
+    assert m.admit("p1", a, live={"p0", "p1"}, init="d1") == []
+    assert m.init == {"init": "d0", "init_from": "p0"}  # the first one's, not the latest
+    assert m.admit("p2", a, live={"p1", "p2"}, init="d2") == []
+    assert m.init == {"init": "d2", "init_from": "p2"}  # p0 gone: the next declarer's
+    assert m.admit("p3", {"sync_every": 20}, live={"p3"}, init="d3") == []
+    assert m.init == {"init": "d3", "init_from": "p3"}  # a new manifest, a new reference

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 
 from ravnest_jax.swarm import Swarm, Timeouts
-from ravnest_jax.swarm.rendezvous._serve import serve
+from ravnest_jax.swarm import serve_rendezvous as serve
 
 TOKEN = "sync-test-token"
 FAST = Timeouts(connect=2.0, part=8.0, grace=0.5, round=30.0, heartbeat=0.3, eviction=1.5, max_attempts=3)

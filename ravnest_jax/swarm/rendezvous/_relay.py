@@ -38,7 +38,7 @@ from aiohttp import web
 
 from ..wire import _auth
 from ..wire._http import read_signed, verify_request
-from ..wire._relay import FORWARDED, H_HEADERS, H_ID, H_METHOD, H_PATH, H_STATUS, forwarded_headers
+from ..wire._relay import H_HEADERS, H_ID, H_METHOD, H_PATH, H_STATUS, forwarded_headers
 
 log = logging.getLogger("ravnest_jax.swarm.rendezvous")
 
@@ -72,13 +72,14 @@ async def probe(session: aiohttp.ClientSession | None, address: str, peer: str, 
 
 @dataclasses.dataclass
 class _Message:
-    id: str
     method: str
     path: str
     headers: dict[str, str]
     body: bytes
-    answer: asyncio.Future[tuple[int, dict[str, str], bytes]]
-    arrived: float
+    id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(8))
+    answer: asyncio.Future[tuple[int, dict[str, str], bytes]] = dataclasses.field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
 
 
 @dataclasses.dataclass
@@ -109,9 +110,8 @@ class _Bucket:
             return
         async with self.lock:
             now = time.monotonic()
-            self.level = min(self.rate, self.level + (now - self.t) * self.rate)
+            self.level = min(self.rate, self.level + (now - self.t) * self.rate) - n
             self.t = now
-            self.level -= n
             if self.level < 0:
                 await asyncio.sleep(-self.level / self.rate)
 
@@ -129,16 +129,10 @@ class Relay:
     """
 
     def __init__(
-        self,
-        token: bytes,
-        is_relayed: Any,
-        *,
-        max_queued_bytes: int = 1 << 30,
-        rate_bytes_s: float | None = None,
+        self, token: bytes, is_relayed: Any, *, max_queued_bytes: int = 1 << 30, rate_bytes_s: float | None = None
     ):
         self.token, self.is_relayed = token, is_relayed
         self.max_queued_bytes = int(max_queued_bytes)
-        self.rate_bytes_s = rate_bytes_s
         self._bucket = _Bucket(rate_bytes_s)
         self._nonces = _auth.NonceCache()
         self._boxes: dict[tuple[str, str], asyncio.Queue[_Message]] = {}
@@ -159,12 +153,8 @@ class Relay:
         """``peer_id`` left the run (or was evicted): its queued requests are answered 503 at
         once, and its stats are forgotten (they were kept for every relayed id ever seen)."""
         self.stats.pop((run_id, peer_id), None)
-        box = self._boxes.pop((run_id, peer_id), None)
-        while box is not None and not box.empty():
-            m = box.get_nowait()
-            if not m.answer.done():
-                m.answer.set_exception(web.HTTPServiceUnavailable(text="the relayed peer left the run"))
-        for key, m in list(self._pending.values()):
+        self._boxes.pop((run_id, peer_id), None)
+        for key, m in list(self._pending.values()):  # every queued request is pending too
             if key == (run_id, peer_id) and not m.answer.done():
                 m.answer.set_exception(web.HTTPServiceUnavailable(text="the relayed peer left the run"))
 
@@ -203,15 +193,7 @@ class Relay:
                     raise web.HTTPBadRequest(text="body longer than its Content-Length")
             await self._bucket.take(len(body))
             path = inner + (f"?{request.query_string}" if request.query_string else "")
-            msg = _Message(
-                secrets.token_hex(8),
-                request.method,
-                path,
-                forwarded_headers(request.headers),
-                bytes(body),
-                asyncio.get_running_loop().create_future(),
-                t0,
-            )
+            msg = _Message(request.method, path, forwarded_headers(request.headers), bytes(body))
             del body
             self._pending[msg.id] = (key, msg)
             await self._boxes.setdefault(key, asyncio.Queue()).put(msg)
@@ -253,14 +235,11 @@ class Relay:
             raise web.HTTPBadRequest(text="wait must be a number of seconds") from None
         box = self._boxes.setdefault((run_id, peer), asyncio.Queue())
         deadline = time.monotonic() + wait
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return web.Response(status=204)
+        while (left := deadline - time.monotonic()) > 0:
             try:
                 msg = await asyncio.wait_for(box.get(), left)
             except TimeoutError:
-                return web.Response(status=204)
+                break
             if msg.answer.done():  # its sender gave up meanwhile
                 continue
             if request.transport is None or request.transport.is_closing():
@@ -273,6 +252,7 @@ class Relay:
                 H_HEADERS: json.dumps(msg.headers, separators=(",", ":")),
             }
             return web.Response(status=200, headers=headers, body=msg.body)
+        return web.Response(status=204)
 
     async def _reply(self, request: web.Request) -> web.Response:
         run_id, peer, claimed = self._signed_by_member(request)
@@ -285,7 +265,7 @@ class Relay:
             headers = json.loads(request.headers.get(H_HEADERS, "{}"))
             if not (100 <= status <= 599 and isinstance(headers, dict)):
                 raise ValueError
-            headers = {str(k): str(v) for k, v in headers.items() if str(k).startswith("X-RJ-") or k in FORWARDED}
+            headers = forwarded_headers({str(k): str(v) for k, v in headers.items()})
         except (TypeError, ValueError):
             raise web.HTTPBadRequest(text="bad relay answer headers") from None
         data = bytearray()

@@ -21,7 +21,7 @@ wait_s}`` -> ``{epoch, round, attempt, group}``
 
 The status page (``/``, ``/runs/{run}``, their ``/data``; read token, not signed): :mod:`._status`.
 The relay of client-only peers, and the reachability probe of a join (its answer's
-``reachable``): :mod:`._relay`.
+``reachable``): :mod:`._relay`. :func:`serve` runs it as a server.
 
 A process that joins a run which has had rounds is on *standby* until it first asks for a round:
 it is in no new round's group meanwhile (it is downloading the swarm's state, or restoring a
@@ -32,10 +32,13 @@ finds no other peer ready (the whole swarm restarted), every live peer is in the
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
 import secrets
+import signal
+import ssl as _ssl
 import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
@@ -43,18 +46,13 @@ from aiohttp import web
 
 from ..wire import _auth
 from ..wire._http import json_response, read_json_body, verify_request
-from ..wire._manifest import Manifests, check_manifest, refusal_line
+from ..wire._manifest import check_manifest, refusal_line
 from ..wire._relay import is_relay_address
+from ..wire._types import check_info
 from ._relay import Relay, probe
 from ._rounds import RoundHandlers
 from ._status import StatusPage, note_stats
-from ._votes import (
-    MAX_INFO_BYTES,
-    MAX_PEERS_PER_RUN,
-    MAX_RUNS,
-    _Peer,
-    _Run,
-)
+from ._votes import MAX_PEERS_PER_RUN, MAX_RUNS, _Attempt, _Peer, _Round, _Run
 
 log = logging.getLogger("ravnest_jax.swarm.rendezvous")
 
@@ -91,9 +89,7 @@ class Rendezvous(RoundHandlers):
         self.heartbeat_s, self.eviction_s = heartbeat_s, eviction_s
         self.epoch, self.boot = secrets.token_hex(8), time.monotonic()
         self.runs: dict[str, _Run] = {}
-        self.manifests = Manifests()
         self.nonces = _auth.NonceCache()
-        self._evictor: asyncio.Task[None] | None = None
         self.status = StatusPage(self, (read_token.encode() if isinstance(read_token, str) else read_token) or None)
         self.probe_s = float(probe_s)
         self._session: aiohttp.ClientSession | None = None
@@ -122,23 +118,18 @@ class Rendezvous(RoundHandlers):
         app.router.add_get(p + "/status", self._status)
         app.router.add_post(p + "/rounds/begin", self._begin)
         app.router.add_post(p + "/rounds/{round}/vote", self._vote)
-        app.on_startup.append(self._on_startup)
-        app.on_cleanup.append(self._on_cleanup)
+        app.cleanup_ctx.append(self._background)
         return app
 
-    async def _on_startup(self, app: web.Application) -> None:
-        self._evictor = asyncio.create_task(self._evict_loop())
+    async def _background(self, app: web.Application) -> AsyncIterator[None]:
+        """While the app runs: the evictor and the probes' client session."""
+        evictor = asyncio.create_task(self._evict_loop())
         self._session = aiohttp.ClientSession()
-
-    async def _on_cleanup(self, app: web.Application) -> None:
-        if self._evictor is not None:
-            self._evictor.cancel()
-            try:
-                await self._evictor
-            except asyncio.CancelledError:
-                pass
-        if self._session is not None:
-            await self._session.close()
+        yield
+        evictor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await evictor
+        await self._session.close()
 
     async def _evict_loop(self) -> None:
         while True:
@@ -181,9 +172,7 @@ class Rendezvous(RoundHandlers):
         except ValueError as e:
             raise web.HTTPBadRequest(text=str(e)) from None
         live = {e.peer_id for e in self._live(run)}
-        if check:
-            return self.manifests.refusal(run.run_id, peer, manifest, live)
-        return self.manifests.admit(run.run_id, peer, manifest, live, init)
+        return run.refusal(peer, manifest, live) if check else run.admit(peer, manifest, live, init)
 
     def _touch(self, run: _Run, peer: str, p: dict[str, Any], *, joining: bool = False) -> tuple[_Peer, bool]:
         address = p.get("address")
@@ -193,10 +182,10 @@ class Rendezvous(RoundHandlers):
             # a refused peer's heartbeats (they carry its manifest) never register it again
             raise web.HTTPConflict(text=refusal_line(diffs))
         info = p.get("info")
-        if info is not None and (
-            not isinstance(info, dict) or len(json.dumps(info, separators=(",", ":"))) > MAX_INFO_BYTES
-        ):
-            raise web.HTTPBadRequest(text=f"info must be a JSON object of at most {MAX_INFO_BYTES} bytes")
+        try:
+            check_info({} if info is None else info)
+        except ValueError as e:
+            raise web.HTTPBadRequest(text=str(e)) from None
         now = time.monotonic()
         e = run.peers.get(peer)
         new = e is None
@@ -212,14 +201,14 @@ class Rendezvous(RoundHandlers):
         elif e.address != address:
             e.address = address
             run.version += 1
-        if joining and not new:
-            # a new process of a known peer id: it takes no part in a round created before now
-            # (that round's work of its previous process is lost), and the previous process is
-            # gone: no running attempt waits for it
-            e.joined = now
-            run.version += 1
-            self._forget(run, peer)
         if joining:
+            if not new:
+                # a new process of a known peer id: it takes no part in a round created before
+                # now (that round's work of its previous process is lost), and the previous
+                # process is gone: no running attempt waits for it
+                e.joined = now
+                run.version += 1
+                self._forget(run, peer)
             e.standby = e.fresh = run.latest is not None
         e.last_seen = now
         if info is not None:
@@ -235,15 +224,18 @@ class Rendezvous(RoundHandlers):
 
     def _live(self, run: _Run, *, for_group: bool = False) -> list[_Peer]:
         now = time.monotonic()
-        return sorted(
-            (
-                e
-                for e in run.peers.values()
-                if now - e.last_seen <= self.eviction_s
-                and not (for_group and e.suspect_since is not None and e.last_seen <= e.suspect_since)
-            ),
-            key=lambda e: e.peer_id,
-        )
+        live = [e for e in run.peers.values() if now - e.last_seen <= self.eviction_s]
+        if for_group:  # a peer left out of a retry is in no group until it beats again
+            live = [e for e in live if e.suspect_since is None or e.last_seen > e.suspect_since]
+        return sorted(live, key=lambda e: e.peer_id)
+
+    @staticmethod
+    def _running(run: _Run, peer: str) -> Iterator[tuple[_Round, _Attempt]]:
+        """``(round, its latest attempt)`` of each running round whose latest attempt has ``peer``."""
+        for rnd in run.rounds.values():
+            att = rnd.attempts[max(rnd.attempts)]
+            if rnd.outcome == "running" and peer in att.group:
+                yield rnd, att
 
     def _membership(self, run: _Run) -> dict[str, Any]:
         now = time.monotonic()
@@ -289,14 +281,7 @@ class Rendezvous(RoundHandlers):
         _, new = self._touch(run, peer, p)
         # members that left (or were evicted from) the running attempts this peer is in: it
         # stops waiting for their parts at once instead of at the part deadline
-        left = [
-            [r.number, a.number, g]
-            for r in run.rounds.values()
-            if r.outcome == "running"
-            for a in (r.attempts[max(r.attempts)],)
-            if peer in a.group
-            for g in sorted(a.left)
-        ]
+        left = [[r.number, a.number, g] for r, a in self._running(run, peer) for g in sorted(a.left)]
         return self._reply(request, run, {"epoch": self.epoch, "version": run.version, "registered": new, "left": left})
 
     async def _leave(self, request: web.Request) -> web.Response:
@@ -323,7 +308,7 @@ class Rendezvous(RoundHandlers):
         if diffs:
             log.warning("run %s: refused %s: %s", run.run_id, peer, "; ".join(diffs))
             self._drop(run, peer)  # the run is untouched: as if it had never joined
-        return self._reply(request, run, {"refused": diffs, **self.manifests.initial(run.run_id)})
+        return self._reply(request, run, {"refused": diffs, **run.init})
 
     async def _ready(self, request: web.Request) -> web.Response:
         run, peer, p = await self._auth(request)
@@ -335,12 +320,7 @@ class Rendezvous(RoundHandlers):
         """``peer`` left (or was evicted): no running attempt waits for its votes any longer. A
         phase whose other members have all voted is decided now (a retry without it), instead
         of at the phase deadline."""
-        for rnd in run.rounds.values():
-            if rnd.outcome != "running":
-                continue
-            att = rnd.attempts[max(rnd.attempts)]
-            if peer not in att.group:
-                continue
+        for rnd, att in self._running(run, peer):
             att.left.add(peer)
             for phase in ("gather", "commit"):
                 if phase == "commit" and "gather" not in att.decisions:
@@ -370,3 +350,34 @@ class Rendezvous(RoundHandlers):
             for r in sorted(run.rounds.values(), key=lambda r: r.number)
         ]
         return self._reply(request, run, out)
+
+
+async def serve(
+    host: str,
+    port: int,
+    token: str | bytes,
+    *,
+    ssl_context: _ssl.SSLContext | None = None,
+    ready: Any = None,
+    stop: asyncio.Event | None = None,
+    **options: Any,
+) -> None:
+    """Runs a :class:`Rendezvous` (``token``, ``options``: its keyword arguments) as an aiohttp
+    server on ``host:port`` until ``stop`` is set (or SIGINT/SIGTERM when ``stop`` is None); the
+    ``ravnest-jax rendezvous`` command, the launchers and the tests use it. ``ready(bound_port)``
+    is called once the socket listens (``port=0`` picks a free port)."""
+    app = Rendezvous(token, **options).make_app()
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True)
+        await site.start()
+        if ready is not None:
+            ready(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        if stop is None:
+            stop = asyncio.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()

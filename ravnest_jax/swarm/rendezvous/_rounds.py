@@ -7,14 +7,14 @@ leave, ready, eviction); the decisions over the votes are :mod:`._votes`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import math
 import time
 from typing import Any
 
 from aiohttp import web
 
-from ._votes import KEEP_ROUNDS, _Attempt, _Peer, _Round, _Run, decide, failed_between
+from ._votes import KEEP_ROUNDS, _Attempt, _Peer, _Round, _Run, decide, failed_between, is_int, is_number
 
 log = logging.getLogger("ravnest_jax.swarm.rendezvous")
 
@@ -38,9 +38,7 @@ class RoundHandlers:
             # the first ask of a process that joined with nobody else ready: the whole swarm is
             # coming back (restarted from checkpoints), so every live peer is in the round
             ready = live
-        group = tuple(e.peer_id for e in ready)
-        if not group:  # e.g. only suspects left: the asker itself is alive
-            group = (asker,)
+        group = tuple(e.peer_id for e in ready) or (asker,)  # none (only suspects left?): the asker is alive
         now = time.monotonic()
         rnd = _Round(
             number=number,
@@ -61,14 +59,13 @@ class RoundHandlers:
         run, peer, p = await self._auth(request)
         # every field is checked before it has any effect (a malformed begin must not register its sender)
         after = p.get("after", -1)
-        if not isinstance(after, int) or isinstance(after, bool):
+        if not is_int(after):
             raise web.HTTPBadRequest(text="after must be an int")
         for name in ("wait_s", "part_s", "grace_s", "max_attempts"):
-            v = p.get(name, 0)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not is_number(p.get(name, 0)):
                 raise web.HTTPBadRequest(text=f"{name} must be a finite number")
         arrive = p.get("arrive")
-        if arrive is not None and (not isinstance(arrive, int) or isinstance(arrive, bool)):
+        if not (arrive is None or is_int(arrive)):
             raise web.HTTPBadRequest(text="arrive must be an int")
         expect = p.get("expect", False)
         if not isinstance(expect, bool):
@@ -78,28 +75,21 @@ class RoundHandlers:
             return self._reply(request, run, self._arrival(run, me, arrive))
         was = (me.standby, me.fresh)
         first_ask, me.standby, me.fresh = me.fresh, False, False
-        wait_s = float(min(max(p.get("wait_s", 30.0), 0.0), 3600.0))
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + float(min(max(p.get("wait_s", 30.0), 0.0), 3600.0))
         while True:
             rnd = run.rounds.get(run.latest) if run.latest is not None else None
             me = run.peers.get(peer) or me
+            running = rnd is not None and rnd.outcome == "running"
             # a member: in the round's group, and the process that was in it when it was created
             member = (
-                rnd is not None
+                running
                 and peer in rnd.attempts[0].group
                 and peer in rnd.attempts[max(rnd.attempts)].group
                 and me.joined <= rnd.created
             )
-            if rnd is not None and rnd.outcome == "running" and member and after < rnd.number:
+            if member and after < rnd.number:
                 return self._reply(request, run, self._handout(run, rnd, arrived=True, after=after))
-            if (
-                rnd is not None
-                and rnd.outcome == "running"
-                and not member
-                and expect
-                and after < rnd.number
-                and self._has_live_member(run, rnd, peer)
-            ):
+            if running and not member and expect and after < rnd.number and self._has_live_member(run, rnd, peer):
                 # the round this peer's schedule expects (or a later one) runs without it: it
                 # was too late (for example, its state download finished after the round was
                 # created). Said at once, so that it resyncs instead of waiting for the round.
@@ -107,16 +97,12 @@ class RoundHandlers:
                 # resync is under way; a group that waited for it would wait a part deadline).
                 me.standby, me.fresh = was
                 return self._reply(request, run, {"epoch": self.epoch, "round": None, "missed": rnd.number})
-            over = (
-                rnd is None
-                or rnd.outcome != "running"
+            if (
+                not running
                 or (member and after >= rnd.number)
                 or not self._has_live_member(run, rnd, peer)
-            )
-            if not over:  # stale: long past the time its attempts may take
-                assert rnd is not None
-                over = time.monotonic() >= rnd.stale_at()
-            if over:
+                or time.monotonic() >= rnd.stale_at()  # stale: long past the time its attempts may take
+            ):
                 # just (re)started: give every live peer one heartbeat to re-register first
                 settle = self.boot + 2 * self.heartbeat_s - time.monotonic()
                 if settle > 0:
@@ -128,16 +114,13 @@ class RoundHandlers:
                 await self._notify(run)
                 continue
             # joined while this round runs: wait for the next one (a new round, or this one's end)
-            assert rnd is not None
             stale_at = rnd.stale_at()
             left = min(deadline, stale_at) - time.monotonic()
             if left <= 0 and time.monotonic() < stale_at:
                 return self._reply(request, run, {"epoch": self.epoch, "round": None, "wait": True})
-            try:
+            with contextlib.suppress(TimeoutError):
                 async with run.new_round:
                     await asyncio.wait_for(run.new_round.wait(), max(left, 0.0))
-            except TimeoutError:
-                pass
             self._touch(run, peer, p)
 
     def _has_live_member(self, run: _Run, rnd: _Round, asker: str) -> bool:
@@ -156,14 +139,21 @@ class RoundHandlers:
         # the part phase ends at the same moment for everyone: the attempt's start plus
         # part_s, whenever a peer arrives (a late arrival has less time, not more)
         part_left = att.start + rnd.part_s - time.monotonic() if att.started else rnd.part_s
+        out = {**self._group(run, rnd), "part_left": max(part_left, 0.0)}
+        if after is not None:
+            out["rounds_failed"] = failed_between(run, after, rnd.number)
+        return out
+
+    def _group(self, run: _Run, rnd: _Round) -> dict[str, Any]:
+        """``rnd``'s latest attempt as its members are told: its epoch, round, attempt, group and
+        the group's addresses."""
+        att = rnd.attempts[max(rnd.attempts)]
         return {
             "epoch": self.epoch,
             "round": rnd.number,
             "attempt": att.number,
             "group": list(att.group),
             "addresses": {g: run.peers[g].address for g in att.group if g in run.peers},
-            "part_left": max(part_left, 0.0),
-            **({} if after is None else {"rounds_failed": failed_between(run, after, rnd.number)}),
         }
 
     def _arrival(self, run: _Run, me: _Peer, number: int) -> dict[str, Any]:
@@ -171,13 +161,8 @@ class RoundHandlers:
         part clock starts (if it has not). Never creates a round: an arrival that comes after
         the round ended (a fast peer, alone or not) is answered ``round: None``."""
         rnd = run.rounds.get(number)
-        if (
-            rnd is None
-            or rnd.outcome != "running"
-            or me.peer_id not in rnd.attempts[0].group
-            or me.joined > rnd.created
-            or len(rnd.attempts) > 1
-        ):
+        member = rnd is not None and me.peer_id in rnd.attempts[0].group and me.joined <= rnd.created
+        if not member or rnd.outcome != "running" or len(rnd.attempts) > 1:
             return {"epoch": self.epoch, "round": None}
         return self._handout(run, rnd, arrived=True)
 
@@ -193,27 +178,14 @@ class RoundHandlers:
         if phase not in ("gather", "commit") or not isinstance(data, dict):
             raise web.HTTPBadRequest(text="bad vote")
         state = data.get("state")
-        if state is not None and not (
-            isinstance(state, list)
-            and len(state) == 2
-            and isinstance(state[0], int)
-            and not isinstance(state[0], bool)
-            and isinstance(state[1], str)
-            and 0 < len(state[1]) <= 128
-        ):
+        pair = isinstance(state, list) and len(state) == 2 and is_int(state[0]) and isinstance(state[1], str)
+        if state is not None and not (pair and 0 < len(state[1]) <= 128):
             raise web.HTTPBadRequest(text="state must be [round, digest]: an int and a string of 1-128 chars")
         rnd = run.rounds.get(number)
         if p.get("epoch") != self.epoch or rnd is None:
-            return self._reply(
-                request,
-                run,
-                {
-                    "decision": "fail",
-                    "reason": "the rendezvous does not know this round (it restarted or the round is too old)",
-                    "unknown": True,
-                    "epoch": self.epoch,  # another than the round's: it restarted (the round begins anew)
-                },
-            )
+            # its epoch: another than the round's when the rendezvous restarted (the round begins anew)
+            why = "the rendezvous does not know this round (it restarted or the round is too old)"
+            return self._reply(request, run, {"decision": "fail", "reason": why, "unknown": True, "epoch": self.epoch})
         att = rnd.attempts.get(attempt)
         if att is None or peer not in att.group:
             return self._reply(request, run, {"decision": "fail", "reason": "not in this attempt's group"})
@@ -232,10 +204,8 @@ class RoundHandlers:
             if left <= 0:
                 self._decide(run, rnd, att, phase)
                 break
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ev.wait(), left)
-            except TimeoutError:
-                pass
         return self._reply(request, run, att.decisions[phase])
 
     def _decide(self, run: _Run, rnd: _Round, att: _Attempt, phase: str) -> None:
@@ -267,22 +237,10 @@ class RoundHandlers:
             # while a peer is on standby (downloading the state), so that it is in the next
             # round if it is ready by then
             return None
-        nxt = self._create_round(
-            run,
-            rnd.number,
-            {"part_s": rnd.part_s, "grace_s": rnd.grace_s, "max_attempts": rnd.max_attempts},
-            rnd.attempts[max(rnd.attempts)].group[0],
-            ahead=True,
-        )
-        group = nxt.attempts[0].group
+        knobs = {"part_s": rnd.part_s, "grace_s": rnd.grace_s, "max_attempts": rnd.max_attempts}
+        nxt = self._create_round(run, rnd.number, knobs, rnd.attempts[max(rnd.attempts)].group[0], ahead=True)
         asyncio.ensure_future(self._notify(run))
-        return {
-            "epoch": self.epoch,
-            "round": nxt.number,
-            "attempt": 0,
-            "group": list(group),
-            "addresses": {g: run.peers[g].address for g in group if g in run.peers},
-        }
+        return self._group(run, nxt)
 
     @staticmethod
     async def _notify(run: _Run) -> None:

@@ -24,19 +24,20 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import math
 import time
 from importlib import resources
 from typing import Any
 
 from aiohttp import web
 
-from ._votes import KEEP_ROUNDS, _Run
+from ._votes import KEEP_ROUNDS, _Run, is_int, is_number
 
 __all__ = ["StatusPage", "note_stats"]
 
 COOKIE = "ravnest_status"
 LOSS_NAMES = ("train_loss", "eval_loss")
+#: a peer's row: what the rendezvous' membership says of it, and the stats it published after its last round
+MEMBER_FIELDS = ("peer_id", "address", "standby", "relayed", "seconds_since_heartbeat", "last_round")
 PEER_FIELDS = (
     "step",
     "round",
@@ -71,12 +72,8 @@ def note_stats(run: _Run, peer: str, info: dict[str, Any] | None) -> None:
     if not isinstance(stats, dict):
         return
     rnd = stats.get("round")
-    losses = {
-        k: float(v)
-        for k in LOSS_NAMES
-        if isinstance(v := stats.get(k), (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    }
-    if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 0 or not losses:
+    losses = {k: float(v) for k in LOSS_NAMES if is_number(v := stats.get(k))}
+    if not is_int(rnd) or rnd < 0 or not losses:
         return
     run.reports.setdefault(rnd, {})[peer] = losses
     for old in sorted(run.reports)[:-KEEP_ROUNDS]:
@@ -85,10 +82,6 @@ def note_stats(run: _Run, peer: str, info: dict[str, Any] | None) -> None:
 
 def _mac(token: bytes) -> str:
     return hmac.new(token, b"ravnest-status-cookie-v1", hashlib.sha256).hexdigest()
-
-
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
 
 
 class StatusPage:
@@ -131,9 +124,7 @@ class StatusPage:
         return bool(cookie) and any(hmac.compare_digest(cookie, m) for m in self._macs)
 
     def _login_page(self, message: str = "", status: int = 401) -> web.Response:
-        return web.Response(
-            text=_LOGIN.format(message=message), status=status, content_type="text/html", headers=_NO_CACHE
-        )
+        return _html(_LOGIN.format(message=message), status)
 
     async def _login(self, request: web.Request) -> web.Response:
         try:
@@ -144,12 +135,12 @@ class StatusPage:
         if not isinstance(token, str) or not self._token_ok(token):
             return self._login_page('<p class="err">That token is not this rendezvous\' run or read-only token.</p>')
         i = next(i for i, t in enumerate(self.tokens) if hmac.compare_digest(token.encode(), t))
-        resp = web.Response(status=303, headers={"Location": "/", **_NO_CACHE})
+        resp = _to_index()
         resp.set_cookie(COOKIE, self._macs[i], httponly=True, samesite="Strict", path="/")
         return resp
 
     async def _logout(self, request: web.Request) -> web.Response:
-        resp = web.Response(status=303, headers={"Location": "/", **_NO_CACHE})
+        resp = _to_index()
         resp.del_cookie(COOKIE, path="/")
         return resp
 
@@ -159,24 +150,22 @@ class StatusPage:
         index's answer, 200; a run page's, 401)."""
         if not self.authorized(request):
             return self._login_page(status=200 if request.path == "/" else 401)
-        return web.Response(text=self._html, content_type="text/html", headers=_NO_CACHE)
+        return _html(self._html)
 
     async def _runs_data(self, request: web.Request) -> web.Response:
         if not self.authorized(request):
-            return web.json_response({"error": "unauthorized"}, status=401, headers=_NO_CACHE)
-        runs = [
-            {"run_id": r.run_id, "peers": len(self.rv._live(r)), "last_round": r.latest}
-            for r in sorted(self.rv.runs.values(), key=lambda r: r.run_id)
-        ]
-        return web.json_response({"epoch": self.rv.epoch, "runs": runs}, headers=_NO_CACHE)
+            return _json({"error": "unauthorized"}, 401)
+        runs = sorted(self.rv.runs.values(), key=lambda r: r.run_id)
+        rows = [{"run_id": r.run_id, "peers": len(self.rv._live(r)), "last_round": r.latest} for r in runs]
+        return _json({"epoch": self.rv.epoch, "runs": rows})
 
     async def _run_data(self, request: web.Request) -> web.Response:
-        if not self.authorized(request):
-            return web.json_response({"error": "unauthorized"}, status=401, headers=_NO_CACHE)
         run = self.rv.runs.get(request.match_info["run_id"])
+        if not self.authorized(request):
+            return _json({"error": "unauthorized"}, 401)
         if run is None:
-            return web.json_response({"error": "no such run"}, status=404, headers=_NO_CACHE)
-        return web.json_response(self.run_data(run), headers=_NO_CACHE)
+            return _json({"error": "no such run"}, 404)
+        return _json(self.run_data(run))
 
     def run_data(self, run: _Run) -> dict[str, Any]:
         """The data of one run's page.
@@ -201,33 +190,29 @@ class StatusPage:
         for p in membership["peers"]:
             info = p.get("info") or {}
             stats = info.get("stats") if isinstance(info.get("stats"), dict) else {}
-            row = {
-                k: p.get(k)
-                for k in ("peer_id", "address", "standby", "relayed", "seconds_since_heartbeat", "last_round")
-            }
+            row = {k: p.get(k) for k in MEMBER_FIELDS}
             row["checkpoint_steps"] = info.get("checkpoint_steps")
             row.update({k: stats.get(k) for k in PEER_FIELDS})
             peers.append(row)
-        reports = run.reports
         rounds = []
         for r in sorted(run.rounds.values(), key=lambda r: r.number):
             group = list(r.attempts[min(r.attempts)].group)
-            contributors = list(r.contributors)
-            got = reports.get(r.number, {})
+            got = run.reports.get(r.number, {})
             row = {
                 "round": r.number,
                 "outcome": r.outcome,
                 "attempts": len(r.attempts),
                 "group": group,
-                "contributors": contributors,
-                "left_out": [g for g in group if g not in contributors] if r.outcome == "ok" else [],
+                "contributors": list(r.contributors),
+                "left_out": [g for g in group if g not in r.contributors] if r.outcome == "ok" else [],
                 "diverged": list(r.diverged),
                 "reason": r.reason,
                 "digest": r.digest,
                 "reporting": len(got),
             }
             for k in LOSS_NAMES:
-                row[k] = _mean([v[k] for v in got.values() if k in v])
+                xs = [v[k] for v in got.values() if k in v]
+                row[k] = sum(xs) / len(xs) if xs else None
             rounds.append(row)
         return {
             "run_id": run.run_id,
@@ -242,3 +227,15 @@ class StatusPage:
 
 
 _NO_CACHE = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
+
+
+def _html(text: str, status: int = 200) -> web.Response:
+    return web.Response(text=text, status=status, content_type="text/html", headers=_NO_CACHE)
+
+
+def _json(payload: Any, status: int = 200) -> web.Response:
+    return web.json_response(payload, status=status, headers=_NO_CACHE)
+
+
+def _to_index() -> web.Response:
+    return web.Response(status=303, headers={"Location": "/", **_NO_CACHE})

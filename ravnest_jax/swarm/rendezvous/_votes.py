@@ -1,20 +1,32 @@
-"""The rendezvous' model of a run (peers, rounds, attempts) and its decisions over the votes of
-an attempt: which contributions count, when to retry without whom, when a round commits, and
-which peers diverged."""
+"""The rendezvous' model of a run (peers, rounds, attempts, its manifest) and its decisions: over
+the votes of an attempt (which contributions count, when to retry without whom, when a round
+commits, which peers diverged) and over a peer's manifest (:meth:`_Run.admit`)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 KEEP_ROUNDS = 32
 MAX_PEERS_PER_RUN = 4096
 MAX_RUNS = 1024
-MAX_INFO_BYTES = 4096  # a peer's published info object, as compact JSON
+
+
+def is_int(x: Any) -> bool:
+    """Whether ``x`` is a JSON integer (not a bool)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x: Any) -> bool:
+    """Whether ``x`` is a finite JSON number (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclasses.dataclass
@@ -80,6 +92,12 @@ class _Run:
         self.new_round = asyncio.Condition()
         self.reports: dict[int, dict[str, dict[str, float]]] = {}  # round -> peer -> losses
         self.evicted: dict[str, None] = {}  # evicted peers, oldest first (see back_from_eviction)
+        self.manifest: dict[str, Any] | None = None  # the run's (None before any peer declared one)
+        self.holders: set[str] = set()  # the peers that declared it
+        # the run's reference initial state: its digest and the peer whose it is (both None before
+        # a peer declared one); a fresh peer whose initial state differs (another seed) takes that
+        # peer's state before its first round
+        self.init: dict[str, str | None] = {"init": None, "init_from": None}
 
     def note_evicted(self, peer: str) -> None:
         """``peer`` was evicted (silent for the eviction time): remembered, at most
@@ -93,6 +111,49 @@ class _Run:
         """Whether ``peer``, registering again, was evicted (forgotten now). Such a process hung
         and resumed: it is still in its old exchange and does not hold the swarm's state."""
         return self.evicted.pop(peer, 0) is None
+
+    # -- the run manifest (docs/swarm.md, "The run manifest") ---------------------------------
+    def refusal(self, peer: str, manifest: dict[str, Any], live: set[str]) -> list[str]:
+        """The differences that refuse ``peer``'s ``manifest`` (:func:`differences`); ``[]`` when
+        it would be admitted: the run has none yet, it equals the run's, or no live peer other
+        than ``peer`` holds the run's (``live``: the ids of the run's live peers). Changes nothing."""
+        if self.manifest is not None and self.manifest != manifest and (self.holders & live) - {peer}:
+            return differences(manifest, self.manifest)
+        return []
+
+    def admit(self, peer: str, manifest: dict[str, Any], live: set[str], init: str | None = None) -> list[str]:
+        """Admits ``peer``'s ``manifest`` (returns ``[]``; it is now the run's) or refuses it
+        (returns the differences, see :meth:`refusal`). ``init``: the digest of the peer's
+        initial state; the peer that fixes the run's manifest fixes the run's reference initial
+        state (:attr:`init`), kept while that peer lives."""
+        diffs = self.refusal(peer, manifest, live)
+        if diffs:
+            return diffs
+        if self.manifest != manifest:
+            self.manifest = manifest
+            self.holders = set()
+            self.init = {"init": None, "init_from": None}
+        self.holders.add(peer)
+        if isinstance(init, str) and self.init["init_from"] not in live:
+            self.init = {"init": init, "init_from": peer}
+        return []
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, dict) and {"leaves", "elements", "sha256"} <= value.keys():
+        return f"{value['leaves']} leaves, {value['elements']:,} elements (fingerprint {value['sha256']})"
+    if value is None:
+        return "none"
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+def differences(mine: dict[str, Any], run: dict[str, Any]) -> list[str]:
+    """Every setting where ``mine`` differs from ``run``, one ``"key: this peer A, the run B"``
+    each, in key order (a setting one side lacks shows as ``none``)."""
+    keys = sorted(mine.keys() | run.keys())
+    return [
+        f"{k}: this peer {_show(mine.get(k))}, the run {_show(run.get(k))}" for k in keys if mine.get(k) != run.get(k)
+    ]
 
 
 def failed_between(run: _Run, after: int, number: int) -> bool:
@@ -117,61 +178,52 @@ def decide(run: _Run, rnd: _Round, att: _Attempt, phase: str, ahead: Callable[[]
     """
     votes = att.votes.get(phase, {})
     voters = tuple(sorted(votes))
-    everyone = set(voters) >= set(att.group)
+    group = set(att.group)
+    everyone = set(voters) >= group
+    again = partial(retry, run, rnd, att)
     decision: dict[str, Any]
     diverged: list[str] = []
     if phase == "gather":
         att.gather_decided_at = time.monotonic()
-        n = len(att.group)
-        got = {k: set(v.get("received", [])) & set(att.group) for k, v in votes.items()}
+        n = len(group)
+        got = {k: set(v.get("received", [])) & group for k, v in votes.items()}
         # an owner that received from at most half of the group (while most owners did
         # better) is the problem, not the senders: retry without it rather than keep only
         # the senders that reached it (n >= 3; with 2 peers the fault cannot be placed)
         unreachable = {k for k, g in got.items() if 2 * len(g) <= n} if n >= 3 else set()
         diverged = diverged_peers({k: v.get("state") for k, v in votes.items()})
+        contributors = group.intersection(*got.values())
         if any(v.get("ring") for v in votes.values()):
             # a ring's partial sums hold everybody: all complete, or retry the survivors
             # (a diverged peer cannot be taken out of them: it is only told to resync)
-            if everyone and all(g >= set(att.group) for g in got.values()):
-                decision = {"decision": "ok", "contributors": sorted(att.group)}
+            if everyone and all(g >= group for g in got.values()):
+                decision = {"decision": "ok", "contributors": sorted(group)}
             else:
-                decision = retry(run, rnd, att, voters, "ring incomplete")
-        elif everyone and unreachable and 2 * len(unreachable) < n:
-            decision = retry(
-                run,
-                rnd,
-                att,
-                tuple(v for v in voters if v not in unreachable),
-                "owners that most peers could not reach: " + ",".join(sorted(unreachable)),
-            )
-        elif everyone:
-            contributors = set(att.group)
-            for g in got.values():
-                contributors &= g
-            if att.number == 0 and 2 * len(contributors) <= n and any(len(g) > len(contributors) for g in got.values()):
-                # Everybody is here (all voted) but the intersection kept at most half of
-                # the group: typically a peer that reached the round late, whose own part
-                # window was too short to receive the others' parts (with 2 peers that
-                # made the *on-time* peer the one left out: a 1-contributor round). Try
-                # once more with everyone; a second shortfall is taken as it is.
-                decision = retry(
-                    run,
-                    rnd,
-                    att,
-                    voters,
-                    "most contributions were "
-                    "late at some part owner: " + ",".join(f"{k}:{len(g)}" for k, g in sorted(got.items())),
-                )
-            elif contributors - set(diverged):
-                # a peer whose global state differs from the swarm's computed its
-                # pseudo-gradient against a wrong anchor: left out, and told to resync
-                decision = {"decision": "ok", "contributors": sorted(contributors - set(diverged))}
-            else:
-                decision = {"decision": "fail", "reason": "no contribution reached every part owner"}
+                decision = again(voters, "ring incomplete")
+        elif not everyone:
+            decision = again(voters, "missing gather votes from " + ",".join(sorted(group - set(voters))))
+        elif unreachable and 2 * len(unreachable) < n:
+            why = "owners that most peers could not reach: " + ",".join(sorted(unreachable))
+            decision = again(tuple(v for v in voters if v not in unreachable), why)
+        elif att.number == 0 and 2 * len(contributors) <= n and any(len(g) > len(contributors) for g in got.values()):
+            # Everybody is here (all voted) but the intersection kept at most half of the
+            # group: typically a peer that reached the round late, whose own part window was
+            # too short to receive the others' parts (with 2 peers that made the *on-time* peer
+            # the one left out: a 1-contributor round). Try once more with everyone; a second
+            # shortfall is taken as it is.
+            late = ",".join(f"{k}:{len(g)}" for k, g in sorted(got.items()))
+            decision = again(voters, "most contributions were late at some part owner: " + late)
+        elif contributors - set(diverged):
+            # a peer whose global state differs from the swarm's computed its pseudo-gradient
+            # against a wrong anchor: left out, and told to resync
+            decision = {"decision": "ok", "contributors": sorted(contributors - set(diverged))}
         else:
-            decision = retry(
-                run, rnd, att, voters, "missing gather votes from " + ",".join(sorted(set(att.group) - set(voters)))
-            )
+            decision = {"decision": "fail", "reason": "no contribution reached every part owner"}
+        if decision["decision"] == "ok" and diverged:
+            decision["diverged"] = diverged
+            rnd.diverged = tuple(diverged)
+        if decision["decision"] == "ok" and any("sqnorms" in v for v in votes.values()):
+            decision["norms"] = summed(votes, "sqnorms", decision["contributors"], root=True)
     else:
         digests = {v.get("digest") for v in votes.values()}
         if everyone and all(v.get("ok") for v in votes.values()) and len(digests) == 1:
@@ -179,28 +231,19 @@ def decide(run: _Run, rnd: _Round, att: _Attempt, phase: str, ahead: Callable[[]
             rnd.outcome = "ok"
             rnd.contributors = tuple(att.decisions["gather"]["contributors"])
             rnd.digest = str(digests.pop())
-            nxt = ahead()
-            if nxt is not None:
+            if (nxt := ahead()) is not None:
                 decision["next"] = nxt
         elif everyone and len({v.get("digest") for v in votes.values() if v.get("ok")}) > 1:
             decision = {"decision": "fail", "reason": "result digests differ"}
         else:
-            missing = sorted(set(att.group) - set(voters))
+            missing = sorted(group - set(voters))
             bad = sorted(k for k, v in votes.items() if not v.get("ok"))
             blamed = {str(o) for v in votes.values() for o in v.get("failed_owners") or []}
-            decision = retry(
-                run,
-                rnd,
-                att,
+            decision = again(
                 tuple(v for v in voters if v not in blamed),
                 f"all-gather incomplete (missing {missing}, failed {bad}, unreachable owners {sorted(blamed)})",
             )
-    if phase == "gather" and decision["decision"] == "ok" and diverged:
-        decision["diverged"] = diverged
-        rnd.diverged = tuple(diverged)
-    if phase == "gather" and decision["decision"] == "ok" and any("sqnorms" in v for v in votes.values()):
-        decision["norms"] = summed(votes, "sqnorms", decision["contributors"], root=True)
-    if decision["decision"] == "fail" and not att.started and att.left >= set(att.group):
+    if decision["decision"] == "fail" and not att.started and att.left >= group:
         # created ahead at the last commit, and every member left before it began (the end of
         # a run, or a lone peer's process that died): nothing was lost in it
         decision["reason"] = "abandoned: every member left before it began (it was created ahead at the last commit)"
@@ -212,12 +255,8 @@ def summed(votes: dict[str, dict[str, Any]], key: str, contributors: list[str], 
     mean's squared part norms, ``root=True`` for the whole-vector L2 norm). A value that is not a finite number >= 0 counts as 0."""
     out = {}
     for c in contributors:
-        total = 0.0
-        for v in votes.values():
-            d = v.get(key)
-            x = d.get(c) if isinstance(d, dict) else None
-            if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0:
-                total += float(x)
+        xs = [d.get(c) for v in votes.values() if isinstance(d := v.get(key), dict)]
+        total = sum(float(x) for x in xs if is_number(x) and x >= 0)
         out[c] = math.sqrt(total) if root else total
     return out
 
@@ -232,7 +271,7 @@ def retry(run: _Run, rnd: _Round, att: _Attempt, voters: tuple[str, ...], reason
     nxt = att.number + 1
     if not voters or nxt >= rnd.max_attempts:
         return {"decision": "fail", "reason": reason + "; no attempts left"}
-    rnd.attempts[nxt] = _Attempt(nxt, voters, time.monotonic())
+    rnd.attempts[nxt] = _Attempt(nxt, voters, now)
     return {"decision": "retry", "attempt": nxt, "group": list(voters), "reason": reason}
 
 
@@ -246,18 +285,12 @@ def diverged_peers(states: dict[str, Any]) -> list[str]:
     sorted ids (empty when fewer than two peers report a common round).
     """
     reported = {p: (int(s[0]), str(s[1])) for p, s in states.items() if s is not None}
-    counts: dict[int, int] = {}
-    for r, _ in reported.values():
-        counts[r] = counts.get(r, 0) + 1
-    common = [r for r, c in counts.items() if c >= 2]
+    common = [r for r, c in Counter(r for r, _ in reported.values()).items() if c >= 2]
     if not common:
         return []
     r = max(common)
     same = {p: d for p, (rr, d) in reported.items() if rr == r}
-    tally: dict[str, int] = {}
-    for d in same.values():
-        tally[d] = tally.get(d, 0) + 1
+    tally = Counter(same.values())
     top = max(tally.values())
-    tied = {d for d, c in tally.items() if c == top}
-    winner = same[min(p for p, d in same.items() if d in tied)]
+    winner = same[min(p for p, d in same.items() if tally[d] == top)]
     return sorted(p for p, d in same.items() if d != winner)

@@ -57,18 +57,24 @@ class AuthError(Exception):
     """A request's proof of the run token is missing, malformed, stale or wrong."""
 
 
-def _token_bytes(token: str | bytes) -> bytes:
-    if isinstance(token, str):
-        token = token.encode()
-    if not token:
+def _mac(token: str | bytes, *fields: str) -> str:
+    """HMAC-SHA256 (hex) with the run token over ``fields``, one a line."""
+    key = token.encode() if isinstance(token, str) else token
+    if not key:
         raise ValueError("the run token must not be empty")
-    return token
+    return hmac.new(key, "\n".join(fields).encode(), hashlib.sha256).hexdigest()
 
 
-def _canonical(
-    method: str, path: str, run_id: str, round_: str, peer: str, ts: str, nonce: str, body_sha: str, extra: str
-) -> bytes:
-    return "\n".join([method.upper(), path, run_id, round_, peer, ts, nonce, body_sha, extra]).encode()
+def _fresh(ts: str, nonce: str, nonces: NonceCache | None, max_skew_s: float) -> None:
+    """Refuses (:class:`AuthError`) a malformed or stale signing time and a replayed nonce."""
+    try:
+        t = float(ts)
+    except ValueError:
+        raise AuthError("malformed auth time") from None
+    if abs(time.time() - t) > max_skew_s:
+        raise AuthError("auth time outside the allowed clock skew")
+    if nonces is not None and not nonces.check_and_add(nonce):
+        raise AuthError("replayed nonce")
 
 
 def sign(
@@ -90,9 +96,7 @@ def sign(
     ts = f"{time.time():.6f}"
     nonce = secrets.token_hex(16)
     r = "-" if round_ is None else str(round_)
-    mac = hmac.new(
-        _token_bytes(token), _canonical(method, path, run_id, r, peer, ts, nonce, body_digest, extra), hashlib.sha256
-    ).hexdigest()
+    mac = _mac(token, method.upper(), path, run_id, r, peer, ts, nonce, body_digest, extra)
     return {H_PEER: peer, H_ROUND: r, H_TIME: ts, H_NONCE: nonce, H_BODY: body_digest, H_SIG: mac}
 
 
@@ -105,12 +109,10 @@ class NonceCache:
 
     def check_and_add(self, nonce: str) -> bool:
         now = time.monotonic()
-        while self._seen:
-            oldest, t = next(iter(self._seen.items()))
-            if now - t > 2 * MAX_CLOCK_SKEW_S or len(self._seen) >= MAX_NONCES:
-                self._seen.pop(oldest)
-            else:
-                break
+        while self._seen and (
+            len(self._seen) >= MAX_NONCES or now - next(iter(self._seen.values())) > 2 * MAX_CLOCK_SKEW_S
+        ):
+            self._seen.popitem(last=False)  # the oldest
         if nonce in self._seen:
             return False
         self._seen[nonce] = now
@@ -143,19 +145,9 @@ def verify(
         raise AuthError(f"missing auth header {e.args[0]}") from None
     if len(sig) != 64 or len(body_sha) != 64 or not (8 <= len(nonce) <= 64):
         raise AuthError("malformed auth header")
-    try:
-        t = float(ts)
-    except ValueError:
-        raise AuthError("malformed auth time") from None
-    expected = hmac.new(
-        _token_bytes(token), _canonical(method, path, run_id, r, peer, ts, nonce, body_sha, extra), hashlib.sha256
-    ).hexdigest()
-    if not hmac.compare_digest(expected, sig):
+    if not hmac.compare_digest(_mac(token, method.upper(), path, run_id, r, peer, ts, nonce, body_sha, extra), sig):
         raise AuthError("bad signature")
-    if abs(time.time() - t) > max_skew_s:
-        raise AuthError("auth time outside the allowed clock skew")
-    if nonces is not None and not nonces.check_and_add(nonce):
-        raise AuthError("replayed nonce")
+    _fresh(ts, nonce, nonces, max_skew_s)
     return peer, r, body_sha
 
 
@@ -171,10 +163,7 @@ def hop_sign(token: str | bytes, method: str, url_path: str, signed: Mapping[str
     """The ``X-RJ-Hop`` value of a request whose auth headers are ``signed`` (see :func:`sign`),
     sent to ``url_path`` (the full path of the URL, a relay's prefix included). A relay checks it
     with :func:`hop_verify` without knowing what the end-to-end signature covers (its ``extra``)."""
-    canon = "\n".join(
-        ["HOP", method.upper(), url_path, signed[H_PEER], signed[H_TIME], signed[H_NONCE], signed[H_BODY]]
-    )
-    return hmac.new(_token_bytes(token), canon.encode(), hashlib.sha256).hexdigest()
+    return _mac(token, "HOP", method.upper(), url_path, *(signed[h] for h in (H_PEER, H_TIME, H_NONCE, H_BODY)))
 
 
 def hop_verify(
@@ -200,12 +189,5 @@ def hop_verify(
         raise AuthError("malformed hop proof")
     if not hmac.compare_digest(hop_sign(token, method, url_path, fields), hop):
         raise AuthError("bad hop proof")
-    try:
-        t = float(fields[H_TIME])
-    except ValueError:
-        raise AuthError("malformed auth time") from None
-    if abs(time.time() - t) > max_skew_s:
-        raise AuthError("auth time outside the allowed clock skew")
-    if nonces is not None and not nonces.check_and_add("hop:" + fields[H_NONCE]):
-        raise AuthError("replayed nonce")
+    _fresh(fields[H_TIME], "hop:" + fields[H_NONCE], nonces, max_skew_s)
     return fields[H_PEER]

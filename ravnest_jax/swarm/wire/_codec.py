@@ -5,6 +5,7 @@ The butterfly sends parts of an encoded contribution as they are (:class:`PartLa
 (:class:`RangeDecoder`); the ring and the state transfer send one named float32 vector encoded
 by a codec (:func:`encode_part`, :class:`PartDecoder`); a pipeline activation (or
 activation-gradient) is one named array of a known shape, read with :class:`ActivationDecoder`.
+The peer takes the rest of what it needs of :mod:`ravnest_jax.compress` from here (re-exported).
 """
 
 from __future__ import annotations
@@ -14,48 +15,19 @@ from typing import Any
 
 import numpy as np
 
-from ravnest_jax.compress import (
-    CODECS,
-    Codec,
-    LeafSpec,
-    Manifest,
-    NonFiniteError,
-    Packed,
-    PartLayout,
-    RangeDecoder,
-    StreamDecoder,
-    WireFormatError,
-    encode,
-    host_pack,
-    mean_codec_options,
-    packed_to_chunks,
-    part_chunks,
-    part_dtypes,
-    part_lengths,
-)
-
-__all__ = [
-    "ActivationDecoder",
-    "Codec",
-    "LeafSpec",
-    "NonFiniteError",
-    "Packed",
-    "PartLayout",
-    "RangeDecoder",
-    "host_pack",
-    "mean_codec_options",
-    "packed_to_chunks",
-    "part_chunks",
-    "part_dtypes",
-    "part_lengths",
-    "PartDecoder",
-    "WireFormatError",
-    "available_codecs",
-    "check_codec",
-    "decode_activation",
-    "decode_part",
-    "encode_part",
-]
+from ravnest_jax.compress import CODECS, Manifest, StreamDecoder, WireFormatError, encode
+from ravnest_jax.compress import Codec as Codec
+from ravnest_jax.compress import LeafSpec as LeafSpec
+from ravnest_jax.compress import NonFiniteError as NonFiniteError
+from ravnest_jax.compress import Packed as Packed
+from ravnest_jax.compress import PartLayout as PartLayout
+from ravnest_jax.compress import RangeDecoder as RangeDecoder
+from ravnest_jax.compress import host_pack as host_pack
+from ravnest_jax.compress import mean_codec_options as mean_codec_options
+from ravnest_jax.compress import packed_to_chunks as packed_to_chunks
+from ravnest_jax.compress import part_chunks as part_chunks
+from ravnest_jax.compress import part_dtypes as part_dtypes
+from ravnest_jax.compress import part_lengths as part_lengths
 
 
 def available_codecs() -> tuple[str, ...]:
@@ -127,7 +99,6 @@ class PartDecoder(ActivationDecoder):
 
     def __init__(self, *, name: str, length: int, codec: str, max_bytes: int):
         super().__init__(name=name, shape=(int(length),), codec=codec, max_bytes=max_bytes)
-        self.length = int(length)
 
 
 def decode_activation(data: bytes | memoryview, *, name: str, shape: tuple[int, ...], codec: str) -> np.ndarray:

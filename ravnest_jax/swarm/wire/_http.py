@@ -149,30 +149,25 @@ async def signed_json(
         return json.loads(data) if data else None
 
 
-async def stream_body(request: web.Request, headers: dict[str, str], body: Any, chunk: int) -> web.StreamResponse:
-    """Answer ``request`` with ``body`` (application/octet-stream: bytes, or a message as a list
-    of buffers, not copied) in ``chunk``-byte writes, with the given (signed) headers."""
-    buffers = [memoryview(b).cast("B") for b in ([body] if isinstance(body, (bytes, bytearray, memoryview)) else body)]
-    resp = web.StreamResponse(headers=headers)
-    resp.content_length = sum(len(b) for b in buffers)
-    resp.content_type = "application/octet-stream"
-    await resp.prepare(request)
-    for mv in buffers:
-        for off in range(0, len(mv), chunk):
-            await resp.write(mv[off : off + chunk])
-    await resp.write_eof()
-    return resp
-
-
 async def serve_body(
     request: web.Request, headers: dict[str, str], body: Any, chunk: int, *, me: str, what: str
 ) -> web.StreamResponse:
-    """:func:`stream_body`; a requester that goes away mid-body (it died, or gave up) is one
-    INFO line naming it and ``what`` was being sent, not aiohttp's traceback of the write."""
+    """Answer ``request`` with ``body`` (application/octet-stream: bytes, or a message as a list
+    of buffers, not copied) in ``chunk``-byte writes, with the given (signed) headers. A
+    requester that goes away mid-body (it died, or gave up) is one INFO line naming it and
+    ``what`` was being sent, not aiohttp's traceback of the write."""
+    buffers = [memoryview(b).cast("B") for b in ([body] if isinstance(body, (bytes, bytearray, memoryview)) else body)]
+    resp = web.StreamResponse(headers=headers)
+    resp.content_length = total = sum(len(b) for b in buffers)
+    resp.content_type = "application/octet-stream"
     try:
-        return await stream_body(request, headers, body, chunk)
+        await resp.prepare(request)
+        for mv in buffers:
+            for off in range(0, len(mv), chunk):
+                await resp.write(mv[off : off + chunk])
+        await resp.write_eof()
+        return resp
     except ConnectionError as e:
-        total = len(body) if isinstance(body, (bytes, bytearray, memoryview)) else sum(len(b) for b in body)
         who = request.headers.get(_auth.H_PEER, "a peer")
         log.info("%s: %s went away mid-download of %s (%d bytes): %s: %s", me, who, what, total, type(e).__name__, e)
         return web.Response(status=499)  # never sent (the connection is gone): aiohttp lets it be

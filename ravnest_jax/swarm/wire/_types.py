@@ -192,11 +192,7 @@ def flatten(tree: Any) -> tuple[list[str], list[np.ndarray], Callable[[list[np.n
             keys = sorted(node, key=str)
             subs = [rec(node[k], f"{path}/{k}") for k in keys]  # noqa: F821 - del rec below
             cls = type(node)
-
-            def build(it: list[np.ndarray]) -> Any:
-                return cls((k, s(it)) for k, s in zip(keys, subs))
-
-            return build
+            return lambda it: cls((k, s(it)) for k, s in zip(keys, subs))
         if isinstance(node, (list, tuple)):
             cls = type(node)
             if hasattr(node, "_fields"):
@@ -211,11 +207,7 @@ def flatten(tree: Any) -> tuple[list[str], list[np.ndarray], Callable[[list[np.n
         names.append(path or "/")
         leaves.append(arr)
         shape = arr.shape
-
-        def leaf(it: list[np.ndarray]) -> np.ndarray:
-            return it[idx].reshape(shape)
-
-        return leaf
+        return lambda it: it[idx].reshape(shape)
 
     build = rec(tree, "")
     del rec  # break the cycle rec -> its closure cell -> rec, which held ``leaves`` until a GC pass
