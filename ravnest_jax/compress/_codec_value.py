@@ -94,11 +94,7 @@ class Codec:
     def options(self) -> dict[str, Any]:
         """The encode options set (``block_size``, ``fraction``, ``stochastic``), as keyword
         arguments of ``compress.encode`` / ``device_encode``."""
-        opts = {
-            "block_size": self.block_size,
-            "fraction": self.fraction,
-            "stochastic": True if self.stochastic else None,
-        }
+        opts = {"block_size": self.block_size, "fraction": self.fraction, "stochastic": bool(self.stochastic) or None}
         return {k: v for k, v in opts.items() if v is not None}
 
     @property

@@ -227,23 +227,18 @@ class SimulatedCodecImpl:
 
     ``compress``: per replica, ``decode(encode(delta + residual))`` with error feedback;
     ``requantize``: ``decode(encode(mean))`` with the mean's codec (what the all-gather of the
-    mean carries; the contributions' codec unless ``mean_cfg`` is given). All jittable and
+    mean carries; the contributions' codec unless ``codec.mean`` is set). All jittable and
     vmappable; non-finite inputs cannot raise inside jit and simply propagate.
     """
 
-    def __init__(
-        self,
-        cfg: F.CodecConfig,
-        error_feedback: bool,
-        error_feedback_decay: float = 1.0,
-        mean_error_feedback: bool = False,
-        mean_cfg: F.CodecConfig | None = None,
-    ):
-        self.cfg = cfg
-        self.mean_cfg = cfg if mean_cfg is None else mean_cfg
-        self.error_feedback = bool(error_feedback) and cfg.codec != "fp32"
-        self.decay = float(error_feedback_decay)
-        self.mean_error_feedback = bool(mean_error_feedback) and self.mean_cfg.codec != "fp32"
+    def __init__(self, codec: Codec):
+        self.cfg = F.resolve(codec.name, **codec.options)
+        self.mean_cfg = self.cfg
+        if codec.mean is not None:
+            self.mean_cfg = F.resolve(codec.mean, **F.mean_codec_options(codec.name, codec.mean, codec.options))
+        self.error_feedback = codec.error_feedback and self.cfg.codec != "fp32"
+        self.decay = codec.error_feedback_decay
+        self.mean_error_feedback = codec.mean_ef and self.mean_cfg.codec != "fp32"
 
     def __repr__(self) -> str:
         mean = "" if self.mean_cfg is self.cfg else f", mean_codec={self.mean_cfg.codec!r}"
@@ -318,8 +313,4 @@ def simulated(codec: Codec | str = "int4") -> SimulatedCodecImpl:
       ValueError: an unknown codec name (a ``Codec`` is checked when made).
       TypeError: neither a Codec nor a name.
     """
-    c = Codec.of(codec)
-    mean_cfg = None if c.mean is None else F.resolve(c.mean, **F.mean_codec_options(c.name, c.mean, c.options))
-    return SimulatedCodecImpl(
-        F.resolve(c.name, **c.options), c.error_feedback, c.error_feedback_decay, c.mean_ef, mean_cfg
-    )
+    return SimulatedCodecImpl(Codec.of(codec))

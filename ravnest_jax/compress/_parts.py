@@ -36,7 +36,6 @@ GRID = 1 << 16
 """Elements of one grid chunk (at most; 256 KiB of float32): small enough to stay in the CPU
 caches while a chunk is decoded, checked, weighted and added."""
 
-_DENSE = ("fp32", "bf16")
 ChunkSink = Callable[[int, np.ndarray], None]
 
 
@@ -168,7 +167,7 @@ def part_chunks(packed: Packed, layout: PartLayout, lo: int, hi: int) -> list[by
     for j, (i, a, b) in enumerate(layout.pieces(lo, hi)):
         spec, parts = packed.specs[i], packed.parts[i]
         k = 0
-        if codec in _DENSE:
+        if codec in ("fp32", "bf16"):
             views += _views(parts[0], dts[0], a, b)
         elif codec == "topk":
             idx = _views(parts[0], dts[0], 0, spec.k)

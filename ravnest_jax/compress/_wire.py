@@ -236,7 +236,6 @@ def packed_to_chunks(packed: Packed, *, max_bytes: int = DEFAULT_MAX_BYTES) -> l
         if len(parts) != len(lens):
             raise ValueError(f"leaf {spec.name!r}: expected {len(lens)} parts, got {len(parts)}")
         for p, length, dt in zip(parts, lens, dts):
-            # a part is an array, or a tuple of 1-D slices in order (large device outputs)
             segs = segments(p)
             size = sum(a.size for a in segs)
             for a in segs:
