@@ -120,7 +120,4 @@ def structure_names(structure: Any, num_leaves: int) -> list[str]:
       ValueError: two leaves share a path name (as :func:`flatten`).
     """
     order, paths, _ = flatten(unflatten(structure, list(range(num_leaves))))
-    names = [""] * num_leaves
-    for i, name in zip(order, paths):
-        names[i] = name
-    return names
+    return [name for _, name in sorted(zip(order, paths))]  # order: a permutation of the indices
