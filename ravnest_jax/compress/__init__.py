@@ -49,7 +49,6 @@ from ._host import weighted_mean as weighted_mean
 from ._parts import GRID as GRID
 from ._parts import PartLayout as PartLayout
 from ._parts import RangeDecoder as RangeDecoder
-from ._parts import chunks_nbytes as chunks_nbytes
 from ._parts import part_chunks as part_chunks
 from ._wire import DEFAULT_MAX_BYTES as DEFAULT_MAX_BYTES
 from ._wire import DEFAULT_MAX_DECODED_BYTES as DEFAULT_MAX_DECODED_BYTES

@@ -94,14 +94,8 @@ class Codec:
     def options(self) -> dict[str, Any]:
         """The encode options set (``block_size``, ``fraction``, ``stochastic``), as keyword
         arguments of ``compress.encode`` / ``device_encode``."""
-        out: dict[str, Any] = {}
-        if self.block_size is not None:
-            out["block_size"] = self.block_size
-        if self.fraction is not None:
-            out["fraction"] = self.fraction
-        if self.stochastic:
-            out["stochastic"] = True
-        return out
+        opts = {"block_size": self.block_size, "fraction": self.fraction, "stochastic": bool(self.stochastic) or None}
+        return {k: v for k, v in opts.items() if v is not None}
 
     @property
     def mean_name(self) -> str:
@@ -124,15 +118,11 @@ class Codec:
         }
 
     def __str__(self) -> str:
+        # the options, then each of mean .. seed that is not at its default
         fields = [f"{k}={v!r}" for k, v in self.options.items()]
-        if self.mean is not None:
-            fields.append(f"mean={self.mean!r}")
-        if self.mean_ef:
-            fields.append("mean_ef=True")
-        if not self.error_feedback:
-            fields.append("error_feedback=False")
-        if self.error_feedback_decay != 1.0:
-            fields.append(f"error_feedback_decay={self.error_feedback_decay}")
-        if self.seed:
-            fields.append(f"seed={self.seed}")
+        fields += [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)[4:]
+            if getattr(self, f.name) != f.default
+        ]
         return f"Codec({', '.join([repr(self.name), *fields])})"

@@ -17,17 +17,10 @@ import numpy as np
 
 from . import _formats as F
 from . import _tree
+from ._bits import MAX_ABS, bf16_bits_to_f32, e8m0_scale_values
 from ._errors import WireFormatError
 from ._reader import Reader
-from ._wire import (
-    DEFAULT_MAX_BYTES,
-    DEFAULT_MAX_DECODED_BYTES,
-    LeafInfo,
-    Manifest,
-    _as_view,
-    _crc32,
-    read_header,
-)
+from ._wire import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_BYTES, LeafInfo, Manifest, _as_view, _crc32, read_header
 
 
 def decode(
@@ -68,7 +61,7 @@ def decode(
 
 # lookup tables, built from the one implementation in _formats
 _BYTES = np.arange(256, dtype=np.uint8)[:, None]
-_E8M0_LUT = F.e8m0_scale_values(np, _BYTES[:, 0])
+_E8M0_LUT = e8m0_scale_values(np, _BYTES[:, 0])
 _LUT = {c: np.ascontiguousarray(F.code_values(np, c, _BYTES), np.float32) for c in ("int4", "fp4", "int2", "sign")}
 """(256, 2) / (256, 2) / (256, 4) / (256, 8) float32: an int4 / fp4 / int2 / sign payload byte ->
 the unscaled values of its codes, first element first (``_formats.code_values`` of every byte,
@@ -76,10 +69,10 @@ the device-side math); one ``np.take`` of these rows writes every value of a pay
 
 # Largest valid scales: q * s stays finite (the encoder stays below these for |x| <= 2**127).
 _MAX_INT_SCALE = {
-    "int8": 1.5 * F.MAX_ABS / 127,
-    "int4": 1.5 * F.MAX_ABS / 7,
-    "sign": 1.5 * F.MAX_ABS,
-    "int2": 1.3 * F.MAX_ABS,
+    "int8": 1.5 * MAX_ABS / 127,
+    "int4": 1.5 * MAX_ABS / 7,
+    "sign": 1.5 * MAX_ABS,
+    "int2": 1.3 * MAX_ABS,
 }
 _MAX_E8M0 = 252
 
@@ -113,12 +106,11 @@ def _decode_dense(codec: str, name: str, src: np.ndarray) -> np.ndarray:
     """
     n = src.shape[0]
     out = np.empty(n, np.float32)
-    out_bits = out.view(np.uint32)
     for a in range(0, n, _CHUNK):
         b = min(n, a + _CHUNK)
         o = out[a:b]
         if codec == "bf16":
-            u = out_bits[a:b]
+            u = o.view(np.uint32)
             np.copyto(u, src[a:b])  # uint16 -> uint32, zero-extended
             np.left_shift(u, 16, out=u)
         else:
@@ -131,22 +123,19 @@ def _decode_blocks(codec: str, B: int, s: np.ndarray, codes: np.ndarray) -> np.n
     """int8 / int4 / fp4 / int2 / sign payload -> new float32 array of ``nb * B`` values (block padding
     included): the code values times their block's scale, chunk by chunk.
 
-    int8: the byte read as int8 (``_formats.int_code_values``) converted to float32; int4, fp4,
+    int8: the byte read as int8 (``_formats.code_values``) converted to float32; int4, fp4,
     int2 and sign: the 2, 2, 4 or 8 values of each byte from :data:`_LUT`. Then one in-place
     multiply by the scales. The scales were checked, so every product is finite.
     """
     total = s.shape[0] * B
     out = np.empty(total, np.float32)
     step = B * max(1, _CHUNK // B)
-    if codec == "int8":
-        q = codes.view(np.int8)
-    else:
-        per = F.CODES_PER_BYTE[codec]
-        rows = out.reshape(-1, per)  # B is a multiple of per: a block is B / per whole bytes
+    per = F.CODES_PER_BYTE[codec]
+    rows = out.reshape(-1, per)  # B is a multiple of per: a block is B / per whole bytes
     for a in range(0, total, step):
         b = min(total, a + step)
         if codec == "int8":
-            np.copyto(out[a:b], q[a:b])
+            np.copyto(out[a:b], codes[a:b].view(np.int8))
         else:  # mode="clip" (indices are bytes < 256 anyway): "raise" would buffer the output
             np.take(_LUT[codec], codes[a // per : b // per], axis=0, out=rows[a // per : b // per], mode="clip")
         o = out[a:b].reshape(-1, B)
@@ -161,7 +150,7 @@ def scales(codec: str, name: str, raw: np.ndarray) -> np.ndarray:
         if int(raw.max()) > _MAX_E8M0:
             raise WireFormatError(f"leaf {name!r}: E8M0 scale code above {_MAX_E8M0}")
         return _E8M0_LUT[raw]
-    s = F.bf16_bits_to_f32(np, raw)
+    s = bf16_bits_to_f32(np, raw)
     if not (bool(np.all(s >= 0)) and float(s.max()) <= _MAX_INT_SCALE[codec]):
         raise WireFormatError(f"leaf {name!r}: block scales negative, non-finite or too large")
     return s
@@ -177,59 +166,49 @@ def check_topk(name: str, idx: np.ndarray, vals: np.ndarray, n: int) -> None:
 
 def _views(codec: str, leaf: LeafInfo, buf: memoryview) -> list[np.ndarray]:
     """The wire parts of one leaf (``_formats.part_dtypes`` / ``part_lengths``) as views of ``buf``."""
-    parts = []
-    off = leaf.offset
+    parts, off = [], leaf.offset
     for length, dt in zip(F.part_lengths(codec, leaf.size, leaf.block_size, leaf.k), F.part_dtypes(codec)):
         parts.append(np.frombuffer(buf, dt, length, off))
         off += length * dt.itemsize
     return parts
 
 
-def _decode_leaf(codec: str, leaf: LeafInfo, buf: memoryview, owned: bool = False) -> np.ndarray:
-    n = leaf.size
-    parts = _views(codec, leaf, buf)
-    if codec in ("fp32", "bf16"):
-        if owned and codec == "fp32" and parts[0].dtype.isnative and parts[0].flags.writeable:
-            # the decoder's own buffer: the float32 values are already where they can stay
-            _check_finite(leaf.name, parts[0])
-            return parts[0].view(np.float32).reshape(leaf.shape)
-        return _decode_dense(codec, leaf.name, parts[0]).reshape(leaf.shape)
-    if codec == "topk":
-        idx, vals = parts
-        check_topk(leaf.name, idx, vals, n)
-        out = np.zeros(n, np.float32)
-        out[idx.astype(np.intp)] = vals
-        return out.reshape(leaf.shape)
-    if n == 0:
-        return np.zeros(leaf.shape, np.float32)
-    s = scales(codec, leaf.name, parts[0])
-    return _decode_blocks(codec, leaf.block_size, s, parts[1])[:n].reshape(leaf.shape)
+def leaf_parts(codec: str, leaf: LeafInfo, buf: memoryview, *, decode: bool = False, owned: bool = False) -> Any:
+    """The wire parts of one leaf as views of ``buf`` (``_formats.part_dtypes`` /
+    ``part_lengths``), checked; with ``decode``, the leaf's float32 values instead: a new array,
+    or with ``owned`` (``buf`` is a writable buffer nothing else uses) fp32 values in place.
 
-
-def leaf_parts(codec: str, leaf: LeafInfo, buf: memoryview) -> tuple[np.ndarray, ...]:
-    """The wire parts of one leaf, checked as :func:`_decode_leaf` checks them but not decoded
-    (views into ``buf``; ``_formats.part_dtypes`` / ``part_lengths``): for a decode elsewhere,
-    on an accelerator with ``_formats.dequantize(jax.numpy, ...)``, which then gives the same
-    float32 values as the host decode, and finite ones.
-
-    Checks: fp32 and topk values finite; bf16 bits not Inf or NaN (exponent all ones);
-    int8 / int4 / int2 / sign scales in ``[0, max]``; fp4 scale codes at most 252; topk indices
-    strictly increasing below the size.
+    The parts are for a decode elsewhere, on an accelerator with ``_formats.dequantize(jax.numpy,
+    ...)``, which then gives the same float32 values as the host decode, and finite ones. Checks:
+    fp32 and topk values finite; bf16 bits not Inf or NaN (exponent all ones; a decode checks the
+    values as it converts them); int8 / int4 / int2 / sign scales in ``[0, max]``; fp4 scale codes
+    at most 252; topk indices strictly increasing below the size.
 
     Raises:
       WireFormatError: a check failed.
     """
     parts = _views(codec, leaf, buf)
-    if codec == "fp32":
-        _check_finite(leaf.name, parts[0].view(np.float32))
+    name, n = leaf.name, leaf.size
+    if codec == "fp32" and (not decode or owned and parts[0].dtype.isnative and parts[0].flags.writeable):
+        _check_finite(name, parts[0].view(np.float32))
+        if decode:  # the values are already where they can stay
+            return parts[0].view(np.float32).reshape(leaf.shape)
+    elif codec in ("fp32", "bf16") and decode:
+        return _decode_dense(codec, name, parts[0]).reshape(leaf.shape)
     elif codec == "bf16":
-        if parts[0].size and bool(np.any((parts[0] & 0x7F80) == 0x7F80)):  # exponent all ones
-            raise WireFormatError(f"leaf {leaf.name!r} decodes to non-finite values")
+        if parts[0].size and bool(np.any((parts[0] & 0x7F80) == 0x7F80)):
+            raise WireFormatError(f"leaf {name!r} decodes to non-finite values")
     elif codec == "topk":
-        check_topk(leaf.name, *parts, leaf.size)
-    elif leaf.size:
-        scales(codec, leaf.name, parts[0])
-    return tuple(parts)
+        check_topk(name, *parts, n)
+        if decode:
+            out = np.zeros(n, np.float32)
+            out[parts[0].astype(np.intp)] = parts[1]
+            return out.reshape(leaf.shape)
+    elif n:
+        s = scales(codec, name, parts[0])
+        if decode:
+            return _decode_blocks(codec, leaf.block_size, s, parts[1])[:n].reshape(leaf.shape)
+    return np.zeros(leaf.shape, np.float32) if decode else tuple(parts)
 
 
 def decode_payload(manifest: Manifest, payload: memoryview, *, owned: bool = False) -> Any:
@@ -238,7 +217,7 @@ def decode_payload(manifest: Manifest, payload: memoryview, *, owned: bool = Fal
     ``owned``: the payload is a writable buffer that nothing else uses (the StreamDecoder's):
     fp32 leaves are then returned as views into it instead of copies.
     """
-    leaves = [_decode_leaf(manifest.codec, leaf, payload, owned) for leaf in manifest.leaves]
+    leaves = [leaf_parts(manifest.codec, leaf, payload, decode=True, owned=owned) for leaf in manifest.leaves]
     return _tree.unflatten(manifest.structure, leaves)
 
 

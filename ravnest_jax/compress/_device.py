@@ -19,21 +19,13 @@ from jax.sharding import PartitionSpec as P
 from . import _formats as F
 from . import _tree
 from ._codec_value import Codec
-from ._wire import ALLOWED_DTYPES, LeafSpec, Packed
+from ._host import pack_leaves
+from ._wire import Packed
 
-__all__ = ["ErrorFeedbackState", "SimulatedCodecImpl", "device_encode", "init_error_feedback", "simulated"]
-
-
-def _packed_flatten(p: Packed):
-    return (p.parts, p.ok), (p.codec, p.specs, p.structure)
-
-
-def _packed_unflatten(aux, children):
-    parts, ok = children
-    return Packed(aux[0], aux[1], aux[2], parts, ok)
-
-
-jax.tree_util.register_pytree_node(Packed, _packed_flatten, _packed_unflatten)
+# children: the parts and the ok flags; static aux: codec, specs, structure
+jax.tree_util.register_pytree_node(
+    Packed, lambda p: ((p.parts, p.ok), (p.codec, p.specs, p.structure)), lambda aux, ch: Packed(*aux, *ch)
+)
 
 
 def _lax_topk_indices(x: jax.Array, k: int) -> jax.Array:
@@ -70,22 +62,19 @@ def _topk_indices(x: jax.Array, k: int) -> jax.Array:
     )
 
 
-def _noise_fn(cfg: F.CodecConfig, key: jax.Array | None):
-    if not cfg.stochastic:
-        return None
-    return lambda shape: jax.random.uniform(key, shape, jnp.float32)
+def _quantize(cfg: F.CodecConfig, x: jax.Array, key: jax.Array | None) -> tuple[jax.Array, tuple]:
+    noise = (lambda shape: jax.random.uniform(key, shape, jnp.float32)) if cfg.stochastic else None
+    return F.quantize(jnp, cfg, x, noise=noise, topk_indices=_topk_indices)
 
 
 def _roundtrip(cfg: F.CodecConfig, x: jax.Array, key: jax.Array | None) -> tuple[jax.Array, tuple, jax.Array]:
     """Flat float32 ``x`` -> (ok, parts, decoded flat float32)."""
-    ok, parts = F.quantize(jnp, cfg, x, noise=_noise_fn(cfg, key), topk_indices=_topk_indices)
+    ok, parts = _quantize(cfg, x, key)
     return ok, parts, F.dequantize(jnp, cfg, parts, x.shape[0])
 
 
 def _split(key: jax.Array | None, n: int) -> list:
-    if key is None:
-        return [None] * n
-    return list(jax.random.split(key, max(n, 1)))[:n] if n else []
+    return [None] * n if key is None else list(jax.random.split(key, max(n, 1)))[:n]
 
 
 def device_encode(
@@ -154,60 +143,47 @@ def _explicit_mesh(leaves: list) -> Any:
 
 
 def _encode_explicit(mesh: Any, cfg: F.CodecConfig, tree: Any, key: Any, residual: Any) -> tuple[Packed, Any]:
-    """Leaves sharded over a mesh with explicit axes: the blockwise reshapes of the codec math
-    have no explicit sharding rule, so it runs with the axes made automatic (XLA partitions it:
-    each device encodes the blocks of its own shard). The packed parts come back spread over the
-    devices along their only axis (replicated when their length does not divide evenly), the new
-    residual with the layout of its leaf."""
+    """:func:`_encode` of leaves sharded over a mesh with explicit axes (see :func:`device_encode`):
+    the blockwise reshapes of the codec math have no explicit sharding rule, so XLA partitions it
+    with the axes made automatic."""
     leaves, _, structure = _tree.flatten(tree)
+    enc = lambda t, r: _encode(cfg, t, key, r)
 
     def plain(t: Any) -> Any:
         return None if t is None else jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), t)
 
-    packed_shape, _ = jax.eval_shape(lambda t, r: _encode(cfg, t, key, r), plain(tree), plain(residual))
-    axes = tuple(mesh.axis_names)
+    def spread(s: Any) -> NamedSharding:  # a packed part: over the devices when its length divides
+        return NamedSharding(mesh, P(tuple(mesh.axis_names)) if s.shape and s.shape[0] % mesh.size == 0 else P())
 
-    def spread(s: Any) -> NamedSharding:
-        even = s.shape and s.shape[0] % mesh.size == 0
-        return NamedSharding(mesh, P(axes) if even else P())
+    def layout(x: Any) -> NamedSharding:  # a new residual: its leaf's
+        s = jax.typeof(x).sharding
+        return NamedSharding(mesh, s.spec if isinstance(s, NamedSharding) else P())
 
-    packed_sh = jax.tree.map(spread, packed_shape)
-    res_sh = None
-    if residual is not None:
-        specs = []
-        for x in leaves:
-            s = jax.typeof(x).sharding
-            specs.append(NamedSharding(mesh, s.spec if isinstance(s, NamedSharding) else P()))
-        res_sh = _tree.unflatten(structure, specs)
-    fn = jax.sharding.auto_axes(lambda t, r: _encode(cfg, t, key, r), out_sharding=(packed_sh, res_sh))
-    return fn(tree, residual)
+    packed_sh = jax.tree.map(spread, jax.eval_shape(enc, plain(tree), plain(residual))[0])
+    res_sh = None if residual is None else _tree.unflatten(structure, [layout(x) for x in leaves])
+    return jax.sharding.auto_axes(enc, out_sharding=(packed_sh, res_sh))(tree, residual)
 
 
 def _encode(cfg: F.CodecConfig, tree: Any, key: Any, residual: Any) -> tuple[Packed, Any]:
-    leaves, names, structure = _tree.flatten(tree)
-    res = None
+    _, names, structure = _tree.flatten(tree)
+    res, new_res = None, []
     if residual is not None:
         res, _, rstructure = _tree.flatten(residual)
         if rstructure != structure:
             raise ValueError("residual must have the same tree structure as the input")
-    keys = _split(key if cfg.stochastic else None, len(leaves))
-    specs, parts, oks, new_res = [], [], [], []
-    for i, (leaf, name) in enumerate(zip(leaves, names)):
-        a = jnp.asarray(leaf)
-        if a.dtype.name not in ALLOWED_DTYPES:
-            raise ValueError(f"pseudo-gradient leaf {name!r} has dtype {a.dtype.name}; expected a float dtype")
+    keys = _split(key if cfg.stochastic else None, len(names))
+
+    def leaf(i: int, name: str, a: jax.Array) -> tuple[jax.Array, tuple]:
         x = a.astype(jnp.float32).reshape(-1)
-        if res is not None:
+        if res is None:
+            ok, p = _quantize(cfg, x, keys[i])
+        else:
             x = x + jnp.asarray(res[i], jnp.float32).reshape(-1)
             ok, p, dec = _roundtrip(cfg, x, keys[i])
             new_res.append((x - dec).reshape(a.shape))
-        else:
-            ok, p = F.quantize(jnp, cfg, x, noise=_noise_fn(cfg, keys[i]), topk_indices=_topk_indices)
-        k = F.topk_count(x.shape[0], cfg.fraction) if cfg.codec == "topk" else 0
-        specs.append(LeafSpec(name, tuple(int(d) for d in a.shape), a.dtype.name, cfg.block_size, k))
-        parts.append(tuple(_segments(f) for f in p))
-        oks.append(ok)
-    packed = Packed(cfg.codec, tuple(specs), structure, tuple(parts), tuple(oks))
+        return ok, tuple(_segments(f) for f in p)
+
+    packed = pack_leaves(cfg, tree, jnp.asarray, leaf)
     return packed, (_tree.unflatten(structure, new_res) if res is not None else None)
 
 
@@ -222,12 +198,8 @@ same (:func:`packed_to_chunks` writes the slices in order)."""
 
 
 def _segments(f: jax.Array) -> Any:
-    n = int(f.size)
-    step = max(SEGMENT_BYTES // max(f.dtype.itemsize, 1), 1)
-    if n <= step:
-        return f
-    flat = f.reshape(-1)
-    return tuple(flat[i : i + step] for i in range(0, n, step))
+    n, step = int(f.size), SEGMENT_BYTES // f.dtype.itemsize
+    return f if n <= step else tuple(f.reshape(-1)[i : i + step] for i in range(0, n, step))
 
 
 def init_error_feedback(params: Any) -> Any:
@@ -255,23 +227,18 @@ class SimulatedCodecImpl:
 
     ``compress``: per replica, ``decode(encode(delta + residual))`` with error feedback;
     ``requantize``: ``decode(encode(mean))`` with the mean's codec (what the all-gather of the
-    mean carries; the contributions' codec unless ``mean_cfg`` is given). All jittable and
+    mean carries; the contributions' codec unless ``codec.mean`` is set). All jittable and
     vmappable; non-finite inputs cannot raise inside jit and simply propagate.
     """
 
-    def __init__(
-        self,
-        cfg: F.CodecConfig,
-        error_feedback: bool,
-        error_feedback_decay: float = 1.0,
-        mean_error_feedback: bool = False,
-        mean_cfg: F.CodecConfig | None = None,
-    ):
-        self.cfg = cfg
-        self.mean_cfg = cfg if mean_cfg is None else mean_cfg
-        self.error_feedback = bool(error_feedback) and cfg.codec in F.LOSSY_CODECS
-        self.decay = float(error_feedback_decay)
-        self.mean_error_feedback = bool(mean_error_feedback) and self.mean_cfg.codec in F.LOSSY_CODECS
+    def __init__(self, codec: Codec):
+        self.cfg = F.resolve(codec.name, **codec.options)
+        self.mean_cfg = self.cfg
+        if codec.mean is not None:
+            self.mean_cfg = F.resolve(codec.mean, **F.mean_codec_options(codec.name, codec.mean, codec.options))
+        self.error_feedback = codec.error_feedback and self.cfg.codec != "fp32"
+        self.decay = codec.error_feedback_decay
+        self.mean_error_feedback = codec.mean_ef and self.mean_cfg.codec != "fp32"
 
     def __repr__(self) -> str:
         mean = "" if self.mean_cfg is self.cfg else f", mean_codec={self.mean_cfg.codec!r}"
@@ -281,18 +248,13 @@ class SimulatedCodecImpl:
         )
 
     def init(self, params: Any) -> Any:
-        if self.error_feedback or self.mean_error_feedback:
-            zeros = init_error_feedback(params)
-            return ErrorFeedbackState(
-                zeros if self.error_feedback else None,
-                init_error_feedback(params) if self.mean_error_feedback else None,
-            )
-        return optax.EmptyState()
+        if not (self.error_feedback or self.mean_error_feedback):
+            return optax.EmptyState()
+        on = (self.error_feedback, self.mean_error_feedback)
+        return ErrorFeedbackState(*(init_error_feedback(params) if x else None for x in on))
 
-    def _apply(
-        self, tree: Any, residual: Any, key: jax.Array, decay: float = 1.0, cfg: F.CodecConfig | None = None
-    ) -> tuple[Any, Any]:
-        cfg = self.cfg if cfg is None else cfg
+    @staticmethod
+    def _apply(cfg: F.CodecConfig, tree: Any, residual: Any, key: jax.Array, decay: float = 1.0) -> tuple[Any, Any]:
         leaves, treedef = jax.tree.flatten(tree)
         res = treedef.flatten_up_to(residual) if residual is not None else [None] * len(leaves)
         keys = _split(key if cfg.stochastic else None, len(leaves))
@@ -309,16 +271,13 @@ class SimulatedCodecImpl:
     def compress(self, delta: Any, state: Any, key: jax.Array) -> tuple[Any, Any]:
         if self.cfg.codec == "fp32":
             return delta, state
-        if self.error_feedback:
-            dec, res = self._apply(delta, state.residual, key, self.decay)
-            return dec, state._replace(residual=res)
-        dec, _ = self._apply(delta, None, key)
-        return dec, state
+        if not self.error_feedback:
+            return self._apply(self.cfg, delta, None, key)[0], state
+        dec, res = self._apply(self.cfg, delta, state.residual, key, self.decay)
+        return dec, state._replace(residual=res)
 
     def requantize(self, mean: Any, key: jax.Array) -> Any:
-        if self.mean_cfg.codec == "fp32":
-            return mean
-        return self._apply(mean, None, key, cfg=self.mean_cfg)[0]
+        return mean if self.mean_cfg.codec == "fp32" else self._apply(self.mean_cfg, mean, None, key)[0]
 
     def requantize_with_state(self, mean: Any, state: Any, key: jax.Array) -> tuple[Any, Any]:
         """:meth:`requantize` with the owners' error feedback on the mean (``mean_error_feedback``:
@@ -327,7 +286,7 @@ class SimulatedCodecImpl:
         same on every replica, so is the residual."""
         if not self.mean_error_feedback:
             return self.requantize(mean, key), state
-        dec, res = self._apply(mean, state.mean_residual, key, cfg=self.mean_cfg)
+        dec, res = self._apply(self.mean_cfg, mean, state.mean_residual, key)
         return dec, state._replace(mean_residual=res)
 
 
@@ -354,10 +313,4 @@ def simulated(codec: Codec | str = "int4") -> SimulatedCodecImpl:
       ValueError: an unknown codec name (a ``Codec`` is checked when made).
       TypeError: neither a Codec nor a name.
     """
-    c = Codec.of(codec)
-    cfg = F.resolve(c.name, **c.options)
-    mean_cfg = None
-    if c.mean is not None:
-        opts = F.mean_codec_options(c.name, c.mean, c.options)
-        mean_cfg = F.resolve(c.mean, **opts)
-    return SimulatedCodecImpl(cfg, c.error_feedback, c.error_feedback_decay, c.mean_ef, mean_cfg)
+    return SimulatedCodecImpl(Codec.of(codec))

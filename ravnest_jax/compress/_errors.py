@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-__all__ = ["NonFiniteError", "WireFormatError"]
-
 
 class WireFormatError(ValueError):
     """A pseudo-gradient message is malformed, truncated, corrupted or too large.

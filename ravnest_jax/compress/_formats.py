@@ -34,46 +34,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _coarse  # int2 / sign (built on ._bits, as this module is)
+from . import _bits
 from ._bits import MAX_ABS as MAX_ABS
-from ._bits import TINY as TINY
-from ._bits import _block_absmax, _materialize
-from ._bits import bf16_bits_ceil as bf16_bits_ceil
-from ._bits import bf16_bits_to_f32 as bf16_bits_to_f32
-from ._bits import e2m1_code_values as e2m1_code_values
-from ._bits import e8m0_scale_values as e8m0_scale_values
-from ._bits import f32_to_bf16_bits as f32_to_bf16_bits
-from ._bits import int_code_values as int_code_values
-from ._bits import pack_nibbles as pack_nibbles
-from ._bits import unpack_nibbles as unpack_nibbles
-from ._topk import np_topk_indices as np_topk_indices
-
-__all__ = [
-    "BLOCK_CODECS",
-    "CODECS",
-    "CodecConfig",
-    "MAX_ABS",
-    "STOCHASTIC_CODECS",
-    "TINY",
-    "code_values",
-    "dequantize",
-    "in_range",
-    "mean_codec_options",
-    "num_blocks",
-    "part_dtypes",
-    "part_lengths",
-    "payload_nbytes",
-    "quantize",
-    "resolve",
-    "topk_count",
-]
+from ._bits import _block_absmax as _block_absmax
+from ._bits import np_topk_indices as np_topk_indices
 
 CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "fp4", "int2", "sign", "topk")
 """Names of the codecs, as accepted by ``codec=`` everywhere."""
 
 BLOCK_CODECS = ("int8", "int4", "fp4", "int2", "sign")
 STOCHASTIC_CODECS = ("bf16", "int8", "int4", "fp4")
-LOSSY_CODECS = ("bf16", "int8", "int4", "fp4", "int2", "sign", "topk")
 DEFAULT_BLOCK_SIZE = {"int8": 64, "int4": 64, "fp4": 32, "int2": 64, "sign": 64}
 CODES_PER_BYTE = {"int8": 1, "int4": 2, "fp4": 2, "int2": 4, "sign": 8}
 """Elements whose codes share one payload byte, per block codec."""
@@ -82,8 +52,9 @@ MEAN_SCALED = ("int2", "sign")
 MAX_BLOCK_SIZE = 1 << 16
 DEFAULT_TOPK_FRACTION = 0.01
 
-
-_QMAX = {"int8": 127, "int4": 7}
+INT2_STEP = 1.25
+"""int2's step in multiples of the block's mean ``|x|``: about the MSE-optimal 4-level uniform
+quantiser of a Gaussian (step 0.996 sigma, Max 1960) with sigma = sqrt(pi / 2) mean |x|."""
 
 
 class CodecConfig(NamedTuple):
@@ -102,6 +73,15 @@ class CodecConfig(NamedTuple):
     fraction: float = 0.0
     stochastic: bool = False
 
+    def k(self, n: int) -> int:
+        """Elements sent of a leaf of ``n`` elements: :func:`topk_count` for topk, else 0."""
+        return topk_count(n, self.fraction) if self.codec == "topk" else 0
+
+
+def is_int(v: Any) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
 
 def resolve(codec: str, **options: Any) -> CodecConfig:
     """Validates a codec name and its options; returns a :class:`CodecConfig`.
@@ -115,12 +95,10 @@ def resolve(codec: str, **options: Any) -> CodecConfig:
     """
     if not isinstance(codec, str) or codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")
-    known = {"block_size", "fraction", "stochastic"}
     for name in options:
-        if name not in known:
-            raise ValueError(f"unknown codec option {name!r} (known: {', '.join(sorted(known))})")
-    block_size = options.get("block_size")
-    fraction = options.get("fraction")
+        if name not in ("block_size", "fraction", "stochastic"):
+            raise ValueError(f"unknown codec option {name!r} (known: block_size, fraction, stochastic)")
+    block_size, fraction = options.get("block_size"), options.get("fraction")
     stochastic = options.get("stochastic", False)
     if block_size is not None and codec not in BLOCK_CODECS:
         raise ValueError(f"option 'block_size' does not apply to codec {codec!r}")
@@ -135,13 +113,8 @@ def resolve(codec: str, **options: Any) -> CodecConfig:
             f"(stochastic rounding exists for {', '.join(STOCHASTIC_CODECS)})"
         )
     if codec in BLOCK_CODECS:
-        if block_size is None:
-            block_size = DEFAULT_BLOCK_SIZE[codec]
-        if (
-            isinstance(block_size, (bool, np.bool_))
-            or not isinstance(block_size, (int, np.integer))
-            or not block_size_ok(codec, int(block_size))
-        ):
+        block_size = DEFAULT_BLOCK_SIZE[codec] if block_size is None else block_size
+        if not is_int(block_size) or not block_size_ok(codec, int(block_size)):
             also = ", a power of two >= 8" if codec in MEAN_SCALED else ""
             raise ValueError(
                 f"option 'block_size' of codec {codec!r} must be an even int in [2, {MAX_BLOCK_SIZE}]{also}, "
@@ -149,13 +122,8 @@ def resolve(codec: str, **options: Any) -> CodecConfig:
             )
         return CodecConfig(codec, int(block_size), 0.0, stochastic)
     if codec == "topk":
-        if fraction is None:
-            fraction = DEFAULT_TOPK_FRACTION
-        if (
-            isinstance(fraction, (bool, np.bool_))
-            or not isinstance(fraction, (int, float, np.floating, np.integer))
-            or not 0.0 < float(fraction) <= 1.0
-        ):
+        fraction = DEFAULT_TOPK_FRACTION if fraction is None else fraction
+        if not ((is_int(fraction) or isinstance(fraction, (float, np.floating))) and 0.0 < float(fraction) <= 1.0):
             raise ValueError(f"option 'fraction' must be a number in (0, 1], got {fraction!r}")
         return CodecConfig(codec, 0, float(fraction), False)
     return CodecConfig(codec, 0, 0.0, stochastic)
@@ -207,9 +175,7 @@ def topk_count(n: int, fraction: float) -> int:
 
     0 for an empty leaf.
     """
-    if n == 0:
-        return 0
-    return min(n, max(1, math.ceil(fraction * n - 1e-9)))
+    return 0 if n == 0 else min(n, max(1, math.ceil(fraction * n - 1e-9)))
 
 
 def part_lengths(codec: str, n: int, block_size: int, k: int) -> tuple[int, ...]:
@@ -222,21 +188,19 @@ def part_lengths(codec: str, n: int, block_size: int, k: int) -> tuple[int, ...]
     return (nb, nb * block_size // CODES_PER_BYTE[codec])
 
 
+_U1, _U2 = np.dtype("u1"), np.dtype("<u2")
+_PART_DTYPES = {
+    "fp32": (np.dtype("<f4"),),
+    "bf16": (_U2,),
+    "fp4": (_U1, _U1),
+    "topk": (np.dtype("<u4"), np.dtype("<f4")),
+    **{c: (_U2, _U1) for c in ("int8", "int4", "int2", "sign")},
+}
+
+
 def part_dtypes(codec: str) -> tuple[np.dtype, ...]:
     """Little-endian wire dtypes of the parts of one leaf."""
     return _PART_DTYPES[codec]
-
-
-_PART_DTYPES = {
-    "fp32": (np.dtype("<f4"),),
-    "bf16": (np.dtype("<u2"),),
-    "int8": (np.dtype("<u2"), np.dtype("u1")),
-    "int4": (np.dtype("<u2"), np.dtype("u1")),
-    "fp4": (np.dtype("u1"), np.dtype("u1")),
-    "int2": (np.dtype("<u2"), np.dtype("u1")),
-    "sign": (np.dtype("<u2"), np.dtype("u1")),
-    "topk": (np.dtype("<u4"), np.dtype("<f4")),
-}
 
 
 def payload_nbytes(codec: str, n: int, block_size: int, k: int) -> int:
@@ -259,12 +223,9 @@ def in_range(xp: Any, x: Any) -> Any:
 
 def _blocks(xp: Any, x: Any, block_size: int) -> Any:
     """1-D float32 ``(n,)`` -> zero-padded ``(nb, B)``."""
-    n = x.shape[0]
-    nb = num_blocks(n, block_size)
-    pad = nb * block_size - n
-    if pad:
-        x = xp.concatenate([x, xp.zeros((pad,), xp.float32)])
-    return x.reshape(nb, block_size)
+    nb = num_blocks(x.shape[0], block_size)
+    pad = nb * block_size - x.shape[0]
+    return (xp.concatenate([x, xp.zeros((pad,), xp.float32)]) if pad else x).reshape(nb, block_size)
 
 
 _ROUND_MAGIC = 1.5 * 2.0**23  # y + M rounds y to an integer (half to even) for |y| <= 2**22
@@ -282,15 +243,25 @@ def _round_to_int(xp: Any, y: Any, noise: Any) -> Any:
     return xp.floor(y + noise).astype(xp.int32)
 
 
+def _zero_tiny(xp: Any, s: Any) -> Any:
+    """Block statistics below ``TINY`` set to 0 (the block is sent as zeros), float32."""
+    return xp.where(s < _bits.TINY, 0.0, s).astype(xp.float32)
+
+
+def _ceil_scale(xp: Any, s: Any) -> tuple[Any, Any]:
+    """Block scales ``s >= 0`` rounded up to bfloat16 -> (bits, float32 reciprocal of the rounded
+    scale, 0 for a zero one), computed once per block (``_materialize``)."""
+    bits = _bits.bf16_bits_ceil(xp, s)
+    s = _bits.bf16_bits_to_f32(xp, bits)
+    inv = xp.where(s > 0, xp.float32(1.0) / xp.where(s > 0, s, xp.float32(1.0)), 0.0).astype(xp.float32)
+    return _bits._materialize(xp, (bits, inv))
+
+
 def _quantize_int(xp, cfg, xb, amax, noise):
-    qmax = _QMAX[cfg.codec]
-    amax = xp.where(amax < TINY, 0.0, amax).astype(xp.float32)
+    qmax = 127 if cfg.codec == "int8" else 7
     # multiply by the rounded reciprocal (XLA rewrites division by a constant this way; numpy must
     # do the same to produce the same bytes); the clip absorbs the 1-ulp difference
-    s_bits = bf16_bits_ceil(xp, amax * xp.float32(1.0 / qmax))
-    s = bf16_bits_to_f32(xp, s_bits)
-    inv = xp.where(s > 0, xp.float32(1.0) / xp.where(s > 0, s, xp.float32(1.0)), 0.0).astype(xp.float32)
-    s_bits, inv = _materialize(xp, (s_bits, inv))
+    s_bits, inv = _ceil_scale(xp, _zero_tiny(xp, amax) * xp.float32(1.0 / qmax))
     y = xp.clip(xb * inv[:, None], -qmax, qmax)
     if noise is None:
         # the stored byte straight from the rounding add: bits(y + M + c) = bits(M) + c + q, and
@@ -303,12 +274,48 @@ def _quantize_int(xp, cfg, xb, amax, noise):
         q = xp.clip(_round_to_int(xp, y, noise), -qmax, qmax)
         codes = q.astype(xp.int8).view(xp.uint8) if cfg.codec == "int8" else (q + 8).astype(xp.uint8)
     if cfg.codec == "int4":
-        codes = pack_nibbles(xp, codes)
+        codes = _bits.pack_codes(xp, codes, 4)
     return s_bits, codes.reshape(-1)
 
 
+def _block_mean_abs(xp: Any, xb: Any, n: int) -> Any:
+    """``(nb, B)`` float32 (``B`` a power of two; the leaf's ``n`` elements, then zero padding) ->
+    ``(nb,)`` mean of ``|x|`` over each block's elements of the leaf (the last block's padding is
+    not counted). The sum runs in a fixed pairwise order (halves added elementwise) and is scaled
+    by a float32 reciprocal computed in Python, so numpy and XLA give the same bits (a library
+    sum's order, and XLA's rewrite of a division, differ between them). Each ``|x|`` is scaled by
+    ``1 / B`` first (exact), so the sum cannot overflow for ``|x| <= MAX_ABS``."""
+    nb, B = xb.shape
+    a = xp.abs(xb) * xp.float32(1.0 / B)
+    while a.shape[1] > 1:
+        h = a.shape[1] // 2
+        a = a[:, :h] + a[:, h:]
+    last = n - (nb - 1) * B
+    fix = xp.where(xp.arange(nb) == nb - 1, xp.float32(B / last), xp.float32(1.0))
+    return a[:, 0] * fix.astype(xp.float32)
+
+
+def _quantize_coarse(xp: Any, codec: str, xb: Any, n: int) -> tuple[Any, Any]:
+    """int2 and sign, the codecs scaled by the block's mean ``|x|`` (1000x-class reductions of
+    DiLoCo rounds; docs/compression.md) -> (scale bits, code bytes); blocks whose scale is below
+    ``TINY`` send 0.
+
+    sign (the scaled sign of EF-SignSGD, arXiv 1901.09847, per block): bit ``x >= 0``, value
+    ``+-s`` with ``s`` the block's mean ``|x|`` (the scale that minimises the block's squared error
+    for those signs) rounded to bfloat16. int2 (a 2-bit midrise grid): step ``d = INT2_STEP *
+    mean |x|`` rounded up to bfloat16, values ``(q + 0.5) d`` for ``q = floor(x / d)`` clipped to
+    ``[-2, 1]`` (stored ``q + 2``)."""
+    s = _block_mean_abs(xp, xb, n)
+    if codec == "sign":
+        bits = (xb >= 0).astype(xp.uint8).reshape(-1)
+        return _bits.f32_to_bf16_bits(xp, _zero_tiny(xp, s)), _bits.pack_codes(xp, bits, 1)
+    d_bits, inv = _ceil_scale(xp, _zero_tiny(xp, s * xp.float32(INT2_STEP)))
+    q = xp.clip(xp.floor(xb * inv[:, None]), -2.0, 1.0)
+    return d_bits, _bits.pack_codes(xp, (q + xp.float32(2.0)).astype(xp.uint8).reshape(-1), 2)
+
+
 def _quantize_fp4(xp, cfg, xb, amax, noise):
-    zero = amax < TINY
+    zero = amax < _bits.TINY
     v = xp.where(zero, xp.float32(1.0), amax * xp.float32(1.0 / 6.0)).astype(xp.float32)
     vb = v.view(xp.uint32)
     # e = ceil(log2(v)) from the bits (v is a normal float): exponent + (mantissa != 0)
@@ -316,15 +323,13 @@ def _quantize_fp4(xp, cfg, xb, amax, noise):
     s_code = xp.where(zero, 0, e + 127).astype(xp.uint8)
     inv = ((254 - (e + 127)).astype(xp.uint32) << 23).view(xp.float32)  # 2**-e, exact
     inv = xp.where(zero, 0.0, inv).astype(xp.float32)  # zero blocks: all codes 0
-    s_code, inv = _materialize(xp, (s_code, inv))
+    s_code, inv = _bits._materialize(xp, (s_code, inv))
     y = xb * inv[:, None]  # exact: power-of-two scaling, |y| <= 6 (up to the rounding of amax / 6)
     a = xp.abs(y)
-    if noise is None and xp is np:
-        mag = _e2m1_round_nearest_even(np, a)  # the same codes, several times faster in numpy
-    else:
-        mag = _e2m1_round(xp, a, noise)
+    # numpy's round half to even by compares: the same codes, several times faster
+    mag = _e2m1_round_nearest_even(np, a) if noise is None and xp is np else _e2m1_round(xp, a, noise)
     codes = mag | ((y < 0).astype(xp.uint8) * xp.uint8(8))  # numpy's uint8 << is ~3x slower
-    return s_code, pack_nibbles(xp, codes).reshape(-1)
+    return s_code, _bits.pack_codes(xp, codes, 4).reshape(-1)
 
 
 def _e2m1_round(xp: Any, a: Any, noise: Any) -> Any:
@@ -346,8 +351,7 @@ def _e2m1_round(xp: Any, a: Any, noise: Any) -> Any:
 # a is the number of these decision points it passes. Between two grid values the midpoint goes
 # to the one with the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4,
 # 5 -> 4), hence ``>`` at the midpoints below an even code and ``>=`` below an odd one; above 6
-# everything is 6 (code 7). The same codes as rounding a / spacing (0.5 on [0, 2), 1 on [2, 4),
-# 2 on [4, 6]) half to even and adding 0, 2, 4, with a clamp at 7.
+# everything is 6 (code 7).
 _E2M1_DECISIONS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
@@ -359,8 +363,7 @@ def _e2m1_round_nearest_even(xp: Any, a: Any) -> Any:
     ``_e2m1_round`` (it fuses that into a faster loop). NaN -> 0."""
     mag = None
     for t, inclusive in _E2M1_DECISIONS:
-        hit = (a >= xp.float32(t)) if inclusive else (a > xp.float32(t))
-        hit = hit.astype(xp.uint8)
+        hit = ((a >= xp.float32(t)) if inclusive else (a > xp.float32(t))).astype(xp.uint8)
         mag = hit if mag is None else mag + hit
     return mag
 
@@ -390,33 +393,28 @@ def quantize(
       docstring.
     """
     codec = cfg.codec
-    if codec == "fp32":
-        return in_range(xp, x), (x,)
-    if codec == "bf16":
-        nbits = None
-        if cfg.stochastic and noise is not None:
-            nbits = (noise(x.shape) * 65536.0).astype(xp.uint32)
-        return in_range(xp, x), (f32_to_bf16_bits(xp, x, nbits),)
-    if codec == "topk":
-        n = x.shape[0]
-        k = topk_count(n, cfg.fraction)
+    if codec in ("fp32", "bf16", "topk"):
+        ok = in_range(xp, x)
+        if codec == "fp32":
+            return ok, (x,)
+        if codec == "bf16":
+            nbits = (noise(x.shape) * 65536.0).astype(xp.uint32) if cfg.stochastic and noise is not None else None
+            return ok, (_bits.f32_to_bf16_bits(xp, x, nbits),)
+        k = cfg.k(x.shape[0])
         if k == 0:
-            return in_range(xp, x), (xp.zeros((0,), xp.uint32), xp.zeros((0,), xp.float32))
+            return ok, (xp.zeros((0,), xp.uint32), xp.zeros((0,), xp.float32))
         idx = topk_indices(x, k).astype(xp.uint32)
-        return in_range(xp, x), (idx, x[idx])
+        return ok, (idx, x[idx])
     if x.shape[0] == 0:
-        empty = xp.zeros((0,), xp.uint16 if codec != "fp4" else xp.uint8)
-        return xp.asarray(True), (empty, xp.zeros((0,), xp.uint8))
+        return xp.asarray(True), (xp.zeros((0,), xp.uint16 if codec != "fp4" else xp.uint8), xp.zeros((0,), xp.uint8))
     xb = _blocks(xp, x, cfg.block_size)
     amax = _block_absmax(xp, xb)  # NaN propagates: ok is False
     ok = xp.max(amax) <= MAX_ABS
     nz = noise(xb.shape) if (cfg.stochastic and noise is not None) else None
     if codec in ("int8", "int4"):
         return ok, _quantize_int(xp, cfg, xb, amax, nz)
-    if codec == "sign":
-        return ok, _coarse.quantize_sign(xp, xb, x.shape[0])
-    if codec == "int2":
-        return ok, _coarse.quantize_int2(xp, xb, x.shape[0])
+    if codec in MEAN_SCALED:
+        return ok, _quantize_coarse(xp, codec, xb, x.shape[0])
     return ok, _quantize_fp4(xp, cfg, xb, amax, nz)
 
 
@@ -430,14 +428,18 @@ def dequantize(xp: Any, cfg: CodecConfig, parts: tuple[Any, ...], n: int) -> Any
     if codec == "fp32":
         return parts[0].astype(xp.float32)
     if codec == "bf16":
-        return bf16_bits_to_f32(xp, parts[0])
+        return _bits.bf16_bits_to_f32(xp, parts[0])
     if codec == "topk":
         idx, vals = parts
-        return xp.zeros((n,), xp.float32).at[idx].set(vals) if xp is not np else _np_scatter(n, idx, vals)
+        if xp is not np:
+            return xp.zeros((n,), xp.float32).at[idx].set(vals)
+        out = np.zeros((n,), np.float32)
+        out[idx.astype(np.intp)] = vals
+        return out
     if n == 0:
         return xp.zeros((0,), xp.float32)
     s_raw, codes = parts
-    s = e8m0_scale_values(xp, s_raw) if codec == "fp4" else bf16_bits_to_f32(xp, s_raw)
+    s = _bits.e8m0_scale_values(xp, s_raw) if codec == "fp4" else _bits.bf16_bits_to_f32(xp, s_raw)
     vals = code_values(xp, codec, codes)
     return (vals.reshape(s_raw.shape[0], -1) * s[:, None]).reshape(-1)[:n]
 
@@ -445,19 +447,22 @@ def dequantize(xp: Any, cfg: CodecConfig, parts: tuple[Any, ...], n: int) -> Any
 def code_values(xp: Any, codec: str, codes: Any) -> Any:
     """A block codec's code bytes ``(..., m)`` -> their float32 values before scaling,
     ``(..., m * CODES_PER_BYTE[codec])`` in element order (the host decoder's lookup tables are
-    this function of every byte)."""
+    this function of every byte).
+
+    int8: the byte is a two's-complement int8 in ``[-127, 127]``; int4: the nibble is ``q + 8``
+    with ``q`` in ``[-7, 7]``; fp4: an E2M1 nibble (bit 3 the sign; magnitudes 0, 0.5, 1, 1.5, 2,
+    3, 4, 6 for codes 0..7, OCP MX v1.0); int2: codes 0..3 are -1.5, -0.5, 0.5, 1.5 (a midrise
+    grid); sign: bit 1 is +1.0, bit 0 is -1.0.
+    """
     if codec == "int8":
-        return int_code_values(xp, codec, codes)
+        return codes.view(xp.int8).astype(xp.float32)
+    c = _bits.unpack_codes(xp, codes, 8 // CODES_PER_BYTE[codec])
     if codec == "int4":
-        return int_code_values(xp, codec, unpack_nibbles(xp, codes))
-    if codec == "fp4":
-        return e2m1_code_values(xp, unpack_nibbles(xp, codes))
+        return c.astype(xp.float32) - 8.0
     if codec == "int2":
-        return _coarse.int2_code_values(xp, _coarse.unpack_crumbs(xp, codes))
-    return _coarse.sign_code_values(xp, _coarse.unpack_bits(xp, codes))
-
-
-def _np_scatter(n, idx, vals):
-    out = np.zeros((n,), np.float32)
-    out[idx.astype(np.intp)] = vals
-    return out
+        return c.astype(xp.float32) - xp.float32(1.5)
+    if codec == "sign":
+        return c.astype(xp.float32) * xp.float32(2.0) - xp.float32(1.0)
+    mag = (c & 7).astype(xp.float32)
+    v = xp.where(mag < 4, mag * 0.5, xp.where(mag < 7, mag - 2.0, 6.0))
+    return xp.where((c & 8) != 0, -v, v)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,11 +10,7 @@ import numpy as np
 
 from . import _formats as F
 from . import _tree
-from ._errors import NonFiniteError
-from ._wire import ALLOWED_DTYPES, DEFAULT_MAX_BYTES, LeafSpec, Packed, packed_to_bytes
-
-__all__ = ["encode", "host_pack", "payload_ratio", "weighted_mean"]
-
+from ._wire import ALLOWED_DTYPES, DEFAULT_MAX_BYTES, LeafSpec, Packed, check_finite_leaf, packed_to_bytes
 
 _CHUNK = 1 << 17  # elements per numpy pass, so that the temporaries stay in the CPU caches
 
@@ -39,6 +36,30 @@ def _host_quantize(cfg: F.CodecConfig, x: np.ndarray, noise: Any) -> tuple[bool,
     return True, tuple(outs)
 
 
+def pack_leaves(cfg: F.CodecConfig, tree: Any, asarray: Any, encode: Any) -> Packed:
+    """The :class:`Packed` of ``tree`` (host or device arrays): ``encode(i, name, a)`` gives leaf
+    ``i`` (``asarray(leaf)``, a float array) as ``(ok, parts)``.
+
+    Raises:
+      ValueError: a leaf of another dtype than :data:`ALLOWED_DTYPES`, or a tree ``_tree.flatten``
+        refuses.
+    """
+    leaves, names, structure = _tree.flatten(tree)
+    specs, parts, oks = [], [], []
+    for i, (leaf, name) in enumerate(zip(leaves, names)):
+        a = asarray(leaf)
+        if a.dtype.name not in ALLOWED_DTYPES:
+            raise ValueError(
+                f"pseudo-gradient leaf {name!r} has dtype {a.dtype.name}; expected one of {', '.join(ALLOWED_DTYPES)}"
+            )
+        ok, p = encode(i, name, a)
+        shape = tuple(int(d) for d in a.shape)
+        specs.append(LeafSpec(name, shape, a.dtype.name, cfg.block_size, cfg.k(math.prod(shape))))
+        parts.append(p)
+        oks.append(ok)
+    return Packed(cfg.codec, tuple(specs), structure, tuple(parts), tuple(oks))
+
+
 def host_pack(tree: Any, codec: str = "int4", *, seed: int | None = None, **options: Any) -> Packed:
     """numpy version of ``device_encode`` without error feedback: ``tree`` -> :class:`Packed`.
 
@@ -47,29 +68,17 @@ def host_pack(tree: Any, codec: str = "int4", *, seed: int | None = None, **opti
       ValueError: bad codec or option, a non-float leaf, an unsupported container.
     """
     cfg = F.resolve(codec, **options)
-    leaves, names, structure = _tree.flatten(tree)
     rng = np.random.default_rng(seed) if cfg.stochastic else None
     noise = (lambda shape: rng.random(shape, dtype=np.float32)) if rng is not None else None
-    specs, parts = [], []
-    for leaf, name in zip(leaves, names):
-        a = np.asarray(leaf)
-        if a.dtype.name not in ALLOWED_DTYPES:
-            raise ValueError(
-                f"pseudo-gradient leaf {name!r} has dtype {a.dtype.name}; expected one of {', '.join(ALLOWED_DTYPES)}"
-            )
+
+    def leaf(i: int, name: str, a: np.ndarray) -> tuple[bool, tuple[np.ndarray, ...]]:
         x = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
         with np.errstate(invalid="ignore", over="ignore"):  # garbage parts are dropped if not ok
             ok, p = _host_quantize(cfg, x, noise)
-        if not bool(ok):
-            raise NonFiniteError(
-                f"pseudo-gradient leaf {name!r} has NaN, Inf or |x| > 2**127 values; refusing to "
-                "encode it (a diverged peer must not poison the swarm)",
-                leaf=name,
-            )
-        k = F.topk_count(x.shape[0], cfg.fraction) if cfg.codec == "topk" else 0
-        specs.append(LeafSpec(name, tuple(int(d) for d in a.shape), a.dtype.name, cfg.block_size, k))
-        parts.append(p)
-    return Packed(cfg.codec, tuple(specs), structure, tuple(parts), (True,) * len(specs))
+        check_finite_leaf(name, ok)
+        return True, p
+
+    return pack_leaves(cfg, tree, np.asarray, leaf)
 
 
 def encode(
@@ -139,27 +148,23 @@ def weighted_mean(items: Sequence[Any], weights: Sequence[float] | None = None) 
     if not np.all(np.isfinite(w)) or np.any(w < 0) or not w.sum() > 0:
         raise ValueError(f"weights must be finite, non-negative, with a positive sum; got {list(weights)}")
     wn = (w / w.sum()).astype(np.float32)
-    flat = []
-    structure = None
+    flat, structure = [], None
     for i, item in enumerate(items):
         leaves, _, st = _tree.flatten(item)
-        if structure is None:
-            structure = st
-        elif st != structure:
+        if i and st != structure:
             raise ValueError(f"item {i} has a different tree structure than item 0")
         flat.append(leaves)
+        structure = st
     out = []
     for j in range(len(flat[0])):
         first = np.asarray(flat[0][j], dtype=np.float32)
         acc = first * wn[0]
-        tmp = None  # one scratch array per leaf instead of a new temporary per item
+        tmp = np.empty_like(acc) if len(items) > 1 else None  # one scratch array per leaf, not per item
         for i in range(1, len(items)):
             x = np.asarray(flat[i][j], dtype=np.float32)
             if x.shape != first.shape:
                 raise ValueError(f"leaf {j} of item {i} has shape {x.shape}, item 0 has {first.shape}")
             if wn[i] != 0:
-                if tmp is None:
-                    tmp = np.empty_like(acc)
                 np.multiply(x, wn[i], out=tmp)
                 acc += tmp
         out.append(acc)
@@ -169,5 +174,4 @@ def weighted_mean(items: Sequence[Any], weights: Sequence[float] | None = None) 
 def payload_ratio(codec: str, n: int, **options: Any) -> float:
     """Payload bytes per float32 byte for one leaf of ``n`` elements (without the header)."""
     cfg = F.resolve(codec, **options)
-    k = F.topk_count(n, cfg.fraction) if cfg.codec == "topk" else 0
-    return F.payload_nbytes(cfg.codec, n, cfg.block_size, k) / max(1, 4 * n)
+    return F.payload_nbytes(cfg.codec, n, cfg.block_size, cfg.k(n)) / max(1, 4 * n)

@@ -30,47 +30,25 @@ from . import _formats as F
 from ._decode import _check_finite, _decode_blocks, _decode_dense, check_topk, scales
 from ._errors import WireFormatError
 from ._reader import Reader
-from ._wire import LeafSpec, Manifest, Packed, frame, header_bytes
-
-__all__ = ["GRID", "PartLayout", "RangeDecoder", "part_chunks", "chunks_nbytes"]
+from ._wire import LeafSpec, Manifest, Packed, frame, header_bytes, segments
 
 GRID = 1 << 16
 """Elements of one grid chunk (at most; 256 KiB of float32): small enough to stay in the CPU
 caches while a chunk is decoded, checked, weighted and added."""
 
-_DENSE = ("fp32", "bf16")
+ChunkSink = Callable[[int, np.ndarray], None]
 
 
-class _Segments:
-    """One payload array of a leaf given as consecutive 1-D segments (a device output above
-    ``SEGMENT_BYTES`` comes in slices): :meth:`views` of any element range without a copy."""
-
-    __slots__ = ("arrays", "starts")
-
-    def __init__(self, part: Any, dtype: np.dtype):
-        segs = [np.asarray(q) for q in part] if isinstance(part, (tuple, list)) else [np.asarray(part)]
-        self.arrays = [np.ascontiguousarray(a.reshape(-1)).view(dtype) for a in segs]
-        self.starts = np.cumsum([0] + [a.size for a in self.arrays])
-
-    @property
-    def size(self) -> int:
-        return int(self.starts[-1])
-
-    def views(self, lo: int, hi: int) -> list[np.ndarray]:
-        out = []
-        for a, s in zip(self.arrays, self.starts[:-1]):
-            s = int(s)
-            a_lo, a_hi = max(lo, s), min(hi, s + a.size)
-            if a_lo < a_hi:
-                out.append(a[a_lo - s : a_hi - s])
-        return out
-
-    def gather(self, lo: int, hi: int) -> np.ndarray:
-        """The range as one array (a view when it lies in one segment, else a copy)."""
-        v = self.views(lo, hi)
-        if len(v) == 1:
-            return v[0]
-        return np.concatenate(v) if v else self.arrays[0][:0]
+def _views(part: Any, dtype: np.dtype, lo: int, hi: int) -> list[np.ndarray]:
+    """Elements ``[lo, hi)`` of a part (an array, or consecutive 1-D slices: a device output above
+    ``SEGMENT_BYTES``) as views of its arrays, without a copy."""
+    out, start = [], 0
+    for a in segments(part):
+        a = np.ascontiguousarray(a.reshape(-1)).view(dtype)
+        if max(lo, start) < min(hi, start + a.size):
+            out.append(a[max(lo, start) - start : min(hi, start + a.size) - start])
+        start += a.size
+    return out
 
 
 class PartLayout:
@@ -102,12 +80,10 @@ class PartLayout:
     @classmethod
     def of(cls, packed: Packed) -> PartLayout:
         """The layout of an encoded contribution (its codec, leaf sizes and block size)."""
-        blocks = {s.block_size for s in packed.specs}
-        block = blocks.pop() if len(blocks) == 1 else 0
-        if packed.codec in F.BLOCK_CODECS and (blocks or not packed.specs):
-            if blocks:
-                raise ValueError(f"leaves with different block sizes {sorted(blocks | {block})}")
-            block = F.DEFAULT_BLOCK_SIZE[packed.codec]
+        blocks = sorted({s.block_size for s in packed.specs})
+        if len(blocks) > 1 and packed.codec in F.BLOCK_CODECS:
+            raise ValueError(f"leaves with different block sizes {blocks}")
+        block = blocks[0] if blocks else F.DEFAULT_BLOCK_SIZE.get(packed.codec, 0)
         return cls(packed.codec, [math.prod(s.shape) for s in packed.specs], block)
 
     @property
@@ -137,13 +113,10 @@ class PartLayout:
         if n_parts < 1:
             raise ValueError(f"n_parts must be >= 1, got {n_parts}")
         base, rem = divmod(self.n, n_parts)
-        ends, acc = [], 0
+        out, lo, end = [], 0, 0
         for k in range(n_parts):
-            acc += base + (1 if k < rem else 0)
-            ends.append(acc)
-        out, lo = [], 0
-        for k, t in enumerate(ends):
-            hi = self.n if k == n_parts - 1 else max(lo, self._snap(t))
+            end += base + (k < rem)
+            hi = self.n if k == n_parts - 1 else max(lo, self._snap(end))
             out.append((lo, hi))
             lo = hi
         return out
@@ -152,8 +125,6 @@ class PartLayout:
         """The leaf ranges of elements ``[lo, hi)``: ``[(leaf, a, b), ...]`` with ``a, b``
         offsets inside the leaf (empty leaves are skipped)."""
         out = []
-        if hi <= lo:
-            return out
         i = int(np.searchsorted(self.offsets, lo, side="right")) - 1
         while i < len(self.sizes) and int(self.offsets[i]) < hi:
             off = int(self.offsets[i])
@@ -195,41 +166,35 @@ def part_chunks(packed: Packed, layout: PartLayout, lo: int, hi: int) -> list[by
     views: list[np.ndarray] = []
     for j, (i, a, b) in enumerate(layout.pieces(lo, hi)):
         spec, parts = packed.specs[i], packed.parts[i]
-        segs = [_Segments(p, dt) for p, dt in zip(parts, dts)]
         k = 0
-        if codec in _DENSE:
-            views += segs[0].views(a, b)
+        if codec in ("fp32", "bf16"):
+            views += _views(parts[0], dts[0], a, b)
         elif codec == "topk":
-            idx = segs[0].gather(0, segs[0].size)
+            idx = _views(parts[0], dts[0], 0, spec.k)
+            idx = np.concatenate(idx) if len(idx) > 1 else idx[0] if idx else np.zeros(0, dts[0])
             s, e = int(np.searchsorted(idx, a)), int(np.searchsorted(idx, b))
             k = e - s
             views.append((idx[s:e] - np.uint32(a)).astype("<u4"))
-            views += segs[1].views(s, e)
+            views += _views(parts[1], dts[1], s, e)
         else:
-            B = layout.block_size
+            B, per_byte = layout.block_size, F.CODES_PER_BYTE[codec]
             nb_a, nb_b = a // B, -(-b // B)
-            per_byte = F.CODES_PER_BYTE[codec]
-            views += segs[0].views(nb_a, nb_b)
-            views += segs[1].views(nb_a * B // per_byte, nb_b * B // per_byte)
+            views += _views(parts[0], dts[0], nb_a, nb_b)
+            views += _views(parts[1], dts[1], nb_a * B // per_byte, nb_b * B // per_byte)
         specs.append(LeafSpec(str(j), (b - a,), spec.dtype, layout.block_size, k))
     return frame(header_bytes(codec, specs, ("l", tuple(range(len(specs))))), views)
-
-
-def chunks_nbytes(chunks: Sequence[bytes | memoryview]) -> int:
-    """Total bytes of a message given as buffers."""
-    return sum(len(c) for c in chunks)
 
 
 def _part_sink(
     layout: PartLayout,
     pieces: list[tuple[int, int, int]],
-    sink: Callable[[int, np.ndarray], None],
-    into: Callable[[int], np.ndarray] | None,
+    sink: ChunkSink | None,
+    out: np.ndarray | None,
     m: Manifest,
 ) -> Generator[int | np.ndarray, np.ndarray, None]:
     """The :class:`Reader` sink of a :class:`RangeDecoder`: checks the header against the part's
     pieces, then reads each piece grid chunk by grid chunk and hands the decoded values to
-    ``sink(j, values)`` in order."""
+    ``sink(j, values)`` in order, or writes them into ``out``."""
     codec, B, grid = layout.codec, layout.block_size, layout.grid
     if m.codec != codec:
         raise WireFormatError(f"codec {m.codec!r} does not match the round's {codec!r}")
@@ -238,42 +203,38 @@ def _part_sink(
     for leaf, (_, a, b) in zip(m.leaves, pieces):
         if leaf.shape != (b - a,) or leaf.block_size != B:
             raise WireFormatError("leaf shapes or block size do not match the round's parts")
-    j = 0
-
-    def emit(values: np.ndarray, name: str) -> None:
-        nonlocal j
-        _check_finite(name, values)
-        j += 1
-        sink(j - 1, values)
-
+    j = base = 0
     for leaf in m.leaves:
-        name, length = leaf.name, leaf.size
-        chunks = [(s, min(length, s + grid)) for s in range(0, length, grid)]
-        if codec == "fp32":  # the collected bytes are the values: handed over, not copied
-            for s, e in chunks:
-                dst = into(j) if into is not None else np.empty(e - s, np.float32)
-                if dst.dtype != np.float32 or dst.size != e - s or not dst.flags.c_contiguous:
-                    raise ValueError(f"into({j}) is not a contiguous float32 array of {e - s} values")
-                emit((yield dst.view(np.uint8)).view(np.float32), name)
-        elif codec == "bf16":
-            for s, e in chunks:
-                emit(_decode_dense(codec, name, (yield 2 * (e - s)).view("<u2")), name)
-        elif codec == "topk":
+        name, n = leaf.name, leaf.size
+        if codec == "topk":
             idx = (yield 4 * leaf.k).view("<u4").astype(np.intp)
             vals = (yield 4 * leaf.k).view("<f4")
-            check_topk(name, idx, vals, length)
-            for s, e in chunks:  # zeros but for the k values
-                out = np.zeros(e - s, np.float32)
-                a, b = int(np.searchsorted(idx, s)), int(np.searchsorted(idx, e))
-                out[idx[a:b] - s] = vals[a:b]
-                emit(out, name)
-        else:
+            check_topk(name, idx, vals, n)
+        elif codec in F.BLOCK_CODECS:
             sdt = F.part_dtypes(codec)[0]
-            sc = scales(codec, name, (yield F.num_blocks(length, B) * sdt.itemsize).view(sdt).copy())
-            for s, e in chunks:
+            sc = scales(codec, name, (yield F.num_blocks(n, B) * sdt.itemsize).view(sdt).copy())
+        for s in range(0, n, grid):
+            e = min(n, s + grid)
+            dst = None if out is None else out[base + s : base + e]
+            if codec == "fp32":  # the collected bytes are the values: handed over, not copied
+                values = (yield (np.empty(e - s, np.float32) if dst is None else dst).view(np.uint8)).view(np.float32)
+                _check_finite(name, values)
+            elif codec == "bf16":
+                values = _decode_dense(codec, name, (yield 2 * (e - s)).view("<u2"))
+            elif codec == "topk":  # zeros but for the k values
+                values = np.zeros(e - s, np.float32)
+                a, b = int(np.searchsorted(idx, s)), int(np.searchsorted(idx, e))
+                values[idx[a:b] - s] = vals[a:b]
+            else:  # the scales were checked: every value is finite
                 nb = F.num_blocks(e - s, B)
                 codes = yield nb * B // F.CODES_PER_BYTE[codec]
-                emit(_decode_blocks(codec, B, sc[s // B : s // B + nb], codes)[: e - s], name)
+                values = _decode_blocks(codec, B, sc[s // B : s // B + nb], codes)[: e - s]
+            if dst is None:
+                sink(j, values)
+            elif codec != "fp32":
+                dst[...] = values
+            j += 1
+        base += n
 
 
 class RangeDecoder(Reader):
@@ -303,28 +264,14 @@ class RangeDecoder(Reader):
     _CORRUPT = "payload checksum mismatch (corrupted part)"
 
     def __init__(
-        self,
-        layout: PartLayout,
-        lo: int,
-        hi: int,
-        sink: Callable[[int, np.ndarray], None] | None = None,
-        *,
-        out: np.ndarray | None = None,
+        self, layout: PartLayout, lo: int, hi: int, sink: ChunkSink | None = None, *, out: np.ndarray | None = None
     ):
-        into = None
-        if out is not None:
-            if sink is not None or out.dtype != np.float32 or out.shape != (hi - lo,) or not out.flags.c_contiguous:
-                raise ValueError(f"out must be a contiguous float32 array of {hi - lo} values, instead of a sink")
-            grid = layout.chunk_grid(lo, hi)
-            into = lambda j: out[grid[j][0] : grid[j][1]]  # noqa: E731
-
-            def sink(j: int, values: np.ndarray) -> None:
-                a, b = grid[j]
-                if not np.may_share_memory(values, out[a:b]):  # fp32 collected it there already
-                    out[a:b] = values
-
-        elif sink is None:
+        if out is not None and (
+            sink is not None or out.dtype != np.float32 or out.shape != (hi - lo,) or not out.flags.c_contiguous
+        ):
+            raise ValueError(f"out must be a contiguous float32 array of {hi - lo} values, instead of a sink")
+        if sink is None and out is None:
             raise ValueError("RangeDecoder needs a sink or an out array")
-        plan = partial(_part_sink, layout, layout.pieces(lo, hi), sink, into if layout.codec == "fp32" else None)
+        plan = partial(_part_sink, layout, layout.pieces(lo, hi), sink, out)
         # sizes are checked against the layout's pieces; the header (one leaf per piece) is small
         super().__init__(plan, max_bytes=1 << 40, max_decoded_bytes=1 << 40, max_header_bytes=1 << 20)

@@ -16,17 +16,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import WireFormatError
-from ._wire import (
-    DEFAULT_MAX_BYTES,
-    DEFAULT_MAX_DECODED_BYTES,
-    PREFIX_NBYTES,
-    Manifest,
-    _as_view,
-    _check_limit,
-    _crc32,
-    _parse_header,
-    _parse_prefix,
-)
+from ._wire import PREFIX_NBYTES, Manifest, _as_view, _check_limit, _crc32, _parse_header, _parse_prefix
 
 Sink = Callable[[Manifest], Generator["int | np.ndarray", np.ndarray, Any]]
 """``sink(manifest)``: a generator over the payload's regions, in order. It yields each region as
@@ -58,14 +48,7 @@ class Reader:
     _PAST_END = "bytes past the declared end of a message of {total} bytes"
     _CORRUPT = "payload checksum mismatch (corrupted message)"
 
-    def __init__(
-        self,
-        sink: Sink,
-        *,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
-        max_header_bytes: int | None = None,
-    ):
+    def __init__(self, sink: Sink, *, max_bytes: int, max_decoded_bytes: int, max_header_bytes: int | None = None):
         self._sink, self._max_header = sink, max_header_bytes
         self._max_bytes = _check_limit("max_bytes", max_bytes)
         self._max_decoded = _check_limit("max_decoded_bytes", max_decoded_bytes)
@@ -149,12 +132,9 @@ class Reader:
             except StopIteration as stop:
                 self._buf, self._plan, self._value = None, None, stop.value
                 return
-            if isinstance(want, np.ndarray):
-                buf = want
-            else:
-                if self._scratch.size != want:
-                    self._scratch = np.empty(want, np.uint8)
-                buf = self._scratch
+            if not isinstance(want, np.ndarray) and self._scratch.size != want:
+                self._scratch = np.empty(want, np.uint8)
+            buf = want if isinstance(want, np.ndarray) else self._scratch
             self._fill = 0
             if len(buf):
                 self._buf = buf

@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["flatten", "unflatten", "structure_names", "structure_to_wire", "structure_from_wire"]
-
 MAX_DEPTH = 64
 
 
@@ -42,13 +40,10 @@ def _flatten_rec(node: Any, path: tuple[str, ...], depth: int, leaves: list[Any]
     if depth > MAX_DEPTH:
         raise ValueError(f"pytree nested deeper than {MAX_DEPTH} levels")
     if isinstance(node, Mapping):
-        items = []
         for key in node:
             if not isinstance(key, str):
                 raise ValueError(f"dict keys must be str, got {key!r} at {'/'.join(path) or '<root>'}")
-        for key in sorted(node):
-            items.append((key, _flatten_rec(node[key], path + (key,), depth + 1, leaves, names)))
-        return ("d", tuple(items))
+        return ("d", tuple((k, _flatten_rec(node[k], path + (k,), depth + 1, leaves, names)) for k in sorted(node)))
     if isinstance(node, (list, tuple)):
         kind = "l" if isinstance(node, list) else "t"
         return (kind, tuple(_flatten_rec(v, path + (str(i),), depth + 1, leaves, names) for i, v in enumerate(node)))
@@ -105,10 +100,7 @@ def structure_from_wire(obj: Any, num_leaves: int) -> Any:
                 raise ValueError("tree structure 'd' node must hold a map")
             if not all(isinstance(k, str) for k in children):
                 raise ValueError("tree structure dict keys must be strings")
-            items = []
-            for k in sorted(children):
-                items.append((k, rec(children[k], depth + 1)))
-            return ("d", tuple(items))
+            return ("d", tuple((k, rec(children[k], depth + 1)) for k in sorted(children)))
         if kind in ("l", "t"):
             if not isinstance(children, list):
                 raise ValueError(f"tree structure {kind!r} node must hold an array")
@@ -128,7 +120,4 @@ def structure_names(structure: Any, num_leaves: int) -> list[str]:
       ValueError: two leaves share a path name (as :func:`flatten`).
     """
     order, paths, _ = flatten(unflatten(structure, list(range(num_leaves))))
-    names = [""] * num_leaves
-    for i, name in zip(order, paths):
-        names[i] = name
-    return names
+    return [name for _, name in sorted(zip(order, paths))]  # order: a permutation of the indices

@@ -52,21 +52,6 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the s
 CRC32_IMPL: str = f"{_crc32.__module__}.crc32"
 """Which function computes the CRC-32 (``isal.isal_zlib.crc32`` or ``zlib.crc32``)."""
 
-__all__ = [
-    "DEFAULT_MAX_BYTES",
-    "DEFAULT_MAX_DECODED_BYTES",
-    "FORMAT_VERSION",
-    "MAGIC",
-    "PREFIX_NBYTES",
-    "LeafInfo",
-    "LeafSpec",
-    "Manifest",
-    "Packed",
-    "packed_to_bytes",
-    "packed_to_chunks",
-    "read_header",
-]
-
 MAGIC = b"RJPG"
 FORMAT_VERSION = 1
 _PREFIX = struct.Struct("<4sBBHIQII")
@@ -207,6 +192,21 @@ class Manifest(NamedTuple):
 # ----------------------------------------------------------------------------- encode
 
 
+def segments(part: Any) -> list[np.ndarray]:
+    """A part's arrays: the part itself, or the consecutive 1-D slices of a large device output."""
+    return [np.asarray(q) for q in part] if isinstance(part, (tuple, list)) else [np.asarray(part)]
+
+
+def check_finite_leaf(name: str, ok: Any) -> None:
+    """Raises :class:`NonFiniteError` naming leaf ``name`` unless its ``ok`` flag is true."""
+    if not bool(np.asarray(ok)):
+        raise NonFiniteError(
+            f"pseudo-gradient leaf {name!r} has NaN, Inf or |x| > 2**127 values; "
+            "refusing to encode it (a diverged peer must not poison the swarm)",
+            leaf=name,
+        )
+
+
 def packed_to_chunks(packed: Packed, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[bytes | memoryview]:
     """Serialises a :class:`Packed` to the message of :func:`packed_to_bytes` as a list of
     buffers, without copying the payload.
@@ -231,18 +231,12 @@ def packed_to_chunks(packed: Packed, *, max_bytes: int = DEFAULT_MAX_BYTES) -> l
     dts = F.part_dtypes(codec)
     arrays = []
     for spec, parts, ok in zip(packed.specs, packed.parts, packed.ok, strict=True):
-        if not bool(np.asarray(ok)):
-            raise NonFiniteError(
-                f"pseudo-gradient leaf {spec.name!r} has NaN, Inf or |x| > 2**127 values; "
-                "refusing to encode it (a diverged peer must not poison the swarm)",
-                leaf=spec.name,
-            )
+        check_finite_leaf(spec.name, ok)
         lens = F.part_lengths(codec, math.prod(spec.shape), spec.block_size, spec.k)
         if len(parts) != len(lens):
             raise ValueError(f"leaf {spec.name!r}: expected {len(lens)} parts, got {len(parts)}")
         for p, length, dt in zip(parts, lens, dts):
-            # a part is an array, or a tuple of 1-D slices in order (large device outputs)
-            segs = [np.asarray(q) for q in p] if isinstance(p, (tuple, list)) else [np.asarray(p)]
+            segs = segments(p)
             size = sum(a.size for a in segs)
             for a in segs:
                 if size != length or a.dtype.kind != dt.kind or a.dtype.itemsize != dt.itemsize:
@@ -319,7 +313,7 @@ def packed_to_bytes(packed: Packed, *, max_bytes: int = DEFAULT_MAX_BYTES) -> by
 
 
 def _check_limit(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    if not F.is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
 
@@ -343,10 +337,6 @@ def _parse_prefix(prefix: Any, max_bytes: int) -> tuple[int, int, int, int]:
     return header_len, payload_len, payload_crc, header_crc
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _parse_header(prefix: Any, header: Any, max_bytes: int, max_decoded_bytes: int) -> Manifest:
     header_len, payload_len, payload_crc, header_crc = _parse_prefix(prefix, max_bytes)
     header = bytes(header)
@@ -366,9 +356,7 @@ def _parse_header(prefix: Any, header: Any, max_bytes: int, max_decoded_bytes: i
     entries = obj["leaves"]
     if not isinstance(entries, list) or len(entries) > MAX_LEAVES:
         raise WireFormatError("header 'leaves' must be an array of at most 2**20 entries")
-    leaves = []
-    offset = 0
-    decoded = 0
+    leaves, offset, decoded = [], 0, 0
     for i, e in enumerate(entries):
         if not isinstance(e, list) or len(e) != 5:
             raise WireFormatError(f"leaf entry {i} must be [name, shape, dtype, block_size, k]")
@@ -378,27 +366,23 @@ def _parse_header(prefix: Any, header: Any, max_bytes: int, max_decoded_bytes: i
         if (
             not isinstance(shape, list)
             or len(shape) > MAX_NDIM
-            or not all(_is_int(d) and 0 <= d < 2**62 for d in shape)
+            or not all(F.is_int(d) and 0 <= d < 2**62 for d in shape)
         ):
             raise WireFormatError(f"leaf {name!r}: shape must be at most {MAX_NDIM} non-negative ints, got {shape!r}")
         if dtype not in ALLOWED_DTYPES:
             raise WireFormatError(f"leaf {name!r}: unsupported dtype {dtype!r}")
-        if not _is_int(block) or not _is_int(k):
+        if not F.is_int(block) or not F.is_int(k):
             raise WireFormatError(f"leaf {name!r}: block_size and k must be ints")
         n = math.prod(shape)
-        if codec in F.BLOCK_CODECS:
-            if not F.block_size_ok(codec, block):
-                raise WireFormatError(f"leaf {name!r}: block_size {block} is not valid for codec {codec!r}")
-            decoded += 4 * F.num_blocks(n, block) * block
-        else:
-            if block != 0:
-                raise WireFormatError(f"leaf {name!r}: block_size must be 0 for codec {codec!r}")
-            decoded += 4 * n
-        if codec == "topk":
-            if not 0 <= k <= n:
-                raise WireFormatError(f"leaf {name!r}: topk count {k} outside [0, {n}]")
-        elif k != 0:
+        if codec in F.BLOCK_CODECS and not F.block_size_ok(codec, block):
+            raise WireFormatError(f"leaf {name!r}: block_size {block} is not valid for codec {codec!r}")
+        if codec not in F.BLOCK_CODECS and block != 0:
+            raise WireFormatError(f"leaf {name!r}: block_size must be 0 for codec {codec!r}")
+        if codec == "topk" and not 0 <= k <= n:
+            raise WireFormatError(f"leaf {name!r}: topk count {k} outside [0, {n}]")
+        if codec != "topk" and k != 0:
             raise WireFormatError(f"leaf {name!r}: k must be 0 for codec {codec!r}")
+        decoded += 4 * (F.num_blocks(n, block) * block if block else n)  # block padding included
         if decoded > max_decoded_bytes:
             raise WireFormatError(f"message decodes to more than max_decoded_bytes={max_decoded_bytes} bytes")
         nbytes = F.payload_nbytes(codec, n, block, k)
