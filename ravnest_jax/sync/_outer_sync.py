@@ -155,10 +155,10 @@ class OuterSync(ManifestDeclaration, StateExchange):
         donate: bool = False,
     ):
         self._processes = jax.process_count()
-        self._leader = jax.process_index() == 0
         opts = (eager, overlap_steps, alpha, samples_per_step, codec)
+        leader = jax.process_index() == 0
         cap = check_options(
-            tx, swarm, *opts, processes=self._processes, leader=self._leader, staleness_budget=staleness_budget
+            tx, swarm, *opts, processes=self._processes, leader=leader, staleness_budget=staleness_budget
         )
         self.tx = tx
         self.swarm = swarm
@@ -175,8 +175,6 @@ class OuterSync(ManifestDeclaration, StateExchange):
         self.codec = Codec.of(codec if swarm is None else swarm.codec)
         self.samples_per_step = float(samples_per_step)
         self.on_round = on_round
-        # downloads the current state from a live peer after a failed round (rj.Swarm.fetch_state)
-        self._resync_fn = swarm.fetch_state if swarm is not None else None
         self._fns = RoundFunctions(
             tx,
             self.codec.name,
@@ -213,10 +211,11 @@ class OuterSync(ManifestDeclaration, StateExchange):
         # the run's reference initial state ({"init", "init_from"}) and this peer's digest of its own
         self.run_initial: dict | None = None
         self.initial_digest: str | None = None
-        # this driver serves its own state to peers that join or resync (a multi-process peer
-        # does not: its state lives on several hosts)
+        # this driver serves its own state to peers that join or resync, and downloads the
+        # current state from a live peer after a failed round (a multi-process peer does
+        # neither: its state lives on several hosts)
         self._serving = self._processes == 1 and swarm is not None
-        if swarm is not None and self._serving:
+        if self._serving:
             swarm.serve_state(self.request_state)
 
     # ------------------------------------------------------------------ public API
@@ -430,7 +429,6 @@ class OuterSync(ManifestDeclaration, StateExchange):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ state download
     # ------------------------------------------------------------------ rounds
     def _start(self, fragment: int, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
         plan = self._schedule.plan(fragment, self.step, self.stall_seconds)

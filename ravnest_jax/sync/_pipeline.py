@@ -136,8 +136,7 @@ def exchange(
         raise LateStart(
             f"round(s) {late[0]}..{late[-1]} of this run were committed without this peer before its first "
             "round (it started from its own initial state while no peer had trained yet, then took longer "
-            "to start): its state is behind the swarm's; downloading the swarm's state",
-            late,
+            "to start): its state is behind the swarm's; downloading the swarm's state"
         )
     host = jax.device_get(packed)  # waits for the device to run the steps queued before the encode
     t0 = time.perf_counter()  # the exchange proper: from here (RoundMetrics.exchange_seconds)
@@ -156,22 +155,21 @@ def exchange(
     # encode once: the device's message goes on the wire as it is, cut into parts
     fut = swarm.all_reduce_packed_async(host, weight=weight, **kwargs)
     del host
-    return _result(fut, learn_round, nbytes, n, t0)
+    try:
+        mean, record = fut.result()
+    except RoundFailed as e:  # the swarm round it ran as
+        learn_round(int(e.record.round), False)
+        raise
+    learn_round(int(record.round), True)
+    return np.asarray(mean, np.float32).reshape(-1), record, nbytes, 4 * n, time.perf_counter() - t0
 
 
 class LateStart(RuntimeError):
     """A peer that started from its own initial state found, at its first round, rounds of the
     run committed without it (two fresh peers started together, and one took longer to compile):
     contributing against its initial anchor would split the swarm's state, so its first round
-    fails and it downloads the swarm's state (``sync/_recovery.py``), as a joiner does.
-
-    Attributes:
-      rounds: the swarm rounds committed without it (ascending).
-    """
-
-    def __init__(self, message: str, rounds: list[int]):
-        super().__init__(message)
-        self.rounds = rounds
+    fails and it downloads the swarm's state (``sync/_recovery.py``), as a joiner does. The
+    message names the swarm rounds committed without it."""
 
 
 def rounds_without(swarm: Any) -> list[int]:
@@ -184,19 +182,6 @@ def rounds_without(swarm: Any) -> list[int]:
         return []
     me = swarm.peer_id
     return sorted(int(r["round"]) for r in rounds if r.get("outcome") == "ok" and me not in r.get("contributors", ()))
-
-
-def _result(
-    fut: Any, learn_round: Callable[[int, bool], None], nbytes: int, n: int, t0: float
-) -> tuple[np.ndarray, Any, int, int, float]:
-    try:
-        mean, record = fut.result()
-    except Exception as e:
-        if isinstance(e, RoundFailed):  # the swarm round it ran as
-            learn_round(int(e.record.round), False)
-        raise
-    learn_round(int(record.round), True)
-    return np.asarray(mean, np.float32).reshape(-1), record, nbytes, 4 * n, time.perf_counter() - t0
 
 
 def share_result(
@@ -300,14 +285,11 @@ class RoundPipeline:
         self.residual: dict[int, list | np.ndarray] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rj-sync")
 
-    def _frag(self, fragment: int) -> int | None:
-        return None if self.tx.fragments == 1 else fragment
-
     def compile(self, params: Any, state: Any) -> None:
         """Compiles every round function for these params and state (runs nothing)."""
         layout = layout_of(params, state)
         for fragment in range(self.tx.fragments):
-            like = self.tx.fragment_leaves(params, self._frag(fragment))
+            like = self.tx.fragment_leaves(params, self.fns.frag(fragment))
             f32 = [
                 jax.ShapeDtypeStruct(np.shape(x), np.float32, sharding=None if layout is None else x.sharding)
                 for x in like
@@ -324,7 +306,7 @@ class RoundPipeline:
     def _residual_for(self, fragment: int, params: Any) -> list | None:
         if not self.error_feedback:
             return None
-        like = self.tx.fragment_leaves(params, self._frag(fragment))
+        like = self.tx.fragment_leaves(params, self.fns.frag(fragment))
         residual = self.residual.get(fragment)
         if residual is None:
             return put_like([np.zeros(np.shape(x), np.float32) for x in like], like)
@@ -427,16 +409,13 @@ class RoundPipeline:
         its first round), by fragment number as a str: the checkpoint's ``residual``."""
         out = {}
         for f in range(self.tx.fragments):
-            n = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in self.tx.fragment_leaves(params, self._frag(f)))
             r = self.residual.get(f)
             if r is None:
-                out[str(f)] = np.zeros((n,), np.float32)
+                like = self.tx.fragment_leaves(params, self.fns.frag(f))
+                r = np.zeros((sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in like),), np.float32)
             elif isinstance(r, list):  # per leaf, on the devices
-                host = jax.device_get(r)
-                flat = [np.ravel(np.asarray(a, np.float32)) for a in host]
-                out[str(f)] = np.concatenate(flat) if flat else np.zeros((0,), np.float32)
-            else:
-                out[str(f)] = np.asarray(r, np.float32)
+                r = np.concatenate([np.ravel(a) for a in jax.device_get(r)] or [np.zeros((0,), np.float32)])
+            out[str(f)] = np.asarray(r, np.float32)
         return out
 
     def load_residual(self, residual: dict) -> None:

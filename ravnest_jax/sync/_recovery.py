@@ -49,10 +49,10 @@ def after_failure(sync: Any, p: Pending, exc: BaseException | None, params: Any,
         )
         sync._schedule.swarm_base = None
         sync._last_state = None
-    elif sync._resync_fn is not None and sync._processes == 1 and needs_resync(sync.swarm, exc):
+    elif sync._serving and needs_resync(sync.swarm, exc):
         try:
             serve = lambda: sync._serve_state(params, state)  # noqa: E731
-            data = sync._server.fetch_past(sync._resync_fn, serve, p.seq)
+            data = sync._server.fetch_past(sync.swarm.fetch_state, serve, p.seq)
         except Exception as e:  # noqa: BLE001 - no live peer: keep training alone
             log.warning("resync failed: %s; continuing with the local state", e)
         else:
@@ -80,7 +80,7 @@ def taken_again(sync: Any, params: Any, state: DiLoCoState) -> bytes | None:
     instead of a missed round and a resync. ``None``: nothing ran without it (or nothing to
     ask: no round mapping yet, no rendezvous status, a peer over several processes)."""
     base = sync._schedule.swarm_base
-    if base is None or sync.swarm is None or sync._resync_fn is None or sync._processes != 1:
+    if base is None or not sync._serving:
         return None
     status, me = sync.swarm.status, sync.swarm.peer_id
     expected = base[0] + (sync._schedule.rounds_started - base[1])
@@ -101,7 +101,7 @@ def taken_again(sync: Any, params: Any, state: DiLoCoState) -> bytes | None:
     log.info("round %d runs without this peer (it was not ready yet): downloading the state again", max(without))
     seq = base[1] + (max(without) - base[0])  # the exchange of that round in this peer's mapping
     try:
-        return sync._server.fetch_past(sync._resync_fn, lambda: sync._serve_state(params, state), seq)
+        return sync._server.fetch_past(sync.swarm.fetch_state, lambda: sync._serve_state(params, state), seq)
     except Exception as e:  # noqa: BLE001 - the round's miss then resyncs it
         log.info("could not download the state again: %s", e)
         return None

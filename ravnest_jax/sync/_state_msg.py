@@ -5,6 +5,7 @@ and serialises it beside training."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import io
 import logging
 import threading
@@ -141,16 +142,14 @@ class StateServer:
             )
 
         def done(f: concurrent.futures.Future) -> None:
+            error = RuntimeError("closed") if f.cancelled() else f.exception()
             for r in requests:
-                if r.done():  # cancelled by close(), or the requester gave up
-                    continue
-                try:
-                    if f.cancelled() or f.exception() is not None:
-                        r.set_exception(f.exception() if not f.cancelled() else RuntimeError("closed"))
+                # a request cancelled by close(), or whose requester gave up, is done already
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    if error is not None:
+                        r.set_exception(error)
                     else:
                         r.set_result(f.result())
-                except concurrent.futures.InvalidStateError:  # cancelled meanwhile
-                    pass
 
         try:
             self._pool.submit(work).add_done_callback(done)
