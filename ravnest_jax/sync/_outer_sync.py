@@ -175,23 +175,9 @@ class OuterSync(ManifestDeclaration, StateExchange):
         self.codec = Codec.of(codec if swarm is None else swarm.codec)
         self.samples_per_step = float(samples_per_step)
         self.on_round = on_round
-        self._fns = RoundFunctions(
-            tx,
-            self.codec.name,
-            self.codec.options,
-            self.mode != "blocking",
-            self.codec.error_feedback_decay,
-            bool(donate),
-        )
-        self._rounds = RoundPipeline(
-            tx,
-            swarm,
-            self._fns,
-            alpha=self.alpha,
-            error_feedback=self.codec.error_feedback,
-            eager=eager,
-            seed=self.codec.seed,
-        )
+        c = self.codec
+        self._fns = RoundFunctions(tx, c.name, c.options, self.mode != "blocking", c.error_feedback_decay, bool(donate))
+        self._rounds = RoundPipeline(tx, swarm, self._fns, c, alpha=self.alpha, eager=eager)
         self._pending = self._rounds.pending  # rounds in flight, oldest first
 
         self.step: int | None = None  # inner steps taken (== state.count), known after 1st call
@@ -435,7 +421,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
         return self._rounds.start(fragment, params, state, self.step, plan, self._last_state), state
 
     def _finish(self, p: Pending, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
-        out, params, state, digest = self._rounds.finish(p, params, state, live=params)
+        out, params, state, digest = self._rounds.finish(p, params, state)
         stall = out.stall_seconds
         self.stall_seconds += stall
         now = time.perf_counter()

@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from ravnest_jax import compress
-from ravnest_jax.compress import message_nbytes
+from ravnest_jax.compress import Codec, message_nbytes
 from ravnest_jax.optim import DiLoCo, RoundSnapshot
 from ravnest_jax.swarm import RoundFailed
 
@@ -211,7 +211,7 @@ class Pending:
       spec_params: eager mode: the speculative anchor the params restarted from, else ``None``.
       future: the exchange's future (``None`` result on processes other than 0).
       started: ``time.perf_counter()`` at the boundary (seconds).
-      done_at: ``[perf_counter when the result was in]``, set by the future's callback.
+      done_at: ``time.perf_counter()`` when the result was in, set by the future's callback.
     """
 
     seq: int
@@ -222,7 +222,7 @@ class Pending:
     spec_params: Any
     future: concurrent.futures.Future
     started: float
-    done_at: list
+    done_at: float | None = None
 
 
 @dataclasses.dataclass
@@ -257,26 +257,18 @@ class RoundPipeline:
       tx: the :func:`rj.diloco` transformation.
       swarm: the exchange (``None`` on the processes other than 0 of a multi-process peer).
       fns: the jitted round functions.
+      codec: the run's ``rj.Codec``: with ``error_feedback``, the codec's residual is carried
+        into the fragment's next round (lossy codecs); ``seed``, the PRNG seed of stochastic
+        rounding (folded with the exchange number).
       alpha: mixing weight of the merge.
-      error_feedback: carry the codec's residual into the fragment's next round (lossy codecs).
-      seed: PRNG seed of stochastic rounding (folded with the exchange number).
+      eager: eager rounds (the params restart from the speculative anchor at the boundary).
     """
 
-    def __init__(
-        self,
-        tx: DiLoCo,
-        swarm: Any,
-        fns: RoundFunctions,
-        *,
-        alpha: float,
-        error_feedback: bool,
-        eager: bool,
-        seed: int,
-    ):
+    def __init__(self, tx: DiLoCo, swarm: Any, fns: RoundFunctions, codec: Codec, *, alpha: float, eager: bool):
         self.tx, self.swarm, self.fns = tx, swarm, fns
         self.alpha, self.eager = alpha, eager
-        self.error_feedback = error_feedback and fns.codec != "fp32"
-        self._key = jax.random.key(seed)
+        self.error_feedback = codec.error_feedback and fns.codec != "fp32"
+        self._key = jax.random.key(codec.seed)
         self._processes = jax.process_count()
         self._leader = jax.process_index() == 0
         self.pending: collections.deque[Pending] = collections.deque()
@@ -348,47 +340,44 @@ class RoundPipeline:
         else:  # not process 0 of a multi-process peer: the mean comes from process 0 at the merge
             future = concurrent.futures.Future()
             future.set_result(None)
-        done_at: list = [None]
-        future.add_done_callback(lambda _: done_at.__setitem__(0, time.perf_counter()))
-        spec = None
+        p = Pending(seq, fragment, step, step + plan.tau, snap, None, future, started)
+        future.add_done_callback(lambda _: setattr(p, "done_at", time.perf_counter()))
         if self.eager:
-            params, spec = self.fns.speculate(fragment, layout)(params, state, snap)
-        self.pending.append(Pending(seq, fragment, step, step + plan.tau, snap, spec, future, started, done_at))
+            params, p.spec_params = self.fns.speculate(fragment, layout)(params, state, snap)
+        self.pending.append(p)
         return params
 
-    def finish(self, p: Pending, params: Any, state: Any, live: Any = None) -> tuple[Outcome, Any, Any, str | None]:
+    def finish(self, p: Pending, params: Any, state: Any) -> tuple[Outcome, Any, Any, str | None]:
         """Waits for round ``p`` and, when it worked, merges its mean (:meth:`merge`): the mean
         goes from the exchange into the jitted merge without leaving this pipeline.
 
-        ``live``: outputs of the last step dispatched; the stall counts from when the device has
-        run it (:func:`idle_since`), not from when the host, ahead of the device by the steps it
-        queued, began to wait. Returns ``(outcome, params, state, state digest hex)``; a failed
+        ``params``: outputs of the last step dispatched; the stall counts from when the device
+        has run it (:func:`idle_since`), not from when the host, ahead of the device by the steps
+        it queued, began to wait. Returns ``(outcome, params, state, state digest hex)``; a failed
         round (``outcome.error``) returns ``params`` and ``state`` unchanged and digest ``None``.
         """
-        out = self._wait(p, live)
+        out = self._wait(p, params)
         if out.error is not None:
             return out, params, state, None
         params, state, digest = self.merge(p, params, state, out.mean)
         return out, params, state, digest
 
-    def _wait(self, p: Pending, live: Any = None) -> Outcome:
+    def _wait(self, p: Pending, live: Any) -> Outcome:
         """Blocks until round ``p``'s exchange is over (a peer over several processes: shares
-        process 0's outcome with the others)."""
-        t0 = time.perf_counter() if live is None else idle_since(p.future, live)
-        mean = record = exc = error = None
+        process 0's outcome with the others); ``live``: see :meth:`finish`."""
+        t0 = idle_since(p.future, live)
+        mean = record = exc = error = exchange_seconds = None
         payload_bytes = float_bytes = 0
-        exchange_seconds = None
         try:
-            result = p.future.result()
-            if result is not None:
-                mean, record, payload_bytes, float_bytes, exchange_seconds = result[:5]
+            if (result := p.future.result()) is not None:
+                mean, record, payload_bytes, float_bytes, exchange_seconds = result
         except Exception as e:  # noqa: BLE001 - a failed round is reported, then resynced
             exc, error = e, f"{type(e).__name__}: {e}"
         if self._processes > 1:
             mean, error = share_result(self._leader, p.snapshot.pseudo_gradient, mean, error)
         now = time.perf_counter()
         if exchange_seconds is None:  # failed, or not process 0: from the boundary
-            exchange_seconds = (p.done_at[0] or now) - p.started
+            exchange_seconds = (p.done_at or now) - p.started
         return Outcome(mean, record, payload_bytes, float_bytes, error, exc, now - min(t0, now), exchange_seconds)
 
     def merge(self, p: Pending, params: Any, state: Any, mean: np.ndarray | None) -> tuple[Any, Any, str]:

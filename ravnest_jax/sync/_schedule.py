@@ -56,15 +56,13 @@ class Schedule:
         self._last_round_step: dict[int, int] = {}
         self._first_step = 0
 
-    def restart(self, step: int, rounds_started: int | None = None, swarm_base: Any = False) -> None:
+    def restart(self, step: int, rounds_started: int | None = None, swarm_base: tuple[int, int] | None = None) -> None:
         """The step counter is ``step`` now (first call, restore, state download): every
-        fragment's next weight counts from here; optionally new counters and mapping."""
-        self._first_step = step
-        self._last_round_step = {f: step for f in range(self.tx.fragments)} if rounds_started is not None else {}
+        fragment's next weight counts from here; with ``rounds_started``, the new counters and
+        round mapping (``swarm_base``) too."""
+        self._first_step, self._last_round_step = step, {}
         if rounds_started is not None:
-            self.rounds_started = rounds_started
-        if swarm_base is not False:
-            self.swarm_base = swarm_base
+            self.rounds_started, self.swarm_base = rounds_started, swarm_base
         self.tau.reset()
 
     def due(self, step: int) -> tuple[int, ...]:

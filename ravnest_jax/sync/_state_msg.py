@@ -10,7 +10,7 @@ import io
 import logging
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,24 +28,13 @@ FORMAT = "ravnest-state-v1"
 log = logging.getLogger("ravnest_jax.sync")
 
 
-class StateMessage(NamedTuple):
-    """A decoded state message.
-
-    Attributes:
-      leaves: the state's leaves as host numpy arrays, in ``jax.tree.leaves`` order.
-      step: the sender's inner step.
-      rounds_started: the sender's exchanges started.
-      swarm_base: ``(swarm round, exchange)`` of its round mapping, or ``None``.
-    """
-
-    leaves: list[np.ndarray]
-    step: int
-    rounds_started: int
-    swarm_base: tuple[int, int] | None
-
-
-def decode_state(data: bytes, like: list) -> StateMessage:
+def decode_state(data: bytes, like: list) -> tuple[list[np.ndarray], int, int, tuple[int, int] | None]:
     """Decodes and checks a state message against ``like`` (the leaves of this peer's state).
+
+    Returns:
+      ``(leaves, step, rounds_started, swarm_base)``: the state's leaves as host numpy arrays,
+      in ``jax.tree.leaves`` order; the sender's inner step and exchanges started; ``(swarm
+      round, exchange)`` of its round mapping, or ``None``.
 
     Raises:
       ValueError: not a state message, or one of another model/optimizer (leaf count, a leaf's
@@ -68,7 +57,7 @@ def decode_state(data: bytes, like: list) -> StateMessage:
                 f"downloaded state leaf {i} is {np.asarray(b).dtype}{list(np.shape(b))}, "
                 f"expected {getattr(a, 'dtype', '?')}{list(np.shape(a))}: not this model/optimizer"
             )
-    return StateMessage([np.asarray(b) for b in leaves], step, started, swarm_base)
+    return [np.asarray(b) for b in leaves], step, started, swarm_base
 
 
 def peek_counters(data: bytes) -> tuple[int, int] | None:
@@ -244,14 +233,13 @@ class StateExchange:
             _nnx.write_back(model, optimizer, params, state, step=True)
             return model, optimizer
         like, treedef = jax.tree.flatten(state)
-        msg = decode_state(data, like)
+        leaves, step, rounds_started, swarm_base = decode_state(data, like)
         # each leaf goes back with the layout of the state it replaces (sharded peers stay sharded)
-        new_state = jax.tree.unflatten(treedef, put_like(msg.leaves, like))
+        new_state = jax.tree.unflatten(treedef, put_like(leaves, like))
         # a copy: params and the anchor must not share buffers (the train step may donate both)
         params = jax.tree.map(lambda g, p: jnp.array(g, dtype=p.dtype, copy=True), new_state.global_params, params)
-        step = msg.step
         self.step = step
-        self._schedule.restart(step, msg.rounds_started, msg.swarm_base)
+        self._schedule.restart(step, rounds_started, swarm_base)
         self._rounds.residual.clear()
         self._pending.clear()
         self._last_state = None  # the next merged round's digest is the first one to compare
@@ -259,6 +247,6 @@ class StateExchange:
         # state downloaded again if a round ran without this peer meanwhile
         self._readied, self._downloaded = False, True
         self._state_digest = None
-        del msg
+        del leaves
         host_memory.release_free_heap()  # the state's one-off host copies (see its docstring)
         return params, new_state
