@@ -54,7 +54,7 @@ def check_options(
     if not isinstance(eager, bool):
         raise ValueError(f"eager must be True or False, got {eager!r}")
     auto = overlap_steps == "auto"
-    gap = tx.sync_every // tx.fragments if tx.fragments > 1 else tx.sync_every
+    gap = tx.sync_every // tx.fragments
     if auto:
         if processes > 1:
             raise ValueError(

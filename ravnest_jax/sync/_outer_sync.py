@@ -274,10 +274,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
         if not busy:  # most steps: count only, no tree walk
             self.step = nxt
             return model, optimizer
-        params, state = _nnx.split(model, optimizer)
-        params, state = self(params, state)
-        _nnx.write_back(model, optimizer, params, state)
-        return model, optimizer
+        return _nnx.through(self, model, optimizer)
 
     def _mark_ready(self) -> None:
         """The first step: tell the swarm this peer trains (ends a joiner's standby at once, so
@@ -288,8 +285,8 @@ class OuterSync(ManifestDeclaration, StateExchange):
         with contextlib.suppress(RuntimeError):  # a swarm that is not running: nothing to tell
             self._ready = self.swarm.ready()
 
-    def _merge_due(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
-        while self._pending and self._pending[0].due_step <= self.step:
+    def _merge_due(self, params: Any, state: DiLoCoState, flush: bool = False) -> tuple[Any, DiLoCoState]:
+        while self._pending and (flush or self._pending[0].due_step <= self.step):
             params, state = self._finish(self._pending.popleft(), params, state)
         return params, state
 
@@ -305,13 +302,8 @@ class OuterSync(ManifestDeclaration, StateExchange):
         or at the end of training). Returns ``(params, state)`` (nnx: the model and optimizer,
         updated in place)."""
         if _nnx.is_optimizer(state):
-            model, optimizer = params, state
-            if self._pending:
-                _nnx.write_back(model, optimizer, *self.flush(*_nnx.split(model, optimizer)))
-            return model, optimizer
-        while self._pending:
-            params, state = self._finish(self._pending.popleft(), params, state)
-        return params, state
+            return _nnx.through(self.flush, params, state) if self._pending else (params, state)
+        return self._merge_due(params, state, flush=True)
 
     @property
     def global_state_digest(self) -> str | None:
@@ -429,27 +421,26 @@ class OuterSync(ManifestDeclaration, StateExchange):
         utilisation = max(0.0, 1.0 - stall / max(window, 1e-9))
         self._window_start = now
         timing = (p.seq, p.fragment, p.step, self.step, out.exchange_seconds, stall, utilisation)
-        needed = {"needed_overlap_steps": self._schedule.tau.needed if self.overlap_steps == "auto" else 0}
-        if out.error is None:
+        m = round_metrics(
+            *timing,
+            record=out.record,
+            payload_bytes=out.payload_bytes,
+            float_bytes=out.float_bytes,
+            state_digest=digest or "",
+            error=out.error,
+            needed_overlap_steps=self._schedule.tau.needed if self.overlap_steps == "auto" else 0,
+        )
+        if m.ok:
             if out.record is not None:
                 if self.overlap_steps == "auto" and self.step >= p.due_step:  # merged when due, not by a flush
                     self._schedule.tau.observe(p.due_step - p.step, stall, window, out.exchange_seconds)
                 self._schedule.tau.exchanges.append(out.exchange_seconds)
-            m = round_metrics(
-                *timing,
-                record=out.record,
-                payload_bytes=out.payload_bytes,
-                float_bytes=out.float_bytes,
-                state_digest=digest,
-                **needed,
-            )
             self._state_digest = m.state_digest
             if m.swarm_round >= 0:
                 self._last_state = (m.swarm_round, m.state_digest)
         else:
             self.failed_rounds += 1
             log.warning("round %d (fragment %d) failed on this peer: %s", p.seq, p.fragment, out.error)
-            m = round_metrics(*timing, error=out.error, **needed)
             params, state = after_failure(self, p, out.exc, params, state)
         self._totals.add(m, self.metrics)
         self._stats.publish(self.swarm, m, self)

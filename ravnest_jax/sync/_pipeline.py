@@ -149,11 +149,9 @@ def exchange(
             )
     n = sum(math.prod(s.shape) for s in host.specs)
     nbytes = message_nbytes(host)  # what this peer's message holds
-    kwargs: dict[str, Any] = {} if expected is None else {"round": expected}
-    if state is not None:  # the rendezvous compares it with the other peers' (divergence)
-        kwargs["state"] = state
-    # encode once: the device's message goes on the wire as it is, cut into parts
-    fut = swarm.all_reduce_packed_async(host, weight=weight, **kwargs)
+    # encode once: the device's message goes on the wire as it is, cut into parts; the rendezvous
+    # compares the state with the other peers' (divergence)
+    fut = swarm.all_reduce_packed_async(host, weight=weight, round=expected, state=state)
     del host
     try:
         mean, record = fut.result()

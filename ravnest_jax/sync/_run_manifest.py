@@ -48,13 +48,6 @@ def trainer_manifest(sync: Any, params: Any) -> dict[str, Any]:
     }
 
 
-def initial_digest(params: Any) -> str:
-    """Digest (32 hex characters) of the params' values, computed on the device
-    (:func:`~ravnest_jax.sync._digest.device_digest`): peers initialised alike agree on it."""
-    chunk = 0 if mesh_of(params) is not None else CHUNK  # a sharded leaf hashed whole, not gathered
-    return digest_hex(device_digest(params, chunk=chunk))  # jitted once per params layout
-
-
 class ManifestDeclaration:
     """The part of ``rj.OuterSync`` that declares the run manifest (:func:`trainer_manifest`)."""
 
@@ -84,6 +77,9 @@ class ManifestDeclaration:
             return
         # a peer over several processes declares on process 0 alone: a jitted digest there would wait
         # forever for the other processes (and such a peer downloads no state anyway)
-        mine = initial_digest(params) if jax.process_count() == 1 else None
+        mine = None
+        if jax.process_count() == 1:  # 32 hex digits, computed on the device (jitted once per params layout)
+            chunk = 0 if mesh_of(params) is not None else CHUNK  # a sharded leaf hashed whole, not gathered
+            mine = digest_hex(device_digest(params, chunk=chunk))
         self.run_initial = self.swarm.declare_manifest(trainer_manifest(self, params), init=mine)
         self._declared, self.initial_digest = self.run_initial is not None, mine

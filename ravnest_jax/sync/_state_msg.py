@@ -228,10 +228,7 @@ class StateExchange:
           ValueError: the bytes are not a state of this model and optimizer.
         """
         if _nnx.is_optimizer(state):
-            model, optimizer = params, state
-            params, state = self.load_state_bytes(data, *_nnx.split(model, optimizer))
-            _nnx.write_back(model, optimizer, params, state, step=True)
-            return model, optimizer
+            return _nnx.through(lambda p, s: self.load_state_bytes(data, p, s), params, state, step=True)
         like, treedef = jax.tree.flatten(state)
         leaves, step, rounds_started, swarm_base = decode_state(data, like)
         # each leaf goes back with the layout of the state it replaces (sharded peers stay sharded)
