@@ -249,10 +249,10 @@ class OuterSync(ManifestDeclaration, StateExchange):
                 self._readied, self._downloaded = True, False
                 return params, state
         self.step += 1
-        step = self.step
+        step = self.step  # a resync in the first merge may move self.step: the rounds due are this step's
         # merge what is due (oldest first), start what is due, merge what is due at once (tau=0)
         params, state = self._merge_due(params, state)
-        for fragment in self._schedule.due(step):
+        for fragment in self.tx.due_fragments(step):
             params, state = self._start(fragment, params, state)
         params, state = self._merge_due(params, state)
         # Serve a requested state only now, with no round in flight: the state of this step
@@ -380,10 +380,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
         self.step = None if step < 0 else step
         base = [int(x) for x in np.asarray(d.get("swarm_base", (-1, -1))).reshape(-1)]
         mapping = (base[0], base[1]) if round_mapping and len(base) == 2 and base[0] >= 0 else None
-        if self.step is not None:
-            self._schedule.restart(self.step, started, mapping)
-        else:
-            self._schedule.rounds_started, self._schedule.swarm_base = started, mapping
+        self._schedule.restart(self.step, started, mapping)
         self._rounds.load_residual(d.get("residual", {}))
         self._pending.clear()
         self._last_state = None

@@ -312,9 +312,8 @@ class RoundPipeline:
         ``last_state``: ``(swarm round, state digest)`` for the divergence check. Returns the
         params (eager mode: restarted from the speculative anchor; else unchanged).
         """
-        seq = plan.seq
         layout = layout_of(params, state)
-        key = jax.random.fold_in(self._key, seq)
+        key = jax.random.fold_in(self._key, plan.seq)
         started = time.perf_counter()
         snap, packed, new_res = self.fns.start(fragment, layout)(
             params, state, self._residual_for(fragment, params), key
@@ -338,7 +337,7 @@ class RoundPipeline:
         else:  # not process 0 of a multi-process peer: the mean comes from process 0 at the merge
             future = concurrent.futures.Future()
             future.set_result(None)
-        p = Pending(seq, fragment, step, step + plan.tau, snap, None, future, started)
+        p = Pending(plan.seq, fragment, step, step + plan.tau, snap, None, future, started)
         future.add_done_callback(lambda _: setattr(p, "done_at", time.perf_counter()))
         if self.eager:
             params, p.spec_params = self.fns.speculate(fragment, layout)(params, state, snap)

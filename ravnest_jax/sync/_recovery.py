@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ravnest_jax import compress
 from ravnest_jax.optim import DiLoCoState
 from ravnest_jax.swarm import RoundFailed
 
@@ -17,10 +16,8 @@ log = logging.getLogger("ravnest_jax.sync")
 def needs_resync(swarm: Any, exc: BaseException | None) -> bool:
     """After a failed round: False only when the rendezvous says the round failed for everyone
     (then nobody applied it and the local state is still the swarm's)."""
-    if isinstance(exc, compress.NonFiniteError):
-        return True  # this peer diverged
     if not isinstance(exc, RoundFailed) or exc.record.round < 0:
-        return True
+        return True  # this peer diverged (compress.NonFiniteError), or another error of its own
     try:
         return swarm.round_outcome(exc.record.round) != "failed"
     except Exception:  # noqa: BLE001 - rendezvous unreachable: try to resync

@@ -54,18 +54,17 @@ class Schedule:
         self.swarm_base: tuple[int, int] | None = None
         self._last_round_step = dict.fromkeys(range(tx.fragments), 0)  # fragment -> step of its last round
 
-    def restart(self, step: int, rounds_started: int | None = None, swarm_base: tuple[int, int] | None = None) -> None:
-        """The step counter is ``step`` now (first call, restore, state download): every
-        fragment's next weight counts from here; with ``rounds_started``, the new counters and
-        round mapping (``swarm_base``) too."""
+    def restart(
+        self, step: int | None, rounds_started: int | None = None, swarm_base: tuple[int, int] | None = None
+    ) -> None:
+        """The step counter is ``step`` now (first call, restore, state download; ``None``: a
+        restore of a driver that had not run, known at its first call, which restarts again):
+        every fragment's next weight counts from here; with ``rounds_started``, the new counters
+        and round mapping (``swarm_base``) too."""
         self._last_round_step = dict.fromkeys(range(self.tx.fragments), step)
         if rounds_started is not None:
             self.rounds_started, self.swarm_base = rounds_started, swarm_base
         self.tau.reset()
-
-    def due(self, step: int) -> tuple[int, ...]:
-        """The fragments whose round starts at ``step``."""
-        return self.tx.due_fragments(step)
 
     def plan(self, fragment: int, step: int, stall_seconds: float) -> Plan:
         """Takes the next exchange number for ``fragment``'s round at ``step``."""
@@ -155,9 +154,6 @@ class AutoTau:
             return
         self._warned_at = self._judged
         t_s = self._step_seconds
-        stall_med = median([r[1] for r in slow])
-        exchange_med = median([r[3] for r in slow])
-        tau_med = round(median([float(r[0]) for r in slow]))
         # the tau that would have hidden each slow round's wait: its tau + the steps it sat idle for
         hide = math.ceil(median([r[0] + r[1] / t_s for r in slow]) - 1e-9)
         log.warning(
@@ -166,12 +162,12 @@ class AutoTau:
             "steps (%.3f s each) did not hide the exchange (median %.2f s), tau=%d would. %s",
             len(slow),
             len(self._rounds),
-            stall_med,
+            median([r[1] for r in slow]),
             utilisation,
             len(self._rounds),
-            tau_med,
+            round(median([float(r[0]) for r in slow])),
             t_s,
-            exchange_med,
+            median([r[3] for r in slow]),
             hide,
             self._advice(hide),
         )
