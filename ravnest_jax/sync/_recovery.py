@@ -79,15 +79,13 @@ def taken_again(sync: Any, params: Any, state: DiLoCoState) -> bytes | None:
     base = sync._schedule.swarm_base
     if base is None or not sync._serving:
         return None
-    status, me = sync.swarm.status, sync.swarm.peer_id
-    expected = base[0] + (sync._schedule.rounds_started - base[1])
+    expected, me = base[0] + (sync._schedule.rounds_started - base[1]), sync.swarm.peer_id
     try:
         if sync._ready is not None:
             sync._ready.result(timeout=10.0)  # the rendezvous has this peer out of standby
-        rounds = status().get("rounds", [])
         without = [
             int(r["round"])
-            for r in rounds
+            for r in sync.swarm.status().get("rounds", [])
             if int(r["round"]) >= expected and r.get("outcome") != "failed" and me not in r.get("group", ())
         ]
     except Exception as e:  # noqa: BLE001 - only spares a missed round; the round itself tells
