@@ -339,8 +339,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
         mean overlap tau (steps), the swarm's ``run_id``. Means over no round are ``None`` (the
         dict is strict JSON)."""
         out = summarize(self._totals, self.failed_rounds, self.resyncs, self.stall_seconds)
-        out["run_id"] = self.swarm.run_id if self.swarm is not None else None
-        return out
+        return {**out, "run_id": self.swarm.run_id if self.swarm is not None else None}
 
     def state_dict(self, params: Any) -> dict:
         """The driver's own state for a checkpoint (a pytree of numpy values with a fixed
