@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from ravnest_jax._staleness import overlap_cap
+from ravnest_jax.compress import Codec
 from ravnest_jax.optim import DiLoCo
 
 from ._contract import check_contract
@@ -45,10 +46,7 @@ def check_options(
         raise ValueError("codec must be given with swarm=None (the codec of process 0's swarm)")
     if swarm is not None:
         check_contract(swarm)
-    if swarm is not None and codec is not None:
-        from ravnest_jax.compress import Codec
-
-        if Codec.of(codec) != Codec.of(swarm.codec):
+        if codec is not None and Codec.of(codec) != Codec.of(swarm.codec):
             raise ValueError(
                 f"codec {Codec.of(codec)} is not the swarm's {Codec.of(swarm.codec)}: OuterSync takes the swarm's "
                 "(rj.Swarm(codec=...)); codec= is for swarm=None"
@@ -56,7 +54,7 @@ def check_options(
     if not isinstance(eager, bool):
         raise ValueError(f"eager must be True or False, got {eager!r}")
     auto = overlap_steps == "auto"
-    gap = tx.sync_every // tx.fragments if tx.fragments > 1 else tx.sync_every
+    gap = tx.sync_every // tx.fragments
     if auto:
         if processes > 1:
             raise ValueError(

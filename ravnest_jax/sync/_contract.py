@@ -76,25 +76,9 @@ class SwarmContract(Protocol):
     def declare_manifest(self, manifest: dict[str, Any], *, init: str | None = None) -> dict[str, Any] | None: ...
 
 
-#: the members :func:`check_contract` requires, in the order the docstring lists them
-MEMBERS = (
-    "codec",
-    "peer_id",
-    "run_id",
-    "timeouts",
-    "started",
-    "all_reduce_packed_async",
-    "ready",
-    "serve_state",
-    "fetch_state",
-    "round_outcome",
-    "status",
-    "peers",
-    "wait_for_peers",
-    "info",
-    "set_info",
-    "declare_manifest",
-)
+#: the members :func:`check_contract` requires, in the order the docstring lists them (the
+#: attributes, then the methods, as the protocol declares them)
+MEMBERS = (*SwarmContract.__annotations__, *(k for k in vars(SwarmContract) if not k.startswith("_")))
 
 
 def check_contract(swarm: Any) -> None:

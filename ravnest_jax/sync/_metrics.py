@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -180,7 +181,5 @@ def report_summary(summary: dict) -> None:
     fd = os.environ.get("RAVNEST_SUMMARY_FD")
     if not fd:
         return
-    try:
+    with contextlib.suppress(OSError, ValueError, TypeError):  # not our launcher's pipe
         os.write(int(fd), (json.dumps(summary) + "\n").encode())
-    except (OSError, ValueError, TypeError):  # not our launcher's pipe
-        pass

@@ -10,9 +10,13 @@ pytree loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import jax
 from flax import nnx
+
+from ravnest_jax.optim import DiLoCoState
 
 
 def is_optimizer(obj: Any) -> bool:
@@ -29,8 +33,6 @@ def split(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[Any, Any]:
       TypeError: ``model`` is not an ``nnx.Module`` or the optimizer's state is not a
         ``DiLoCoState`` (the optimizer was not built with ``rj.diloco``).
     """
-    from ravnest_jax.optim import DiLoCoState
-
     if not isinstance(model, nnx.Module):
         raise TypeError(f"with an nnx.Optimizer, pass the nnx model first: got {type(model).__name__}")
     state = nnx.as_pure(optimizer.opt_state)
@@ -52,8 +54,16 @@ def write_back(model: nnx.Module, optimizer: nnx.Optimizer, params: Any, state: 
         if isinstance(var, nnx.Variable):
             var.set_value(value)
 
-    import jax
-
     jax.tree.map(put, optimizer.opt_state, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     if step:
         optimizer.step.set_value(state.count.astype(optimizer.step.get_value().dtype))
+
+
+def through(
+    fn: Callable[[Any, Any], tuple], model: nnx.Module, optimizer: nnx.Optimizer, *, step: bool = False
+) -> tuple:
+    """``fn(params, state) -> (params, state)`` on the arrays of ``model`` and ``optimizer``
+    (:func:`split`), its results written back into them (:func:`write_back` with ``step``);
+    returns ``(model, optimizer)``."""
+    write_back(model, optimizer, *fn(*split(model, optimizer)), step=step)
+    return model, optimizer

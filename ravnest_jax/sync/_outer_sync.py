@@ -155,10 +155,10 @@ class OuterSync(ManifestDeclaration, StateExchange):
         donate: bool = False,
     ):
         self._processes = jax.process_count()
-        self._leader = jax.process_index() == 0
         opts = (eager, overlap_steps, alpha, samples_per_step, codec)
+        leader = jax.process_index() == 0
         cap = check_options(
-            tx, swarm, *opts, processes=self._processes, leader=self._leader, staleness_budget=staleness_budget
+            tx, swarm, *opts, processes=self._processes, leader=leader, staleness_budget=staleness_budget
         )
         self.tx = tx
         self.swarm = swarm
@@ -175,25 +175,9 @@ class OuterSync(ManifestDeclaration, StateExchange):
         self.codec = Codec.of(codec if swarm is None else swarm.codec)
         self.samples_per_step = float(samples_per_step)
         self.on_round = on_round
-        # downloads the current state from a live peer after a failed round (rj.Swarm.fetch_state)
-        self._resync_fn = swarm.fetch_state if swarm is not None else None
-        self._fns = RoundFunctions(
-            tx,
-            self.codec.name,
-            self.codec.options,
-            self.mode != "blocking",
-            self.codec.error_feedback_decay,
-            bool(donate),
-        )
-        self._rounds = RoundPipeline(
-            tx,
-            swarm,
-            self._fns,
-            alpha=self.alpha,
-            error_feedback=self.codec.error_feedback,
-            eager=eager,
-            seed=self.codec.seed,
-        )
+        c = self.codec
+        self._fns = RoundFunctions(tx, c.name, c.options, self.mode != "blocking", c.error_feedback_decay, bool(donate))
+        self._rounds = RoundPipeline(tx, swarm, self._fns, c, alpha=self.alpha, eager=eager)
         self._pending = self._rounds.pending  # rounds in flight, oldest first
 
         self.step: int | None = None  # inner steps taken (== state.count), known after 1st call
@@ -213,10 +197,11 @@ class OuterSync(ManifestDeclaration, StateExchange):
         # the run's reference initial state ({"init", "init_from"}) and this peer's digest of its own
         self.run_initial: dict | None = None
         self.initial_digest: str | None = None
-        # this driver serves its own state to peers that join or resync (a multi-process peer
-        # does not: its state lives on several hosts)
+        # this driver serves its own state to peers that join or resync, and downloads the
+        # current state from a live peer after a failed round (a multi-process peer does
+        # neither: its state lives on several hosts)
         self._serving = self._processes == 1 and swarm is not None
-        if swarm is not None and self._serving:
+        if self._serving:
             swarm.serve_state(self.request_state)
 
     # ------------------------------------------------------------------ public API
@@ -264,10 +249,10 @@ class OuterSync(ManifestDeclaration, StateExchange):
                 self._readied, self._downloaded = True, False
                 return params, state
         self.step += 1
-        step = self.step
+        step = self.step  # a resync in the first merge may move self.step: the rounds due are this step's
         # merge what is due (oldest first), start what is due, merge what is due at once (tau=0)
         params, state = self._merge_due(params, state)
-        for fragment in self._schedule.due(step):
+        for fragment in self.tx.due_fragments(step):
             params, state = self._start(fragment, params, state)
         params, state = self._merge_due(params, state)
         # Serve a requested state only now, with no round in flight: the state of this step
@@ -289,10 +274,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
         if not busy:  # most steps: count only, no tree walk
             self.step = nxt
             return model, optimizer
-        params, state = _nnx.split(model, optimizer)
-        params, state = self(params, state)
-        _nnx.write_back(model, optimizer, params, state)
-        return model, optimizer
+        return _nnx.through(self, model, optimizer)
 
     def _mark_ready(self) -> None:
         """The first step: tell the swarm this peer trains (ends a joiner's standby at once, so
@@ -303,8 +285,8 @@ class OuterSync(ManifestDeclaration, StateExchange):
         with contextlib.suppress(RuntimeError):  # a swarm that is not running: nothing to tell
             self._ready = self.swarm.ready()
 
-    def _merge_due(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
-        while self._pending and self._pending[0].due_step <= self.step:
+    def _merge_due(self, params: Any, state: DiLoCoState, flush: bool = False) -> tuple[Any, DiLoCoState]:
+        while self._pending and (flush or self._pending[0].due_step <= self.step):
             params, state = self._finish(self._pending.popleft(), params, state)
         return params, state
 
@@ -320,13 +302,8 @@ class OuterSync(ManifestDeclaration, StateExchange):
         or at the end of training). Returns ``(params, state)`` (nnx: the model and optimizer,
         updated in place)."""
         if _nnx.is_optimizer(state):
-            model, optimizer = params, state
-            if self._pending:
-                _nnx.write_back(model, optimizer, *self.flush(*_nnx.split(model, optimizer)))
-            return model, optimizer
-        while self._pending:
-            params, state = self._finish(self._pending.popleft(), params, state)
-        return params, state
+            return _nnx.through(self.flush, params, state) if self._pending else (params, state)
+        return self._merge_due(params, state, flush=True)
 
     @property
     def global_state_digest(self) -> str | None:
@@ -362,8 +339,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
         mean overlap tau (steps), the swarm's ``run_id``. Means over no round are ``None`` (the
         dict is strict JSON)."""
         out = summarize(self._totals, self.failed_rounds, self.resyncs, self.stall_seconds)
-        out["run_id"] = self.swarm.run_id if self.swarm is not None else None
-        return out
+        return {**out, "run_id": self.swarm.run_id if self.swarm is not None else None}
 
     def state_dict(self, params: Any) -> dict:
         """The driver's own state for a checkpoint (a pytree of numpy values with a fixed
@@ -403,10 +379,7 @@ class OuterSync(ManifestDeclaration, StateExchange):
         self.step = None if step < 0 else step
         base = [int(x) for x in np.asarray(d.get("swarm_base", (-1, -1))).reshape(-1)]
         mapping = (base[0], base[1]) if round_mapping and len(base) == 2 and base[0] >= 0 else None
-        if self.step is not None:
-            self._schedule.restart(self.step, started, mapping)
-        else:
-            self._schedule.rounds_started, self._schedule.swarm_base = started, mapping
+        self._schedule.restart(self.step, started, mapping)
         self._rounds.load_residual(d.get("residual", {}))
         self._pending.clear()
         self._last_state = None
@@ -430,14 +403,13 @@ class OuterSync(ManifestDeclaration, StateExchange):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ state download
     # ------------------------------------------------------------------ rounds
     def _start(self, fragment: int, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
         plan = self._schedule.plan(fragment, self.step, self.stall_seconds)
         return self._rounds.start(fragment, params, state, self.step, plan, self._last_state), state
 
     def _finish(self, p: Pending, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
-        out, params, state, digest = self._rounds.finish(p, params, state, live=params)
+        out, params, state, digest = self._rounds.finish(p, params, state)
         stall = out.stall_seconds
         self.stall_seconds += stall
         now = time.perf_counter()
@@ -445,27 +417,26 @@ class OuterSync(ManifestDeclaration, StateExchange):
         utilisation = max(0.0, 1.0 - stall / max(window, 1e-9))
         self._window_start = now
         timing = (p.seq, p.fragment, p.step, self.step, out.exchange_seconds, stall, utilisation)
-        needed = {"needed_overlap_steps": self._schedule.tau.needed if self.overlap_steps == "auto" else 0}
-        if out.error is None:
+        m = round_metrics(
+            *timing,
+            record=out.record,
+            payload_bytes=out.payload_bytes,
+            float_bytes=out.float_bytes,
+            state_digest=digest or "",
+            error=out.error,
+            needed_overlap_steps=self._schedule.tau.needed if self.overlap_steps == "auto" else 0,
+        )
+        if m.ok:
             if out.record is not None:
                 if self.overlap_steps == "auto" and self.step >= p.due_step:  # merged when due, not by a flush
                     self._schedule.tau.observe(p.due_step - p.step, stall, window, out.exchange_seconds)
                 self._schedule.tau.exchanges.append(out.exchange_seconds)
-            m = round_metrics(
-                *timing,
-                record=out.record,
-                payload_bytes=out.payload_bytes,
-                float_bytes=out.float_bytes,
-                state_digest=digest,
-                **needed,
-            )
             self._state_digest = m.state_digest
             if m.swarm_round >= 0:
                 self._last_state = (m.swarm_round, m.state_digest)
         else:
             self.failed_rounds += 1
             log.warning("round %d (fragment %d) failed on this peer: %s", p.seq, p.fragment, out.error)
-            m = round_metrics(*timing, error=out.error, **needed)
             params, state = after_failure(self, p, out.exc, params, state)
         self._totals.add(m, self.metrics)
         self._stats.publish(self.swarm, m, self)

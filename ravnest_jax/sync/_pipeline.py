@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from ravnest_jax import compress
-from ravnest_jax.compress import message_nbytes
+from ravnest_jax.compress import Codec, message_nbytes
 from ravnest_jax.optim import DiLoCo, RoundSnapshot
 from ravnest_jax.swarm import RoundFailed
 
@@ -136,8 +136,7 @@ def exchange(
         raise LateStart(
             f"round(s) {late[0]}..{late[-1]} of this run were committed without this peer before its first "
             "round (it started from its own initial state while no peer had trained yet, then took longer "
-            "to start): its state is behind the swarm's; downloading the swarm's state",
-            late,
+            "to start): its state is behind the swarm's; downloading the swarm's state"
         )
     host = jax.device_get(packed)  # waits for the device to run the steps queued before the encode
     t0 = time.perf_counter()  # the exchange proper: from here (RoundMetrics.exchange_seconds)
@@ -150,28 +149,25 @@ def exchange(
             )
     n = sum(math.prod(s.shape) for s in host.specs)
     nbytes = message_nbytes(host)  # what this peer's message holds
-    kwargs: dict[str, Any] = {} if expected is None else {"round": expected}
-    if state is not None:  # the rendezvous compares it with the other peers' (divergence)
-        kwargs["state"] = state
-    # encode once: the device's message goes on the wire as it is, cut into parts
-    fut = swarm.all_reduce_packed_async(host, weight=weight, **kwargs)
+    # encode once: the device's message goes on the wire as it is, cut into parts; the rendezvous
+    # compares the state with the other peers' (divergence)
+    fut = swarm.all_reduce_packed_async(host, weight=weight, round=expected, state=state)
     del host
-    return _result(fut, learn_round, nbytes, n, t0)
+    try:
+        mean, record = fut.result()
+    except RoundFailed as e:  # the swarm round it ran as
+        learn_round(int(e.record.round), False)
+        raise
+    learn_round(int(record.round), True)
+    return np.asarray(mean, np.float32).reshape(-1), record, nbytes, 4 * n, time.perf_counter() - t0
 
 
 class LateStart(RuntimeError):
     """A peer that started from its own initial state found, at its first round, rounds of the
     run committed without it (two fresh peers started together, and one took longer to compile):
     contributing against its initial anchor would split the swarm's state, so its first round
-    fails and it downloads the swarm's state (``sync/_recovery.py``), as a joiner does.
-
-    Attributes:
-      rounds: the swarm rounds committed without it (ascending).
-    """
-
-    def __init__(self, message: str, rounds: list[int]):
-        super().__init__(message)
-        self.rounds = rounds
+    fails and it downloads the swarm's state (``sync/_recovery.py``), as a joiner does. The
+    message names the swarm rounds committed without it."""
 
 
 def rounds_without(swarm: Any) -> list[int]:
@@ -184,19 +180,6 @@ def rounds_without(swarm: Any) -> list[int]:
         return []
     me = swarm.peer_id
     return sorted(int(r["round"]) for r in rounds if r.get("outcome") == "ok" and me not in r.get("contributors", ()))
-
-
-def _result(
-    fut: Any, learn_round: Callable[[int, bool], None], nbytes: int, n: int, t0: float
-) -> tuple[np.ndarray, Any, int, int, float]:
-    try:
-        mean, record = fut.result()
-    except Exception as e:
-        if isinstance(e, RoundFailed):  # the swarm round it ran as
-            learn_round(int(e.record.round), False)
-        raise
-    learn_round(int(record.round), True)
-    return np.asarray(mean, np.float32).reshape(-1), record, nbytes, 4 * n, time.perf_counter() - t0
 
 
 def share_result(
@@ -226,7 +209,7 @@ class Pending:
       spec_params: eager mode: the speculative anchor the params restarted from, else ``None``.
       future: the exchange's future (``None`` result on processes other than 0).
       started: ``time.perf_counter()`` at the boundary (seconds).
-      done_at: ``[perf_counter when the result was in]``, set by the future's callback.
+      done_at: ``time.perf_counter()`` when the result was in, set by the future's callback.
     """
 
     seq: int
@@ -237,7 +220,7 @@ class Pending:
     spec_params: Any
     future: concurrent.futures.Future
     started: float
-    done_at: list
+    done_at: float | None = None
 
 
 @dataclasses.dataclass
@@ -272,26 +255,18 @@ class RoundPipeline:
       tx: the :func:`rj.diloco` transformation.
       swarm: the exchange (``None`` on the processes other than 0 of a multi-process peer).
       fns: the jitted round functions.
+      codec: the run's ``rj.Codec``: with ``error_feedback``, the codec's residual is carried
+        into the fragment's next round (lossy codecs); ``seed``, the PRNG seed of stochastic
+        rounding (folded with the exchange number).
       alpha: mixing weight of the merge.
-      error_feedback: carry the codec's residual into the fragment's next round (lossy codecs).
-      seed: PRNG seed of stochastic rounding (folded with the exchange number).
+      eager: eager rounds (the params restart from the speculative anchor at the boundary).
     """
 
-    def __init__(
-        self,
-        tx: DiLoCo,
-        swarm: Any,
-        fns: RoundFunctions,
-        *,
-        alpha: float,
-        error_feedback: bool,
-        eager: bool,
-        seed: int,
-    ):
+    def __init__(self, tx: DiLoCo, swarm: Any, fns: RoundFunctions, codec: Codec, *, alpha: float, eager: bool):
         self.tx, self.swarm, self.fns = tx, swarm, fns
         self.alpha, self.eager = alpha, eager
-        self.error_feedback = error_feedback and fns.codec != "fp32"
-        self._key = jax.random.key(seed)
+        self.error_feedback = codec.error_feedback and fns.codec != "fp32"
+        self._key = jax.random.key(codec.seed)
         self._processes = jax.process_count()
         self._leader = jax.process_index() == 0
         self.pending: collections.deque[Pending] = collections.deque()
@@ -300,14 +275,11 @@ class RoundPipeline:
         self.residual: dict[int, list | np.ndarray] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rj-sync")
 
-    def _frag(self, fragment: int) -> int | None:
-        return None if self.tx.fragments == 1 else fragment
-
     def compile(self, params: Any, state: Any) -> None:
         """Compiles every round function for these params and state (runs nothing)."""
         layout = layout_of(params, state)
         for fragment in range(self.tx.fragments):
-            like = self.tx.fragment_leaves(params, self._frag(fragment))
+            like = self.tx.fragment_leaves(params, self.fns.frag(fragment))
             f32 = [
                 jax.ShapeDtypeStruct(np.shape(x), np.float32, sharding=None if layout is None else x.sharding)
                 for x in like
@@ -324,7 +296,7 @@ class RoundPipeline:
     def _residual_for(self, fragment: int, params: Any) -> list | None:
         if not self.error_feedback:
             return None
-        like = self.tx.fragment_leaves(params, self._frag(fragment))
+        like = self.tx.fragment_leaves(params, self.fns.frag(fragment))
         residual = self.residual.get(fragment)
         if residual is None:
             return put_like([np.zeros(np.shape(x), np.float32) for x in like], like)
@@ -340,9 +312,8 @@ class RoundPipeline:
         ``last_state``: ``(swarm round, state digest)`` for the divergence check. Returns the
         params (eager mode: restarted from the speculative anchor; else unchanged).
         """
-        seq = plan.seq
         layout = layout_of(params, state)
-        key = jax.random.fold_in(self._key, seq)
+        key = jax.random.fold_in(self._key, plan.seq)
         started = time.perf_counter()
         snap, packed, new_res = self.fns.start(fragment, layout)(
             params, state, self._residual_for(fragment, params), key
@@ -366,47 +337,44 @@ class RoundPipeline:
         else:  # not process 0 of a multi-process peer: the mean comes from process 0 at the merge
             future = concurrent.futures.Future()
             future.set_result(None)
-        done_at: list = [None]
-        future.add_done_callback(lambda _: done_at.__setitem__(0, time.perf_counter()))
-        spec = None
+        p = Pending(plan.seq, fragment, step, step + plan.tau, snap, None, future, started)
+        future.add_done_callback(lambda _: setattr(p, "done_at", time.perf_counter()))
         if self.eager:
-            params, spec = self.fns.speculate(fragment, layout)(params, state, snap)
-        self.pending.append(Pending(seq, fragment, step, step + plan.tau, snap, spec, future, started, done_at))
+            params, p.spec_params = self.fns.speculate(fragment, layout)(params, state, snap)
+        self.pending.append(p)
         return params
 
-    def finish(self, p: Pending, params: Any, state: Any, live: Any = None) -> tuple[Outcome, Any, Any, str | None]:
+    def finish(self, p: Pending, params: Any, state: Any) -> tuple[Outcome, Any, Any, str | None]:
         """Waits for round ``p`` and, when it worked, merges its mean (:meth:`merge`): the mean
         goes from the exchange into the jitted merge without leaving this pipeline.
 
-        ``live``: outputs of the last step dispatched; the stall counts from when the device has
-        run it (:func:`idle_since`), not from when the host, ahead of the device by the steps it
-        queued, began to wait. Returns ``(outcome, params, state, state digest hex)``; a failed
+        ``params``: outputs of the last step dispatched; the stall counts from when the device
+        has run it (:func:`idle_since`), not from when the host, ahead of the device by the steps
+        it queued, began to wait. Returns ``(outcome, params, state, state digest hex)``; a failed
         round (``outcome.error``) returns ``params`` and ``state`` unchanged and digest ``None``.
         """
-        out = self._wait(p, live)
+        out = self._wait(p, params)
         if out.error is not None:
             return out, params, state, None
         params, state, digest = self.merge(p, params, state, out.mean)
         return out, params, state, digest
 
-    def _wait(self, p: Pending, live: Any = None) -> Outcome:
+    def _wait(self, p: Pending, live: Any) -> Outcome:
         """Blocks until round ``p``'s exchange is over (a peer over several processes: shares
-        process 0's outcome with the others)."""
-        t0 = time.perf_counter() if live is None else idle_since(p.future, live)
-        mean = record = exc = error = None
+        process 0's outcome with the others); ``live``: see :meth:`finish`."""
+        t0 = idle_since(p.future, live)
+        mean = record = exc = error = exchange_seconds = None
         payload_bytes = float_bytes = 0
-        exchange_seconds = None
         try:
-            result = p.future.result()
-            if result is not None:
-                mean, record, payload_bytes, float_bytes, exchange_seconds = result[:5]
+            if (result := p.future.result()) is not None:
+                mean, record, payload_bytes, float_bytes, exchange_seconds = result
         except Exception as e:  # noqa: BLE001 - a failed round is reported, then resynced
             exc, error = e, f"{type(e).__name__}: {e}"
         if self._processes > 1:
             mean, error = share_result(self._leader, p.snapshot.pseudo_gradient, mean, error)
         now = time.perf_counter()
         if exchange_seconds is None:  # failed, or not process 0: from the boundary
-            exchange_seconds = (p.done_at[0] or now) - p.started
+            exchange_seconds = (p.done_at or now) - p.started
         return Outcome(mean, record, payload_bytes, float_bytes, error, exc, now - min(t0, now), exchange_seconds)
 
     def merge(self, p: Pending, params: Any, state: Any, mean: np.ndarray | None) -> tuple[Any, Any, str]:
@@ -427,16 +395,13 @@ class RoundPipeline:
         its first round), by fragment number as a str: the checkpoint's ``residual``."""
         out = {}
         for f in range(self.tx.fragments):
-            n = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in self.tx.fragment_leaves(params, self._frag(f)))
             r = self.residual.get(f)
             if r is None:
-                out[str(f)] = np.zeros((n,), np.float32)
+                like = self.tx.fragment_leaves(params, self.fns.frag(f))
+                r = np.zeros((sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in like),), np.float32)
             elif isinstance(r, list):  # per leaf, on the devices
-                host = jax.device_get(r)
-                flat = [np.ravel(np.asarray(a, np.float32)) for a in host]
-                out[str(f)] = np.concatenate(flat) if flat else np.zeros((0,), np.float32)
-            else:
-                out[str(f)] = np.asarray(r, np.float32)
+                r = np.concatenate([np.ravel(a) for a in jax.device_get(r)] or [np.zeros((0,), np.float32)])
+            out[str(f)] = np.asarray(r, np.float32)
         return out
 
     def load_residual(self, residual: dict) -> None:

@@ -34,8 +34,7 @@ class PrometheusExporter:
     """
 
     def __init__(self, port: int = 0, addr: str = "127.0.0.1"):
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.registry = r = CollectorRegistry()
         self.rounds = Counter("ravnest_rounds", "outer rounds merged", registry=r)
         self.failed = Counter("ravnest_failed_rounds", "outer rounds that failed on this peer", registry=r)
         self.sent = Counter("ravnest_bytes_sent", "body bytes sent in rounds", registry=r)
@@ -58,14 +57,13 @@ class PrometheusExporter:
         self.port: int = self._server.server_port
 
     def __call__(self, m: RoundMetrics) -> None:
+        self.stall.inc(m.stall_seconds)
         if not m.ok:
             self.failed.inc()
-            self.stall.inc(m.stall_seconds)
             return
         self.rounds.inc()
         self.sent.inc(m.bytes_sent)
         self.received.inc(m.bytes_received)
-        self.stall.inc(m.stall_seconds)
         self.round.set(m.round)
         self.step.set(m.step)
         self.group.set(m.group_size)

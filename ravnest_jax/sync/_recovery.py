@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ravnest_jax import compress
 from ravnest_jax.optim import DiLoCoState
 from ravnest_jax.swarm import RoundFailed
 
@@ -17,10 +16,8 @@ log = logging.getLogger("ravnest_jax.sync")
 def needs_resync(swarm: Any, exc: BaseException | None) -> bool:
     """After a failed round: False only when the rendezvous says the round failed for everyone
     (then nobody applied it and the local state is still the swarm's)."""
-    if isinstance(exc, compress.NonFiniteError):
-        return True  # this peer diverged
     if not isinstance(exc, RoundFailed) or exc.record.round < 0:
-        return True
+        return True  # this peer diverged (compress.NonFiniteError), or another error of its own
     try:
         return swarm.round_outcome(exc.record.round) != "failed"
     except Exception:  # noqa: BLE001 - rendezvous unreachable: try to resync
@@ -49,10 +46,10 @@ def after_failure(sync: Any, p: Pending, exc: BaseException | None, params: Any,
         )
         sync._schedule.swarm_base = None
         sync._last_state = None
-    elif sync._resync_fn is not None and sync._processes == 1 and needs_resync(sync.swarm, exc):
+    elif sync._serving and needs_resync(sync.swarm, exc):
         try:
             serve = lambda: sync._serve_state(params, state)  # noqa: E731
-            data = sync._server.fetch_past(sync._resync_fn, serve, p.seq)
+            data = sync._server.fetch_past(sync.swarm.fetch_state, serve, p.seq)
         except Exception as e:  # noqa: BLE001 - no live peer: keep training alone
             log.warning("resync failed: %s; continuing with the local state", e)
         else:
@@ -80,17 +77,15 @@ def taken_again(sync: Any, params: Any, state: DiLoCoState) -> bytes | None:
     instead of a missed round and a resync. ``None``: nothing ran without it (or nothing to
     ask: no round mapping yet, no rendezvous status, a peer over several processes)."""
     base = sync._schedule.swarm_base
-    if base is None or sync.swarm is None or sync._resync_fn is None or sync._processes != 1:
+    if base is None or not sync._serving:
         return None
-    status, me = sync.swarm.status, sync.swarm.peer_id
-    expected = base[0] + (sync._schedule.rounds_started - base[1])
+    expected, me = base[0] + (sync._schedule.rounds_started - base[1]), sync.swarm.peer_id
     try:
         if sync._ready is not None:
             sync._ready.result(timeout=10.0)  # the rendezvous has this peer out of standby
-        rounds = status().get("rounds", [])
         without = [
             int(r["round"])
-            for r in rounds
+            for r in sync.swarm.status().get("rounds", [])
             if int(r["round"]) >= expected and r.get("outcome") != "failed" and me not in r.get("group", ())
         ]
     except Exception as e:  # noqa: BLE001 - only spares a missed round; the round itself tells
@@ -101,7 +96,7 @@ def taken_again(sync: Any, params: Any, state: DiLoCoState) -> bytes | None:
     log.info("round %d runs without this peer (it was not ready yet): downloading the state again", max(without))
     seq = base[1] + (max(without) - base[0])  # the exchange of that round in this peer's mapping
     try:
-        return sync._server.fetch_past(sync._resync_fn, lambda: sync._serve_state(params, state), seq)
+        return sync._server.fetch_past(sync.swarm.fetch_state, lambda: sync._serve_state(params, state), seq)
     except Exception as e:  # noqa: BLE001 - the round's miss then resyncs it
         log.info("could not download the state again: %s", e)
         return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..swarm import SwarmError
@@ -22,14 +22,25 @@ def _alive_since(peers: list, since: float, me: str) -> list:
     return [p for p in peers if p.peer_id == me or now - p.seconds_since_heartbeat > since]
 
 
-def _poll_alive(swarm: Any, since: float) -> list:
-    """The run's peers alive since ``since`` (see :func:`_alive_since`); ``[]`` while the
-    rendezvous cannot be reached (the callers poll until their own deadline)."""
-    try:
-        return _alive_since(swarm.peers(), since, swarm.peer_id)
-    except SwarmError as e:
-        log.info("waiting for the rendezvous: %r", e)
-        return []
+def _alive_polls(swarm: Any, timeout: float, poll_seconds: float) -> Iterator[list]:
+    """Every ``poll_seconds`` until ``timeout`` seconds have passed: the run's peers alive since
+    this began (see :func:`_alive_since`); ``[]`` while the rendezvous cannot be reached."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            peers = _alive_since(swarm.peers(), t0, swarm.peer_id)
+        except SwarmError as e:
+            log.info("waiting for the rendezvous: %r", e)
+            peers = []
+        yield peers
+        if time.monotonic() - t0 >= timeout:
+            return
+        time.sleep(poll_seconds)
+
+
+def _check_num_peers(num_peers: Any) -> None:
+    if not isinstance(num_peers, int) or num_peers < 1:
+        raise ValueError(f"num_peers must be an int >= 1, got {num_peers!r}")
 
 
 def running_peers(swarm: Any, *, wait_seconds: float = 3.0, poll_seconds: float = 0.2) -> list:
@@ -102,28 +113,23 @@ def common_checkpoint_step(
         to all (the message lists every peer's steps); restore by hand, or delete checkpoints
         newer than a common step.
     """
-    if not isinstance(num_peers, int) or num_peers < 1:
-        raise ValueError(f"num_peers must be an int >= 1, got {num_peers!r}")
+    _check_num_peers(num_peers)
     mine = sorted({int(s) for s in steps})
     if any(s < 0 for s in mine):
         raise ValueError(f"steps must be non-negative ints, got {mine}")
     swarm.set_info({**swarm.info, INFO_KEY: mine[-MAX_STEPS_PUBLISHED:]})
-    t0 = time.monotonic()
-    deadline = t0 + timeout
-    while True:
-        # only peers seen alive since this call began: the entry of a killed process holds the
-        # steps of that process, which may be gone
-        peers = _poll_alive(swarm, t0)
+    # only peers seen alive since this call began: the entry of a killed process holds the
+    # steps of that process, which may be gone
+    for peers in _alive_polls(swarm, timeout, poll_seconds):
         if any(p.last_round >= 0 for p in peers if p.peer_id != swarm.peer_id):
             return None
         published = {p.peer_id: p.info.get(INFO_KEY) for p in peers}
         if len(peers) >= num_peers and all(isinstance(v, list) for v in published.values()):
             break
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"fewer than {num_peers} peers published their checkpoint steps after {timeout} s: {published}"
-            )
-        time.sleep(poll_seconds)
+    else:
+        raise TimeoutError(
+            f"fewer than {num_peers} peers published their checkpoint steps after {timeout} s: {published}"
+        )
     lists = {pid: {int(s) for s in v} for pid, v in published.items()}
     if not any(lists.values()):
         return None
@@ -165,14 +171,9 @@ def wait_for_info(
       ValueError: ``num_peers`` < 1.
       TimeoutError: fewer than ``num_peers`` peers published ``value`` within ``timeout``.
     """
-    if not isinstance(num_peers, int) or num_peers < 1:
-        raise ValueError(f"num_peers must be an int >= 1, got {num_peers!r}")
+    _check_num_peers(num_peers)
     swarm.set_info({**swarm.info, key: value})
-    t0 = time.monotonic()
-    while True:
-        peers = _poll_alive(swarm, t0)
+    for peers in _alive_polls(swarm, timeout, poll_seconds):
         if sum(1 for p in peers if p.info.get(key) == value) >= num_peers:
             return
-        if time.monotonic() - t0 >= timeout:
-            raise TimeoutError(f"fewer than {num_peers} peers published {key}={value!r} after {timeout} s")
-        time.sleep(poll_seconds)
+    raise TimeoutError(f"fewer than {num_peers} peers published {key}={value!r} after {timeout} s")

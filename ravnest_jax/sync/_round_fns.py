@@ -76,7 +76,8 @@ class RoundFunctions:
         self.donate = bool(donate)
         self.cache: dict[tuple, Callable] = {}  # (kind, fragment, layout) -> jitted function
 
-    def _frag(self, fragment: int) -> int | None:
+    def frag(self, fragment: int) -> int | None:
+        """The fragment as ``tx``'s round functions take it: ``None`` without fragments."""
         return None if self.tx.fragments == 1 else fragment
 
     @staticmethod
@@ -105,7 +106,7 @@ class RoundFunctions:
         round's :class:`RoundSnapshot` and its pseudo-gradient encoded on the device (one packed
         leaf per pseudo-gradient leaf: blocks never straddle two leaves, so every shard of a leaf
         encodes on its own device), with error feedback when ``residual`` is given."""
-        tx, frag, codec, opts = self.tx, self._frag(fragment), self.codec, self.codec_options
+        tx, frag, codec, opts = self.tx, self.frag(fragment), self.codec, self.codec_options
         mesh = None if layout is None else layout[0]
         beta = self.error_feedback_decay
 
@@ -129,7 +130,7 @@ class RoundFunctions:
         """``merge(params, state, mean_leaves, snapshot, alpha) -> (params, state, digest)``:
         ``tx.round_merge`` with the mean (a list of float32 leaves like the snapshot's
         pseudo-gradient) and the device digest of ``(global_params, outer_state)`` after it."""
-        tx, frag, keep = self.tx, self._frag(fragment), self.keep_local_progress
+        tx, frag, keep = self.tx, self.frag(fragment), self.keep_local_progress
         params_sh, state_sh = self._shardings(layout)
         donate = (0, 1) if self.donate else ()
 
@@ -152,7 +153,7 @@ class RoundFunctions:
     def speculate(self, fragment: int, layout: tuple | None) -> Callable:
         """``speculate(params, state, snapshot) -> (params, anchor)``: ``tx.speculate`` (eager
         updates, arXiv 2502.12996)."""
-        tx, frag = self.tx, self._frag(fragment)
+        tx, frag = self.tx, self.frag(fragment)
         params_sh, _ = self._shardings(layout)
 
         def build() -> Callable:

@@ -48,38 +48,8 @@ def trainer_manifest(sync: Any, params: Any) -> dict[str, Any]:
     }
 
 
-def initial_digest(params: Any) -> str:
-    """Digest (32 hex characters) of the params' values, computed on the device
-    (:func:`~ravnest_jax.sync._digest.device_digest`): peers initialised alike agree on it."""
-    chunk = 0 if mesh_of(params) is not None else CHUNK  # a sharded leaf hashed whole, not gathered
-    return digest_hex(device_digest(params, chunk=chunk))  # jitted once per params layout
-
-
-def declare(sync: Any, params: Any) -> tuple[bool, dict[str, Any] | None, str | None]:
-    """Declares ``sync``'s manifest, and the digest of ``params`` as its initial state, with
-    its swarm. Returns ``(declared, the run's reference initial state, this peer's digest)``:
-    ``declared`` is False for a check only (the swarm has not started: declare again once it
-    has); without a swarm (a multi-process peer's other processes) nothing is declared and it
-    counts as declared.
-
-    Raises:
-      ManifestMismatch: the rendezvous refused this peer (one line naming every difference).
-    """
-    if sync.swarm is None:  # a process other than 0 of a peer: process 0 declares
-        return True, None, None
-    declare_fn = sync.swarm.declare_manifest
-    if not sync.swarm.started:  # a check only: no digest (a compile) yet
-        declare_fn(trainer_manifest(sync, params))
-        return False, None, None
-    # a peer over several processes declares on process 0 alone: a jitted digest there would wait
-    # forever for the other processes (and such a peer downloads no state anyway)
-    mine = initial_digest(params) if jax.process_count() == 1 else None
-    ref = declare_fn(trainer_manifest(sync, params), init=mine)
-    return ref is not None, ref, mine
-
-
 class ManifestDeclaration:
-    """The part of ``rj.OuterSync`` that declares the run manifest (:func:`declare`)."""
+    """The part of ``rj.OuterSync`` that declares the run manifest (:func:`trainer_manifest`)."""
 
     def declare_manifest(self, params: Any) -> None:
         """Declares this peer's run manifest with the swarm (``Swarm.declare_manifest``): the
@@ -99,4 +69,17 @@ class ManifestDeclaration:
         """
         if self._declared:
             return
-        self._declared, self.run_initial, self.initial_digest = declare(self, params)
+        if self.swarm is None:  # a process other than 0 of a peer: process 0 declares
+            self._declared = True
+            return
+        if not self.swarm.started:  # a check only (no digest, a compile, yet): declared again once started
+            self.swarm.declare_manifest(trainer_manifest(self, params))
+            return
+        # a peer over several processes declares on process 0 alone: a jitted digest there would wait
+        # forever for the other processes (and such a peer downloads no state anyway)
+        mine = None
+        if jax.process_count() == 1:  # 32 hex digits, computed on the device (jitted once per params layout)
+            chunk = 0 if mesh_of(params) is not None else CHUNK  # a sharded leaf hashed whole, not gathered
+            mine = digest_hex(device_digest(params, chunk=chunk))
+        self.run_initial = self.swarm.declare_manifest(trainer_manifest(self, params), init=mine)
+        self._declared, self.initial_digest = self.run_initial is not None, mine

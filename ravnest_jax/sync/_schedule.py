@@ -49,35 +49,29 @@ class Schedule:
 
     def __init__(self, tx: Any, overlap_steps: int | str, cap: int, samples_per_step: float):
         self.tx, self.overlap_steps, self.samples_per_step = tx, overlap_steps, samples_per_step
-        gap = tx.sync_every // tx.fragments if tx.fragments > 1 else tx.sync_every
-        self.tau = AutoTau(cap, tx.sync_every, gap)  # gap: the steps between round starts
+        self.tau = AutoTau(cap, tx.sync_every, tx.sync_every // tx.fragments)  # the steps between round starts
         self.rounds_started = 0
         self.swarm_base: tuple[int, int] | None = None
-        self._last_round_step: dict[int, int] = {}
-        self._first_step = 0
+        self._last_round_step = dict.fromkeys(range(tx.fragments), 0)  # fragment -> step of its last round
 
-    def restart(self, step: int, rounds_started: int | None = None, swarm_base: Any = False) -> None:
-        """The step counter is ``step`` now (first call, restore, state download): every
-        fragment's next weight counts from here; optionally new counters and mapping."""
-        self._first_step = step
-        self._last_round_step = {f: step for f in range(self.tx.fragments)} if rounds_started is not None else {}
+    def restart(
+        self, step: int | None, rounds_started: int | None = None, swarm_base: tuple[int, int] | None = None
+    ) -> None:
+        """The step counter is ``step`` now (first call, restore, state download; ``None``: a
+        restore of a driver that had not run, known at its first call, which restarts again):
+        every fragment's next weight counts from here; with ``rounds_started``, the new counters
+        and round mapping (``swarm_base``) too."""
+        self._last_round_step = dict.fromkeys(range(self.tx.fragments), step)
         if rounds_started is not None:
-            self.rounds_started = rounds_started
-        if swarm_base is not False:
-            self.swarm_base = swarm_base
+            self.rounds_started, self.swarm_base = rounds_started, swarm_base
         self.tau.reset()
-
-    def due(self, step: int) -> tuple[int, ...]:
-        """The fragments whose round starts at ``step``."""
-        return self.tx.due_fragments(step)
 
     def plan(self, fragment: int, step: int, stall_seconds: float) -> Plan:
         """Takes the next exchange number for ``fragment``'s round at ``step``."""
         seq = self.rounds_started
         self.rounds_started += 1
-        steps_done = step - self._last_round_step.get(fragment, self._first_step)
+        steps_done = step - self._last_round_step[fragment]
         self._last_round_step[fragment] = step
-        base = self.swarm_base
         tau = int(self.overlap_steps) if self.overlap_steps != "auto" else self.tau.choose(step, stall_seconds)
 
         def learn(r: int, ran: bool = False) -> None:
@@ -87,7 +81,7 @@ class Schedule:
             if r >= 0 and (self.swarm_base is None or (ran and expected is not None and r != expected)):
                 self.swarm_base = (r, seq)
 
-        expected = None if base is None else base[0] + (seq - base[1])
+        expected = None if self.swarm_base is None else self.swarm_base[0] + (seq - self.swarm_base[1])
         return Plan(seq, tau, max(steps_done, 1) * self.samples_per_step, expected, learn)
 
 
@@ -160,9 +154,6 @@ class AutoTau:
             return
         self._warned_at = self._judged
         t_s = self._step_seconds
-        stall_med = median([r[1] for r in slow])
-        exchange_med = median([r[3] for r in slow])
-        tau_med = round(median([float(r[0]) for r in slow]))
         # the tau that would have hidden each slow round's wait: its tau + the steps it sat idle for
         hide = math.ceil(median([r[0] + r[1] / t_s for r in slow]) - 1e-9)
         log.warning(
@@ -171,12 +162,12 @@ class AutoTau:
             "steps (%.3f s each) did not hide the exchange (median %.2f s), tau=%d would. %s",
             len(slow),
             len(self._rounds),
-            stall_med,
+            median([r[1] for r in slow]),
             utilisation,
             len(self._rounds),
-            tau_med,
+            round(median([float(r[0]) for r in slow])),
             t_s,
-            exchange_med,
+            median([r[3] for r in slow]),
             hide,
             self._advice(hide),
         )

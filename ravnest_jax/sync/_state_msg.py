@@ -5,11 +5,12 @@ and serialises it beside training."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import io
 import logging
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,24 +28,13 @@ FORMAT = "ravnest-state-v1"
 log = logging.getLogger("ravnest_jax.sync")
 
 
-class StateMessage(NamedTuple):
-    """A decoded state message.
-
-    Attributes:
-      leaves: the state's leaves as host numpy arrays, in ``jax.tree.leaves`` order.
-      step: the sender's inner step.
-      rounds_started: the sender's exchanges started.
-      swarm_base: ``(swarm round, exchange)`` of its round mapping, or ``None``.
-    """
-
-    leaves: list[np.ndarray]
-    step: int
-    rounds_started: int
-    swarm_base: tuple[int, int] | None
-
-
-def decode_state(data: bytes, like: list) -> StateMessage:
+def decode_state(data: bytes, like: list) -> tuple[list[np.ndarray], int, int, tuple[int, int] | None]:
     """Decodes and checks a state message against ``like`` (the leaves of this peer's state).
+
+    Returns:
+      ``(leaves, step, rounds_started, swarm_base)``: the state's leaves as host numpy arrays,
+      in ``jax.tree.leaves`` order; the sender's inner step and exchanges started; ``(swarm
+      round, exchange)`` of its round mapping, or ``None``.
 
     Raises:
       ValueError: not a state message, or one of another model/optimizer (leaf count, a leaf's
@@ -67,7 +57,7 @@ def decode_state(data: bytes, like: list) -> StateMessage:
                 f"downloaded state leaf {i} is {np.asarray(b).dtype}{list(np.shape(b))}, "
                 f"expected {getattr(a, 'dtype', '?')}{list(np.shape(a))}: not this model/optimizer"
             )
-    return StateMessage([np.asarray(b) for b in leaves], step, started, swarm_base)
+    return [np.asarray(b) for b in leaves], step, started, swarm_base
 
 
 def peek_counters(data: bytes) -> tuple[int, int] | None:
@@ -141,16 +131,14 @@ class StateServer:
             )
 
         def done(f: concurrent.futures.Future) -> None:
+            error = RuntimeError("closed") if f.cancelled() else f.exception()
             for r in requests:
-                if r.done():  # cancelled by close(), or the requester gave up
-                    continue
-                try:
-                    if f.cancelled() or f.exception() is not None:
-                        r.set_exception(f.exception() if not f.cancelled() else RuntimeError("closed"))
+                # a request cancelled by close(), or whose requester gave up, is done already
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    if error is not None:
+                        r.set_exception(error)
                     else:
                         r.set_result(f.result())
-                except concurrent.futures.InvalidStateError:  # cancelled meanwhile
-                    pass
 
         try:
             self._pool.submit(work).add_done_callback(done)
@@ -240,19 +228,15 @@ class StateExchange:
           ValueError: the bytes are not a state of this model and optimizer.
         """
         if _nnx.is_optimizer(state):
-            model, optimizer = params, state
-            params, state = self.load_state_bytes(data, *_nnx.split(model, optimizer))
-            _nnx.write_back(model, optimizer, params, state, step=True)
-            return model, optimizer
+            return _nnx.through(lambda p, s: self.load_state_bytes(data, p, s), params, state, step=True)
         like, treedef = jax.tree.flatten(state)
-        msg = decode_state(data, like)
+        leaves, step, rounds_started, swarm_base = decode_state(data, like)
         # each leaf goes back with the layout of the state it replaces (sharded peers stay sharded)
-        new_state = jax.tree.unflatten(treedef, put_like(msg.leaves, like))
+        new_state = jax.tree.unflatten(treedef, put_like(leaves, like))
         # a copy: params and the anchor must not share buffers (the train step may donate both)
         params = jax.tree.map(lambda g, p: jnp.array(g, dtype=p.dtype, copy=True), new_state.global_params, params)
-        step = msg.step
         self.step = step
-        self._schedule.restart(step, msg.rounds_started, msg.swarm_base)
+        self._schedule.restart(step, rounds_started, swarm_base)
         self._rounds.residual.clear()
         self._pending.clear()
         self._last_state = None  # the next merged round's digest is the first one to compare
@@ -260,6 +244,6 @@ class StateExchange:
         # state downloaded again if a round ran without this peer meanwhile
         self._readied, self._downloaded = False, True
         self._state_digest = None
-        del msg
+        del leaves
         host_memory.release_free_heap()  # the state's one-off host copies (see its docstring)
         return params, new_state

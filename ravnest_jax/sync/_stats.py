@@ -55,21 +55,19 @@ class PeerStats:
                 raise ValueError(f"at most {MAX_SCALARS} reported names; have {sorted(self.reported)}")
             if value is None:
                 self.reported.pop(name, None)
-            elif hasattr(value, "shape"):  # a device scalar: converted at the round, not now
-                if int(np.prod(value.shape)) != 1:
-                    raise ValueError(f"{name} must be a scalar, got shape {tuple(value.shape)}")
-                self.reported[name] = value
-            else:
+                continue
+            if not hasattr(value, "shape"):  # a device scalar is converted at the round, not now
                 _finite(value)
-                self.reported[name] = value
+            elif int(np.prod(value.shape)) != 1:
+                raise ValueError(f"{name} must be a scalar, got shape {tuple(value.shape)}")
+            self.reported[name] = value
 
-    def publish(self, swarm: Any, m: RoundMetrics, sync: Any) -> dict[str, Any] | None:
+    def publish(self, swarm: Any, m: RoundMetrics, sync: Any) -> None:
         """Writes the stats after round ``m`` into ``swarm``'s info (``set_info``; nothing
-        without a swarm: the processes other than 0 of a peer); returns them. A device scalar reported since was computed steps ago: reading it here
-        does not wait for the accelerator."""
+        without a swarm: the processes other than 0 of a peer). A device scalar reported since
+        was computed steps ago: reading it here does not wait for the accelerator."""
         if swarm is None:
-            return None
-        set_info = swarm.set_info
+            return
         if not m.ok and m.error:
             self.last_error = m.error[:_ERROR_CHARS]
         summary = sync.summary()
@@ -95,7 +93,6 @@ class PeerStats:
         for name, value in self.reported.items():
             stats[name] = _finite(value)
         try:
-            set_info({**swarm.info, STATS_KEY: stats})
+            swarm.set_info({**swarm.info, STATS_KEY: stats})
         except ValueError:  # other info took the room: publish the totals without the scalars
-            set_info({**swarm.info, STATS_KEY: {k: stats[k] for k in list(stats)[:13]}})
-        return stats
+            swarm.set_info({**swarm.info, STATS_KEY: {k: stats[k] for k in list(stats)[:13]}})

@@ -342,7 +342,7 @@ def test_a_contribution_weighs_the_samples_since_the_peers_last_round():
     tx = rj.diloco(optax.sgd(0.1), sync_every=4, fragments=2)
     sched = Schedule(tx, 1, 1, 16.0)
     sched.restart(2)  # resumed at step 2
-    weights = [(f, step, sched.plan(f, step, 0.0).weight) for step in range(3, 13) for f in sched.due(step)]
+    weights = [(f, step, sched.plan(f, step, 0.0).weight) for step in range(3, 13) for f in tx.due_fragments(step)]
     # fragment 0 at steps 4, 8, 12; fragment 1 at 6, 10 (offset 2): the first of each counts from step 2
     assert weights == [(0, 4, 32.0), (1, 6, 64.0), (0, 8, 64.0), (1, 10, 64.0), (0, 12, 64.0)], weights
 
