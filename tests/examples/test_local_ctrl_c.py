@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -17,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _procfs import alive, descendants, listening_sockets, still_listening
 
 pytestmark = pytest.mark.integration  # real processes: a minute or so each
 
@@ -32,55 +32,6 @@ MOMENTS = {
     "mid-round": lambda line: line.startswith("round ") and ": ok" in line,
     "final-eval": lambda line: line.startswith(f"final eval on all {PEERS} peers"),
 }
-
-
-def _descendants(pid: int) -> set[int]:
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d.name))
-    out, todo = set(), [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _listening_ports(pids: set[int]) -> set[int]:
-    inodes = set()
-    for pid in pids:
-        try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-        except OSError:
-            continue
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            if f[3] == "0A" and f[9] in inodes:
-                ports.add(int(f[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
-def _refused(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(2)
-        return s.connect_ex(("127.0.0.1", port)) != 0
 
 
 @pytest.mark.timeout(300)
@@ -115,8 +66,8 @@ def test_ctrl_c_prints_the_table_writes_the_summary_and_leaves_nothing(tmp_path:
                 break
         else:
             raise AssertionError(f"the job ended before the {moment} moment:\n" + "".join(seen))
-        procs = _descendants(job.pid)
-        ports = _listening_ports(procs)
+        procs = descendants(job.pid)
+        sockets = listening_sockets(procs)
         assert len(procs) >= PEERS + 1, (moment, procs)  # the rendezvous and the peers
         t0 = time.monotonic()
         os.killpg(job.pid, signal.SIGINT)  # Ctrl+C in a terminal: the whole foreground group
@@ -148,8 +99,8 @@ def test_ctrl_c_prints_the_table_writes_the_summary_and_leaves_nothing(tmp_path:
             assert cut and all(r["eval_loss_end"] is None for r in doc["peers"] if r["eval_interrupted"]), doc["peers"]
             assert "eval end: interrupted" in rest, rest
         # nothing left: processes, ports, temporary files
-        assert not [p for p in procs if _alive(p)], [p for p in procs if _alive(p)]
-        assert all(_refused(p) for p in ports), ports
+        assert not [p for p in procs if alive(p)], [p for p in procs if alive(p)]
+        assert not (left := still_listening(sockets)), f"ports still listening, and who holds them: {left}"
         assert not list(tmp.iterdir()), list(tmp.iterdir())
     finally:
         if job.poll() is None:

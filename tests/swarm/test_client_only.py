@@ -11,6 +11,7 @@ import time
 import aiohttp
 import numpy as np
 import pytest
+from _procfs import listening_sockets
 
 from ravnest_jax.swarm import Swarm, Timeouts
 from ravnest_jax.swarm.rendezvous._relay import Relay, RelayStats, _Bucket
@@ -20,30 +21,6 @@ from ._expect import check_round
 from .conftest import TOKEN, Cluster
 
 T = Timeouts(connect=2.0, part=5.0, grace=0.5, round=20.0, heartbeat=0.5, eviction=3.0)
-
-
-def listening_tcp_ports(pid: int) -> set[int]:
-    """TCP ports the process ``pid`` listens on (its socket inodes in /proc/net/tcp{,6})."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            f = row.split()
-            if f[3] == "0A" and f[9] in inodes:  # LISTEN
-                ports.add(int(f[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 @pytest.mark.integration
@@ -71,8 +48,8 @@ def test_client_only_peer_takes_part_in_every_round(cluster: Cluster, tmp_path):
     cluster.ready(list(procs.values()))
     ready = procs["p2"].ready
     assert ready["client_only"] and ready["port"] is None and "/relay/test/p2" in ready["address"], ready
-    assert listening_tcp_ports(ready["pid"]) == set(), "a client-only peer must not listen on any TCP port"
-    assert listening_tcp_ports(procs["p0"].ready["pid"]) == {procs["p0"].port}
+    assert not listening_sockets({ready["pid"]}), "a client-only peer must not listen on any TCP port"
+    assert set(listening_sockets({procs["p0"].ready["pid"]}).values()) == {procs["p0"].port}
     _joins_as_client_only(procs, serving, hold)
     for p in procs.values():
         p.expect("done", 90)
