@@ -43,9 +43,11 @@ def test_ctrl_c_prints_the_table_writes_the_summary_and_leaves_nothing(tmp_path:
     text = tmp_path / "text.txt"
     text.write_bytes(b"".join(p.read_bytes() for p in sorted(stdlib.glob("*.py"))[:40]))
     summary = tmp_path / "summary.json"
-    if moment == "final-eval":  # training ends after 2 rounds; a long final eval (600 batches: it
-        # must still run when the SIGINT comes, also on a loaded machine; CI once saw 150 end first)
-        length = ["--max-steps", "10", "--eval-batches", "600"]
+    if moment == "final-eval":  # training ends after 2 rounds; a long final eval: the last peer's
+        # must still run when the SIGINT comes (the launcher's line follows its start). One jitted
+        # map over the batches, 0.8 ms a batch on 2 cores: 600 batches (0.5 s) ended before the
+        # SIGINT on a loaded CI machine; 8,000 (6 s, 34 MB of tokens a peer) leave 12 times that
+        length = ["--max-steps", "10", "--eval-batches", "8000"]
     else:  # trains until interrupted
         length = ["--max-steps", "100000", "--eval-batches", "1", "--min-step-seconds", "0.05"]
     job = subprocess.Popen(
