@@ -14,7 +14,6 @@ jax.config.update("jax_num_cpu_devices", 4)
 # instead of in every process (a tiny peer starts in about 8 s instead of 27 s here), and the
 # in-process tests that build the same program again (a fixture model in another test) load it
 # (the unit tier: 247 s -> 227 s here). jax's own compile counts and caches are unchanged.
-import re  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -34,36 +33,12 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
-#: a test module that starts processes or runs a real swarm (deadlines in seconds): its
-#: integration tests run one after another on one pytest-xdist worker (``--dist loadgroup``),
-#: beside the in-process tests on the other workers, never beside each other
-_SWARM_OR_PROCESSES = re.compile(
-    r"subprocess|Popen|multiprocessing|sys\.executable|os\.fork|_cluster|_example_peers|Launcher|run_local|"
-    r"start_process|local_swarm|rendezvous_thread|\bcluster\b|pipe_cluster"
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    """Two things. (1) The integration tests of a module that starts processes or runs a real
-    swarm share one xdist group (:data:`_SWARM_OR_PROCESSES`; a no-op without ``-n``). (2) ``slow`` tests
-    run only with ``RAVNEST_SLOW_TESTS=1`` (``python -m pytest -m slow``): LLM fine-tuning end to
-    end, and process tests whose ground the default suite covers another way (each says which);
-    with them the suite exceeds CI's 20 minutes on 2 cores."""
+    """``slow`` tests run only with ``RAVNEST_SLOW_TESTS=1`` (``python -m pytest -m slow``): LLM
+    fine-tuning end to end, and process tests whose ground the default suite covers another way
+    (each says which); with them the suite exceeds CI's 20 minutes on 2 cores."""
     import pytest
 
-    grouped: dict[str, bool] = {}
-    for item in items:
-        path = str(item.path)
-        if path not in grouped:
-            try:
-                grouped[path] = bool(_SWARM_OR_PROCESSES.search(item.path.read_text()))
-            except OSError:
-                grouped[path] = False
-        # unit tests (not integration) never wait on a real swarm's deadlines: they spread
-        if (grouped[path] and "integration" in item.keywords) or {"cluster", "pipe_cluster"} & set(
-            getattr(item, "fixturenames", ())
-        ):
-            item.add_marker(pytest.mark.xdist_group("swarm-and-processes"))
     if os.environ.get("RAVNEST_SLOW_TESTS", "") not in ("", "0"):
         return
     skip = pytest.mark.skip(reason="slow: set RAVNEST_SLOW_TESTS=1 (python -m pytest -m slow)")
