@@ -254,7 +254,10 @@ class Cluster:
         args = [*wrap, sys.executable, "-m", "ravnest_jax.cli", "rendezvous", "--host", host, "--port", str(port)]
         for flag, value in (("--heartbeat", heartbeat), ("--eviction", eviction)):
             args += [] if value is None else [flag, str(value)]
-        args += [*self.rendezvous_flags, *extra]
+        # the reachability probe waits 10 s, not the command's 2: a peer whose server is slow to
+        # answer on a loaded test machine would turn client-only, and a test that counts a round's
+        # bytes or expects pushes would see pulls (a later --probe-timeout in the flags wins)
+        args += ["--probe-timeout", "10", *self.rendezvous_flags, *extra]
         self.rv = p = self.spawn(f"rendezvous{len(self.started)}", args)
         line = p.expect_text("listening on ", timeout)
         p.port = int(line.rsplit(":", 1)[1])
