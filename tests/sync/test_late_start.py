@@ -27,15 +27,20 @@ from .test_outer_sync import _batch, _init, _make_step
 def test_a_fresh_peer_that_starts_after_rounds_ran_without_it_takes_the_swarms_state():
     """p1 trains from step 0 while p0, registered with the rendezvous at the same moment (both
     saw nobody to join), waits until p1 has had 2 rounds alone, then starts from its own initial
-    state, as a fresh peer does. p1 (the larger id: the tie-break would favour p0) keeps its
-    history: no failed round, no resync; p0 downloads p1's state once, and from its first ok round
-    on both peers hold the same state at the same step."""
+    state, as a fresh peer does. p0's first round fails as a late start (it never contributes its
+    initial anchor) and it downloads p1's state; p1 (the larger id: the tie-break would favour p0)
+    keeps its history: no failed round, no resync; from then on both peers hold the same state
+    after every round both ran.
+
+    p0 can still miss a later round: left out after the part deadline under load, or (1 run in
+    about 20 here, with rounds every 4 steps of a few ms) when a round ran while it downloaded and
+    it downloads again while the next round waits for it. Such a miss costs p0 at most one resync
+    and never p1's history; without one, both end with the same state."""
     steps, h = 40, 4
     results: dict[int, dict] = {}
     two_rounds, p0_started = threading.Event(), threading.Event()
-    # eviction 30 s: under CI's load a heartbeat can lapse past FAST's 1.5 s; p0 is then evicted,
-    # misses a round and resyncs a second time, as it should (seen in a fresh-clone run, and
-    # reproduced with eviction=0.45 s in 2 of 6 runs). This test is about the late start.
+    # eviction 30 s: under CI's load a heartbeat can lapse past FAST's 1.5 s; p0 is then evicted
+    # and misses a round, as it should (seen in a fresh-clone run). This test is about the start.
     with local_swarm(2, timeouts=dataclasses.replace(FAST, eviction=30.0)) as peers:
 
         def peer(i, swarm):
@@ -74,12 +79,17 @@ def test_a_fresh_peer_that_starts_after_rounds_ran_without_it_takes_the_swarms_s
                 f.result(timeout=200)
     log = {i: [(m.round, m.swarm_round, m.step, m.ok, m.error, m.state_digest[:8]) for m in results[i]["metrics"]]
            for i in results}  # fmt: skip
+    m0 = results[0]["metrics"]
     assert results[1]["resyncs"] == 0 and results[1]["failed"] == 0, log
-    assert results[0]["resyncs"] == 1, log
-    by_step = {i: {m.step: m.state_digest for m in results[i]["metrics"] if m.ok} for i in results}
-    common = sorted(set(by_step[0]) & set(by_step[1]))
-    assert len(common) >= 3, log
-    for s in common:
-        assert by_step[0][s] == by_step[1][s], (s, log)
-    for x, y in zip(jax.tree.leaves(results[0]["global"]), jax.tree.leaves(results[1]["global"])):
-        np.testing.assert_array_equal(x, y)
+    assert not m0[0].ok and m0[0].error.startswith("LateStart"), log
+    later = [m for m in m0[1:] if not m.ok]  # a miss: left out, or the round ran without it
+    assert all(any(w in m.error for w in ("missed round", "left out", "not in the round's group")) for m in later), log
+    assert 1 <= results[0]["resyncs"] <= 1 + len(later), log
+    by_round = {i: {m.swarm_round: (m.step, m.state_digest) for m in results[i]["metrics"] if m.ok} for i in results}
+    common = sorted(set(by_round[0]) & set(by_round[1]))
+    for r in common:
+        assert by_round[0][r] == by_round[1][r], (r, log)
+    if not later:
+        assert len(common) >= 3, log
+        for x, y in zip(jax.tree.leaves(results[0]["global"]), jax.tree.leaves(results[1]["global"])):
+            np.testing.assert_array_equal(x, y)
