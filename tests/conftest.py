@@ -14,8 +14,21 @@ jax.config.update("jax_num_cpu_devices", 4)
 # instead of in every process (a tiny peer starts in about 8 s instead of 27 s here), and the
 # in-process tests that build the same program again (a fixture model in another test) load it
 # (the unit tier: 247 s -> 227 s here). jax's own compile counts and caches are unchanged.
+import glob  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
+
+_PREFIX = "ravnest-test-xla-cache-"
+
+
+def _remove_stale_caches() -> None:
+    """Removes the caches of earlier sessions whose controller is gone (SIGTERM, SIGKILL, a
+    crash: no session end ran). The directory name starts with the controller's pid."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), _PREFIX + "*")):
+        pid = os.path.basename(path)[len(_PREFIX) :].partition("-")[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(path, ignore_errors=True)
+
 
 # With pytest-xdist the workers inherit the controller's environment: one cache for all of
 # them, made and removed by the controller (the process without PYTEST_XDIST_WORKER).
@@ -23,7 +36,8 @@ _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER and os.environ.get("RAVNEST_TEST_XLA_CACHE"):
     _CACHE, _OWNED = os.environ["RAVNEST_TEST_XLA_CACHE"], False
 else:
-    _CACHE, _OWNED = tempfile.mkdtemp(prefix="ravnest-test-xla-cache-"), True
+    _remove_stale_caches()
+    _CACHE, _OWNED = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"), True
     os.environ["RAVNEST_TEST_XLA_CACHE"] = _CACHE
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
