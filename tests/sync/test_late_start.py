@@ -32,8 +32,8 @@ def test_a_fresh_peer_that_starts_after_rounds_ran_without_it_takes_the_swarms_s
     keeps its history: no failed round, no resync; from then on both peers hold the same state
     after every round both ran.
 
-    p0 can still miss a later round: left out after the part deadline under load, or (1 run in
-    about 20 here, with rounds every 4 steps of a few ms) when a round ran while it downloaded and
+    p0 can still miss a later round: left out after the part deadline under load, or (3 of 27
+    runs here, with rounds every 4 steps of a few ms) when a round ran while it downloaded and
     it downloads again while the next round waits for it. Such a miss costs p0 at most one resync
     and never p1's history; without one, both end with the same state."""
     steps, h = 40, 4
