@@ -390,7 +390,7 @@ def run_peer(args: argparse.Namespace) -> dict:
             _LOOP["defer"] = False
             if _LOOP["stop"] and not interrupted:  # a signal came in the save just above
                 raise KeyboardInterrupt
-            if consistent:
+            if consistent and not interrupted:  # a Ctrl+C in training skips it (its flag stays set)
                 _emit(args, event="final_eval", step=t)
                 # in a worker thread: a Ctrl+C ends it at once, not after the whole jitted eval
                 eval_end = interruptible(lambda: evaluate(state.global_params))

@@ -95,6 +95,9 @@ def test_ctrl_c_prints_the_table_writes_the_summary_and_leaves_nothing(tmp_path:
             ), doc["peers_without_report"]
         else:  # the peers were training: every one reported
             assert len(reported) == PEERS, doc["peers_without_report"]
+        if moment == "mid-round":  # training interrupted: no final eval, and none said cut
+            assert not any(r["eval_interrupted"] for r in doc["peers"]), doc["peers"]
+            assert "eval end: interrupted" not in rest and "in the final eval" not in rest, rest
         if moment == "final-eval":  # training was done: figures kept, the eval marked interrupted
             assert all(r["end_step"] == 10 for r in doc["peers"]), [r["end_step"] for r in doc["peers"]]
             cut = [r["peer"] for r in doc["peers"] if r["eval_interrupted"]]
