@@ -45,8 +45,7 @@ def round_device_memory(tx, params, state, codec: str) -> dict:
     ``None`` on a backend without memory statistics (the CPU)."""
     import numpy as np
 
-    from ravnest_jax.sync._pipeline import put_like
-    from ravnest_jax.sync._round_fns import RoundFunctions
+    from ravnest_jax.sync._pipeline import RoundFunctions, put_like
 
     dev = jax.devices()[0]
     leaves = jax.tree.leaves(params)

@@ -15,7 +15,7 @@ from .peer._preflight import check_rendezvous as check_rendezvous
 from .peer._preflight import read_token as read_token
 from .rendezvous._rendezvous import Rendezvous as Rendezvous
 from .rendezvous._rendezvous import serve as serve_rendezvous
-from .rendezvous._votes import diverged_peers as diverged_peers
+from .rendezvous._rounds import diverged_peers as diverged_peers
 from .wire._codec import available_codecs as available_codecs
 from .wire._codec import check_codec as check_codec
 from .wire._codec import decode_activation as decode_activation

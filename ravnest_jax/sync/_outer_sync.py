@@ -1,7 +1,7 @@
 """The host-side driver of outer rounds: overlaps the swarm's all-reduce with inner steps.
 
 The only layer that crosses between the jitted world and the swarm's event loop. The DiLoCo
-math lives in :mod:`ravnest_jax.optim` (jitted in ``_round_fns.py``); this module schedules it:
+math lives in :mod:`ravnest_jax.optim` (jitted in ``_pipeline.py``); this module schedules it:
 when a round starts, when its result merges, what a failed round costs.
 
 References:
@@ -31,9 +31,8 @@ from . import _nnx
 from ._config import MODES, check_options
 from ._contract import SwarmContract
 from ._metrics import RoundMetrics, Totals, report_summary, round_metrics, summarize
-from ._pipeline import Pending, RoundPipeline
+from ._pipeline import Pending, RoundFunctions, RoundPipeline
 from ._recovery import after_failure, taken_again
-from ._round_fns import RoundFunctions
 from ._run_manifest import ManifestDeclaration
 from ._schedule import Schedule
 from ._state_msg import StateExchange, StateServer

@@ -345,7 +345,7 @@ def test_error_feedback_decay_carries_beta_times_the_residual():
 
 
 def test_the_swarm_round_start_decays_the_residual_as_the_simulation_does():
-    from ravnest_jax.sync._round_fns import RoundFunctions
+    from ravnest_jax.sync._pipeline import RoundFunctions
 
     params = {"w": jnp.asarray(np.random.default_rng(4).standard_normal(300), jnp.float32)}
     tx = rj.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=2)

@@ -7,7 +7,7 @@ added forbidden import or circle is reported.
 share) imports neither ``swarm.peer`` nor ``swarm.rendezvous``; each of those imports the wire
 only, never the other; no room imports the ``swarm`` package itself (its ``__init__`` is the
 surface above the rooms). For the private-module rule ``swarm`` stays one package: a room may
-import the private modules of a room it may import (``swarm.peer._gather`` imports
+import the private modules of a room it may import (``swarm.peer._butterfly`` imports
 ``swarm.wire._auth``), because the room rule already fixes the direction and the wire's modules
 are used as namespaces (``_auth.sign``); from outside ``swarm`` the rooms are private too: other
 packages import ``ravnest_jax.swarm`` only, never ``ravnest_jax.swarm.peer`` nor its modules."""
@@ -238,7 +238,7 @@ def test_the_checks_report_an_added_forbidden_import_and_circle():
     graph["ravnest_jax.sync._pipeline"].add("ravnest_jax._version")  # the root's shared leaf: allowed
     graph["ravnest_jax.sync._pipeline"].add("ravnest_jax.swarm.peer")  # a room of another package
     graph["ravnest_jax.sync._pipeline"].add("ravnest_jax.swarm")  # the package's surface: allowed
-    graph["ravnest_jax.swarm.peer._gather"].add("ravnest_jax.swarm.wire._types")  # swarm is one package here
+    graph["ravnest_jax.swarm.peer._butterfly"].add("ravnest_jax.swarm.wire._types")  # swarm is one package here
     added = set(private_imports(graph)) - before
     assert added == {
         "ravnest_jax.sync._pipeline imports ravnest_jax.compress._wire",
@@ -253,18 +253,18 @@ def test_the_room_check_reports_an_added_import_against_the_rooms():
     graph = import_graph()
     before = set(room_violations(graph))
     graph["ravnest_jax.swarm.wire._http"].add("ravnest_jax.swarm.peer._transport")  # wire -> peer
-    graph["ravnest_jax.swarm.wire._types"].add("ravnest_jax.swarm.rendezvous._votes")  # wire -> rendezvous
-    graph["ravnest_jax.swarm.rendezvous._votes"].add("ravnest_jax.swarm.peer._attempt")  # rendezvous -> peer
+    graph["ravnest_jax.swarm.wire._types"].add("ravnest_jax.swarm.rendezvous._rounds")  # wire -> rendezvous
+    graph["ravnest_jax.swarm.rendezvous._rounds"].add("ravnest_jax.swarm.peer._attempt")  # rendezvous -> peer
     graph["ravnest_jax.swarm.peer._rounds"].add("ravnest_jax.swarm.rendezvous._relay")  # peer -> rendezvous
     graph["ravnest_jax.swarm.peer._rounds"].add("ravnest_jax.swarm")  # a room -> the package above it
     graph["ravnest_jax.swarm.peer._rounds"].add("ravnest_jax.swarm.wire._relay")  # peer -> wire: allowed
-    graph["ravnest_jax.swarm.rendezvous._votes"].add("ravnest_jax.swarm.wire._types")  # rendezvous -> wire: allowed
-    graph["ravnest_jax.swarm"].add("ravnest_jax.swarm.rendezvous._votes")  # the surface -> a room: allowed
+    graph["ravnest_jax.swarm.rendezvous._rounds"].add("ravnest_jax.swarm.wire._types")  # rendezvous -> wire: allowed
+    graph["ravnest_jax.swarm"].add("ravnest_jax.swarm.rendezvous._rounds")  # the surface -> a room: allowed
     added = set(room_violations(graph)) - before
     assert added == {
         "ravnest_jax.swarm.wire._http (room wire) imports ravnest_jax.swarm.peer._transport (room peer)",
-        "ravnest_jax.swarm.wire._types (room wire) imports ravnest_jax.swarm.rendezvous._votes (room rendezvous)",
-        "ravnest_jax.swarm.rendezvous._votes (room rendezvous) imports ravnest_jax.swarm.peer._attempt (room peer)",
+        "ravnest_jax.swarm.wire._types (room wire) imports ravnest_jax.swarm.rendezvous._rounds (room rendezvous)",
+        "ravnest_jax.swarm.rendezvous._rounds (room rendezvous) imports ravnest_jax.swarm.peer._attempt (room peer)",
         "ravnest_jax.swarm.peer._rounds (room peer) imports ravnest_jax.swarm.rendezvous._relay (room rendezvous)",
         "ravnest_jax.swarm.peer._rounds (room peer) imports ravnest_jax.swarm (room None)",
     }, added

@@ -11,7 +11,7 @@ import pytest
 import ravnest_jax as rj
 from ravnest_jax.swarm import AllReduce, Swarm, Timeouts
 from ravnest_jax.swarm.peer._allreduce import clip_scales, squared_norm
-from ravnest_jax.swarm.rendezvous._votes import summed
+from ravnest_jax.swarm.rendezvous._rounds import summed
 
 
 def test_clip_scales_bounds_the_outlier_by_k_times_the_lower_median():

@@ -9,7 +9,7 @@ import pytest
 
 import ravnest_jax as rj
 from ravnest_jax.swarm import AllReduce, ManifestMismatch, Swarm, SwarmError, Timeouts
-from ravnest_jax.swarm.rendezvous._votes import _Run, differences
+from ravnest_jax.swarm.rendezvous._rounds import _Run, differences
 from ravnest_jax.swarm.wire._manifest import refusal_differences, refusal_line
 
 from .conftest import TOKEN

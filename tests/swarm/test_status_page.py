@@ -154,7 +154,7 @@ async def _test_the_data_is_what_the_peers_published(server):
             },
         )
         run = rv.runs["exp1"]
-        from ravnest_jax.swarm.rendezvous._votes import _Attempt, _Round
+        from ravnest_jax.swarm.rendezvous._rounds import _Attempt, _Round
 
         run.rounds[2] = _Round(2, 0.0, 1.0, 1.0, 3, {0: _Attempt(0, ("a", "b", "c"), 0.0)}, "ok", ("a", "b"), "d2")
         run.rounds[3] = _Round(3, 0.0, 1.0, 1.0, 3, {0: _Attempt(0, ("a", "b"), 0.0)}, "failed", reason="why")

@@ -180,7 +180,7 @@ def test_lossy_part_roundtrip_keeps_shape(codec):
 def _two_peer_round(rv, peers=("a", "b")):
     import time as _time
 
-    from ravnest_jax.swarm.rendezvous._votes import _Peer, _Run
+    from ravnest_jax.swarm.rendezvous._rounds import _Peer, _Run
 
     run = _Run("r")
     now = _time.monotonic()
@@ -252,7 +252,7 @@ def test_a_round_created_ahead_that_every_member_left_is_abandoned():
     last commit fails, and says it was abandoned, not that votes were missing; the rounds
     between a peer's last round and a later one count as failed for everybody."""
     from ravnest_jax.swarm import Rendezvous
-    from ravnest_jax.swarm.rendezvous._votes import failed_between
+    from ravnest_jax.swarm.rendezvous._rounds import failed_between
 
     async def go():
         rv = Rendezvous("tok")
@@ -274,7 +274,7 @@ def test_a_round_created_ahead_that_every_member_left_is_abandoned():
 
 
 def test_diverged_peers_is_the_minority_of_the_latest_common_round():
-    from ravnest_jax.swarm.rendezvous._votes import diverged_peers
+    from ravnest_jax.swarm.rendezvous._rounds import diverged_peers
 
     assert diverged_peers({}) == []
     assert diverged_peers({"a": [3, "x"], "b": None}) == []  # nothing to compare with

@@ -516,7 +516,7 @@ def test_a_donating_merge_gives_the_same_rounds_bit_for_bit(eager, tau):
 def test_the_donating_merge_reuses_the_buffers_of_params_and_state():
     """XLA's plan of the merge: with donate=True its params and state outputs alias the inputs
     (no new buffers of their size), and the arrays passed in are deleted."""
-    from ravnest_jax.sync._round_fns import RoundFunctions
+    from ravnest_jax.sync._pipeline import RoundFunctions
 
     tx = rj.diloco(optax.adam(1e-3), sync_every=4)
     params = {"w": jnp.ones((256, 64), jnp.float32), "b": jnp.zeros(64, jnp.float32)}

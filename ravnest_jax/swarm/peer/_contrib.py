@@ -3,7 +3,7 @@
 What a round moves is an *encoded* contribution (a host :class:`~ravnest_jax.compress.Packed`:
 per leaf, its payload arrays), cut into parts on codec block boundaries
 (:class:`~ravnest_jax.compress._parts.PartLayout`): the part messages are views of its arrays.
-``rj.OuterSync`` hands the swarm the message its device encoded (:meth:`Contribution.of_packed`:
+``rj.OuterSync`` hands the swarm the message its device encoded (``Contribution(packed, ...)``:
 nothing is decoded or encoded again on the host); ``Swarm.all_reduce`` of float32 arrays encodes
 them once (:meth:`Contribution.of`; for ``fp32`` the arrays themselves are the payload).
 """
@@ -32,48 +32,75 @@ def _check_finite(vec: np.ndarray) -> bool:
     return True
 
 
+def _checked(weight: Any, state: Any) -> tuple[np.float32, tuple[int, str] | None]:
+    w = float(weight)
+    if not (math.isfinite(w) and w > 0):
+        raise ValueError(f"weight must be finite and > 0, got {weight!r}")
+    if state is not None:
+        if not (
+            isinstance(state, tuple)
+            and len(state) == 2
+            and isinstance(state[0], int)
+            and isinstance(state[1], str)
+            and 0 < len(state[1]) <= 128
+        ):
+            raise ValueError(f"state must be (round: int, digest: str of 1-128 chars), got {state!r}")
+        state = (int(state[0]), state[1])
+    return np.float32(w), state
+
+
 @dataclasses.dataclass(frozen=True)
 class Contribution:
-    """A peer's contribution to a round.
+    """A peer's contribution to a round: ``Contribution(packed, weight, state)`` for one already
+    encoded (``rj.OuterSync``: the device's message, fetched to the host; the mean comes back
+    flat, leaf after leaf), :meth:`of` for float32 arrays.
 
     Attributes:
       packed: the encoded contribution (host numpy arrays): what goes on the wire.
-      layout: its :class:`PartLayout` (where parts may be cut).
-      weight: the weight, float32 > 0.
+      weight: the weight, finite and > 0 (float32 once checked).
       state: ``(round, state digest)`` or ``None``.
-      names, shapes: the caller's leaves (the round manifest).
-      offsets: ``(len(leaves) + 1,)`` int64 start offsets of the caller's leaves in the flat
-        vector of :attr:`layout`'s ``n`` elements.
       vec: the float32 ``(n,)`` values when the contribution came as float32 arrays (the own
         part is read from it), else ``None`` (decoded from ``packed`` where needed).
+      leaves: ``(names, shapes)`` of the caller's leaves (the round manifest) when they are not
+        ``packed``'s own leaves.
+      layout: its :class:`PartLayout` (where parts may be cut).
+      names, shapes: the caller's leaves; offsets: ``(len(leaves) + 1,)`` int64 start offsets
+        of the caller's leaves in the flat vector of :attr:`layout`'s ``n`` elements.
+
+    Raises:
+      ValueError: a weight that is not finite and > 0, a ``state`` that is not ``(int, str of
+        1-128 chars)``.
     """
 
     packed: Packed
-    layout: PartLayout
-    weight: np.float32
-    state: tuple[int, str] | None
-    names: list[str]
-    shapes: list[tuple[int, ...]]
-    offsets: np.ndarray
-    vec: np.ndarray | None
-    _unflatten: Callable[[list[np.ndarray]], Any] | None
+    weight: Any
+    state: Any = None
+    vec: np.ndarray | None = None
+    leaves: tuple[list[str], list[tuple[int, ...]]] | None = None
+    _unflatten: Callable[[list[np.ndarray]], Any] | None = None
 
-    @staticmethod
-    def _checked(weight: float, state: Any) -> tuple[np.float32, tuple[int, str] | None]:
-        w = float(weight)
-        if not (math.isfinite(w) and w > 0):
-            raise ValueError(f"weight must be finite and > 0, got {weight!r}")
-        if state is not None:
-            if not (
-                isinstance(state, tuple)
-                and len(state) == 2
-                and isinstance(state[0], int)
-                and isinstance(state[1], str)
-                and 0 < len(state[1]) <= 128
-            ):
-                raise ValueError(f"state must be (round: int, digest: str of 1-128 chars), got {state!r}")
-            state = (int(state[0]), state[1])
-        return np.float32(w), state
+    layout: PartLayout = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        weight, state = _checked(self.weight, self.state)
+        if self.leaves is None:
+            leaves = ([s.name for s in self.packed.specs], [tuple(s.shape) for s in self.packed.specs])
+            object.__setattr__(self, "leaves", leaves)
+        object.__setattr__(self, "weight", weight)
+        object.__setattr__(self, "state", state)
+        object.__setattr__(self, "layout", PartLayout.of(self.packed))
+
+    @property
+    def names(self) -> list[str]:
+        return self.leaves[0]
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return self.leaves[1]
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return np.cumsum([0] + [math.prod(s) for s in self.shapes])
 
     @classmethod
     def of(
@@ -94,10 +121,9 @@ class Contribution:
 
         Raises:
           TypeError: a leaf is not a float32 array. ValueError: no leaves, NaN or infinity, a
-          weight that is not finite and > 0, a ``state`` that is not ``(int, str of 1-128
-          chars)``, a bad codec option.
+          bad weight or state (the class's), a bad codec option.
         """
-        w, state = cls._checked(weight, state)
+        _checked(weight, state)  # before any work
         names, leaves, unflatten = flatten(tree)
         if not leaves:
             raise ValueError("tree has no leaves")
@@ -108,24 +134,12 @@ class Contribution:
         vec = vec.astype(np.float32, copy=False)
         if not _check_finite(vec):
             raise ValueError("tree holds NaN or infinity")
-        offsets = np.cumsum([0] + [x.size for x in leaves])
         if codec == "fp32":
             spec = LeafSpec("pg", (vec.size,), "float32", 0, 0)
             packed = Packed("fp32", (spec,), ("d", (("pg", 0),)), ((vec,),), (True,))
         else:
             packed = host_pack({"pg": vec}, codec, **(codec_options or {}))
-        layout = PartLayout.of(packed)
-        return cls(packed, layout, w, state, names, [x.shape for x in leaves], offsets, vec, unflatten)
-
-    @classmethod
-    def of_packed(cls, packed: Packed, weight: float, state: Any = None) -> Contribution:
-        """A contribution already encoded (``rj.OuterSync``: the device's message, fetched to
-        the host); the mean comes back flat, leaf after leaf."""
-        w, state = cls._checked(weight, state)
-        names = [s.name for s in packed.specs]
-        shapes = [tuple(s.shape) for s in packed.specs]
-        offsets = np.cumsum([0] + [math.prod(s) for s in shapes])
-        return cls(packed, PartLayout.of(packed), w, state, names, shapes, offsets, None, None)
+        return cls(packed, weight, state, vec, (names, [x.shape for x in leaves]), unflatten)
 
     @property
     def n(self) -> int:

@@ -330,7 +330,7 @@ class Swarm(ManifestDeclaration):
             raise ValueError(
                 f"the contribution is encoded with {packed.codec!r}, the swarm's codec is {self.codec.name!r}"
             )
-        return self._submit(Contribution.of_packed(packed, weight, state), round)
+        return self._submit(Contribution(packed, weight, state), round)
 
     def _submit(self, c: Contribution, round: int | None) -> concurrent.futures.Future[tuple[Any, RoundRecord]]:
         manifest = manifest_digest(c.names, c.shapes, f"{self._algorithm.wire()}/{c.layout.key()}")

@@ -50,9 +50,8 @@ from ..wire._manifest import check_manifest, refusal_line
 from ..wire._relay import is_relay_address
 from ..wire._types import check_info
 from ._relay import Relay, probe
-from ._rounds import RoundHandlers
+from ._rounds import MAX_PEERS_PER_RUN, MAX_RUNS, RoundHandlers, _Attempt, _Peer, _Round, _Run
 from ._status import StatusPage, note_stats
-from ._votes import MAX_PEERS_PER_RUN, MAX_RUNS, _Attempt, _Peer, _Round, _Run
 
 log = logging.getLogger("ravnest_jax.swarm.rendezvous")
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ._votes import KEEP_ROUNDS, _Run, is_int, is_number
+from ._rounds import KEEP_ROUNDS, _Run, is_int, is_number
 
 __all__ = ["StatusPage", "note_stats"]
 

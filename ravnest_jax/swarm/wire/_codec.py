@@ -24,7 +24,6 @@ from ravnest_jax.compress import PartLayout as PartLayout
 from ravnest_jax.compress import RangeDecoder as RangeDecoder
 from ravnest_jax.compress import host_pack as host_pack
 from ravnest_jax.compress import mean_codec_options as mean_codec_options
-from ravnest_jax.compress import packed_to_chunks as packed_to_chunks
 from ravnest_jax.compress import part_chunks as part_chunks
 from ravnest_jax.compress import part_dtypes as part_dtypes
 from ravnest_jax.compress import part_lengths as part_lengths

@@ -16,7 +16,7 @@ another's step 20.
 
 Here: the peer's side (:class:`ManifestDeclaration`) and what both sides share (the check, the
 refusal line). The rendezvous' record of each run's manifest and the differences it names are
-its run's (``rendezvous/_votes.py``, ``_Run.admit``).
+its run's (``rendezvous/_rounds.py``, ``_Run.admit``).
 """
 
 from __future__ import annotations
