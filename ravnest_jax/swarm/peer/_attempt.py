@@ -60,15 +60,9 @@ class Attempt:
         self.results_receiving: set[tuple[int, str]] = set()
         self.out_claims: dict[int, str] = {}
         self.result_arrived = asyncio.Event()
-        # ring: segments[c][j] = (lo, hi) of segment j of part c; messages by (phase, step, j)
-        self.segments: list[list[tuple[int, int]]] = [[(0, 0)]]
-        self.ring_inbox: dict[tuple[str, int, int], tuple[Any, ...]] = {}
-        self.ring_seen: set[tuple[str, int, int]] = set()  # every message stored (409 again)
-        self.ring_receiving: set[tuple[str, int, int]] = set()
-        self._ring_events: dict[tuple[str, int, int], asyncio.Event] = {}
-
-    def ring_event(self, phase: str, step: int, seg: int) -> asyncio.Event:
-        return self._ring_events.setdefault((phase, step, seg), asyncio.Event())
+        # another algorithm's own state of this attempt (the ring's ``RingSteps``), set by its
+        # ``prepare``; ``close`` calls its ``clear()``
+        self.steps: Any = None
 
     def close(self) -> None:
         """Refuse everything from now on and drop the buffers (wakes every waiter)."""
@@ -80,7 +74,8 @@ class Attempt:
             fut.cancel()
         self.my_results.clear()
         self.results.clear()
-        self.ring_inbox.clear()
+        if self.steps is not None:
+            self.steps.clear()
         self.entered.set()
         self.result_arrived.set()
 

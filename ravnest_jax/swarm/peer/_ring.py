@@ -46,6 +46,25 @@ RING = "/rounds/{round}/{attempt}/ring/{phase}/{step}/{seg}"
 _FAILURES = (TimeoutError, aiohttp.ClientError, HTTPStatusError, PermissionError, OSError)
 
 
+class RingSteps:
+    """The ring's own state of one attempt (``Attempt.steps``): ``segments[c][j] = (lo, hi)`` of
+    segment j of part c, and the messages that arrived, by ``(phase, step, segment)``."""
+
+    def __init__(self, segments: list[list[tuple[int, int]]]):
+        self.segments = segments
+        self.inbox: dict[tuple[str, int, int], tuple[Any, ...]] = {}
+        self.seen: set[tuple[str, int, int]] = set()  # every message stored (409 again)
+        self.receiving: set[tuple[str, int, int]] = set()
+        self._events: dict[tuple[str, int, int], asyncio.Event] = {}
+
+    def event(self, phase: str, step: int, seg: int) -> asyncio.Event:
+        return self._events.setdefault((phase, step, seg), asyncio.Event())
+
+    def clear(self) -> None:
+        """Drops the messages (their buffers) that nobody took."""
+        self.inbox.clear()
+
+
 class Ring:
     """The pipelined ring of one peer (see the module docstring).
 
@@ -79,7 +98,7 @@ class Ring:
         st.bounds = part_bounds(layout.n, len(st.group))
         st.lo, st.hi = st.bounds[st.me]
         st.algorithm = self.name
-        st.segments = ring_segments(st.bounds, self.segment_bytes)
+        st.steps = RingSteps(ring_segments(st.bounds, self.segment_bytes))
 
     # ------------------------------------------------------------------ server side
     async def _h_put_ring(self, request: web.Request) -> web.Response:
@@ -96,11 +115,12 @@ class Ring:
             refuse_other_manifest(self._other_manifest, self.peer_id, sender, self.wire())
         if sender != st.group[(st.me - 1) % n]:
             raise web.HTTPForbidden(text="only the left neighbour sends ring messages")
-        if not 0 <= step < n - 1 or not 0 <= j < len(st.segments[0]):
+        rs: RingSteps = st.steps
+        if not 0 <= step < n - 1 or not 0 <= j < len(rs.segments[0]):
             raise web.HTTPBadRequest(text="bad ring step or segment")
         key = (phase, step, j)
         c = (st.me - 1 - step) % n if phase == "rs" else (st.me - step) % n
-        lo, hi = st.segments[c][j]
+        lo, hi = rs.segments[c][j]
         limit = part_limit(st.codec, hi - lo)
         # all-gather messages are forwarded unchanged to the right, except at the last step
         raw = bytearray() if phase == "ag" and step < n - 2 else None
@@ -110,18 +130,18 @@ class Ring:
             claimed,
             lambda: PartDecoder(name=f"ring{phase}{c}.{j}", length=hi - lo, codec=st.codec, max_bytes=limit),
             key=key,
-            done=st.ring_seen,
-            busy=st.ring_receiving,
+            done=rs.seen,
+            busy=rs.receiving,
             closed=lambda: st.closed,
             limit=limit,
             what="ring message",
             late="the ring of this attempt is over",
             raw=raw,
         )
-        st.ring_seen.add(key)
-        st.ring_inbox[key] = (w, vec, raw if raw is not None else b"", sha)
+        rs.seen.add(key)
+        rs.inbox[key] = (w, vec, raw if raw is not None else b"", sha)
         st.bytes_in += nbytes
-        st.ring_event(phase, step, j).set()
+        rs.event(phase, step, j).set()
         return self.transport.reply(request, {"ok": True})
 
     # ------------------------------------------------------------------ client side
@@ -177,7 +197,7 @@ class Ring:
             t.add_done_callback(watch)
             sends.append(t)
 
-        tasks = [asyncio.ensure_future(segment(j, send)) for j in range(len(st.segments[0]))]
+        tasks = [asyncio.ensure_future(segment(j, send)) for j in range(len(st.steps.segments[0]))]
         for t in tasks:
             t.add_done_callback(watch)
         try:
@@ -205,7 +225,8 @@ class Ring:
         vec, weight, stats, deadline = inp.vec, inp.weight, inp.stats, inp.deadline
         st.entered.set()
         right = inp.membership.get(group[(i + 1) % n], "")
-        segs = st.segments
+        rs: RingSteps = st.steps
+        segs = rs.segments
         out = np.empty(vec.size, dtype=np.float32)
         shas: dict[tuple[int, int], str] = {}
         own: dict[int, tuple[bytes, str]] = {}
@@ -213,7 +234,7 @@ class Ring:
         codec, opts = self.codec, self.codec_options
 
         def wait(phase: str, s: int, j: int, t_end: float) -> Any:
-            return asyncio.wait_for(st.ring_event(phase, s, j).wait(), max(t_end - time.monotonic(), 0))
+            return asyncio.wait_for(rs.event(phase, s, j).wait(), max(t_end - time.monotonic(), 0))
 
         t_rs = min(time.monotonic() + self.timeouts.part, deadline)
 
@@ -227,7 +248,7 @@ class Ring:
                 encode = lambda c=c, num=num: encode_part(f"ringrs{c}.{j}", num, codec, **opts)  # noqa: E731
                 send(self._send(st, right, "rs", s, j, encode, acc_w, t_rs - time.monotonic()))
                 await wait("rs", s, j, t_rs)
-                in_w, in_num, _, _ = st.ring_inbox.pop(("rs", s, j))
+                in_w, in_num, _, _ = rs.inbox.pop(("rs", s, j))
                 c = (i - s - 1) % n
                 lo, hi = segs[c][j]
                 num = np.multiply(vec[lo:hi], weight)
@@ -264,7 +285,7 @@ class Ring:
             for s in range(n - 1):
                 send(self._send(st, right, "ag", s, j, cur, np.float32(1.0), t_ag - time.monotonic(), sha))
                 await wait("ag", s, j, t_ag)
-                _, part, cur, sha = st.ring_inbox.pop(("ag", s, j))
+                _, part, cur, sha = rs.inbox.pop(("ag", s, j))
                 k = (i - s) % n
                 lo, hi = segs[k][j]
                 out[lo:hi] = part
@@ -282,6 +303,6 @@ class Ring:
         commit = await self.rounds.vote(
             r, inp.epoch, a, "commit", {"ok": ok, "digest": digest, "failed_owners": []}, deadline
         )
-        st.ring_inbox.clear()
+        rs.clear()
         decided(commit, "commit")
         return Reduced(out, tuple(group), total, digest, diverged)
