@@ -22,7 +22,7 @@ def test_clip_scales_bounds_the_outlier_by_k_times_the_lower_median():
     # two peers: the smaller norm bounds the larger one
     s2 = clip_scales({"a": 1.0, "b": 50.0}, ["a", "b"], 3.0)
     assert s2 == {"b": pytest.approx(3.0 / 50.0)}, s2
-    # abstainers (zero norm, tiny weight) do not pull the median down
+    # abstainers (zero norm, weight 0) do not pull the median down
     s3 = clip_scales({"a": 0.0, "b": 1.0, "c": 1.5}, ["a", "b", "c"], 2.0)
     assert s3 == {}, s3
     assert clip_scales({"a": 0.0}, ["a"], 2.0) == {}

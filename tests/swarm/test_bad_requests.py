@@ -135,6 +135,8 @@ async def _impostor(url: str) -> dict[str, int]:
         wrong_shape = encode_part(f"part{k}", np.ones(hi - lo + 1, np.float32), "fp32")
         out["wrong_shape"] = await put(wrong_shape, manifest=manifest)
         out["weight_beyond_float32"] = await put(good, manifest=manifest, weight="1e40")
+        out["abstainer_with_values"] = await put(good, manifest=manifest, weight="0")  # weight 0: no body
+        out["again_after_a_failed_part"] = await put(good, manifest=manifest)  # it left this attempt's sum
         # leave without voting (after b surely saw three peers): a and b retry without us
         await asyncio.sleep(2.0)
         await signed_json(
@@ -175,6 +177,8 @@ def test_bad_requests_are_refused_without_effect(cluster):
         "corrupt": 400,
         "wrong_shape": 400,
         "weight_beyond_float32": 400,
+        "abstainer_with_values": 400,
+        "again_after_a_failed_part": 409,
     }
     for p in procs.values():
         try:

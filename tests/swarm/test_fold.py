@@ -123,3 +123,25 @@ def test_a_member_failing_half_way_makes_the_sum_dirty():
     fold3.add("b", 0, parts["b"][:2].copy())  # b waits behind a: nothing of it was added
     fold3.failed("b")
     assert not fold3.dirty and _queued_bytes(fold3) == 0
+
+
+def test_an_abstainer_first_in_the_order_adds_nothing_and_the_next_member_starts_the_sum():
+    """An abstainer's part (weight 0, no values) leaves the order: the next member in sorted-id
+    order writes the sum's first values (the output buffer holds the previous round's garbage),
+    the total weight is the others', and the owner's sum is complete without it."""
+    n, rng = 1000, np.random.default_rng(3)
+    grid = _grid(n, 128)
+    parts = {c: rng.standard_normal(n).astype(np.float32) for c in "bc"}
+    weights = {"b": 2.0, "c": 3.0}
+    acc = np.full(n, 7.0, np.float32)  # garbage from an earlier round
+    fold = Fold(acc, grid, "abc", "c", lambda a, b: parts["c"][a:b], np.float32(3.0))
+    fold.expect("a", np.float32(0.0))
+    fold.expect("b", np.float32(2.0))
+    _feed(fold, parts, grid, "b", ["b"] * len(grid))
+    assert fold.complete and fold.abstained == {"a"} and fold.order == ["b", "c"], (fold.order, fold.abstained)
+    total = fold.total_weight("abc")
+    ref, ref_total = _reference(parts, weights, "bc")
+    assert total == ref_total, (total, ref_total)
+    assert (acc / total).tobytes() == ref.tobytes()
+    fold.failed("a")  # a late failure of the abstainer's (empty) request does not dirty the sum
+    assert fold.complete

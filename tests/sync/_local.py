@@ -55,7 +55,7 @@ def rendezvous_thread(timeouts: Timeouts = FAST) -> Iterator[str]:
 
 @contextlib.contextmanager
 def local_swarm(
-    n: int, *, codec: str = "fp32", run_id: str = "sync-test", timeouts: Timeouts = FAST
+    n: int, *, codec: str = "fp32", run_id: str = "sync-test", timeouts: Timeouts = FAST, algorithm: str = "butterfly"
 ) -> Iterator[list[Swarm]]:
     """``n`` started peers of one run (ids p0, p1, ...), closed on exit."""
     with rendezvous_thread(timeouts) as url, contextlib.ExitStack() as stack:
@@ -69,6 +69,7 @@ def local_swarm(
                     listen="127.0.0.1:0",
                     timeouts=timeouts,
                     peer_id=f"p{i}",
+                    algorithm=algorithm,
                 )
             )
             for i in range(n)

@@ -140,7 +140,9 @@ class AttemptInput:
       membership: peer id -> base URL of every member that can be reached (this one included).
       epoch: the rendezvous epoch the votes carry.
       contrib: this peer's contribution (a ``Contribution``: encoded, with its part layout).
-      weight: its weight (float32 > 0).
+      weight: its weight (float32 > 0), or 0: this peer *abstains* (it missed its round and
+        takes part only so that the others need not wait for it: a butterfly member sends its
+        owners an empty part of weight 0, which counts as received and adds nothing).
       deadline: the round's deadline (``time.monotonic()``, seconds).
       stats: ``{"sent": bytes, "received": bytes}``, accumulated over the round's attempts.
       part_left: seconds left of the part deadline when the attempt starts (``None``: a whole one).
@@ -205,7 +207,7 @@ def signed_part(transport: Any, request: web.Request) -> tuple[str, str, np.floa
 
     Raises:
       web.HTTPUnauthorized: a bad signature (see ``Transport.verify``).
-      web.HTTPBadRequest: a weight that is not a finite float32 > 0.
+      web.HTTPBadRequest: a weight that is not a finite float32 >= 0 (0: an abstainer's).
     """
     weight_s = request.headers.get(H_WEIGHT, "")
     manifest = request.headers.get(H_MANIFEST, "")
@@ -214,8 +216,8 @@ def signed_part(transport: Any, request: web.Request) -> tuple[str, str, np.floa
         w = float(weight_s)
     except ValueError:
         raise web.HTTPBadRequest(text="bad weight") from None
-    if not (math.isfinite(w) and 0 < w <= F32_MAX):  # checked before the cast (no overflow warning)
-        raise web.HTTPBadRequest(text="weight must be finite, > 0 and within float32")
+    if not (math.isfinite(w) and 0 <= w <= F32_MAX):  # checked before the cast (no overflow warning)
+        raise web.HTTPBadRequest(text="weight must be finite, >= 0 and within float32")
     return sender, claimed, np.float32(w), manifest
 
 

@@ -33,12 +33,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from aiohttp import web
 
-from ..wire._codec import PartLayout, RangeDecoder, host_pack, mean_codec_options, part_chunks
+from ..wire._codec import PartLayout, RangeDecoder, WireFormatError, host_pack, mean_codec_options, part_chunks
 from ..wire._types import result_digest
 from ._allreduce import clip_scales, contributors_tag, part_limit
 from ._attempt import (
@@ -128,6 +129,23 @@ class MeanResidual:
             self.key, self.value = hit
 
 
+class _Abstained:
+    """The decoder of an abstainer's part (weight 0): an empty body, any byte refused;
+    ``done()`` once it arrived whole."""
+
+    nbytes = 0
+
+    def __init__(self, done: Callable[[], None]):
+        self.done = done
+
+    def feed(self, chunk: bytes | memoryview) -> None:
+        if len(chunk):
+            raise WireFormatError("an abstainer's part (weight 0) carries no values")
+
+    def finish(self) -> None:
+        self.done()
+
+
 class Butterfly:
     """The butterfly algorithm of one peer (see the module docstring): the reduce-scatter, then
     the all-gather of the reduced parts and the commit vote.
@@ -209,7 +227,9 @@ class Butterfly:
             refuse_other_manifest(self._other_manifest, self.peer_id, sender, self.wire())
         fold = st.fold
 
-        def decoder() -> RangeDecoder:
+        def decoder() -> RangeDecoder | _Abstained:
+            if not w > 0:  # an abstainer's: counts once its empty body arrived whole
+                return _Abstained(lambda: fold.expect(sender, w))
             fold.expect(sender, w)
             return RangeDecoder(st.layout, st.lo, st.hi, lambda j, v: fold.add(sender, j, v))
 
@@ -227,6 +247,8 @@ class Butterfly:
             late="the reduce-scatter of this attempt is over",
             undo=lambda: fold.failed(sender),  # what it added (if anything) is no longer a valid sum
         )
+        if w > 0 and sender not in fold.order:  # its part failed earlier: this copy was not added
+            raise web.HTTPConflict(text="this sender's part failed earlier in this attempt")
         st.received[sender] = w
         st.bytes_in += nbytes
         if len(st.received) == len(st.group):
@@ -258,7 +280,10 @@ class Butterfly:
         puller = self.peer_id in st.pullers
         st.out = np.empty(st.layout.n, np.float32)
         st.grid = st.layout.chunk_grid(st.lo, st.hi)
-        st.own_chunk = inp.contrib.chunk_reader(st.lo, st.hi)
+        if inp.weight > 0:
+            st.own_chunk = inp.contrib.chunk_reader(st.lo, st.hi)
+        else:  # an abstainer adds nothing to its own part either
+            st.own_chunk = lambda a, b: np.zeros(b - a, np.float32)
         if not puller:
             st.fold = Fold(
                 st.out[st.lo : st.hi],
@@ -284,11 +309,12 @@ class Butterfly:
         part_s = self.timeouts.part if inp.part_left is None else min(inp.part_left, self.timeouts.part)
         t_part = min(time.monotonic() + part_s, deadline)
         weight_s = repr(float(inp.weight))
+        abstain = not inp.weight > 0  # missed its round: empty parts of weight 0
         sends = {}
         for k, owner in enumerate(group):
             if k == st.me or owner not in membership or owner in st.pullers:
                 continue
-            chunks = inp.contrib.part(*st.bounds[k])
+            chunks = [b""] if abstain else inp.contrib.part(*st.bounds[k])
             digest = body_digest(chunks)
             st.sent_parts[k] = (chunks, digest)
             headers = {H_WEIGHT: weight_s, H_MANIFEST: st.manifest}
@@ -395,7 +421,7 @@ class Butterfly:
         time): this owner then delivers no result and the commit vote leaves it out."""
         fold = st.fold
         assert fold is not None
-        if not scales and fold.complete and set(fold.order) == set(contributors):
+        if not scales and fold.complete and set(fold.order) | fold.abstained == set(contributors):
             return True
         log.info(
             "%s: round %d attempt %d: pulling %d parts again (sum over %s, clipped %s)",
@@ -409,9 +435,10 @@ class Butterfly:
         fold = Fold(st.out[st.lo : st.hi], st.grid, contributors, self.peer_id, st.own_chunk, inp.weight, scales)
         st.fold = fold
         t_end = min(time.monotonic() + self.timeouts.part, inp.deadline)
-        others = [c for c in contributors if c != self.peer_id]
-        for c in others:
-            fold.expect(c, st.received[c])
+        for c in contributors:
+            if c != self.peer_id:
+                fold.expect(c, st.received[c])
+        others = [c for c in contributors if c != self.peer_id and st.received[c] > 0]  # abstainers sent nothing
         got = await asyncio.gather(
             *(self._pull_part(st, c, fold, t_end, inp.membership) for c in others), return_exceptions=True
         )
@@ -633,7 +660,8 @@ class Butterfly:
         assert out is not None
         acc = out[st.lo : st.hi]
         total = st.fold.total_weight(contributors)
-        np.divide(acc, total, out=acc)  # the sum of the clipped mean holds the clipped contributions
+        if total > 0:  # 0: every contributor abstained (the sum is zeros; the round fails anyway)
+            np.divide(acc, total, out=acc)  # the sum of the clipped mean holds the clipped contributions
         target = None
         if self.mean_residual is not None:
             ef_key = (st.layout.key(), st.lo, st.hi)

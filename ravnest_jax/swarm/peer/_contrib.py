@@ -171,21 +171,6 @@ class Contribution:
         dec.finish()
         return out
 
-    def zeros(self) -> Contribution:
-        """The same layout with every value 0 (an abstainer's contribution)."""
-        from ..wire._codec import part_dtypes, part_lengths
-
-        vec = np.zeros(self.n, np.float32) if self.vec is not None else None
-        parts = []
-        for s in self.packed.specs:
-            lens = part_lengths(self.packed.codec, math.prod(s.shape), s.block_size, s.k)
-            p = [np.zeros(n, dt) for n, dt in zip(lens, part_dtypes(self.packed.codec))]
-            if self.packed.codec == "topk":
-                p[0] = np.arange(lens[0], dtype=p[0].dtype)
-            parts.append(tuple(p) if vec is None or self.packed.codec != "fp32" else (vec,))
-        packed = Packed(self.packed.codec, self.packed.specs, self.packed.structure, tuple(parts), (True,) * len(parts))
-        return dataclasses.replace(self, packed=packed, vec=vec)
-
     def unflatten(self, vec: np.ndarray) -> Any:
         """A flat float32 mean back into the caller's tree structure (views), or the flat vector
         itself for an encoded contribution."""

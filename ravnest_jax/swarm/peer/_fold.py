@@ -65,16 +65,21 @@ class Fold:
         self.queued: dict[str, deque[np.ndarray]] = {c: deque() for c in self.order}
         self.arrived = {c: 0 for c in self.order}  # chunks of each member received
         self.dirty = False
+        self.abstained: set[str] = set()  # members whose part had weight 0 (out of the order)
         if norms and own_id in self.folded:
             self.sqnorms[own_id] = sum(squared_norm(own_chunk(a, b)) for a, b in self.grid)
         self._drain()  # this peer's own values, as far as the order allows now
 
     # ------------------------------------------------------------------ members
     def expect(self, member: str, weight: np.float32) -> None:
-        """A member's part started to arrive, with its weight."""
+        """A member's part started to arrive, with its weight; weight 0: an abstainer's part,
+        which carries no values: the member leaves the order (:attr:`abstained`), adding nothing."""
         self.weights[member] = np.float32(weight)
         if self.norms:
             self.sqnorms[member] = 0.0
+        if not weight > 0 and member in self.folded and member != self.own_id:
+            self.abstained.add(member)
+            self._remove(member)
 
     def add(self, member: str, j: int, values: np.ndarray) -> None:
         """Grid chunk ``j`` of ``member``'s part (unweighted float32, owned: written in place).

@@ -222,7 +222,9 @@ class Ring:
 
     async def run(self, st: Attempt, inp: AttemptInput) -> Reduced:
         r, a, group, n, i = st.round, st.attempt, st.group, len(st.group), st.me
-        vec, weight, stats, deadline = inp.vec, inp.weight, inp.stats, inp.deadline
+        weight, stats, deadline = inp.weight, inp.stats, inp.deadline
+        # an abstainer (weight 0) passes zeros on: a ring cannot leave a member out
+        vec = inp.vec if weight > 0 else np.zeros(inp.contrib.n, np.float32)
         st.entered.set()
         right = inp.membership.get(group[(i + 1) % n], "")
         rs: RingSteps = st.steps
@@ -254,7 +256,7 @@ class Ring:
                 num = np.multiply(vec[lo:hi], weight)
                 np.add(in_num, num, out=num)  # in_num + w * x, as the unsegmented ring
                 acc_w = np.float32(in_w + weight)
-            mean = np.divide(num, acc_w, out=num)
+            mean = np.divide(num, acc_w, out=num) if acc_w > 0 else num  # 0: everybody abstained
             data = encode_part(f"ringag{c}.{j}", mean, codec, **opts)
             lo, hi = segs[c][j]
             out[lo:hi] = (

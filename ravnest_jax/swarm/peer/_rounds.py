@@ -28,7 +28,6 @@ from ._transport import Transport
 
 log = logging.getLogger("ravnest_jax.swarm")
 
-ABSTAIN_WEIGHT = 1e-30  # w + 1e-30 == w in float32 for any weight w >= 1e-22
 MAX_EARLY_PARTS = 64  # part requests at most that wait for this peer to begin their round
 GC_GENERATION = 1  # collected after every round (cheap: young objects only)
 
@@ -291,7 +290,7 @@ class Rounds:
                     )
                 else:
                     begin = await self._begin(deadline, expected)
-                given = (contrib, weight)
+                given = weight
                 while True:  # once more in a restarted rendezvous' new epoch (see RoundUnknown)
                     r, epoch = int(begin["round"]), str(begin["epoch"])
                     log.debug(
@@ -313,11 +312,9 @@ class Rounds:
                     )
                     if missed:
                         # Too late for `expected`; this peer is in round r's group, so it takes part
-                        # as an abstainer (zeros, a weight that vanishes next to any real one in
-                        # float32) rather than make the others wait out the part deadline; then it
-                        # reports the miss.
-                        contrib = contrib.zeros()
-                        weight = np.float32(ABSTAIN_WEIGHT)
+                        # as an abstainer (weight 0: it sends no values, see AttemptInput) rather
+                        # than make the others wait out the part deadline; then it reports the miss.
+                        weight = np.float32(0.0)
                     a, group = int(begin["attempt"]), tuple(begin["group"])
                     log.debug(
                         "%s: in round %d attempt %d",
@@ -361,7 +358,7 @@ class Rounds:
                         diverged = out.diverged
                         if missed:
                             # only abstainers (every member missed its round): no peer is ahead
-                            nobody = out.total < len(out.contributors) * 2 * ABSTAIN_WEIGHT
+                            nobody = not out.total > 0
                             raise RoundFail(
                                 f"missed round {expected}: the swarm is at round {r}"
                                 + (" (no peer contributed to it)" if nobody else ""),
@@ -390,7 +387,7 @@ class Rounds:
                     for key in [key for key in self.attempts if key[0] == r]:
                         self.attempts.pop(key).close()
                     begin = await self._begin(deadline, expected)
-                    (contrib, weight), arrive = given, None
+                    weight, arrive = given, None
             except RoundFail as e:
                 rec = record(
                     False,
