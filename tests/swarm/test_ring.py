@@ -203,11 +203,11 @@ class _Probe(Ring):
         sent = await super()._send(st, addr, phase, step, j, data, weight, timeout, digest)
         if st.attempt == 0 and phase == "rs" and step == 0 and j == 0:
             data = data() if callable(data) else data
-            lo, hi = st.steps.segments[0][0]
+            lo, hi = st.segments[0][0]
             big = b"\0" * (4 * (hi - lo) + (1 << 20) + 1)  # to a message not yet sent
             for name, ph, jj, body in [
                 ("duplicate", "rs", 0, data),
-                ("bad_segment", "rs", len(st.steps.segments[0]), data),
+                ("bad_segment", "rs", len(st.segments[0]), data),
                 ("oversize", "ag", 0, big),
             ]:
                 try:

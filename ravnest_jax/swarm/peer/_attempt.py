@@ -22,7 +22,9 @@ F32_MAX = float(np.finfo(np.float32).max)
 
 
 class Attempt:
-    """This peer's state for one attempt of one round (as a part owner and as a receiver).
+    """This peer's state for one attempt of one round, what every algorithm shares; each
+    algorithm keeps its own in a subclass (``ButterflyAttempt``, ``RingAttempt``), made by its
+    :meth:`Algorithm.attempt`.
 
     Created by whichever comes first: the round driver entering the attempt, or a request of a
     faster member for it (then it waits on :attr:`entered`).
@@ -31,53 +33,20 @@ class Attempt:
     def __init__(self, round_: int, attempt: int):
         self.round, self.attempt = round_, attempt
         self.entered = asyncio.Event()
-        self.complete = asyncio.Event()
         self.group: tuple[str, ...] = ()
         self.me = -1
-        self.lo = self.hi = 0
+        self.lo = self.hi = 0  # this peer's part
         self.manifest = ""
         self.codec = ""
-        self.algorithm = "butterfly"
+        self.algorithm = ""
         self.bounds: list[tuple[int, int]] = []
         self.closed = False  # the reduce-scatter is over: late parts are refused
-        self.gather_closed = False  # the all-gather is over
         self.bytes_in = 0
-        # butterfly: the weight of every member whose part arrived whole (this peer's own too)
-        self.received: dict[str, np.float32] = {}
-        self.receiving: set[str] = set()
-        self.layout: Any = None  # the contribution's PartLayout (cut positions, pieces)
-        self.grid: list[tuple[int, int]] = []  # the grid chunks of this peer's part
-        self.own_chunk: Any = None  # (a, b) -> this peer's values of its own part's chunk
-        self.out: np.ndarray | None = None  # the round's output buffer (float32, the whole vector's length)
-        self.fold: Any = None  # the running sum of this peer's part (a Fold)
-        self.sent_parts: dict[int, tuple[Any, str]] = {}  # owner index -> (message, digest) sent
-        self.pullers: frozenset[str] = frozenset()  # client-only members: own no part, pull results
-        self.my_results: dict[str, asyncio.Future[tuple[Any, str, str]]] = {}  # tag -> (data, digest, total)
-        self.served = 0  # bytes pulled from this peer (result parts, parts pulled again)
-        # result parts by (part, contributor tag) -> (None: decoded into ``out``, or a buffer
-        # of its own; body digest); which tag each part's region of ``out`` holds
-        self.results: dict[tuple[int, str], tuple[np.ndarray | None, str]] = {}
-        self.results_receiving: set[tuple[int, str]] = set()
-        self.out_claims: dict[int, str] = {}
-        self.result_arrived = asyncio.Event()
-        # another algorithm's own state of this attempt (the ring's ``RingSteps``), set by its
-        # ``prepare``; ``close`` calls its ``clear()``
-        self.steps: Any = None
 
     def close(self) -> None:
         """Refuse everything from now on and drop the buffers (wakes every waiter)."""
-        self.closed = self.gather_closed = True
-        self.received.clear()
-        self.sent_parts.clear()
-        self.fold = self.out = self.own_chunk = None
-        for fut in self.my_results.values():
-            fut.cancel()
-        self.my_results.clear()
-        self.results.clear()
-        if self.steps is not None:
-            self.steps.clear()
+        self.closed = True
         self.entered.set()
-        self.result_arrived.set()
 
 
 class RoundFail(Exception):
@@ -183,6 +152,10 @@ class Algorithm(Protocol):
     name: str
 
     def wire(self) -> str: ...
+
+    def attempt(self, round_: int, attempt: int) -> Attempt:
+        """A new attempt's state, of this algorithm's own subclass."""
+        ...
 
     def prepare(self, st: Attempt, layout: Any, relayed: frozenset[str] = ...) -> None: ...
 

@@ -70,7 +70,7 @@ PULL = "/rounds/{round}/{attempt}/results/{part}/{tag}"  # a client-only member 
 
 def send(
     transport: Transport,
-    st: Attempt,
+    st: ButterflyAttempt,
     addr: str,
     kind: str,
     k: int,
@@ -127,6 +127,46 @@ class MeanResidual:
         self.pending = {k: v for k, v in self.pending.items() if k[0] > round_}
         if hit is not None:
             self.key, self.value = hit
+
+
+class ButterflyAttempt(Attempt):
+    """The butterfly's state of one attempt (as a part owner and as a receiver)."""
+
+    def __init__(self, round_: int, attempt: int):
+        super().__init__(round_, attempt)
+        self.algorithm = "butterfly"
+        self.complete = asyncio.Event()  # every member's part of this peer's part is in
+        self.gather_closed = False  # the all-gather is over
+        # the weight of every member whose part arrived whole (this peer's own too)
+        self.received: dict[str, np.float32] = {}
+        self.receiving: set[str] = set()
+        self.layout: Any = None  # the contribution's PartLayout (cut positions, pieces)
+        self.grid: list[tuple[int, int]] = []  # the grid chunks of this peer's part
+        self.own_chunk: Any = None  # (a, b) -> this peer's values of its own part's chunk
+        self.out: np.ndarray | None = None  # the round's output buffer (float32, the whole vector's length)
+        self.fold: Fold | None = None  # the running sum of this peer's part
+        self.sent_parts: dict[int, tuple[Any, str]] = {}  # owner index -> (message, digest) sent
+        self.pullers: frozenset[str] = frozenset()  # client-only members: own no part, pull results
+        self.my_results: dict[str, asyncio.Future[tuple[Any, str, str]]] = {}  # tag -> (data, digest, total)
+        self.served = 0  # bytes pulled from this peer (result parts, parts pulled again)
+        # result parts by (part, contributor tag) -> (None: decoded into ``out``, or a buffer
+        # of its own; body digest); which tag each part's region of ``out`` holds
+        self.results: dict[tuple[int, str], tuple[np.ndarray | None, str]] = {}
+        self.results_receiving: set[tuple[int, str]] = set()
+        self.out_claims: dict[int, str] = {}
+        self.result_arrived = asyncio.Event()
+
+    def close(self) -> None:
+        self.gather_closed = True
+        self.received.clear()
+        self.sent_parts.clear()
+        self.fold = self.out = self.own_chunk = None
+        for fut in self.my_results.values():
+            fut.cancel()
+        self.my_results.clear()
+        self.results.clear()
+        super().close()
+        self.result_arrived.set()
 
 
 class _Abstained:
@@ -189,6 +229,9 @@ class Butterfly:
         self.mean_options = mean_codec_options(codec, self.mean_codec, codec_options)
         self.mean_residual = MeanResidual() if mean_error_feedback and self.mean_codec != "fp32" else None
 
+    def attempt(self, round_: int, attempt: int) -> ButterflyAttempt:
+        return ButterflyAttempt(round_, attempt)
+
     def wire(self) -> str:
         """Codec (and the mean's, if another), algorithm and aggregator (with its knob): part of
         the round manifest."""
@@ -197,7 +240,7 @@ class Butterfly:
             return f"{codec}/butterfly/clipped_mean:{self.clip_multiple!r}"
         return f"{codec}/butterfly"
 
-    def prepare(self, st: Attempt, layout: PartLayout, relayed: frozenset[str] = frozenset()) -> None:
+    def prepare(self, st: ButterflyAttempt, layout: PartLayout, relayed: frozenset[str] = frozenset()) -> None:
         """The parts of this attempt. Client-only members (``relayed``) own no part while some
         member is reachable: they send their parts to the owners and *pull* the result parts
         (outbound requests), so that nothing of a round goes through the relay."""
@@ -273,7 +316,7 @@ class Butterfly:
         return out
 
     # ------------------------------------------------------------------ client side
-    def _enter(self, st: Attempt, inp: AttemptInput) -> bool:
+    def _enter(self, st: ButterflyAttempt, inp: AttemptInput) -> bool:
         """This peer's side of the attempt before anything is sent: the output buffer, the sum
         of its own part (with its own values in it).
         Returns whether this peer is a puller (owns nothing)."""
@@ -300,7 +343,7 @@ class Butterfly:
         st.entered.set()
         return puller
 
-    async def run(self, st: Attempt, inp: AttemptInput) -> Reduced:
+    async def run(self, st: ButterflyAttempt, inp: AttemptInput) -> Reduced:
         r, a, group, n = st.round, st.attempt, st.group, len(st.group)
         membership, deadline, stats = inp.membership, inp.deadline, inp.stats
         puller = self._enter(st, inp)
@@ -412,7 +455,12 @@ class Butterfly:
                 st.out = None  # a retry starts from a new buffer; a failure keeps nothing
 
     async def _reduce(
-        self, st: Attempt, inp: AttemptInput, contributors: tuple[str, ...], scales: dict[str, float], stats: dict
+        self,
+        st: ButterflyAttempt,
+        inp: AttemptInput,
+        contributors: tuple[str, ...],
+        scales: dict[str, float],
+        stats: dict,
     ) -> bool:
         """Makes this owner's sum the one the gather decision asks for: over ``contributors``
         with the clipped mean's ``scales``. The sum made while the parts arrived is used when it
@@ -449,7 +497,9 @@ class Butterfly:
         stats["received"] += sum(int(x) for x in got)
         return fold.complete
 
-    async def _pull_part(self, st: Attempt, member: str, fold: Fold, t_end: float, membership: dict[str, str]) -> int:
+    async def _pull_part(
+        self, st: ButterflyAttempt, member: str, fold: Fold, t_end: float, membership: dict[str, str]
+    ) -> int:
         """Pulls ``member``'s part of this owner's part again, into ``fold``; returns its bytes."""
         dec = RangeDecoder(st.layout, st.lo, st.hi, lambda j, v: fold.add(member, j, v))
         try:
@@ -478,7 +528,7 @@ class Butterfly:
         return clip_scales(norm_f, contributors, self.clip_multiple)
 
     # ------------------------------------------------------------------ all-gather
-    def result_layout(self, st: Attempt) -> PartLayout:
+    def result_layout(self, st: ButterflyAttempt) -> PartLayout:
         """The layout of the result parts: the contribution's, in the mean's codec (same leaves,
         same block size, so the same parts and grid chunks)."""
         if self.mean_codec == st.layout.codec:
@@ -537,7 +587,7 @@ class Butterfly:
 
     async def all_gather(
         self,
-        st: Attempt,
+        st: ButterflyAttempt,
         inp: AttemptInput,
         mine: dict[str, Any],
         tag: str,
@@ -601,7 +651,9 @@ class Butterfly:
         clipped = mine.get("clipped", {}) if self.aggregator == "clipped_mean" else {}
         return Reduced(out, contributors, float(mine["total"]), digest, diverged, commit.get("next"), clipped=clipped)
 
-    async def _pull(self, st: Attempt, k: int, tag: str, address: str, t_end: float, mine: dict[str, Any]) -> None:
+    async def _pull(
+        self, st: ButterflyAttempt, k: int, tag: str, address: str, t_end: float, mine: dict[str, Any]
+    ) -> None:
         """A client-only member collects result part ``k`` (reduced over ``tag``) from its owner:
         one signed GET that the owner answers once it has reduced (a long poll), decoded into
         the output buffer as it streams in."""
@@ -649,7 +701,7 @@ class Butterfly:
         return out
 
     def push(
-        self, st: Attempt, inp: AttemptInput, contributors: tuple[str, ...], mine: dict[str, Any], tag: str
+        self, st: ButterflyAttempt, inp: AttemptInput, contributors: tuple[str, ...], mine: dict[str, Any], tag: str
     ) -> None:
         """This owner's mean over ``contributors`` (its sum, of the clipped contributions for the
         clipped mean, divided by their total weight), encoded once with the mean's codec in the

@@ -46,12 +46,14 @@ RING = "/rounds/{round}/{attempt}/ring/{phase}/{step}/{seg}"
 _FAILURES = (TimeoutError, aiohttp.ClientError, HTTPStatusError, PermissionError, OSError)
 
 
-class RingSteps:
-    """The ring's own state of one attempt (``Attempt.steps``): ``segments[c][j] = (lo, hi)`` of
-    segment j of part c, and the messages that arrived, by ``(phase, step, segment)``."""
+class RingAttempt(Attempt):
+    """The ring's state of one attempt: ``segments[c][j] = (lo, hi)`` of segment j of part c,
+    and the messages that arrived, by ``(phase, step, segment)``."""
 
-    def __init__(self, segments: list[list[tuple[int, int]]]):
-        self.segments = segments
+    def __init__(self, round_: int, attempt: int):
+        super().__init__(round_, attempt)
+        self.algorithm = "ring"
+        self.segments: list[list[tuple[int, int]]] = [[(0, 0)]]
         self.inbox: dict[tuple[str, int, int], tuple[Any, ...]] = {}
         self.seen: set[tuple[str, int, int]] = set()  # every message stored (409 again)
         self.receiving: set[tuple[str, int, int]] = set()
@@ -60,9 +62,9 @@ class RingSteps:
     def event(self, phase: str, step: int, seg: int) -> asyncio.Event:
         return self._events.setdefault((phase, step, seg), asyncio.Event())
 
-    def clear(self) -> None:
-        """Drops the messages (their buffers) that nobody took."""
-        self.inbox.clear()
+    def close(self) -> None:
+        self.inbox.clear()  # the messages nobody took (their buffers)
+        super().close()
 
 
 class Ring:
@@ -91,14 +93,17 @@ class Ring:
         self._slots = asyncio.Semaphore(RING_INFLIGHT)
         transport.route("PUT", RING, self._h_put_ring)
 
+    def attempt(self, round_: int, attempt: int) -> RingAttempt:
+        return RingAttempt(round_, attempt)
+
     def wire(self) -> str:
         return f"{self.codec}/ring/{self.segment_bytes}"
 
-    def prepare(self, st: Attempt, layout: Any, relayed: frozenset[str] = frozenset()) -> None:
+    def prepare(self, st: RingAttempt, layout: Any, relayed: frozenset[str] = frozenset()) -> None:
         st.bounds = part_bounds(layout.n, len(st.group))
         st.lo, st.hi = st.bounds[st.me]
         st.algorithm = self.name
-        st.steps = RingSteps(ring_segments(st.bounds, self.segment_bytes))
+        st.segments = ring_segments(st.bounds, self.segment_bytes)
 
     # ------------------------------------------------------------------ server side
     async def _h_put_ring(self, request: web.Request) -> web.Response:
@@ -115,12 +120,11 @@ class Ring:
             refuse_other_manifest(self._other_manifest, self.peer_id, sender, self.wire())
         if sender != st.group[(st.me - 1) % n]:
             raise web.HTTPForbidden(text="only the left neighbour sends ring messages")
-        rs: RingSteps = st.steps
-        if not 0 <= step < n - 1 or not 0 <= j < len(rs.segments[0]):
+        if not 0 <= step < n - 1 or not 0 <= j < len(st.segments[0]):
             raise web.HTTPBadRequest(text="bad ring step or segment")
         key = (phase, step, j)
         c = (st.me - 1 - step) % n if phase == "rs" else (st.me - step) % n
-        lo, hi = rs.segments[c][j]
+        lo, hi = st.segments[c][j]
         limit = part_limit(st.codec, hi - lo)
         # all-gather messages are forwarded unchanged to the right, except at the last step
         raw = bytearray() if phase == "ag" and step < n - 2 else None
@@ -130,24 +134,24 @@ class Ring:
             claimed,
             lambda: PartDecoder(name=f"ring{phase}{c}.{j}", length=hi - lo, codec=st.codec, max_bytes=limit),
             key=key,
-            done=rs.seen,
-            busy=rs.receiving,
+            done=st.seen,
+            busy=st.receiving,
             closed=lambda: st.closed,
             limit=limit,
             what="ring message",
             late="the ring of this attempt is over",
             raw=raw,
         )
-        rs.seen.add(key)
-        rs.inbox[key] = (w, vec, raw if raw is not None else b"", sha)
+        st.seen.add(key)
+        st.inbox[key] = (w, vec, raw if raw is not None else b"", sha)
         st.bytes_in += nbytes
-        rs.event(phase, step, j).set()
+        st.event(phase, step, j).set()
         return self.transport.reply(request, {"ok": True})
 
     # ------------------------------------------------------------------ client side
     async def _send(
         self,
-        st: Attempt,
+        st: RingAttempt,
         addr: str,
         phase: str,
         step: int,
@@ -177,7 +181,7 @@ class Ring:
                 kind="ring",
             )
 
-    async def _phase(self, st: Attempt, t_end: float, segment: Callable[..., Any], stats: dict[str, int]) -> None:
+    async def _phase(self, st: RingAttempt, t_end: float, segment: Callable[..., Any], stats: dict[str, int]) -> None:
         """Run ``segment(j, send)`` for every segment j concurrently (the pipeline: segment j
         moves on to its next step as soon as its own message of this step has arrived) until
         all are done and every PUT they started (``send(coro)``) was answered. Raises the first
@@ -197,7 +201,7 @@ class Ring:
             t.add_done_callback(watch)
             sends.append(t)
 
-        tasks = [asyncio.ensure_future(segment(j, send)) for j in range(len(st.steps.segments[0]))]
+        tasks = [asyncio.ensure_future(segment(j, send)) for j in range(len(st.segments[0]))]
         for t in tasks:
             t.add_done_callback(watch)
         try:
@@ -220,15 +224,14 @@ class Ring:
                 await asyncio.gather(*rest, return_exceptions=True)
             stats["sent"] += sum(t.result() for t in sends if not t.cancelled() and t.exception() is None)
 
-    async def run(self, st: Attempt, inp: AttemptInput) -> Reduced:
+    async def run(self, st: RingAttempt, inp: AttemptInput) -> Reduced:
         r, a, group, n, i = st.round, st.attempt, st.group, len(st.group), st.me
         weight, stats, deadline = inp.weight, inp.stats, inp.deadline
         # an abstainer (weight 0) passes zeros on: a ring cannot leave a member out
         vec = inp.vec if weight > 0 else np.zeros(inp.contrib.n, np.float32)
         st.entered.set()
         right = inp.membership.get(group[(i + 1) % n], "")
-        rs: RingSteps = st.steps
-        segs = rs.segments
+        segs = st.segments
         out = np.empty(vec.size, dtype=np.float32)
         shas: dict[tuple[int, int], str] = {}
         own: dict[int, tuple[bytes, str]] = {}
@@ -236,7 +239,7 @@ class Ring:
         codec, opts = self.codec, self.codec_options
 
         def wait(phase: str, s: int, j: int, t_end: float) -> Any:
-            return asyncio.wait_for(rs.event(phase, s, j).wait(), max(t_end - time.monotonic(), 0))
+            return asyncio.wait_for(st.event(phase, s, j).wait(), max(t_end - time.monotonic(), 0))
 
         t_rs = min(time.monotonic() + self.timeouts.part, deadline)
 
@@ -250,7 +253,7 @@ class Ring:
                 encode = lambda c=c, num=num: encode_part(f"ringrs{c}.{j}", num, codec, **opts)  # noqa: E731
                 send(self._send(st, right, "rs", s, j, encode, acc_w, t_rs - time.monotonic()))
                 await wait("rs", s, j, t_rs)
-                in_w, in_num, _, _ = rs.inbox.pop(("rs", s, j))
+                in_w, in_num, _, _ = st.inbox.pop(("rs", s, j))
                 c = (i - s - 1) % n
                 lo, hi = segs[c][j]
                 num = np.multiply(vec[lo:hi], weight)
@@ -287,7 +290,7 @@ class Ring:
             for s in range(n - 1):
                 send(self._send(st, right, "ag", s, j, cur, np.float32(1.0), t_ag - time.monotonic(), sha))
                 await wait("ag", s, j, t_ag)
-                _, part, cur, sha = rs.inbox.pop(("ag", s, j))
+                _, part, cur, sha = st.inbox.pop(("ag", s, j))
                 k = (i - s) % n
                 lo, hi = segs[k][j]
                 out[lo:hi] = part
@@ -305,6 +308,6 @@ class Ring:
         commit = await self.rounds.vote(
             r, inp.epoch, a, "commit", {"ok": ok, "digest": digest, "failed_owners": []}, deadline
         )
-        rs.clear()
+        st.inbox.clear()
         decided(commit, "commit")
         return Reduced(out, tuple(group), total, digest, diverged)

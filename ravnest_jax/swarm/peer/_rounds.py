@@ -160,7 +160,8 @@ class Rounds:
         if st is None:
             if r <= self.last_round or ahead():
                 raise web.HTTPConflict(text=f"round {r} is not open here")
-            st = self.attempts[(r, a)] = Attempt(r, a)
+            assert self.algorithm is not None
+            st = self.attempts[(r, a)] = self.algorithm.attempt(r, a)
         if not st.entered.is_set():
             try:
                 await asyncio.wait_for(st.entered.wait(), self.timeouts.part)
@@ -413,7 +414,7 @@ class Rounds:
             raise RoundFail("not in the round's group")
         algorithm = self.algorithm
         assert algorithm is not None
-        st = self.attempts.get((r, a)) or Attempt(r, a)
+        st = self.attempts.get((r, a)) or algorithm.attempt(r, a)
         self.attempts[(r, a)] = st
         st.group, st.me, st.manifest, st.codec = group, group.index(self.peer_id), manifest, self.codec
         algorithm.prepare(st, inp.contrib.layout, inp.relayed)
