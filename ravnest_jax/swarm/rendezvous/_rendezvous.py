@@ -173,12 +173,7 @@ class Rendezvous(RoundHandlers):
         live = {e.peer_id for e in self._live(run)}
         return run.refusal(peer, manifest, live) if check else run.admit(peer, manifest, live, init)
 
-    def _touch(
-        self, run: _Run, peer: str, p: dict[str, Any], *, joining: bool = False, in_step: bool = True
-    ) -> tuple[_Peer, bool]:
-        """Registers or refreshes ``peer`` from a request's hello ``p``; returns ``(its entry, new)``.
-        ``in_step=False`` (a heartbeat): the process is alive, which does not show that it is back
-        in step with the rounds, so a peer left out of a retry stays out of new groups."""
+    def _touch(self, run: _Run, peer: str, p: dict[str, Any], *, joining: bool = False) -> tuple[_Peer, bool]:
         address = p.get("address")
         if not isinstance(address, str) or not address.startswith(("http://", "https://")):
             raise web.HTTPBadRequest(text="address must be an http(s) URL")
@@ -218,8 +213,8 @@ class Rendezvous(RoundHandlers):
         if info is not None:
             e.info = info
             note_stats(run, peer, info)
-        if in_step and e.suspect_since is not None and now > e.suspect_since:
-            e.suspect_since = None  # it asks for a round, or says it is ready: in new groups again
+        if e.suspect_since is not None and now > e.suspect_since:
+            e.suspect_since = None
         lr = p.get("last_round")
         if isinstance(lr, int):
             e.last_round = lr if joining else max(e.last_round, lr)
@@ -229,8 +224,8 @@ class Rendezvous(RoundHandlers):
     def _live(self, run: _Run, *, for_group: bool = False) -> list[_Peer]:
         now = time.monotonic()
         live = [e for e in run.peers.values() if now - e.last_seen <= self.eviction_s]
-        if for_group:  # a peer left out of a retry is in no group until it asks for a round again
-            live = [e for e in live if e.suspect_since is None]
+        if for_group:  # a peer left out of a retry is in no group until it beats again
+            live = [e for e in live if e.suspect_since is None or e.last_seen > e.suspect_since]
         return sorted(live, key=lambda e: e.peer_id)
 
     @staticmethod
@@ -282,7 +277,7 @@ class Rendezvous(RoundHandlers):
 
     async def _heartbeat(self, request: web.Request) -> web.Response:
         run, peer, p = await self._auth(request)
-        _, new = self._touch(run, peer, p, in_step=False)
+        _, new = self._touch(run, peer, p)
         # members that left (or were evicted from) the running attempts this peer is in: it
         # stops waiting for their parts at once instead of at the part deadline
         left = [[r.number, a.number, g] for r, a in self._running(run, peer) for g in sorted(a.left)]

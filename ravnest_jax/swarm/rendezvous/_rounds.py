@@ -47,7 +47,7 @@ class _Peer:
     joined: float
     last_seen: float
     last_round: int = -1
-    suspect_since: float | None = None  # left out of a retry; cleared when it next asks for a round
+    suspect_since: float | None = None  # left out of a retry; cleared by its next heartbeat
     # joined a run that has had rounds, and has not asked for one yet (it is downloading the
     # swarm's state, or restoring a checkpoint): in no new round's group until it asks
     standby: bool = False
@@ -273,10 +273,10 @@ def summed(votes: dict[str, dict[str, Any]], key: str, contributors: list[str], 
 
 
 def retry(run: _Run, rnd: _Round, att: _Attempt, voters: tuple[str, ...], reason: str) -> dict[str, Any]:
-    """Attempt ``att`` failed: retry with ``voters`` (the others are suspects until they next ask
-    for a round), or ``fail`` when no attempt is left."""
+    """Attempt ``att`` failed: retry with ``voters`` (the others are suspects until their next
+    heartbeat), or ``fail`` when no attempt is left."""
     now = time.monotonic()
-    for left_out in set(att.group) - set(voters):  # no new groups until it asks for a round again
+    for left_out in set(att.group) - set(voters):  # no new groups until it beats again
         if left_out in run.peers:
             run.peers[left_out].suspect_since = now
     nxt = att.number + 1
@@ -519,7 +519,7 @@ class RoundHandlers:
             or len(rnd.attempts) > 1
             or any(e.suspect_since is not None or e.standby for e in run.peers.values())
         ):
-            # after a retry, or while a peer left out of one has not asked for a round again, the group
+            # after a retry, or while a peer left out of one has not beaten again, the group
             # of the next round is fixed when its first member asks (as without this): a peer
             # that was left out must be able to come back at once, not one round later; and
             # while a peer is on standby (downloading the state), so that it is in the next
