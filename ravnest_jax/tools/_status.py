@@ -53,6 +53,8 @@ def describe_request_error(
     if isinstance(e, HTTPStatusError):
         words = _STATUS_WORDS.get(e.status, "answered with an error")
         detail = str(e).split(":", 1)[-1].strip().splitlines()[0][:120] if ":" in str(e) else ""
+        if e.status == 404 and detail.startswith("no run "):  # the rendezvous' own 404
+            return f"{at}: {detail}"
         line = f"{at} {words} ({e.status})"
         return f"{line}: {detail}" if detail and e.status not in (401, 403) else line
     if isinstance(e, (aiohttp.InvalidURL, getattr(aiohttp, "NonHttpUrlClientError", aiohttp.InvalidURL))):

@@ -12,22 +12,29 @@ import pytest
 from _cluster import Cluster
 
 from ravnest_jax.cli import main
+from ravnest_jax.swarm import Swarm
 
 TOKEN = "status-token-1"
 
 
 @pytest.fixture(scope="module")
-def rendezvous(tmp_path_factory):
+def cluster(tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("rv"), token=TOKEN)
     try:
-        yield c.rendezvous(heartbeat=None, eviction=None, extra=("--quiet",))
+        c.rendezvous(heartbeat=None, eviction=None, extra=("--quiet",))
+        yield c
     finally:
         c.close()
 
 
-def _status(capsys, monkeypatch, url: str, token: str = TOKEN, *extra: str) -> tuple[int, str, str]:
+@pytest.fixture
+def rendezvous(cluster):
+    return cluster.url
+
+
+def _status(capsys, monkeypatch, url: str, token: str = TOKEN, *extra: str, run: str = "r1") -> tuple[int, str, str]:
     monkeypatch.setenv("RAVNEST_TOKEN", token)
-    rc = main(["status", url, "--run-id", "r1", *extra])
+    rc = main(["status", url, "--run-id", run, *extra])
     out = capsys.readouterr()
     return rc, out.out, out.err
 
@@ -41,13 +48,22 @@ def _one_line(rc: int, err: str) -> str:
 
 
 def test_status_prints_the_run_as_json(rendezvous, capsys, monkeypatch):
-    rc, out, err = _status(capsys, monkeypatch, rendezvous)
-    assert rc == 0 and '"run_id": "r1"' in out, (rc, out, err)
+    with Swarm(rendezvous, run_id="r1", token=TOKEN, listen="127.0.0.1:0", peer_id="p0"):  # the run exists
+        rc, out, err = _status(capsys, monkeypatch, rendezvous)
+    assert rc == 0 and '"run_id": "r1"' in out and '"peer_id": "p0"' in out, (rc, out, err)
 
 
-def test_wrong_token_is_one_line(rendezvous, capsys, monkeypatch):
-    rc, _, err = _status(capsys, monkeypatch, rendezvous, "not-the-token")
-    assert _one_line(rc, err) == f"error: the rendezvous at {rendezvous} refused the token (401)"
+def test_a_run_nobody_joined_is_one_line(rendezvous, capsys, monkeypatch):
+    rc, _, err = _status(capsys, monkeypatch, rendezvous, run="typo")
+    assert _one_line(rc, err) == (
+        f"error: the rendezvous at {rendezvous}: no run 'typo' at this rendezvous: no peer has joined it"
+    )
+
+
+def test_wrong_token_is_one_line_here_and_in_the_rendezvous_log(cluster, capsys, monkeypatch):
+    rc, _, err = _status(capsys, monkeypatch, cluster.url, "not-the-token")
+    assert _one_line(rc, err) == f"error: the rendezvous at {cluster.url} refused the token (401)"
+    cluster.rv.expect_log("refused a request from 127.0.0.1 for run r1: unauthorized: ", 10)
 
 
 def test_nothing_listening_is_connection_refused(capsys, monkeypatch):

@@ -429,7 +429,8 @@ class Swarm(ManifestDeclaration):
         """The run's status from the rendezvous (peers, membership version, recent rounds).
 
         Raises:
-          SwarmError: the rendezvous cannot be reached. RuntimeError: the swarm is not running.
+          SwarmError: the rendezvous cannot be reached, or has no such run (it restarted and no
+          peer has rejoined it yet). RuntimeError: the swarm is not running.
         """
         return self._ask("GET", "/status", None)
 

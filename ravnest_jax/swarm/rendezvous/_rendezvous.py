@@ -89,6 +89,7 @@ class Rendezvous(RoundHandlers):
         self.epoch, self.boot = secrets.token_hex(8), time.monotonic()
         self.runs: dict[str, _Run] = {}
         self.nonces = _auth.NonceCache()
+        self._refused_at: dict[str, float] = {}  # address -> when its bad signature was last logged
         self.status = StatusPage(self, (read_token.encode() if isinstance(read_token, str) else read_token) or None)
         self.probe_s = float(probe_s)
         self._session: aiohttp.ClientSession | None = None
@@ -141,15 +142,32 @@ class Rendezvous(RoundHandlers):
                     run.note_evicted(p)  # if it comes back (it hung): standby until ready
 
     # -- helpers -------------------------------------------------------------------------
-    async def _auth(self, request: web.Request) -> tuple[_Run, str, Any]:
+    async def _auth(self, request: web.Request, create: bool = True) -> tuple[_Run, str, Any]:
+        """The run, the signer and the JSON body of a signed request (the run made on its first
+        request, unless not ``create``).
+
+        Raises:
+          web.HTTPUnauthorized: a bad signature (logged once a minute per address: a peer with
+          another token is named in the rendezvous' log, not only in its own). web.HTTPNotFound:
+          no such run and not ``create``.
+        """
         run_id = request.match_info["run_id"]
-        peer, body_sha = verify_request(request, self.token, run_id, self.nonces)
+        try:
+            peer, body_sha = verify_request(request, self.token, run_id, self.nonces)
+        except web.HTTPUnauthorized as e:
+            now, who = time.monotonic(), request.remote or "?"
+            if now - self._refused_at.get(who, -60.0) >= 60.0:
+                self._refused_at[who] = now
+                log.warning("refused a request from %s for run %s: %s (another token?)", who, run_id, e.text)
+            raise
         payload = await read_json_body(request, body_sha)
         if payload is not None and not isinstance(payload, dict):
             raise web.HTTPBadRequest(text="body must be a JSON object")
         if payload is not None and payload.get("peer_id", peer) != peer:
             raise web.HTTPBadRequest(text="peer_id does not match the signer")
         run = self.runs.get(run_id)
+        if run is None and not create:
+            raise web.HTTPNotFound(text=f"no run {run_id!r} at this rendezvous: no peer has joined it")
         if run is None:
             if len(self.runs) >= MAX_RUNS or len(run_id) > 128:
                 raise web.HTTPBadRequest(text="too many runs or run id too long")
@@ -332,7 +350,7 @@ class Rendezvous(RoundHandlers):
         return self._reply(request, run, self._membership(run))
 
     async def _status(self, request: web.Request) -> web.Response:
-        run, _, _ = await self._auth(request)
+        run, _, _ = await self._auth(request, create=False)
         out = self._membership(run)
         out["run_id"] = run.run_id
         out["last_round"] = run.latest
