@@ -326,3 +326,15 @@ def test_a_part_of_another_manifest_is_refused_and_warned_about_once_per_sender(
     assert len(lines) == 2 and warned == {"b", "c"}
     assert "peer b sends parts of another round manifest" in lines[0] and "sign>int2/butterfly" in lines[0]
     assert "peer c " in lines[1]
+
+
+def test_a_round_failed_before_its_number_names_no_round_minus_one():
+    from ravnest_jax.swarm import RoundFailed, RoundRecord
+
+    def rec(r):
+        return RoundRecord(
+            r, False, 1, ("a",), (), 0.0, 0, 0, 0.1, "", "int4", error="missed round 3: the swarm is at round 4"
+        )
+
+    assert str(RoundFailed(rec(-1))) == "missed round 3: the swarm is at round 4", str(RoundFailed(rec(-1)))
+    assert str(RoundFailed(rec(7))) == "round 7 failed: missed round 3: the swarm is at round 4"

@@ -220,7 +220,9 @@ class Rounds:
         while True:
             res = await self._ask("round", "round", "/rounds/begin", payload, deadline)
             if res.get("missed") is not None:
-                raise RoundFail(f"missed round {expected}: round {res['missed']} runs without this peer")
+                raise RoundFail(
+                    f"missed round {expected}: the swarm is at round {res['missed']}, running without this peer"
+                )
             if res.get("round") is not None:
                 return res
 

@@ -146,7 +146,8 @@ class RoundFailed(RuntimeError):
     """A round could not be completed on this peer; ``.record`` holds the details (ok=False)."""
 
     def __init__(self, record: RoundRecord):
-        super().__init__(f"round {record.round} failed: {record.error}")
+        # round -1: it failed before this peer learnt its swarm round (the error names it)
+        super().__init__(f"round {record.round} failed: {record.error}" if record.round >= 0 else record.error)
         self.record = record
 
 
