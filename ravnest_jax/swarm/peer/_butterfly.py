@@ -371,7 +371,7 @@ class Butterfly:
                     st.fold.failed(g)
             return set() if puller else set(group) - set(st.received)
 
-        await self.rounds.wait_phase(st, missing, st.complete, t_part, inp.arrive)
+        await self.rounds.wait_phase(st, missing, st.complete, t_part, inp.arrive, inp.epoch)
         st.closed = True
         if st.fold is not None:
             st.fold.keep_only(st.received)

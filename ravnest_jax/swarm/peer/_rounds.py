@@ -93,11 +93,14 @@ class Rounds:
         event: asyncio.Event,
         t_end: float,
         arrive: asyncio.Task[Any] | None = None,
+        epoch: str | None = None,
     ) -> None:
         """Waits until no member is ``missing()`` (asked again whenever ``event`` is set), until
         ``t_end``, or until every member still missing left the run (:meth:`note_left`).
-        ``arrive``: the arrival request of a round handed out with the last commit: its answer
-        may bring ``t_end`` forward (the round's part clock started earlier elsewhere)."""
+        ``arrive``: the arrival request of a round handed out with the last commit (in the
+        rendezvous epoch ``epoch``): its answer may bring ``t_end`` forward (the round's part
+        clock started earlier elsewhere), or end the wait: the round went on without this
+        attempt (it ended, was retried, or is not this process'), which the vote then says."""
         while not missing() <= self.gone(st.round, st.attempt) and (left := t_end - time.monotonic()) > 0:
             event.clear()
             waits = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._gone_event.wait())}
@@ -114,13 +117,11 @@ class Rounds:
                 res = arrive.result()
                 if res.get("round") == st.round:
                     t_end = min(t_end, time.monotonic() + float(res.get("part_left", self.timeouts.part)))
-                else:  # the round ended already (a fast peer) or was retried
-                    log.debug(
-                        "%s: rendezvous answered round %s to our arrival in %d",
-                        self.peer_id,
-                        res.get("round"),
-                        st.round,
-                    )
+                elif res.get("epoch") == epoch and "round" in res:
+                    # the round ended, was retried, or is not this process' (it hung past its
+                    # eviction): nothing more comes for this attempt; the vote says what happened
+                    log.info("%s: round %d went on without this attempt: stops waiting", self.peer_id, st.round)
+                    return
 
     def gathered(self, gather: dict[str, Any]) -> tuple[str, ...]:
         """Checks a gather decision (:func:`decided`); returns the peers it found diverged (noted

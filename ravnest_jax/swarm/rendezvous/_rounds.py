@@ -472,7 +472,10 @@ class RoundHandlers:
         rnd = run.rounds.get(number)
         if p.get("epoch") != self.epoch or rnd is None:
             # its epoch: another than the round's when the rendezvous restarted (the round begins anew)
-            why = "the rendezvous does not know this round (it restarted or the round is too old)"
+            if p.get("epoch") != self.epoch:
+                why = "the rendezvous restarted since this round began"
+            else:  # a member that hung (or lagged) long after the others went on
+                why = f"the rendezvous no longer has round {number}: the swarm went on (it is at round {run.latest})"
             return self._reply(request, run, {"decision": "fail", "reason": why, "unknown": True, "epoch": self.epoch})
         att = rnd.attempts.get(attempt)
         if att is None or peer not in att.group:
