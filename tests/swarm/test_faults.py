@@ -148,6 +148,28 @@ def test_ring_survives_a_peer_killed_mid_round(cluster):
         assert all(e["algorithm"] == "ring" for e in ev.values())
 
 
+@pytest.mark.timeout(90)
+def test_ring_member_hung_past_its_eviction_costs_an_eviction_not_the_part_deadline(cluster):
+    """SIGSTOP one member of a ring in its round: its neighbours stop waiting once the heartbeat
+    answers name it evicted (4 s) and retry without it, not at the part deadline (20 s)."""
+    procs = _launch(
+        cluster, PEERS3, {}, size=SIZE, rounds=2, expect_peers=3, part_timeout=20.0, algorithm="ring", round_timeout=60
+    )
+    procs["c"].expect("round_begin", 30)
+    os.kill(procs["c"].p.pid, signal.SIGSTOP)
+    try:
+        live = {k: v for k, v in procs.items() if k != "c"}
+        for p in live.values():
+            p.expect("round", 40)
+    finally:
+        procs["c"].kill9()
+    _finish(live)
+    ev0 = _round_events(live, 0)
+    check_round(PEERS3, ev0, 0, SIZE, ["a", "b"])
+    seconds = {k: e["seconds"] for k, e in ev0.items()}
+    assert max(seconds.values()) < 20.0 - 6.0, (seconds, "waited for the part deadline")
+
+
 def _agree_by_round(procs):
     by_round: dict[int, list[dict]] = {}
     for p in procs.values():

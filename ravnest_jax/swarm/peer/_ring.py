@@ -185,7 +185,9 @@ class Ring:
         """Run ``segment(j, send)`` for every segment j concurrently (the pipeline: segment j
         moves on to its next step as soon as its own message of this step has arrived) until
         all are done and every PUT they started (``send(coro)``) was answered. Raises the first
-        failure of any of them, or ``TimeoutError`` at ``t_end``; cancels the rest."""
+        failure of any of them, or ``TimeoutError`` at ``t_end`` or as soon as a heartbeat
+        answer says a member left the run (a ring cannot go round without it: the retry
+        without it starts then, not at the part deadline); cancels the rest."""
         loop = asyncio.get_running_loop()
         failed: asyncio.Future[BaseException] = loop.create_future()
         sends: list[asyncio.Future[int]] = []
@@ -204,6 +206,7 @@ class Ring:
         tasks = [asyncio.ensure_future(segment(j, send)) for j in range(len(st.segments[0]))]
         for t in tasks:
             t.add_done_callback(watch)
+        gone: asyncio.Future[Any] | None = None
         try:
             while True:
                 pending = [t for t in (*tasks, *sends) if not t.done()]
@@ -214,8 +217,14 @@ class Ring:
                 left = t_end - time.monotonic()
                 if left <= 0:
                     raise TimeoutError("ring phase deadline")
-                await asyncio.wait([failed, *pending], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if lost := self.rounds.gone(st.round, st.attempt) & set(st.group):
+                    raise TimeoutError(f"ring: {', '.join(sorted(lost))} left the run")
+                if gone is None or gone.done():
+                    gone = asyncio.ensure_future(self.rounds.left_event().wait())
+                await asyncio.wait([failed, gone, *pending], timeout=left, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            if gone is not None:
+                gone.cancel()
             # a segment task that ends while we cancel may still start a send: repeat until
             # every task is done (segment tasks start no sends once done, so this ends)
             while rest := [t for t in (*tasks, *sends) if not t.done()]:

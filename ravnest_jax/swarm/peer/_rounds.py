@@ -84,7 +84,13 @@ class Rounds:
             self._gone_event = asyncio.Event()
 
     def gone(self, r: int, a: int) -> set[str]:
+        """The members of attempt ``a`` of round ``r`` that left the run (:meth:`note_left`)."""
         return self._gone.get((r, a), set())
+
+    def left_event(self) -> asyncio.Event:
+        """Set when a heartbeat answer names a member that left a running attempt (the next
+        change sets a new event: ask again after each)."""
+        return self._gone_event
 
     async def wait_phase(
         self,
