@@ -37,8 +37,8 @@ class Run(Cluster):
         super().__init__(tmp, token=TOKEN)
         self.env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
 
-    def rendezvous(self, port: int = 0, **kw: object) -> str:  # type: ignore[override]
-        return super().rendezvous(port=port, heartbeat=0.5, eviction=EVICTION)
+    def rendezvous(self, port: int = 0, eviction: float = EVICTION, **kw: object) -> str:  # type: ignore[override]
+        return super().rendezvous(port=port, heartbeat=0.5, eviction=eviction)
 
     def peer(self, name: str, steps: int, *extra: str) -> Proc:
         cmd = [sys.executable, SCRIPT, self.url, TOKEN, name.split("-")[0], str(steps), "--part", str(PART), *extra]
@@ -118,6 +118,38 @@ def test_a_peer_hung_past_its_eviction_costs_one_eviction_not_a_part_deadline(ru
     # c took the swarm's state: its step counter at that round is a's
     a_step = {e["swarm_round"]: e["step"] for e in _rounds(run, "a")}
     assert back["group"] == 3 and back["step"] == a_step.get(back["swarm_round"]), (back, a_step)
+
+
+def test_a_peer_hung_past_the_part_deadline_but_not_its_eviction_costs_one_part_deadline(run):
+    """SIGSTOP one of 3 peers for 6 s (part deadline 2 s, eviction 12 s), then SIGCONT: the
+    others wait out one part deadline (the retry without it) and no second one: back, it is in
+    no new round's group until it resynced (it was left out of a round that went on)."""
+    run.rendezvous(eviction=12.0)
+    stop = run.tmp / "stop"
+    for n in "abc":
+        run.peer(n, 100_000, "--stop-file", str(stop), "--part", "2", "--eviction", "12")
+    for n in "abc":
+        run.wait_event(n, lambda e: e.get("event") == "round" and e["ok"] and e["group"] == 3, 120)
+    run.wait_event("a", lambda e: e.get("event") == "round" and e["ok"] and e["swarm_round"] >= 4, 60)
+    os.kill(run.procs["c"].pid, signal.SIGSTOP)
+    t_stop = time.time()
+    time.sleep(6)  # the hang (no event to wait on: the time is what it costs the others)
+    os.kill(run.procs["c"].pid, signal.SIGCONT)
+    t_cont = time.time()
+    back = run.wait_event(
+        "c", lambda e: e.get("event") == "round" and e["ok"] and e["t"] > t_cont and e["group"] == 3, 60
+    )
+    run.wait_event(
+        "a", lambda e: e.get("event") == "round" and e["ok"] and e["swarm_round"] >= back["swarm_round"] + 3, 60
+    )
+    stop.touch()
+    sums = {n: run.summary(n, 60) for n in "abc"}
+    for n in "ab":
+        after = [e for e in _rounds(run, n) if e["t"] > t_stop]
+        long = [(round(e["t"] - t_stop, 1), round(e["stall"], 2), e["swarm_round"]) for e in after if e["stall"] > 1.5]
+        print(n, "stalls over 1.5 s (s after SIGSTOP, stall, round):", long, "SIGCONT at", round(t_cont - t_stop, 1))
+        assert len(long) <= 1, (n, long)
+    assert sums["c"]["resyncs"] >= 1, sums["c"]
 
 
 @pytest.mark.timeout(180)

@@ -231,20 +231,15 @@ class Rendezvous(RoundHandlers):
         if info is not None:
             e.info = info
             note_stats(run, peer, info)
-        if e.suspect_since is not None and now > e.suspect_since:
-            e.suspect_since = None
         lr = p.get("last_round")
         if isinstance(lr, int):
             e.last_round = lr if joining else max(e.last_round, lr)
             run.max_reported_round = max(run.max_reported_round, lr)
         return e, new
 
-    def _live(self, run: _Run, *, for_group: bool = False) -> list[_Peer]:
+    def _live(self, run: _Run) -> list[_Peer]:
         now = time.monotonic()
-        live = [e for e in run.peers.values() if now - e.last_seen <= self.eviction_s]
-        if for_group:  # a peer left out of a retry is in no group until it beats again
-            live = [e for e in live if e.suspect_since is None or e.last_seen > e.suspect_since]
-        return sorted(live, key=lambda e: e.peer_id)
+        return sorted((e for e in run.peers.values() if now - e.last_seen <= self.eviction_s), key=lambda e: e.peer_id)
 
     @staticmethod
     def _running(run: _Run, peer: str) -> Iterator[tuple[_Round, _Attempt]]:

@@ -47,9 +47,9 @@ class _Peer:
     joined: float
     last_seen: float
     last_round: int = -1
-    suspect_since: float | None = None  # left out of a retry; cleared by its next heartbeat
-    # joined a run that has had rounds, and has not asked for one yet (it is downloading the
-    # swarm's state, or restoring a checkpoint): in no new round's group until it asks
+    # in no new round's group until it asks for a round or says it is ready: it joined a run
+    # that has had rounds (it is downloading the swarm's state, or restoring a checkpoint), came
+    # back from its eviction, or was left out of a retry (see ``retry``)
     standby: bool = False
     fresh: bool = False  # joined a run that has had rounds and has not asked for a round yet
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -273,12 +273,15 @@ def summed(votes: dict[str, dict[str, Any]], key: str, contributors: list[str], 
 
 
 def retry(run: _Run, rnd: _Round, att: _Attempt, voters: tuple[str, ...], reason: str) -> dict[str, Any]:
-    """Attempt ``att`` failed: retry with ``voters`` (the others are suspects until their next
-    heartbeat), or ``fail`` when no attempt is left."""
+    """Attempt ``att`` failed: retry with ``voters``, or ``fail`` when no attempt is left. The
+    others are on standby until they next ask for a round or say they are ready: a member left
+    out (it hung past the part deadline, under its eviction) is still in this round when it beats
+    again, and resyncs next if the round goes on without it; in a new group before then, it
+    would cost the others a second part deadline."""
     now = time.monotonic()
-    for left_out in set(att.group) - set(voters):  # no new groups until it beats again
+    for left_out in set(att.group) - set(voters):
         if left_out in run.peers:
-            run.peers[left_out].suspect_since = now
+            run.peers[left_out].standby = True
     nxt = att.number + 1
     if not voters or nxt >= rnd.max_attempts:
         return {"decision": "fail", "reason": reason + "; no attempts left"}
@@ -320,13 +323,13 @@ class RoundHandlers:
         self, run: _Run, after: int, p: dict[str, Any], asker: str, ahead: bool = False, first_ask: bool = False
     ) -> _Round:
         number = max(-1 if run.latest is None else run.latest, after, run.max_reported_round) + 1
-        live = self._live(run, for_group=True)
+        live = self._live(run)
         ready = [e for e in live if not e.standby]
         if first_ask and not any(e.peer_id != asker for e in ready):
             # the first ask of a process that joined with nobody else ready: the whole swarm is
             # coming back (restarted from checkpoints), so every live peer is in the round
             ready = live
-        group = tuple(e.peer_id for e in ready) or (asker,)  # none (only suspects left?): the asker is alive
+        group = tuple(e.peer_id for e in ready) or (asker,)  # none (only peers on standby?): the asker is alive
         now = time.monotonic()
         rnd = _Round(
             number=number,
@@ -517,16 +520,10 @@ class RoundHandlers:
         at once instead of asking first (one round trip less on the critical path). Its part
         clock starts when the first member arrives; a peer that joins from now on waits for
         the round after it, as it would while a round runs."""
-        if (
-            run.latest != rnd.number
-            or len(rnd.attempts) > 1
-            or any(e.suspect_since is not None or e.standby for e in run.peers.values())
-        ):
-            # after a retry, or while a peer left out of one has not beaten again, the group
-            # of the next round is fixed when its first member asks (as without this): a peer
-            # that was left out must be able to come back at once, not one round later; and
-            # while a peer is on standby (downloading the state), so that it is in the next
-            # round if it is ready by then
+        if run.latest != rnd.number or len(rnd.attempts) > 1 or any(e.standby for e in run.peers.values()):
+            # after a retry, or while a peer is on standby (downloading the state, or left out
+            # of a retry), the group of the next round is fixed when its first member asks (as
+            # without this): a peer on standby is in the next round if it is ready by then
             return None
         knobs = {"part_s": rnd.part_s, "grace_s": rnd.grace_s, "max_attempts": rnd.max_attempts}
         nxt = self._create_round(run, rnd.number, knobs, rnd.attempts[max(rnd.attempts)].group[0], ahead=True)
