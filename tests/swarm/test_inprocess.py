@@ -69,6 +69,22 @@ def test_round_fails_cleanly_when_rendezvous_is_gone(cluster):
             s.peers()
 
 
+@pytest.mark.timeout(60)
+def test_a_second_process_with_a_live_peers_id_is_refused(cluster):
+    """Two live processes under one peer id (a copied checkpoint directory, a reused
+    --peer-id): the second is refused in one line; the first goes on; once the first left, the
+    id is free again (a restart)."""
+    url = cluster.rendezvous()
+    with _swarm(url, "a") as a:
+        with pytest.raises(SwarmError) as e:
+            _swarm(url, "a").start()
+        assert "peer id 'a' is in use by a live peer at " + a.address in str(e.value), str(e.value)
+        assert [p.peer_id for p in a.peers()] == ["a"]
+        cluster.rv.expect_log("refused a second process as a", 10)
+    with _swarm(url, "a") as again:  # the first one left: a restart
+        assert [p.peer_id for p in again.peers()] == ["a"]
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError):
         Swarm("http://127.0.0.1:1", run_id="r", token="", listen="127.0.0.1:0")

@@ -61,7 +61,8 @@ async def join(transport: Transport, hello: Any) -> None:
             diffs = refusal_differences(getattr(e, "text", ""))
             if diffs is not None:  # the manifest declared before start differs from the run's
                 raise ManifestMismatch(e.text, diffs) from None
-            raise SwarmError(f"the rendezvous refused to register us: {e}") from e
+            said = e.text if isinstance(e, HTTPStatusError) and e.status == 409 else e  # a line in words
+            raise SwarmError(f"the rendezvous refused to register us: {said}") from e
     else:
         raise SwarmError(
             f"rendezvous {transport.rendezvous_url} unreachable for {timeouts.part + timeouts.connect:.0f} s: "

@@ -143,6 +143,7 @@ class Swarm(ManifestDeclaration):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._joined = False  # registered with the rendezvous (a leave is sent at close only then)
         self._info: dict[str, Any] = {}
         self._link: ActivationLink | None = None
 
@@ -449,6 +450,7 @@ class Swarm(ManifestDeclaration):
     async def _astart(self) -> None:
         await self.transport.start()
         await join(self.transport, self._hello)
+        self._joined = True
         if self.transport.client_only:
             self._spawn(self.transport.relay_pump(self._spawn))
         self._spawn(heartbeat_loop(self.transport, self._rounds, self._hello))
@@ -457,8 +459,9 @@ class Swarm(ManifestDeclaration):
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        try:
-            await self.transport.rendezvous("POST", "/leave", {"peer_id": self.peer_id}, self.timeouts.connect)
+        try:  # only once joined: a refused process must not make the live peer of its id leave
+            if self._joined:
+                await self.transport.rendezvous("POST", "/leave", {"peer_id": self.peer_id}, self.timeouts.connect)
         except Exception:  # noqa: BLE001 - the rendezvous may be gone
             pass
         self._rounds.close_all()

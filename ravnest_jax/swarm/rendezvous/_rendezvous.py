@@ -276,6 +276,7 @@ class Rendezvous(RoundHandlers):
 
     async def _join(self, request: web.Request) -> web.Response:
         run, peer, p = await self._auth(request)
+        await self._refuse_a_second_process(run, peer, p)
         # a join is a (re)started peer process: its last round is what it says now, not what an
         # earlier process of the same id reported
         e, _ = self._touch(run, peer, p, joining=True)
@@ -287,6 +288,27 @@ class Rendezvous(RoundHandlers):
                 out["unreachable_because"] = why_not
                 log.info("run %s: %s is not reachable at %s (%s)", run.run_id, peer, e.address, why_not)
         return self._reply(request, run, out)
+
+    async def _refuse_a_second_process(self, run: _Run, peer: str, p: dict[str, Any]) -> None:
+        """A join under the id of a live peer at another address: a restart of that peer (its
+        old process is dead, not yet evicted) unless the old address still answers as ``peer``
+        (a probe of its ``/health``): then two live processes would share one id (a copied
+        checkpoint directory, a reused ``--peer-id``), and the rounds of both would fail.
+
+        Raises:
+          web.HTTPConflict: the old process answers; one line that says what to change.
+        """
+        e, address = run.peers.get(peer), p.get("address")
+        if e is None or e.address == address or time.monotonic() - e.last_seen > self.eviction_s:
+            return
+        if is_relay_address(e.address, run.run_id, peer) or self.probe_s <= 0:
+            return  # a client-only peer cannot be asked: taken as a restart
+        if await probe(self._session, e.address, peer, min(self.probe_s, 2.0)) is None:
+            log.warning("run %s: refused a second process as %s (the first answers at %s)", run.run_id, peer, e.address)
+            raise web.HTTPConflict(
+                text=f"peer id {peer!r} is in use by a live peer at {e.address}: each process needs its own "
+                "(another --peer-id, or a checkpoint directory of its own: the id is saved there)"
+            )
 
     async def _heartbeat(self, request: web.Request) -> web.Response:
         run, peer, p = await self._auth(request)
