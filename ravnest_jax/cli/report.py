@@ -1,6 +1,6 @@
-"""Write PNGs of a run next to its summary JSON (the main job's --summary-json, or ravnest-jax
-local --summary-json): loss per round, utilisation and stall seconds per peer, bytes per round
-against data-parallel training."""
+"""Write PNGs of a run next to its summary JSON (the main job's --summary-json: a local swarm's,
+or one peer's with --rendezvous): loss per round, utilisation and stall seconds per peer, bytes
+per round against data-parallel training."""
 
 from __future__ import annotations
 
@@ -25,5 +25,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``ravnest-jax report``."""
-    p.add_argument("summary", help="the summary JSON")
+    p.add_argument(
+        "summary", help="the summary JSON of examples/char_lm/main.py --summary-json (a local swarm, or one peer)"
+    )
     p.add_argument("--out-dir", default=None, help="where to write the PNGs (default: next to the summary)")

@@ -28,10 +28,13 @@ __all__ = ["load_summary", "write_report"]
 
 
 def load_summary(path: str | Path) -> dict[str, Any]:
-    """The summary at ``path``, checked to have per-peer round logs.
+    """The summary at ``path``, checked to have per-peer round logs: ``peers`` (a local swarm's),
+    or one peer's ``peer_result`` (a peer of a swarm on separate machines; taken as ``peers`` of
+    one).
 
     Raises:
-      ValueError: the file is missing, not JSON, or has no ``peers`` with a ``round_log``.
+      ValueError: the file is missing, not JSON, or has no ``peers`` (or ``peer_result``) with a
+      ``round_log``.
     """
     p = Path(path)
     try:
@@ -40,11 +43,14 @@ def load_summary(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: {e.strerror or e}") from None
     except ValueError as e:
         raise ValueError(f"{path}: not JSON ({e})") from None
+    one = d.get("peer_result") if isinstance(d, dict) and "peers" not in d else None
+    if isinstance(one, dict):  # one peer's summary (the main job's --rendezvous --summary-json)
+        d = {**d, "peers": [one]}
     peers = d.get("peers") if isinstance(d, dict) else None
     if not isinstance(peers, list) or not any(isinstance(x, dict) and x.get("round_log") for x in peers):
         raise ValueError(
             f"{path}: no per-round logs (expected 'peers': [{{'peer': ..., 'round_log': [...]}}], as the main job's "
-            "--summary-json writes)"
+            "--summary-json writes; ravnest-jax local --summary-json holds only exit codes)"
         )
     return d
 

@@ -70,6 +70,16 @@ def test_report_writes_three_pngs_with_content(tmp_path):
         assert 0.02 < ink < 0.5 and colours > 50, (p, ink, colours)
 
 
+@pytest.mark.integration  # renders PNGs
+def test_report_plots_one_peers_summary(tmp_path):
+    """One peer's summary (main.py --rendezvous ... --summary-json): its ``peer_result``."""
+    d = json.loads(_summary(tmp_path).read_text())
+    one = tmp_path / "peer.json"
+    one.write_text(json.dumps({"mode": "peer", "peer_result": d["peers"][0]}))
+    r = _cli(str(one))
+    assert r.returncode == 0 and len(r.stdout.split()) == 3, r.stderr
+
+
 def test_report_out_dir_and_bad_summaries(tmp_path):
     src = _summary(tmp_path)
     r = _cli(str(src), "--out-dir", str(tmp_path / "plots"))
