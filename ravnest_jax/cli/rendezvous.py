@@ -129,7 +129,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--relay-max-mbit",
         type=positive_float,
         default=None,
-        help="bound the relay of client-only peers to this many Mbit/s (default: unbounded)",
+        help="bound the relay of client-only peers to this many Mbit/s (none: unbounded)",
     )
     p.add_argument(
         "--relay-max-queued-mb",
