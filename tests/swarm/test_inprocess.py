@@ -233,7 +233,7 @@ def test_a_joining_process_costs_the_running_swarm_no_deadline(cluster):
 
 
 @pytest.mark.timeout(60)
-def test_a_restarted_lone_process_runs_in_the_round_after_one_that_failed_for_everybody(cluster):
+def test_a_restarted_lone_process_runs_in_the_round_after_one_that_failed_for_everybody(cluster, caplog):
     """A lone peer's process stops after the rendezvous created its next round (handed out with
     the last commit); that round fails for everybody. The restarted process (same id) expects
     it: it missed nothing, so its contribution runs in the next round, instead of abstaining
@@ -246,11 +246,15 @@ def test_a_restarted_lone_process_runs_in_the_round_after_one_that_failed_for_ev
     with _swarm(url, "lone", algorithm=rj.AllReduce(aggregator="mean")) as b:
         outcomes = {r["round"]: r["outcome"] for r in b.status()["rounds"]}
         assert outcomes.get(2) == "failed", outcomes  # created ahead for the first process
-        out, rec = b.all_reduce_async(x, round=2).result(20)
+        with caplog.at_level("WARNING", logger="ravnest_jax.swarm"):
+            out, rec = b.all_reduce_async(x, round=2).result(20)
         assert rec.ok and rec.round == 3 and rec.contributors == ("lone",), rec
         np.testing.assert_array_equal(out["x"], x["x"])
+        assert "ran without this peer" not in caplog.text, caplog.text  # round 2 failed for everybody: nothing lost
         # round 3 committed, but this peer is the only member of the round it is handed (4): no
         # other peer holds a newer state, so its own is the run's and it contributes (a lone peer
         # restarted from an older checkpoint goes on from it instead of reporting a failed round)
-        out, rec = b.all_reduce_async(x, round=3).result(20)
+        with caplog.at_level("WARNING", logger="ravnest_jax.swarm"):
+            out, rec = b.all_reduce_async(x, round=3).result(20)
         assert rec.ok and rec.round == 4 and rec.contributors == ("lone",), rec
+        assert "lone: rounds 3 to 3 ran without this peer (it resumed from an older state)" in caplog.text, caplog.text

@@ -320,6 +320,16 @@ class Rounds:
                         and r != expected
                         and not (r > expected and (begin.get("rounds_failed") or begin.get("group") == [self.peer_id]))
                     )
+                    if expected is not None and r > expected and not missed and not begin.get("rounds_failed"):
+                        # the only member: rounds expected..r-1 committed without this peer, and no
+                        # live peer holds their state (their progress is not in the run any more)
+                        log.warning(
+                            "%s: rounds %d to %d ran without this peer (it resumed from an older state) and "
+                            "no live peer holds their state: the run goes on from this peer's own",
+                            self.peer_id,
+                            expected,
+                            r - 1,
+                        )
                     if missed:
                         # Too late for `expected`; this peer is in round r's group, so it takes part
                         # as an abstainer (weight 0: it sends no values, see AttemptInput) rather
