@@ -60,6 +60,37 @@ def _rounds(run: Run, name: str) -> list[dict]:
     return [e for e in run.events(name) if e.get("event") == "round"]
 
 
+def _hang_c(run: Run, seconds: float, after_round: int, flags: tuple[str, ...] = ()) -> tuple:
+    """Peers a, b, c (``flags``) in rounds of three until a's swarm round ``after_round``; c
+    SIGSTOPped for ``seconds``, then SIGCONT; waits for c back in a round of three and a 3 rounds
+    later; stops all. Returns ``(t_stop, t_cont, c's first round back, summaries)``."""
+    stop = run.tmp / "stop"
+    for n in "abc":
+        run.peer(n, 100_000, "--stop-file", str(stop), *flags)
+    for n in "abc":
+        run.wait_event(n, lambda e: e.get("event") == "round" and e["ok"] and e["group"] == 3, 120)
+    run.wait_event("a", lambda e: e.get("event") == "round" and e["ok"] and e["swarm_round"] >= after_round, 60)
+    os.kill(run.procs["c"].pid, signal.SIGSTOP)
+    t_stop = time.time()
+    # c may have been stopped between a round's exchange and its merge, and then reports that
+    # old round ok after SIGCONT: only a round past every round a had begun when c stopped
+    # (a's last merged one, plus the one in flight) shows c back in the swarm's rounds
+    last_before = max(e["swarm_round"] for e in _rounds(run, "a"))
+    time.sleep(seconds)  # the hang (no event to wait on: the time is what it costs the others)
+    os.kill(run.procs["c"].pid, signal.SIGCONT)
+    t_cont = time.time()
+    back = run.wait_event(
+        "c",
+        lambda e: e.get("event") == "round" and e["ok"] and e["swarm_round"] > last_before + 1 and e["group"] == 3,
+        60,
+    )
+    run.wait_event(
+        "a", lambda e: e.get("event") == "round" and e["ok"] and e["swarm_round"] >= back["swarm_round"] + 3, 60
+    )
+    stop.touch()
+    return t_stop, t_cont, back, {n: run.summary(n, 60) for n in "abc"}
+
+
 @pytest.mark.timeout(180)
 def test_a_peer_hung_past_its_eviction_costs_one_eviction_not_a_part_deadline(run):
     """SIGSTOP one of 3 peers for 12 s (4 evictions, less than a part deadline), then SIGCONT:
@@ -67,32 +98,7 @@ def test_a_peer_hung_past_its_eviction_costs_one_eviction_not_a_part_deadline(ru
     one round at any step; it gives up its old round at once, comes back (standby until it
     resynced) and takes part in rounds of three again."""
     run.rendezvous()
-    stop = run.tmp / "stop"
-    for n in "abc":
-        run.peer(n, 100_000, "--stop-file", str(stop))
-    for n in "abc":
-        run.wait_event(n, lambda e: e.get("event") == "round" and e["ok"] and e["group"] == 3, 120)
-    run.wait_event("a", lambda e: e.get("event") == "round" and e["ok"] and e["swarm_round"] >= 6, 60)
-    os.kill(run.procs["c"].pid, signal.SIGSTOP)
-    t_stop = time.time()
-    # c may have been stopped between a round's exchange and its merge, and then reports that
-    # old round ok after SIGCONT: only a round past every round a had begun when c stopped
-    # (a's last merged one, plus the one in flight) shows c back in the swarm's rounds
-    last_before = max(e["swarm_round"] for e in _rounds(run, "a"))
-    time.sleep(12)  # the hang (no event to wait on: the time is what it costs the others)
-    os.kill(run.procs["c"].pid, signal.SIGCONT)
-    t_cont = time.time()
-    # c back in rounds of three, and then a few more rounds
-    back = run.wait_event(
-        "c",
-        lambda e: e.get("event") == "round" and e["ok"] and e["t"] > t_cont and e["swarm_round"] > last_before + 1,
-        60,
-    )
-    run.wait_event(
-        "a", lambda e: e.get("event") == "round" and e["ok"] and e["swarm_round"] >= back["swarm_round"] + 3, 60
-    )
-    stop.touch()
-    sums = {n: run.summary(n, 60) for n in "abc"}
+    t_stop, t_cont, back, sums = _hang_c(run, 12.0, after_round=6)
     for n in "ab":
         rounds = _rounds(run, n)
         after = [e for e in rounds if e["t"] > t_stop]
@@ -125,28 +131,7 @@ def test_a_peer_hung_past_the_part_deadline_but_not_its_eviction_costs_one_part_
     others wait out one part deadline (the retry without it) and no second one: back, it is in
     no new round's group until it resynced (it was left out of a round that went on)."""
     run.rendezvous(eviction=12.0)
-    stop = run.tmp / "stop"
-    for n in "abc":
-        run.peer(n, 100_000, "--stop-file", str(stop), "--part", "2", "--eviction", "12")
-    for n in "abc":
-        run.wait_event(n, lambda e: e.get("event") == "round" and e["ok"] and e["group"] == 3, 120)
-    run.wait_event("a", lambda e: e.get("event") == "round" and e["ok"] and e["swarm_round"] >= 4, 60)
-    os.kill(run.procs["c"].pid, signal.SIGSTOP)
-    t_stop = time.time()
-    last_before = max(e["swarm_round"] for e in _rounds(run, "a"))  # as in the test above
-    time.sleep(6)  # the hang (no event to wait on: the time is what it costs the others)
-    os.kill(run.procs["c"].pid, signal.SIGCONT)
-    t_cont = time.time()
-    back = run.wait_event(
-        "c",
-        lambda e: e.get("event") == "round" and e["ok"] and e["swarm_round"] > last_before + 1 and e["group"] == 3,
-        60,
-    )
-    run.wait_event(
-        "a", lambda e: e.get("event") == "round" and e["ok"] and e["swarm_round"] >= back["swarm_round"] + 3, 60
-    )
-    stop.touch()
-    sums = {n: run.summary(n, 60) for n in "abc"}
+    t_stop, t_cont, _, sums = _hang_c(run, 6.0, after_round=4, flags=("--part", "2", "--eviction", "12"))
     for n in "ab":
         after = [e for e in _rounds(run, n) if e["t"] > t_stop]
         long = [(round(e["t"] - t_stop, 1), round(e["stall"], 2), e["swarm_round"]) for e in after if e["stall"] > 1.5]
