@@ -157,6 +157,8 @@ class Rendezvous(RoundHandlers):
         except web.HTTPUnauthorized as e:
             now, who = time.monotonic(), request.remote or "?"
             if now - self._refused_at.get(who, -60.0) >= 60.0:
+                if len(self._refused_at) >= 1024:  # bounded: forget the addresses logged over a minute ago
+                    self._refused_at = {a: t for a, t in self._refused_at.items() if now - t < 60.0}
                 self._refused_at[who] = now
                 log.warning("refused a request from %s for run %s: %s (another token?)", who, run_id, e.text)
             raise
