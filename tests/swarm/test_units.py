@@ -265,6 +265,9 @@ def test_a_round_created_ahead_that_every_member_left_is_abandoned():
             rv._forget(run, p)
         d = nxt.attempts[0].decisions["gather"]
         assert nxt.outcome == "failed" and d["reason"].startswith("abandoned: every member left"), d
+        # the peers see it fail; the status page tells it from a failure (not red at every run's end)
+        shown = {r["round"]: r["outcome"] for r in rv.status.run_data(run)["rounds"]}
+        assert shown[rnd.number] == "ok" and shown[nxt.number] == "abandoned", shown
         assert failed_between(run, rnd.number, rnd.number + 2) and not failed_between(run, rnd.number, rnd.number + 1)
         assert not failed_between(run, rnd.number, rnd.number + 3)  # an unknown round: not known to have failed
 

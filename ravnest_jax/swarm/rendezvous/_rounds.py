@@ -86,6 +86,7 @@ class _Round:
     digest: str = ""
     diverged: tuple[str, ...] = ()  # left out of the contributors: their state differed
     reason: str | None = None  # why the round failed
+    abandoned: bool = False  # failed, created ahead, and every member left before it began
 
     def stale_at(self) -> float:
         """When the round is long past the time its attempts may take (``time.monotonic()``)."""
@@ -258,6 +259,7 @@ def decide(run: _Run, rnd: _Round, att: _Attempt, phase: str, ahead: Callable[[]
         # created ahead at the last commit, and every member left before it began (the end of
         # a run, or a lone peer's process that died): nothing was lost in it
         decision["reason"] = "abandoned: every member left before it began (it was created ahead at the last commit)"
+        rnd.abandoned = True
     return decision
 
 

@@ -179,7 +179,9 @@ class StatusPage:
         ``resyncs``, ``utilisation`` 0..1, ``stall_s``, ``bytes_sent``, ``bytes_received``,
         ``exchange_s``, ``link_mbit``, ``last_error``, ``train_loss``, ``eval_loss``; ``None``
         where not published); ``rounds``: the last rounds, oldest first, each ``round``,
-        ``outcome`` (``running``, ``ok``, ``failed``), ``attempts``, ``group`` (of the first
+        ``outcome`` (``running``, ``ok``, ``failed``, or ``abandoned``: a round created ahead
+        at the last commit that every member left before it began, as at the end of a run; the
+        peers saw it fail, nothing was lost in it), ``attempts``, ``group`` (of the first
         attempt), ``contributors``, ``left_out`` (in the group, not a contributor of an ok
         round), ``diverged``, ``reason`` (of a failure), ``digest`` (result digest), and the
         mean ``train_loss`` / ``eval_loss`` the peers reported after it with ``reporting``
@@ -200,7 +202,7 @@ class StatusPage:
             got = run.reports.get(r.number, {})
             row = {
                 "round": r.number,
-                "outcome": r.outcome,
+                "outcome": "abandoned" if r.abandoned else r.outcome,
                 "attempts": len(r.attempts),
                 "group": group,
                 "contributors": list(r.contributors),
