@@ -18,7 +18,7 @@ import ravnest_jax as rj
 from ravnest_jax._staleness import STALENESS_COST
 from ravnest_jax.sync import OuterSync
 
-from ._local import local_swarm
+from ._local import PATIENT, local_swarm
 
 DIM = 6
 
@@ -97,7 +97,9 @@ def _in_process(n, codec="fp32", part=60.0):
 
 
 def _run_swarm(n, *, steps, codec="fp32", tx_kwargs, sync_kwargs, real=False):
-    with local_swarm(n, codec=codec) if real else _in_process(n, codec) as peers:
+    # every round must include every peer: deadlines a loaded machine cannot miss (a healthy
+    # round never waits for them)
+    with local_swarm(n, codec=codec, timeouts=PATIENT) if real else _in_process(n, codec) as peers:
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
             futs = [
                 pool.submit(_run_peer, s, i, steps=steps, tx_kwargs=tx_kwargs, sync_kwargs=sync_kwargs)
@@ -363,7 +365,7 @@ def test_auto_overlap_hides_the_exchange_and_keeps_the_state_identical():
     import time
 
     results = {}
-    with local_swarm(2, codec="int4") as peers:
+    with local_swarm(2, codec="int4", timeouts=PATIENT) as peers:
 
         def peer(i, swarm, cap):
             tx = rj.diloco(optax.adam(2e-2), sync_every=10)
