@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -247,15 +248,17 @@ def test_commit_hands_out_the_next_round_whose_clock_starts_at_arrival():
     asyncio.run(go())
 
 
-def test_a_round_created_ahead_that_every_member_left_is_abandoned():
+def test_a_round_created_ahead_that_every_member_left_is_abandoned(caplog):
     """The end of a run (or a lone peer's process that died): the round created ahead at the
     last commit fails, and says it was abandoned, not that votes were missing; the rounds
-    between a peer's last round and a later one count as failed for everybody."""
+    between a peer's last round and a later one count as failed for everybody. The
+    rendezvous' log has one INFO line for the round that worked, none for the abandoned one."""
     from ravnest_jax.swarm import Rendezvous
     from ravnest_jax.swarm.rendezvous._rounds import failed_between
 
     async def go():
         rv = Rendezvous("tok")
+        caplog.set_level("DEBUG", logger="ravnest_jax.swarm.rendezvous")
         run, rnd, _ = _committed_two_peer_round(rv)
         nxt = run.rounds[rnd.number + 1]
         assert not nxt.attempts[0].started
@@ -270,6 +273,8 @@ def test_a_round_created_ahead_that_every_member_left_is_abandoned():
         assert shown[rnd.number] == "ok" and shown[nxt.number] == "abandoned", shown
         assert failed_between(run, rnd.number, rnd.number + 2) and not failed_between(run, rnd.number, rnd.number + 1)
         assert not failed_between(run, rnd.number, rnd.number + 3)  # an unknown round: not known to have failed
+        loud = [f"{r.levelname} {r.getMessage()}" for r in caplog.records if r.levelno >= logging.INFO]
+        assert loud == [f"INFO run {run.run_id}: round {rnd.number} ok, 2 contributors"], loud
 
     import asyncio
 

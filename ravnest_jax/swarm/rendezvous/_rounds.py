@@ -345,7 +345,7 @@ class RoundHandlers:
         run.latest = number
         for old in sorted(run.rounds)[:-KEEP_ROUNDS]:
             del run.rounds[old]
-        log.info("run %s: round %d with %d peers", run.run_id, number, len(group))
+        log.debug("run %s: round %d with %d peers", run.run_id, number, len(group))
         return rnd
 
     async def _begin(self, request: web.Request) -> web.Response:
@@ -514,7 +514,19 @@ class RoundHandlers:
         att.events.setdefault(phase, asyncio.Event()).set()
         if rnd.outcome != "running":  # peers waiting for this round's end ask again
             asyncio.ensure_future(self._notify(run))
-        log.info("run %s round %d attempt %d %s: %s", run.run_id, rnd.number, att.number, phase, decision)
+        # one INFO line per round that works (its commit); each retry and failure says why
+        what = decision["decision"]
+        if what == "commit":
+            log.info(
+                "run %s: round %d ok, %d contributors%s",
+                run.run_id,
+                rnd.number,
+                len(rnd.contributors),
+                f" ({att.number + 1} attempts)" if att.number else "",
+            )
+        level = logging.DEBUG if what in ("ok", "commit") or rnd.abandoned else logging.INFO
+        level = logging.WARNING if what == "fail" and not rnd.abandoned else level
+        log.log(level, "run %s round %d attempt %d %s: %s", run.run_id, rnd.number, att.number, phase, decision)
 
     def _create_ahead(self, run: _Run, rnd: _Round) -> dict[str, Any] | None:
         """At a commit: create the next round now (its group: the live peers now) and hand it to
