@@ -53,6 +53,7 @@ def describe_request_error(
     if isinstance(e, HTTPStatusError):
         words = _STATUS_WORDS.get(e.status, "answered with an error")
         detail = str(e).split(":", 1)[-1].strip().splitlines()[0][:120] if ":" in str(e) else ""
+        detail = "" if detail.startswith("<") else detail  # another web server's HTML error page
         if e.status == 404 and detail.startswith("no run "):  # the rendezvous' own 404
             return f"{at}: {detail}"
         line = f"{at} {words} ({e.status})"
