@@ -56,7 +56,7 @@ def test_status_prints_the_run_as_json(rendezvous, capsys, monkeypatch):
 def test_a_run_nobody_joined_is_one_line(rendezvous, capsys, monkeypatch):
     rc, _, err = _status(capsys, monkeypatch, rendezvous, run="typo")
     assert _one_line(rc, err) == (
-        f"error: the rendezvous at {rendezvous}: no run 'typo' at this rendezvous: no peer has joined it"
+        f"error: the rendezvous at {rendezvous}: no run 'typo' at this rendezvous: no peer has joined it since it started"
     )
 
 

@@ -169,7 +169,7 @@ class Rendezvous(RoundHandlers):
             raise web.HTTPBadRequest(text="peer_id does not match the signer")
         run = self.runs.get(run_id)
         if run is None and not create:
-            raise web.HTTPNotFound(text=f"no run {run_id!r} at this rendezvous: no peer has joined it")
+            raise web.HTTPNotFound(text=f"no run {run_id!r} at this rendezvous: no peer has joined it since it started")
         if run is None:
             if len(self.runs) >= MAX_RUNS or len(run_id) > 128:
                 raise web.HTTPBadRequest(text="too many runs or run id too long")
