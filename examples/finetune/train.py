@@ -447,23 +447,37 @@ def main(argv: list[str] | None = None) -> dict:
             data.load_state({k: int(v) for k, v in joined.extra["data"].items()})
         eval_start = float(eval_loss(state.global_params, frozen, eval_set))
         last_saved, loss, interrupted = joined.step, None, False
+        guard = StepGuard()
         try:
-            while int(sync.step or joined.step) < args.max_steps:
-                step = int(sync.step or joined.step)
-                batch = put_batch(to_batch(data.next()))
-                adapters, state, metrics = train_step(adapters, state, frozen, batch, np.int32(step))
-                loss = metrics["loss"]  # read once at the end: no host round-trip per step
-                adapters, state = sync(adapters, state)  # counts; starts and merges rounds when due
-                if ckpt is not None and sync.step - last_saved >= args.checkpoint_every and not sync.pending:
-                    extra = rj.checkpoint_extra(sync, adapters, {"data": data.state()})
-                    ckpt.save(sync.step, params=adapters, opt_state=state, extra=extra)
-                    last_saved = sync.step
+            with guard:
+                while int(sync.step or joined.step) < args.max_steps:
+                    with guard.step():  # Ctrl+C waits for the step's end: no torn step, no batch skipped
+                        step = int(sync.step or joined.step)
+                        batch = put_batch(to_batch(data.next()))
+                        adapters, state, metrics = train_step(adapters, state, frozen, batch, np.int32(step))
+                        loss = metrics["loss"]  # read once at the end: no host round-trip per step
+                        adapters, state = sync(adapters, state)  # counts; starts and merges rounds when due
+                        if ckpt is not None and sync.step - last_saved >= args.checkpoint_every and not sync.pending:
+                            extra = rj.checkpoint_extra(sync, adapters, {"data": data.state()})
+                            ckpt.save(sync.step, params=adapters, opt_state=state, extra=extra)
+                            last_saved = sync.step
         except KeyboardInterrupt:  # Ctrl+C: keep the last checkpoint, abandon a round in flight
             print(f"{swarm.peer_id}: interrupted at step {sync.step}", file=sys.stderr)
             interrupted = True
+        if guard.torn:  # stopped inside a step (a second Ctrl+C, or a step past the grace)
+            print(
+                f"{swarm.peer_id}: the step in flight was cut: the last checkpoint (step {last_saved}) stands",
+                file=sys.stderr,
+            )
         if not interrupted:
             adapters, state = sync.flush(adapters, state)
-        if ckpt is not None and sync.step is not None and sync.step > last_saved and not sync.pending:
+        if (
+            ckpt is not None
+            and not guard.torn
+            and sync.step is not None
+            and sync.step > last_saved
+            and not sync.pending
+        ):
             extra = rj.checkpoint_extra(sync, adapters, {"data": data.state()})
             ckpt.save(sync.step, params=adapters, opt_state=state, extra=extra, force=True)
         summary = {
@@ -475,7 +489,8 @@ def main(argv: list[str] | None = None) -> dict:
             "devices": args.devices,
             "train_loss": None if loss is None else float(loss),
             "eval_loss_start": eval_start,
-            "eval_loss_end": float(eval_loss(state.global_params, frozen, eval_set)),
+            # none after a cut step: its state's buffers were donated to the step
+            "eval_loss_end": None if guard.torn else float(eval_loss(state.global_params, frozen, eval_set)),
             "data_epochs": round(data.epoch, 4),
             "data_position": data.position,
             "round_payload_bytes": sorted({m.payload_bytes for m in sync.metrics if m.ok}),
@@ -503,6 +518,74 @@ def main(argv: list[str] | None = None) -> dict:
         summary["exported_adapters"] = str(out)
     print(json.dumps(summary), flush=True)
     return summary
+
+
+class StepGuard:
+    """Holds Ctrl+C (SIGINT) and SIGTERM while a step is in flight, so that a stop never tears
+    one: the adapters and optimizer state are donated to the jitted step (their old buffers
+    are gone once it is dispatched) and the batch is taken from the loader before it, so a
+    stop raised mid-step left a checkpoint that cannot be written or a data position one batch
+    ahead of its step. A signal between steps stops at once; one inside :meth:`step` is raised
+    when the step ends. A second signal, or a step that does not end within ``grace`` seconds
+    (a round the merge waits for), stops at once: :attr:`torn` is then true and the step's
+    state must not be saved (the last checkpoint stands).
+
+    Outside the main thread (where Python runs signal handlers) it does nothing."""
+
+    def __init__(self, grace: float = 10.0):
+        self.grace, self.inside, self.requested, self.torn = grace, False, False, False
+        self._old: dict = {}
+        self._timer = None
+
+    def __enter__(self) -> StepGuard:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._timer is not None:
+            self._timer.cancel()
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _on_signal(self, signum, frame) -> None:
+        import signal
+        import threading
+
+        if self.inside and not self.requested:
+            self.requested = True  # raised when the step ends
+            # past the grace, a signal to the main thread itself: it wakes a wait there (EINTR)
+            main = threading.main_thread().ident
+            self._timer = threading.Timer(self.grace, signal.pthread_kill, (main, signal.SIGINT))
+            self._timer.daemon = True
+            self._timer.start()
+            return
+        self.torn = self.inside
+        raise KeyboardInterrupt
+
+    def step(self):
+        """The context of one step: a stop requested inside it raises KeyboardInterrupt at its end."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def held():
+            self.inside = True
+            try:
+                yield
+            finally:
+                self.inside = False
+            if self.requested:
+                if self._timer is not None:
+                    self._timer.cancel()
+                raise KeyboardInterrupt
+
+        return held()
 
 
 def epoch_steps(args: argparse.Namespace, rows: int, shards: int) -> int:
