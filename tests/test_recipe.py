@@ -496,3 +496,45 @@ def test_finetune_refuses_a_checkpoint_dir_of_only_corrupt_steps_until_fresh(tmp
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
     assert list((tmp_path / "ck" / "peer0").glob("previous-*/5.corrupt")), sorted((tmp_path / "ck").rglob("*"))
+
+
+@pytest.mark.timeout(120)
+def test_cli_at_a_rendezvous_checks_it_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    """A wrong token, a rendezvous that does not answer and a busy --listen port are one line
+    each, in seconds, before the model loads (they used to be a traceback from rj.Swarm() once
+    the model had loaded)."""
+    import socket
+    import time
+
+    from sync._local import rendezvous_thread
+
+    for env in ("RAVNEST_RANK", "RAVNEST_WORLD_SIZE", "RAVNEST_RENDEZVOUS", "RAVNEST_RUN_ID", "RAVNEST_LISTEN"):
+        monkeypatch.setenv(env, "x")  # recorded: restored (or removed) after the test, as the command sets them
+        monkeypatch.delenv(env)
+    monkeypatch.delenv("RAVNEST_TOKEN_FILE", raising=False)
+    shard = ["--run-id", "r", "--rank", "0", "--world-size", "1"]
+    with rendezvous_thread() as url, socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+        for token, extra, want in (
+            ("not-the-token", ["--rendezvous", url], f"error: the rendezvous at {url} refused our token (HTTP 401)"),
+            ("sync-test-token", ["--rendezvous", url, "--listen", f"127.0.0.1:{port}"], "error: cannot listen on"),
+        ):
+            monkeypatch.setenv("RAVNEST_TOKEN", token)
+            t0 = time.monotonic()
+            assert cli_main(["finetune", str(RECIPES / "tiny.yaml"), *shard, *extra]) == 2
+            err = capsys.readouterr().err.splitlines()
+            assert len(err) == 1 and err[0].startswith(want), (extra, err)
+            assert time.monotonic() - t0 < 20, time.monotonic() - t0
+        monkeypatch.setenv("RAVNEST_TOKEN", "sync-test-token")
+        monkeypatch.delenv("RAVNEST_LISTEN")  # the command set it
+        from ravnest_jax.swarm.peer import _preflight
+
+        monkeypatch.setattr(_preflight.preflight, "__defaults__", (1.0,))  # 1 s of retries, not 10
+        assert cli_main(["finetune", str(RECIPES / "tiny.yaml"), *shard, "--rendezvous", dead]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: rendezvous {dead} unreachable"), err

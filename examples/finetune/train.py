@@ -364,6 +364,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # everything that can be wrong with the input is checked before anything compiles
     TransformerConfig.from_hf(args.checkpoint)  # ValueError naming the problem
+    # the token, the listen port and the rendezvous, as rj.Swarm() below reads them: one line
+    # (ValueError, SwarmError) in seconds, not a traceback once the model has loaded
+    rj.swarm.preflight()
     tokenizer = load_tokenizer(args.checkpoint)
     lora = LoraConfig(
         rank=args.lora_rank,
@@ -680,5 +683,5 @@ if __name__ == "__main__":
     rj.enable_compilation_cache()  # a restarted peer loads its compiled steps (RAVNEST_COMPILE_CACHE=0: off)
     try:
         main()
-    except (ValueError, rj.checkpoint.CheckpointError) as e:  # bad input, unreadable checkpoints: one line
+    except (ValueError, rj.swarm.SwarmError, rj.checkpoint.CheckpointError) as e:  # bad input: one line
         sys.exit(f"error: {e}")

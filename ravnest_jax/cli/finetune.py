@@ -75,11 +75,12 @@ def run(args: argparse.Namespace) -> int:
         command = [sys.executable, "-m", "ravnest_jax.cli", "finetune", str(Path(args.recipe).resolve()), *sets]
         return run_local(command, peers=1, codec=recipe.outer.codec, progress=False)
     from ravnest_jax.checkpoint import CheckpointError
+    from ravnest_jax.swarm import SwarmError
 
     try:
         # ValueError: bad data or checkpoint, one line, before anything compiled; CheckpointError: no
         # readable checkpoint, or only corrupt ones (the fix: --fresh)
-        with errors(), errors(CheckpointError, status=1):
+        with errors(ValueError, SwarmError), errors(CheckpointError, status=1):
             run_recipe(recipe, fresh=args.fresh)
     except KeyboardInterrupt:
         return 130

@@ -12,6 +12,7 @@ from .peer._allreduce import AllReduce as AllReduce
 from .peer._peer import Swarm as Swarm
 from .peer._preflight import check_listen as check_listen
 from .peer._preflight import check_rendezvous as check_rendezvous
+from .peer._preflight import preflight as preflight
 from .peer._preflight import read_token as read_token
 from .rendezvous._rendezvous import Rendezvous as Rendezvous
 from .rendezvous._rendezvous import serve as serve_rendezvous
@@ -49,6 +50,7 @@ __all__ = [
     "check_codec",
     "check_listen",
     "check_rendezvous",
+    "preflight",
     "decode_activation",
     "decode_part",
     "diverged_peers",

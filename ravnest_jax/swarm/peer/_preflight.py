@@ -101,7 +101,23 @@ def check_rendezvous(url: str, *, run_id: str, token: str | bytes, timeout: floa
     ask_once(url, run_id, key, "preflight", "GET", "/peers", None, timeout, ssl, retry=True)
 
 
-__all__ = ["TOKEN_ENV", "check_listen", "check_rendezvous", "read_token"]
+def preflight(timeout: float = 10.0) -> None:
+    """The checks that ``Swarm()`` (every argument from the environment, as ``ravnest-jax local``
+    sets it) would fail on when it starts, made now, before a model loads or compiles: the
+    rendezvous URL, run id and token are set, the listen port (``$RAVNEST_LISTEN``) is free, and
+    the rendezvous answers within ``timeout`` seconds and accepts the token.
+
+    Raises:
+      ValueError: a setting is missing or malformed, or the port is taken (one line).
+      SwarmError: the rendezvous is unreachable or refuses the token (one line naming the URL).
+    """
+    url, run_id, token, _, listen, _ = from_environment(None, None, None, None, "auto", None)
+    if listen is not None:
+        check_listen(listen)
+    check_rendezvous(url, run_id=run_id, token=token, timeout=timeout)
+
+
+__all__ = ["TOKEN_ENV", "check_listen", "check_rendezvous", "preflight", "read_token"]
 
 
 #: what ``ravnest-jax local`` hands each peer process (read by ``rj.Swarm()``)
