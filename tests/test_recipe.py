@@ -496,6 +496,16 @@ def test_finetune_refuses_a_checkpoint_dir_of_only_corrupt_steps_until_fresh(tmp
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
     assert list((tmp_path / "ck" / "peer0").glob("previous-*/5.corrupt")), sorted((tmp_path / "ck").rglob("*"))
+    # the folder now holds step 2: fewer steps, or other settings, are one line that says what to do
+    # (they were a silent run of 0 steps, and a shape mismatch without a hint)
+    for extra, want in (
+        (["--set", "optim.steps=1", "--set", "optim.warmup=0"], "its newest checkpoint is step 2, past the 1 steps"),
+        (["--set", "optim.steps=4", "--set", "lora.rank=8"], "was written with other settings: --fresh"),
+    ):
+        again = subprocess.run([*cmd, *extra], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        errors = [ln for ln in again.stderr.splitlines() if "error" in ln.lower()]
+        assert again.returncode != 0 and "Traceback" not in again.stderr, again.stderr[-3000:]
+        assert len(errors) == 1 and want in errors[0], (extra, again.stderr[-3000:])
 
 
 @pytest.mark.timeout(120)

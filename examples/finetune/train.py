@@ -400,6 +400,9 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     mesh = peer_mesh(args.devices)
     remat = {"full": True, "none": False}.get(args.remat, args.remat)
+    ckpt = None
+    if args.checkpoint_dir and args.stages == 1:  # (a stage peer keeps its own, docs/pipeline.md)
+        ckpt = open_checkpoints(args)
     if args.stages > 1:
         # the stage's tensors only: the split holds the model abstractly, the stage reads its slice
         split = rj.pipeline.pretrained_split(
@@ -436,18 +439,19 @@ def main(argv: list[str] | None = None) -> dict:
     if mesh is not None:
         eval_set = jax.device_put(eval_set, NamedSharding(mesh, P(None, "data")))
 
-    ckpt = None
-    if args.checkpoint_dir:
-        peer_dir = Path(args.checkpoint_dir) / os.environ.get("RAVNEST_PEER_ID", ".")
-        ckpt = rj.Checkpointer(peer_dir, max_to_keep=3, fresh=args.fresh)
     with (
         rj.Swarm() as swarm,
         rj.OuterSync(tx, swarm, overlap_steps=args.overlap_steps, samples_per_step=args.batch_size) as sync,
     ):
-        joined = rj.join_or_resume(swarm, sync, lm.adapters, state, checkpointer=ckpt, extra={"data": data.state()})
+        try:
+            joined = rj.join_or_resume(swarm, sync, lm.adapters, state, checkpointer=ckpt, extra={"data": data.state()})
+            if joined.extra and "data" in joined.extra:
+                data.load_state({k: int(v) for k, v in joined.extra["data"].items()})
+        except ValueError as e:  # a checkpoint of other settings (LoRA, model, data): say what to do
+            if ckpt is None or not str(e).startswith(("restore target", "data state has")):
+                raise
+            raise ValueError(f"{e} (--checkpoint-dir / checkpoint.dir {args.checkpoint_dir} {OTHER_SETTINGS})") from e
         adapters, state = joined.params, joined.state
-        if joined.extra and "data" in joined.extra:
-            data.load_state({k: int(v) for k, v in joined.extra["data"].items()})
         eval_start = float(eval_loss(state.global_params, frozen, eval_set))
         last_saved, loss, interrupted = joined.step, None, False
         guard = StepGuard()
@@ -521,6 +525,36 @@ def main(argv: list[str] | None = None) -> dict:
         summary["exported_adapters"] = str(out)
     print(json.dumps(summary), flush=True)
     return summary
+
+
+OTHER_SETTINGS = "was written with other settings: --fresh moves its checkpoints aside and starts over, or use another"
+
+
+def open_checkpoints(args: argparse.Namespace):
+    """This peer's :class:`rj.Checkpointer` of ``--checkpoint-dir``, opened before the model
+    loads so that a directory with nothing left to train is one line, not a run of 0 steps.
+
+    Raises:
+      ValueError: its newest checkpoint is past ``--max-steps`` (one line: what to do).
+    """
+    import ravnest_jax as rj
+
+    peer_dir = Path(args.checkpoint_dir) / os.environ.get("RAVNEST_PEER_ID", ".")
+    ckpt = rj.Checkpointer(peer_dir, max_to_keep=3, fresh=args.fresh)
+    newest = ckpt.latest_step()
+    if newest is not None and newest > args.max_steps:
+        ckpt.close()
+        raise ValueError(
+            f"--checkpoint-dir / checkpoint.dir {args.checkpoint_dir}: its newest checkpoint is step {newest}, "
+            f"past the {args.max_steps} steps to train (--max-steps / optim.steps): raise them to go on, "
+            "--fresh to start over, or use another directory"
+        )
+    if newest is not None and newest == args.max_steps:
+        print(
+            f"{peer_dir}: already trained to step {newest} (--max-steps / optim.steps): nothing to train",
+            file=sys.stderr,
+        )
+    return ckpt
 
 
 class StepGuard:
