@@ -89,6 +89,14 @@ def _check_messages(where: str, name: str, messages: Any) -> None:
                 raise _fail(where, f'"{name}"[{i}]["content"] must be a string, got {_kind(c)}')
 
 
+def _no_key(where: str, record: Mapping[str, Any], key: str, format: str) -> ValueError:
+    """The record has no ``key``: says which keys it has, and their format when it is another."""
+    other = detect_format(record)
+    keys = sorted(record)[:8]
+    also = f": the {other} format (data.format: {other}, or auto)" if other and other != format else ""
+    return _fail(where, f'no "{key}" ({format} format); the record has keys {keys}{also}')
+
+
 def _kind(v: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string", type(None): "null", bool: "a boolean"}.get(
         type(v), type(v).__name__
@@ -106,7 +114,7 @@ def check_record(where: str, record: Any, format: str) -> Record:
 
     def string(key: str, *, empty: bool = False) -> None:
         if key not in record:
-            raise _fail(where, f'no "{key}" ({format} format)')
+            raise _no_key(where, record, key, format)
         if not isinstance(record[key], str):
             raise _fail(where, f'"{key}" must be a string, got {_kind(record[key])}')
         if not empty and not record[key]:
@@ -120,11 +128,13 @@ def check_record(where: str, record: Any, format: str) -> Record:
         if record.get("input") is not None and not isinstance(record["input"], str):
             raise _fail(where, f'"input" must be a string, got {_kind(record["input"])}')
     elif format == "messages":
-        _check_messages(where, "messages", record.get("messages"))
+        if "messages" not in record:
+            raise _no_key(where, record, "messages", format)
+        _check_messages(where, "messages", record["messages"])
     elif format == "prompt_completion":
         for key in ("prompt", "completion"):
             if key not in record:
-                raise _fail(where, f'no "{key}" (prompt_completion format)')
+                raise _no_key(where, record, key, format)
         p, c = record["prompt"], record["completion"]
         if isinstance(p, list) or isinstance(c, list):
             if not (isinstance(p, list) and isinstance(c, list)):

@@ -89,7 +89,15 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
             2,
             '"messages"[0]["content"] must be a string, got int',
         ),
-        ({"prompt": "p"}, "prompt_completion", 2, 'no "completion" (prompt_completion format)'),
+        ({"prompt": "p"}, "prompt_completion", 2, 'no "completion" (prompt_completion format); the record has keys'),
+        # a key's typo, and another format's record: the keys it has, and which format they are
+        ({"message": []}, "messages", 2, "no \"messages\" (messages format); the record has keys ['message']"),
+        (
+            {"prompt": "p", "completion": "c"},
+            "messages",
+            2,
+            "keys ['completion', 'prompt']: the prompt_completion format (data.format: prompt_completion, or auto)",
+        ),
         ({"prompt": "p", "completion": 3}, "prompt_completion", 2, '"completion" must be a string, got int'),
         ({"prompt": "p", "completion": ""}, "prompt_completion", 2, '"completion" is empty'),
         (
@@ -105,13 +113,14 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
             '"completion"[0] has no "content"',
         ),
         ({"text": None}, "text", 2, '"text" must be a string, got null'),
-        ({"instruction": "i"}, "alpaca", 2, 'no "output" (alpaca format)'),
+        ({"instruction": "i"}, "alpaca", 2, "no \"output\" (alpaca format); the record has keys ['instruction']"),
         ({"instruction": "i", "input": 1, "output": "o"}, "alpaca", 2, '"input" must be a string, got int'),
     ],
 )
 def test_a_malformed_record_is_one_line_naming_file_line_and_field(tmp_path, bad, fmt, line, message):
     first = {
         "auto": GOOD,
+        "messages": GOOD,
         "prompt_completion": {"prompt": "p", "completion": "c"},
         "text": {"text": "t"},
         "alpaca": {"instruction": "i", "output": "o"},
