@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     ``NAME``, its ``HELP``, its module docstring as the description (``USAGE`` and ``FORMATTER``
     where it sets them), ``add_arguments(parser)`` and ``run(args)``."""
     p = argparse.ArgumentParser(prog="ravnest-jax", description="ravnest_jax: decentralized DiLoCo training.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command_name", required=True, metavar="COMMAND")
     for command in COMMANDS:
         parser = sub.add_parser(
             command.NAME,
@@ -51,12 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
         )
         command.add_arguments(parser)
         parser.set_defaults(func=command.run)
+    p.command_parsers = sub.choices  # type: ignore[attr-defined]  # main(): a typo is told by its command
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ravnest-jax``. Returns the process exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the command's usage and its name, not the top level's (``ravnest-jax [-h] COMMAND``)
+        parser.command_parsers[args.command_name].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         try:
             status = int(args.func(args) or 0)

@@ -112,3 +112,25 @@ def test_not_a_url(capsys, monkeypatch):
     rc, _, err = _status(capsys, monkeypatch, "127.0.0.1:8765")
     line = _one_line(rc, err)
     assert "127.0.0.1:8765" in line and "http://" in line, line
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["finetune", "recipe.yaml", "--sett", "optim.steps=3"],
+        ["local", "--peers", "1", "--bogus", "--", "python", "x.py"],
+        ["status", "http://127.0.0.1:9", "--run-id", "r", "--nope"],
+    ],
+)
+def test_a_mistyped_option_is_told_by_its_command(argv, capsys):
+    """``ravnest-jax COMMAND --typo``: the command's usage and name, not the top level's
+    ``usage: ravnest-jax [-h] COMMAND ...`` (argparse leaves unknown options to the top parser)."""
+    from ravnest_jax.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2, err
+    typo = {"finetune": "--sett optim.steps=3", "local": "--bogus", "status": "--nope"}[argv[0]]
+    assert err[-1] == f"ravnest-jax {argv[0]}: error: unrecognized arguments: {typo}", err
+    assert err[0].startswith(f"usage: ravnest-jax {argv[0]}"), err
