@@ -336,6 +336,19 @@ def peer_mesh(n: int):
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """One peer of the fine-tuning example (``--help``); returns its summary. Ctrl+C and
+    SIGTERM stop it (``StepGuard``, from here on: a stop that a callback swallows while the model
+    loads or compiles still stops it at the first step).
+
+    Raises:
+      ValueError, SwarmError, CheckpointError: bad input, one line, before anything compiles.
+      KeyboardInterrupt: stopped before training began.
+    """
+    with StepGuard() as guard:
+        return _main(argv, guard)
+
+
+def _main(argv: list[str] | None, guard: StepGuard) -> dict:
     set_memory_fraction(argv)  # before jax is imported
     args = parse_args(argv)
     import jax
@@ -444,7 +457,10 @@ def main(argv: list[str] | None = None) -> dict:
         rj.OuterSync(tx, swarm, overlap_steps=args.overlap_steps, samples_per_step=args.batch_size) as sync,
     ):
         try:
-            joined = rj.join_or_resume(swarm, sync, lm.adapters, state, checkpointer=ckpt, extra={"data": data.state()})
+            with guard.step():  # a restore cut by Ctrl+C floods orbax's threads with errors: held
+                joined = rj.join_or_resume(
+                    swarm, sync, lm.adapters, state, checkpointer=ckpt, extra={"data": data.state()}
+                )
             if joined.extra and "data" in joined.extra:
                 data.load_state({k: int(v) for k, v in joined.extra["data"].items()})
         except ValueError as e:  # a checkpoint of other settings (LoRA, model, data): say what to do
@@ -454,20 +470,18 @@ def main(argv: list[str] | None = None) -> dict:
         adapters, state = joined.params, joined.state
         eval_start = float(eval_loss(state.global_params, frozen, eval_set))
         last_saved, loss, interrupted = joined.step, None, False
-        guard = StepGuard()
         try:
-            with guard:
-                while int(sync.step or joined.step) < args.max_steps:
-                    with guard.step():  # Ctrl+C waits for the step's end: no torn step, no batch skipped
-                        step = int(sync.step or joined.step)
-                        batch = put_batch(to_batch(data.next()))
-                        adapters, state, metrics = train_step(adapters, state, frozen, batch, np.int32(step))
-                        loss = metrics["loss"]  # read once at the end: no host round-trip per step
-                        adapters, state = sync(adapters, state)  # counts; starts and merges rounds when due
-                        if ckpt is not None and sync.step - last_saved >= args.checkpoint_every and not sync.pending:
-                            extra = rj.checkpoint_extra(sync, adapters, {"data": data.state()})
-                            ckpt.save(sync.step, params=adapters, opt_state=state, extra=extra)
-                            last_saved = sync.step
+            while int(sync.step or joined.step) < args.max_steps:
+                with guard.step():  # Ctrl+C waits for the step's end: no torn step, no batch skipped
+                    step = int(sync.step or joined.step)
+                    batch = put_batch(to_batch(data.next()))
+                    adapters, state, metrics = train_step(adapters, state, frozen, batch, np.int32(step))
+                    loss = metrics["loss"]  # read once at the end: no host round-trip per step
+                    adapters, state = sync(adapters, state)  # counts; starts and merges rounds when due
+                    if ckpt is not None and sync.step - last_saved >= args.checkpoint_every and not sync.pending:
+                        extra = rj.checkpoint_extra(sync, adapters, {"data": data.state()})
+                        ckpt.save(sync.step, params=adapters, opt_state=state, extra=extra)
+                        last_saved = sync.step
         except KeyboardInterrupt:  # Ctrl+C: keep the last checkpoint, abandon a round in flight
             print(f"{swarm.peer_id}: interrupted at step {sync.step}", file=sys.stderr)
             interrupted = True
@@ -557,6 +571,13 @@ def open_checkpoints(args: argparse.Namespace):
     return ckpt
 
 
+def quiet_interrupts(unraisable) -> None:
+    """``sys.unraisablehook`` that drops a KeyboardInterrupt a callback swallowed (XLA's gc
+    callback: Python prints it as "Exception ignored in ..."): the guard recorded it and stops."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)
+
+
 class StepGuard:
     """Holds Ctrl+C (SIGINT) and SIGTERM while a step is in flight, so that a stop never tears
     one: the adapters and optimizer state are donated to the jitted step (their old buffers
@@ -581,6 +602,13 @@ class StepGuard:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._on_signal)
+            self._old_hook = sys.unraisablehook
+            sys.unraisablehook = quiet_interrupts
+            # a stop the handler before this one saw (``ravnest-jax finetune``'s, while jax
+            # imported), swallowed since by a callback: it still stops the peer, now
+            if any(getattr(old, "stop_requested", False) for old in self._old.values()):
+                self.__exit__()
+                raise KeyboardInterrupt
         return self
 
     def __exit__(self, *exc) -> None:
@@ -590,6 +618,8 @@ class StepGuard:
             self._timer.cancel()
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        if self._old:
+            sys.unraisablehook = self._old_hook
 
     def _on_signal(self, signum, frame) -> None:
         import signal
@@ -603,7 +633,7 @@ class StepGuard:
             self._timer.daemon = True
             self._timer.start()
             return
-        self.torn = self.inside
+        self.torn, self.requested = self.inside, True
         raise KeyboardInterrupt
 
     def step(self):
@@ -612,6 +642,8 @@ class StepGuard:
 
         @contextlib.contextmanager
         def held():
+            if self.requested:  # a stop raised earlier and swallowed (an XLA gc callback ignores it)
+                raise KeyboardInterrupt
             self.inside = True
             try:
                 yield

@@ -74,10 +74,11 @@ def run(args: argparse.Namespace) -> int:
         sets = [a for item in args.set or [] for a in ("--set", item)] + (["--fresh"] if args.fresh else [])
         command = [sys.executable, "-m", "ravnest_jax.cli", "finetune", str(Path(args.recipe).resolve()), *sets]
         return run_local(command, peers=1, codec=recipe.outer.codec, progress=False)
-    from ravnest_jax.checkpoint import CheckpointError
-    from ravnest_jax.swarm import SwarmError
+    _RecordingStop.install()
+    try:  # Ctrl+C from the first import on: exit status 130, no traceback
+        from ravnest_jax.checkpoint import CheckpointError
+        from ravnest_jax.swarm import SwarmError
 
-    try:
         # ValueError: bad data or checkpoint, one line, before anything compiled; CheckpointError: no
         # readable checkpoint, or only corrupt ones (the fix: --fresh)
         with errors(ValueError, SwarmError), errors(CheckpointError, status=1):
@@ -85,6 +86,36 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+class _RecordingStop:
+    """SIGINT and SIGTERM of a peer until train.py's ``StepGuard`` takes over: KeyboardInterrupt,
+    and ``stop_requested`` set, which the guard reads from the handler it replaces: a stop that a
+    callback swallows while jax imports (its gc callback ignores exceptions) still stops the peer
+    instead of leaving it to train until the launcher kills it."""
+
+    stop_requested = False
+
+    def __call__(self, signum, frame) -> None:
+        self.stop_requested = True
+        raise KeyboardInterrupt
+
+    @classmethod
+    def install(cls) -> None:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            handler = cls()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, handler)
+            prior = sys.unraisablehook
+
+            def quiet(unraisable) -> None:  # recorded above: not "Exception ignored in ..." lines
+                if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+                    prior(unraisable)
+
+            sys.unraisablehook = quiet
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
