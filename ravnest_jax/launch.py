@@ -419,6 +419,12 @@ def run_local(
         status = _Status(url, run_id, launcher.token)
         procs = launcher.peers()
         while any(p.poll() is None for p in procs.values()):
+            refused = sorted(n for n, p in procs.items() if p.returncode == 2)
+            if refused and len(refused) < len(procs):
+                # exit status 2: a peer refused its input (one error line above); the others
+                # would wait for it (a peer count to start with), so the run cannot go on
+                write(f"{', '.join(refused)} refused its input (exit status 2): stopping the other peers", err=True)
+                break
             if progress:
                 bar.set_description_str(status.line(peers, time.monotonic() - t0), refresh=True)
             time.sleep(0.5)

@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
         # ValueError: bad data or checkpoint, one line, before anything compiled; CheckpointError: no
         # readable checkpoint, or only corrupt ones (the fix: --fresh)
-        with errors(ValueError, SwarmError), errors(CheckpointError, status=1):
+        # TimeoutError: fewer peers than the run's came (RAVNEST_WORLD_SIZE), one line
+        with errors(ValueError, SwarmError, TimeoutError), errors(CheckpointError, status=1):
             run_recipe(recipe, fresh=args.fresh)
     except KeyboardInterrupt:
         return 130

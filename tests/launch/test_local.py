@@ -133,6 +133,26 @@ def test_a_missing_script_is_one_line_before_anything_starts(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_peer_that_refuses_its_input_stops_the_others(tmp_path):
+    """Exit status 2 (bad input, its one error line): the other peers would wait for it (a
+    fine-tuning peer waits for the run's peer count, 300 s), so the launcher stops them."""
+    script = tmp_path / "peer.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['RAVNEST_RANK'] == '0':\n"
+        "    print('error: bad input', file=sys.stderr)\n"
+        "    sys.exit(2)\n"
+        "time.sleep(100)\n"
+    )
+    t0 = time.monotonic()
+    r = _run(["--peers", "3", "--no-progress", "--", "python", str(script)], timeout=90)
+    took = time.monotonic() - t0
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "peer0 refused its input (exit status 2): stopping the other peers" in r.stderr, r.stderr
+    assert took < 60, (took, r.stderr)  # not the 100 s the others would sleep
+
+
+@pytest.mark.timeout(120)
 def test_peers_get_their_environment_and_a_dying_peer_is_reported(tmp_path):
     script = tmp_path / "peer.py"
     script.write_text(
