@@ -349,7 +349,8 @@ def run_local(
         so ``rj.enable_compilation_cache()`` in the script does nothing either).
 
     Returns:
-      The exit status: 0 when every peer exited 0, 130 after Ctrl+C, else 1.
+      The exit status: 0 when every peer exited 0, 130 after Ctrl+C, else 1 (with one peer,
+      a status of its own below 126: that status, 2 for a refused input, say).
 
     Raises:
       ValueError: a bad command (see :func:`check_command`), ``peers`` < 1, or more devices
@@ -464,6 +465,8 @@ def run_local(
         )
     if interrupted:
         return 130
+    if peers == 1 and failed and 0 < next(iter(failed.values())) < 126:
+        return next(iter(failed.values()))  # a swarm of one: its peer's status (2: refused input)
     return 1 if failed or len(codes) < peers else 0
 
 
