@@ -171,6 +171,13 @@ def test_cli_prints_lines_and_exits_2(tmp_path, capsys):
     assert cli_main(["finetune", str(RECIPES / "tiny.yaml"), "--check", "--set", "optim.steps=3", *fresh]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["recipe"]["optim"]["steps"] == 3 and out["train_argv"][out["train_argv"].index("--max-steps") + 1] == "3"
+    assert out["data"]["records"] == 480 and out["data"]["formats"] == {"messages": 480}, out["data"]
+    # --check reads every record: a bad one is its file:line, before anything would load
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(DATA.read_text().splitlines()[0] + '\n{"prompt": "p", "completoin": "c"}\n')
+    assert cli_main(["finetune", str(write(tmp_path, GOOD.replace(str(DATA), str(bad)))), "--check"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f'error: {bad}:2: no "completion"'), err
 
 
 def test_train_lr_schedule_and_checkpoint_every():

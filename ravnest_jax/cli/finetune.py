@@ -58,7 +58,15 @@ def run(args: argparse.Namespace) -> int:
             fail(line)
         return 2
     if args.check:
-        print(json.dumps({"recipe": recipe_dict(recipe), "train_argv": train_argv(recipe)}, indent=1))
+        out = {"recipe": recipe_dict(recipe), "train_argv": train_argv(recipe)}
+        if not args.no_file_check:  # every record read and checked (no jax, no tokenizer): file:line
+            from ravnest_jax.data import scan
+
+            try:
+                out["data"] = scan(list(recipe.data.files), format=recipe.data.format)
+            except ValueError as e:
+                return fail(str(e))
+        print(json.dumps(out, indent=1))
         return 0
     for flag, env in _SWARM_ENV:
         if getattr(args, flag):
@@ -134,7 +142,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="start from step 0: the earlier checkpoints of checkpoint.dir are moved to DIR/previous-TIME/ "
         "(needed when every checkpoint there is unreadable)",
     )
-    p.add_argument("--check", action="store_true", help="check the recipe, print it and train.py's options; no run")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check the recipe and every data record, print it and train.py's options; no run",
+    )
     p.add_argument(
         "--no-file-check", action="store_true", help="with --check: do not require the recipe's files to exist"
     )
