@@ -523,6 +523,7 @@ def test_finetune_refuses_a_checkpoint_dir_of_only_corrupt_steps_until_fresh(tmp
     for extra, want in (
         (["--set", "optim.steps=1", "--set", "optim.warmup=0"], "its newest checkpoint is step 2, past the 1 steps"),
         (["--set", "optim.steps=4", "--set", "lora.rank=8"], "was written with other settings: --fresh"),
+        (["--set", "optim.steps=4", "--set", "lora.alpha=3"], "lora settings differ from the checkpoint's"),
     ):
         again = subprocess.run([*cmd, *extra], cwd=tmp_path, capture_output=True, text=True, timeout=240)
         errors = [ln for ln in again.stderr.splitlines() if "error" in ln.lower()]
@@ -567,6 +568,13 @@ def test_cli_at_a_rendezvous_checks_it_before_loading_the_model(tmp_path, capsys
         from ravnest_jax.swarm.peer import _preflight
 
         monkeypatch.setattr(_preflight.preflight, "__defaults__", (1.0,))  # 1 s of retries, not 10
+        import signal
+        import sys
+
+        hook = sys.unraisablehook
         assert cli_main(["finetune", str(RECIPES / "tiny.yaml"), *shard, "--rendezvous", dead]) == 2
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: rendezvous {dead} unreachable"), err
+        # the command's stop handlers and hook are its own: gone when it returns (in-process callers)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, signal.getsignal(signal.SIGINT)
+        assert sys.unraisablehook is hook

@@ -456,15 +456,17 @@ def _main(argv: list[str] | None, guard: StepGuard) -> dict:
         rj.Swarm() as swarm,
         rj.OuterSync(tx, swarm, overlap_steps=args.overlap_steps, samples_per_step=args.batch_size) as sync,
     ):
+        # what the adapters' shapes do not show (alpha, dropout, a frozen A): saved, compared on resume
+        mine = {"data": data.state(), "lora": lora_fingerprint(lora)}
         try:
             with guard.step():  # a restore cut by Ctrl+C floods orbax's threads with errors: held
-                joined = rj.join_or_resume(
-                    swarm, sync, lm.adapters, state, checkpointer=ckpt, extra={"data": data.state()}
-                )
+                joined = rj.join_or_resume(swarm, sync, lm.adapters, state, checkpointer=ckpt, extra=mine)
             if joined.extra and "data" in joined.extra:
                 data.load_state({k: int(v) for k, v in joined.extra["data"].items()})
+            if joined.extra and "lora" in joined.extra and int(joined.extra["lora"]) != int(mine["lora"]):
+                raise ValueError("lora settings differ from the checkpoint's (alpha, dropout, rank, targets, frozen A)")
         except ValueError as e:  # a checkpoint of other settings (LoRA, model, data): say what to do
-            if ckpt is None or not str(e).startswith(("restore target", "data state has")):
+            if ckpt is None or not str(e).startswith(("restore target", "data state has", "lora settings")):
                 raise
             raise ValueError(f"{e} (--checkpoint-dir / checkpoint.dir {args.checkpoint_dir} {OTHER_SETTINGS})") from e
         adapters, state = joined.params, joined.state
@@ -479,7 +481,7 @@ def _main(argv: list[str] | None, guard: StepGuard) -> dict:
                     loss = metrics["loss"]  # read once at the end: no host round-trip per step
                     adapters, state = sync(adapters, state)  # counts; starts and merges rounds when due
                     if ckpt is not None and sync.step - last_saved >= args.checkpoint_every and not sync.pending:
-                        extra = rj.checkpoint_extra(sync, adapters, {"data": data.state()})
+                        extra = rj.checkpoint_extra(sync, adapters, {**mine, "data": data.state()})
                         ckpt.save(sync.step, params=adapters, opt_state=state, extra=extra)
                         last_saved = sync.step
         except KeyboardInterrupt:  # Ctrl+C: keep the last checkpoint, abandon a round in flight
@@ -499,7 +501,7 @@ def _main(argv: list[str] | None, guard: StepGuard) -> dict:
             and sync.step > last_saved
             and not sync.pending
         ):
-            extra = rj.checkpoint_extra(sync, adapters, {"data": data.state()})
+            extra = rj.checkpoint_extra(sync, adapters, {**mine, "data": data.state()})
             ckpt.save(sync.step, params=adapters, opt_state=state, extra=extra, force=True)
         summary = {
             "peer": swarm.peer_id,
@@ -539,6 +541,17 @@ def _main(argv: list[str] | None, guard: StepGuard) -> dict:
         summary["exported_adapters"] = str(out)
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def lora_fingerprint(lora):
+    """CRC-32 of the LoRA settings that change what trained adapters mean (rank, alpha,
+    dropout, targets, a frozen A; not the init seed), saved in each checkpoint's ``extra``."""
+    import zlib
+
+    import numpy as np
+
+    text = f"{lora.rank}|{lora.alpha!r}|{lora.dropout!r}|{sorted(lora.targets)}|{lora.train_a}"
+    return np.int64(zlib.crc32(text.encode()))
 
 
 OTHER_SETTINGS = "was written with other settings: --fresh moves its checkpoints aside and starts over, or use another"

@@ -6,8 +6,10 @@ exit status 2)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from ._args import add_token_file, errors, fail, non_negative_int, positive_int
@@ -82,16 +84,16 @@ def run(args: argparse.Namespace) -> int:
         sets = [a for item in args.set or [] for a in ("--set", item)] + (["--fresh"] if args.fresh else [])
         command = [sys.executable, "-m", "ravnest_jax.cli", "finetune", str(Path(args.recipe).resolve()), *sets]
         return run_local(command, peers=1, codec=recipe.outer.codec, progress=False)
-    _RecordingStop.install()
     try:  # Ctrl+C from the first import on: exit status 130, no traceback
-        from ravnest_jax.checkpoint import CheckpointError
-        from ravnest_jax.swarm import SwarmError
+        with _RecordingStop.installed():
+            from ravnest_jax.checkpoint import CheckpointError
+            from ravnest_jax.swarm import SwarmError
 
-        # ValueError: bad data or checkpoint, one line, before anything compiled; CheckpointError: no
-        # readable checkpoint, or only corrupt ones (the fix: --fresh)
-        # TimeoutError: fewer peers than the run's came (RAVNEST_WORLD_SIZE), one line
-        with errors(ValueError, SwarmError, TimeoutError), errors(CheckpointError, status=1):
-            run_recipe(recipe, fresh=args.fresh)
+            # ValueError: bad data or checkpoint, one line, before anything compiled; CheckpointError:
+            # no readable checkpoint, or only corrupt ones (the fix: --fresh); TimeoutError: fewer
+            # peers than the run's came (RAVNEST_WORLD_SIZE), one line
+            with errors(ValueError, SwarmError, TimeoutError), errors(CheckpointError, status=1):
+                run_recipe(recipe, fresh=args.fresh)
     except KeyboardInterrupt:
         return 130
     return 0
@@ -110,21 +112,30 @@ class _RecordingStop:
         raise KeyboardInterrupt
 
     @classmethod
-    def install(cls) -> None:
+    @contextlib.contextmanager
+    def installed(cls) -> Iterator[None]:
+        """Installed for the block (main thread only), with "Exception ignored" lines of a
+        swallowed KeyboardInterrupt dropped; the handlers and the hook before are restored."""
         import signal
         import threading
 
-        if threading.current_thread() is threading.main_thread():
-            handler = cls()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, handler)
-            prior = sys.unraisablehook
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handler, prior_hook = cls(), sys.unraisablehook
+        prior = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
-            def quiet(unraisable) -> None:  # recorded above: not "Exception ignored in ..." lines
-                if not isinstance(unraisable.exc_value, KeyboardInterrupt):
-                    prior(unraisable)
+        def quiet(unraisable) -> None:  # recorded above: not "Exception ignored in ..." lines
+            if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+                prior_hook(unraisable)
 
-            sys.unraisablehook = quiet
+        sys.unraisablehook = quiet
+        try:
+            yield
+        finally:
+            for sig, old in prior.items():
+                signal.signal(sig, old)
+            sys.unraisablehook = prior_hook
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
