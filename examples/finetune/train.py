@@ -750,14 +750,12 @@ def example_data(args: argparse.Namespace, rank: int, world: int):
     pad_id = load_tokenizer(args.checkpoint).token_to_id(pad) if pad is not None else None
     kw = dict(seq_len=args.seq_len, batch=args.batch_size, overlong=args.overlong, seed=args.seed, pad_id=pad_id or 0)
     data = PackedExamples(train, packing=not args.no_packing, shard=rank, num_shards=world, **kw)
-    skipped = {k: data.stats[k] for k in ("no_loss", "dropped_overlong") if data.stats[k]}
+    why = {"no_loss": "have no completion / assistant token", "dropped_overlong": "are longer than --seq-len"}
+    skipped = [f"{data.stats[k]} {text}" for k, text in why.items() if data.stats[k]]
     if skipped and rank == 0:  # records that teach nothing: say so, once
         print(
-            f"--data: of {data.stats['examples']} training documents "
-            + (f"{skipped['no_loss']} have no completion / assistant token " if "no_loss" in skipped else "")
-            + ("and " if len(skipped) == 2 else "")
-            + (f"{skipped['dropped_overlong']} are longer than --seq-len " if "dropped_overlong" in skipped else "")
-            + "(skipped: nothing to learn from them)",
+            f"--data: of {data.stats['examples']} training documents {' and '.join(skipped)} "
+            "(skipped: nothing to learn from them)",
             file=sys.stderr,
         )
     evals = PackedExamples(held, packing=False, **kw)
